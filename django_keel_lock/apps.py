@@ -1,0 +1,13 @@
+from __future__ import annotations
+
+from django.apps import AppConfig
+
+
+class KeelLockConfig(AppConfig):
+    name = "django_keel_lock"
+    label = "django_keel_lock"
+    verbose_name = "Keel locks"
+    default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from . import checks  # noqa: F401  (registers the system checks)

@@ -1,0 +1,30 @@
+"""Errors raised by django-keel-lock. Every one is a LockError."""
+
+from __future__ import annotations
+
+
+class LockError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class LockNotHeldError(LockError):
+    """The handle does not hold its lock (expired, taken over or force-released)."""
+
+
+class LockUnavailable(LockError):
+    """Someone else held the lock for the whole wait (context manager, decorators)."""
+
+    def __init__(self, key: str, message: str | None = None) -> None:
+        self.key = key
+        super().__init__(message or f"lock {key!r} is held by someone else")
+
+
+class LockStoreUnavailable(LockError):
+    """The store itself failed (connection refused, timeout, database down).
+
+    Never means "someone else holds it": the state of the lock is unknown.
+    """
+
+
+class InvalidLockToken(LockError, ValueError):
+    """A serialized lock token was garbage, truncated, tampered with or signed by another key."""

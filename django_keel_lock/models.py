@@ -1,0 +1,28 @@
+"""The table behind DatabaseLockStore. Rows are written only by the store's own SQL."""
+
+from __future__ import annotations
+
+from django.db import models
+
+
+class Lock(models.Model):
+    """One key's lock. A released or expired row stays until `locks prune` (or the next
+    acquirer takes it over); `expires_at` is always set by the database's own clock."""
+
+    key = models.CharField(max_length=255, primary_key=True)
+    owner = models.CharField(max_length=64)
+    holder = models.CharField(max_length=255)
+    fence = models.BigIntegerField()
+    acquired_at = models.DateTimeField()
+    expires_at = models.DateTimeField()
+
+    class Meta:
+        db_table = "django_keel_lock_lock"
+        verbose_name = "lock"
+        verbose_name_plural = "locks"
+        ordering = ("key",)
+        default_permissions = ("view",)
+        permissions = (("force_release_lock", "Can force-release a lock held by anyone"),)
+
+    def __str__(self) -> str:
+        return self.key

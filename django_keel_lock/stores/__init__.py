@@ -1,0 +1,33 @@
+"""Stores behind one protocol. Drivers are imported only when their store is used."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .base import AcquireResult, LockInfo, LockStore
+from .memory import MemoryLockStore
+
+if TYPE_CHECKING:
+    from .database import DatabaseLockStore
+    from .redis import RedisLockStore
+
+__all__ = [
+    "AcquireResult",
+    "DatabaseLockStore",
+    "LockInfo",
+    "LockStore",
+    "MemoryLockStore",
+    "RedisLockStore",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DatabaseLockStore":
+        from .database import DatabaseLockStore
+
+        return DatabaseLockStore
+    if name == "RedisLockStore":
+        from .redis import RedisLockStore
+
+        return RedisLockStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

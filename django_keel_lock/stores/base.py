@@ -1,0 +1,230 @@
+"""The LockStore protocol every store implements, and the in-process wake-up board they share.
+
+A store is a dumb, atomic key/owner table with expiry: it never waits, never retries and never
+decides policy. Waiting, ownership tokens and fencing rules live in `django_keel_lock.core`.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, NamedTuple
+
+from django.core.exceptions import ImproperlyConfigured
+
+
+@dataclass(frozen=True)
+class LockInfo:
+    """One held lock as a store sees it at the moment it was read."""
+
+    key: str
+    owner: str
+    holder: str
+    fence: int
+    acquired_at: datetime | None
+    expires_in: float  # seconds left, by the store's own clock
+
+
+class AcquireResult(NamedTuple):
+    """What one acquire attempt gave: a fence when acquired, else how long the holder has left."""
+
+    fence: int | None
+    retry_in: float | None = None  # seconds until the current holder's lock expires, if known
+
+    @property
+    def acquired(self) -> bool:
+        return self.fence is not None
+
+
+class Waiter:
+    """A registration for release wake-ups of one key, taken *before* an acquire attempt so that
+    a release between the attempt and the wait is not missed."""
+
+    __slots__ = ("_seen", "_slot")
+
+    def __init__(self, slot: _Slot) -> None:
+        self._slot = slot
+        self._seen = slot.generation
+
+    def wait(self, timeout: float) -> bool:
+        """Block up to `timeout` seconds; True if a release of the key was announced meanwhile."""
+        slot = self._slot
+        with slot.cond:
+            if slot.generation == self._seen:
+                slot.cond.wait(timeout)
+            woken = slot.generation != self._seen
+            self._seen = slot.generation
+            return woken
+
+    def poll(self) -> bool:
+        """True (once) if a release was announced since the last wait or poll; never blocks."""
+        generation = self._slot.generation
+        woken = generation != self._seen
+        self._seen = generation
+        return woken
+
+
+class _Slot:
+    __slots__ = ("cond", "generation", "watchers", "callbacks")
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition(threading.Lock())
+        self.generation = 0
+        self.watchers = 0
+        self.callbacks: list[Any] = []
+
+
+class WakeBoard:
+    """In-process release announcements, per key. A store calls `wake(key)` after its own
+    releases and whenever its listener hears of a release by another process."""
+
+    def __init__(self) -> None:
+        self._mutex = threading.Lock()
+        self._slots: dict[str, _Slot] = {}
+
+    @contextmanager
+    def watch(self, key: str) -> Iterator[Waiter]:
+        with self._mutex:
+            slot = self._slots.get(key)
+            if slot is None:
+                slot = self._slots[key] = _Slot()
+            slot.watchers += 1
+        try:
+            yield Waiter(slot)
+        finally:
+            with self._mutex:
+                slot.watchers -= 1
+                if slot.watchers == 0 and self._slots.get(key) is slot:
+                    del self._slots[key]
+
+    def add_callback(self, key: str, callback: Any) -> Any:
+        """Call `callback()` (from any thread) on each wake of `key` while registered.
+
+        Used by async waiters, which cannot block on a threading.Condition. Returns a token for
+        `remove_callback`.
+        """
+        with self._mutex:
+            slot = self._slots.get(key)
+            if slot is None:
+                slot = self._slots[key] = _Slot()
+            slot.watchers += 1
+            slot.callbacks.append(callback)
+        return (key, slot, callback)
+
+    def remove_callback(self, token: Any) -> None:
+        key, slot, callback = token
+        with self._mutex:
+            slot.callbacks.remove(callback)
+            slot.watchers -= 1
+            if slot.watchers == 0 and self._slots.get(key) is slot:
+                del self._slots[key]
+
+    def has_watchers(self) -> bool:
+        return bool(self._slots)
+
+    def wake(self, key: str) -> None:
+        slot = self._slots.get(key)
+        if slot is not None:
+            self._wake_slot(slot)
+
+    def wake_all(self) -> None:
+        """Wake every waiter: used when a listener reconnects and may have missed releases."""
+        for slot in list(self._slots.values()):
+            self._wake_slot(slot)
+
+    @staticmethod
+    def _wake_slot(slot: _Slot) -> None:
+        with slot.cond:
+            slot.generation += 1
+            slot.cond.notify_all()
+            callbacks = list(slot.callbacks)
+        for callback in callbacks:
+            callback()
+
+
+class LockStore(ABC):
+    """Where locks live. Every operation is atomic on the store's side and never waits.
+
+    Times are seconds (float). Expiry is judged by the store's own clock, never the caller's.
+    Any failure to reach the store raises `LockStoreUnavailable`, never a "not acquired".
+    """
+
+    #: Longest key this store accepts (None: no limit of its own).
+    max_key_length: int | None = None
+    #: Known options (upper-case names in KEEL_LOCK_STORES[alias]["OPTIONS"]).
+    option_names: frozenset[str] = frozenset()
+
+    def __init__(self, alias: str = "default", options: Mapping[str, Any] | None = None) -> None:
+        self.alias = alias
+        self.options = dict(options or {})
+        unknown = sorted(set(self.options) - self.option_names)
+        if unknown:
+            known = ", ".join(sorted(self.option_names)) or "none"
+            raise ImproperlyConfigured(
+                f"KEEL_LOCK_STORES[{alias!r}] OPTIONS has unknown option(s) {', '.join(unknown)} "
+                f"for {type(self).__name__} (known: {known})"
+            )
+        self.wake_board = WakeBoard()
+
+    # -- the atomic operations ------------------------------------------------------------
+    @abstractmethod
+    def acquire(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
+        """Take `key` for `owner` if it is free or expired, with a fence greater than any this
+        store gave `key` before. Otherwise report how long the holder has left."""
+
+    @abstractmethod
+    def release(self, key: str, owner: str) -> bool:
+        """Free `key` if `owner` still holds it (and it has not expired); True if it did."""
+
+    @abstractmethod
+    def extend(self, key: str, owner: str, ttl: float) -> bool:
+        """Make `owner`'s lock live at least `ttl` more seconds; False if `owner` lost it."""
+
+    @abstractmethod
+    def get(self, key: str) -> LockInfo | None:
+        """The live lock on `key`, or None when it is free or expired."""
+
+    def force_release(self, key: str) -> LockInfo | None:
+        """Free `key` whoever holds it; the lock that was freed, or None if none was held.
+
+        Reads the holder, then releases as that owner: a lock taken over in between is left
+        alone, so what is reported is exactly what was freed.
+        """
+        for _ in range(3):
+            info = self.get(key)
+            if info is None:
+                return None
+            if self.release(key, info.owner):
+                return info
+        return None
+
+    @abstractmethod
+    def iter_locks(self, prefix: str = "") -> Iterator[LockInfo]:
+        """Stream the live locks whose key starts with `prefix`, without loading all at once."""
+
+    def prune(self) -> int:
+        """Delete expired entries the store keeps; how many. Stores that expire by themselves
+        return 0."""
+        return 0
+
+    # -- waiting --------------------------------------------------------------------------
+    @property
+    def push_wakeups(self) -> bool:
+        """True while every release, in any process, reaches this process's waiters promptly;
+        then a waiter needs to poll only for a holder that expires without releasing."""
+        return False
+
+    def watch(self, key: str) -> Any:
+        """Context manager yielding a `Waiter` for `key`. Stores with a cross-process listener
+        start it here."""
+        return self.wake_board.watch(key)
+
+    def close(self) -> None:
+        """Release connections and stop listeners; the store may be used again afterwards."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} alias={self.alias!r}>"

@@ -1,0 +1,481 @@
+"""Locks in the `Lock` table, shared by every process and server that shares the database.
+
+Three rules shape this module:
+- The database's clock decides expiry; the app server's clock is never read.
+- Locks live outside the caller's transaction: each thread gets its own autocommit connection,
+  so a lock taken inside `atomic()` is visible at once and survives the caller's rollback.
+- One statement per operation (MariaDB: two for acquire), talking to the driver directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import datetime, timezone
+from typing import Any
+
+from django.db import connections
+
+from ..exceptions import LockStoreUnavailable
+from .base import AcquireResult, LockInfo, LockStore
+
+logger = logging.getLogger("django_keel_lock")
+
+TABLE = "django_keel_lock_lock"
+SEQUENCE = "django_keel_lock_fence"
+CHANNEL = "django_keel_lock"
+PAGE_SIZE = 1000
+
+Row = Sequence[Any]
+
+
+class Dialect:
+    """The SQL one database speaks. Placeholders are the driver's own (%s, or ? for SQLite)."""
+
+    vendor = ""
+    acquire_sql: Sequence[str] = ()  # run in order; the last one's first row is (fence, retry_in)
+    release_sql = ""
+    extend_sql = ""
+    get_sql = ""
+    page_sql = ""
+    prune_sql = ""
+
+    def acquire_params(self, key: str, owner: str, holder: str, ttl: float) -> list[Sequence[Any]]:
+        raise NotImplementedError
+
+    def extend_params(self, key: str, owner: str, ttl: float) -> Sequence[Any]:
+        return (ttl, key, owner)
+
+    def datetime(self, value: Any) -> datetime | None:
+        if value is None:
+            return None
+        if isinstance(value, str):
+            value = datetime.fromisoformat(value)
+        if isinstance(value, datetime) and value.tzinfo is None:
+            value = value.replace(tzinfo=timezone.utc)
+        return value  # type: ignore[no-any-return]
+
+
+# Columns every reading query returns, in this order.
+_INFO = "key, owner, holder, fence, acquired_at, {remaining}"
+
+
+class PostgresDialect(Dialect):
+    vendor = "postgresql"
+    _remaining = "EXTRACT(EPOCH FROM (expires_at - clock_timestamp()))::float8"
+    acquire_sql = (
+        f"""
+        WITH up AS (
+            INSERT INTO {TABLE} AS l (key, owner, holder, fence, acquired_at, expires_at)
+            VALUES (%s, %s, %s, nextval('{SEQUENCE}'), clock_timestamp(),
+                    clock_timestamp() + make_interval(secs => %s))
+            ON CONFLICT (key) DO UPDATE SET
+                owner = EXCLUDED.owner, holder = EXCLUDED.holder,
+                fence = nextval('{SEQUENCE}'),
+                acquired_at = EXCLUDED.acquired_at, expires_at = EXCLUDED.expires_at
+            WHERE l.expires_at <= clock_timestamp() OR l.owner = EXCLUDED.owner
+            RETURNING fence
+        )
+        SELECT fence, NULL::float8 FROM up
+        UNION ALL
+        SELECT NULL, {_remaining} FROM {TABLE}
+        WHERE key = %s AND NOT EXISTS (SELECT 1 FROM up)
+        """,
+    )
+    # Release marks the row expired rather than deleting it, so the next acquirer goes through
+    # the UPDATE branch and draws its fence after it holds the row lock.
+    release_sql = f"""
+        WITH r AS (
+            UPDATE {TABLE} SET expires_at = clock_timestamp()
+            WHERE key = %s AND owner = %s AND expires_at > clock_timestamp()
+            RETURNING key
+        )
+        SELECT pg_notify('{CHANNEL}', key) FROM r
+    """
+    extend_sql = f"""
+        UPDATE {TABLE}
+        SET expires_at = GREATEST(expires_at, clock_timestamp() + make_interval(secs => %s))
+        WHERE key = %s AND owner = %s AND expires_at > clock_timestamp()
+    """
+    get_sql = (
+        f"SELECT {_INFO.format(remaining=_remaining)} FROM {TABLE} "
+        "WHERE key = %s AND expires_at > clock_timestamp()"
+    )
+    page_sql = (
+        f"SELECT {_INFO.format(remaining=_remaining)} FROM {TABLE} "
+        "WHERE key > %s AND left(key, %s) = %s AND expires_at > clock_timestamp() "
+        "ORDER BY key LIMIT %s"
+    )
+    prune_sql = f"DELETE FROM {TABLE} WHERE expires_at <= clock_timestamp()"
+
+    def acquire_params(self, key: str, owner: str, holder: str, ttl: float) -> list[Sequence[Any]]:
+        return [(key, owner, holder, ttl, key)]
+
+
+class MySQLDialect(Dialect):
+    """MariaDB (10.3+: sequences). Acquire is an upsert plus a read of the row."""
+
+    vendor = "mysql"
+    _now = "UTC_TIMESTAMP(6)"
+    _remaining = f"TIMESTAMPDIFF(MICROSECOND, {_now}, expires_at) / 1000000.0"
+    _free = f"(expires_at <= {_now} OR owner = VALUES(owner))"
+    # MySQL applies SET assignments left to right, so `owner` and `expires_at` (which the
+    # condition reads) come last and `expires_at` sees the already-updated owner.
+    acquire_sql = (
+        f"""
+        INSERT INTO {TABLE} (`key`, owner, holder, fence, acquired_at, expires_at)
+        VALUES (%s, %s, %s, NEXTVAL({SEQUENCE}), {_now}, {_now} + INTERVAL %s MICROSECOND)
+        ON DUPLICATE KEY UPDATE
+            holder = IF({_free}, VALUES(holder), holder),
+            fence = IF({_free}, NEXTVAL({SEQUENCE}), fence),
+            acquired_at = IF({_free}, VALUES(acquired_at), acquired_at),
+            owner = IF({_free}, VALUES(owner), owner),
+            expires_at = IF(owner = VALUES(owner), VALUES(expires_at), expires_at)
+        """,
+        f"SELECT IF(owner = %s, fence, NULL), IF(owner = %s, NULL, {_remaining}) "
+        f"FROM {TABLE} WHERE `key` = %s",
+    )
+    release_sql = (
+        f"UPDATE {TABLE} SET expires_at = {_now} "
+        f"WHERE `key` = %s AND owner = %s AND expires_at > {_now}"
+    )
+    extend_sql = f"""
+        UPDATE {TABLE}
+        SET expires_at = GREATEST(expires_at, {_now} + INTERVAL %s MICROSECOND)
+        WHERE `key` = %s AND owner = %s AND expires_at > {_now}
+    """
+    get_sql = (
+        f"SELECT `key`, owner, holder, fence, acquired_at, {_remaining} FROM {TABLE} "
+        f"WHERE `key` = %s AND expires_at > {_now}"
+    )
+    page_sql = (
+        f"SELECT `key`, owner, holder, fence, acquired_at, {_remaining} FROM {TABLE} "
+        f"WHERE `key` > %s AND LEFT(`key`, %s) = %s AND expires_at > {_now} "
+        "ORDER BY `key` LIMIT %s"
+    )
+    prune_sql = f"DELETE FROM {TABLE} WHERE expires_at <= {_now}"
+
+    def acquire_params(self, key: str, owner: str, holder: str, ttl: float) -> list[Sequence[Any]]:
+        return [(key, owner, holder, round(ttl * 1_000_000)), (owner, owner, key)]
+
+    def extend_params(self, key: str, owner: str, ttl: float) -> Sequence[Any]:
+        return (round(ttl * 1_000_000), key, owner)
+
+
+class SQLiteDialect(Dialect):
+    """SQLite serialises writers, so MAX(fence) + 1 inside the upsert is race-free."""
+
+    vendor = "sqlite"
+    _now = "strftime('%Y-%m-%d %H:%M:%f', 'now')"
+    _remaining = "(julianday(expires_at) - julianday('now')) * 86400.0"
+    _next_fence = f"(SELECT COALESCE(MAX(fence), 0) + 1 FROM {TABLE})"
+    acquire_sql = (
+        f"""
+        INSERT INTO {TABLE} AS l (key, owner, holder, fence, acquired_at, expires_at)
+        VALUES (?, ?, ?, {_next_fence}, {_now},
+                strftime('%Y-%m-%d %H:%M:%f', 'now', ?))
+        ON CONFLICT (key) DO UPDATE SET
+            owner = excluded.owner, holder = excluded.holder, fence = {_next_fence},
+            acquired_at = excluded.acquired_at, expires_at = excluded.expires_at
+        WHERE l.expires_at <= {_now} OR l.owner = excluded.owner
+        RETURNING fence, NULL
+        """,
+    )
+    release_sql = (
+        f"UPDATE {TABLE} SET expires_at = {_now} "
+        f"WHERE key = ? AND owner = ? AND expires_at > {_now}"
+    )
+    extend_sql = f"""
+        UPDATE {TABLE}
+        SET expires_at = max(expires_at, strftime('%Y-%m-%d %H:%M:%f', 'now', ?))
+        WHERE key = ? AND owner = ? AND expires_at > {_now}
+    """
+    get_sql = (
+        f"SELECT {_INFO.format(remaining=_remaining)} FROM {TABLE} "
+        f"WHERE key = ? AND expires_at > {_now}"
+    )
+    page_sql = (
+        f"SELECT {_INFO.format(remaining=_remaining)} FROM {TABLE} "
+        f"WHERE key > ? AND substr(key, 1, ?) = ? AND expires_at > {_now} ORDER BY key LIMIT ?"
+    )
+    # The row with the highest fence stays: MAX(fence) + 1 must never go back.
+    prune_sql = (
+        f"DELETE FROM {TABLE} WHERE expires_at <= {_now} "
+        f"AND fence < (SELECT MAX(fence) FROM {TABLE})"
+    )
+
+    @staticmethod
+    def _modifier(ttl: float) -> str:
+        return f"+{ttl:.3f} seconds"
+
+    def acquire_params(self, key: str, owner: str, holder: str, ttl: float) -> list[Sequence[Any]]:
+        return [(key, owner, holder, self._modifier(ttl))]
+
+    def extend_params(self, key: str, owner: str, ttl: float) -> Sequence[Any]:
+        return (self._modifier(ttl), key, owner)
+
+
+DIALECTS: dict[str, type[Dialect]] = {
+    "postgresql": PostgresDialect,
+    "mysql": MySQLDialect,
+    "sqlite": SQLiteDialect,
+}
+
+
+class DatabaseLockStore(LockStore):
+    """The default store: the `Lock` table in a Django database (OPTIONS: DATABASE, DURABLE).
+
+    DURABLE=False (PostgreSQL) skips the commit flush for lock writes: faster, but a database
+    crash can forget locks taken in the last moments before it, so two holders may then overlap.
+    """
+
+    max_key_length = 255
+    option_names = frozenset({"DATABASE", "DURABLE"})
+
+    def __init__(self, alias: str = "default", options: Mapping[str, Any] | None = None) -> None:
+        super().__init__(alias, options)
+        self.database: str = self.options.get("DATABASE", "default")
+        self.durable = bool(self.options.get("DURABLE", True))
+        self._local = threading.local()
+        self._mutex = threading.Lock()
+        self._wrappers: list[Any] = []  # every connection we opened, for close()
+        self._listener: _PostgresListener | None = None
+
+    # -- connections ----------------------------------------------------------------------
+    def _new_wrapper(self) -> Any:
+        base = connections[self.database]
+        settings = dict(base.settings_dict)
+        if base.vendor == "mysql":
+            # Keys may hold any Unicode character: talk utf8mb4 whatever the project's charset.
+            settings["OPTIONS"] = {**settings.get("OPTIONS", {}), "charset": "utf8mb4"}
+        wrapper = type(base)(settings, self.database)
+        # We keep one wrapper per thread ourselves; sharing is allowed only so close() can
+        # shut every thread's connection from the thread that closes the store.
+        wrapper.inc_thread_sharing()
+        wrapper.ensure_connection()
+        if wrapper.vendor == "postgresql" and not self.durable:
+            with wrapper.connection.cursor() as cursor:
+                cursor.execute("SET synchronous_commit TO OFF")
+        return wrapper
+
+    def _wrapper(self) -> tuple[Any, bool]:
+        """This thread's own autocommit connection; True if it was opened just now."""
+        local = self._local
+        wrapper = getattr(local, "wrapper", None)
+        if wrapper is not None and local.pid == os.getpid():
+            return wrapper, False
+        # A forked child must never use (or close) its parent's socket.
+        wrapper = self._new_wrapper()
+        local.wrapper, local.pid = wrapper, os.getpid()
+        with self._mutex:
+            self._wrappers.append(wrapper)
+        return wrapper, True
+
+    def _drop(self, wrapper: Any) -> None:
+        self._local.wrapper = None
+        with self._mutex:
+            if wrapper in self._wrappers:
+                self._wrappers.remove(wrapper)
+        try:
+            wrapper.close()
+        except Exception:  # already broken; nothing more to free
+            pass
+
+    @property
+    def dialect(self) -> Dialect:
+        dialect: Dialect | None = getattr(self, "_dialect", None)
+        if dialect is None:
+            vendor = connections[self.database].vendor
+            if vendor not in DIALECTS:
+                raise LockStoreUnavailable(
+                    f"DatabaseLockStore supports PostgreSQL, MariaDB and SQLite, "
+                    f"not {vendor!r} (database {self.database!r})"
+                )
+            dialect = self._dialect = DIALECTS[vendor]()
+        return dialect
+
+    def _execute(self, statements: Sequence[tuple[str, Sequence[Any]]]) -> tuple[list[Row], int]:
+        """Run statements in autocommit; (rows of the last, its rowcount).
+
+        Every operation here is idempotent for the same owner, so a failure on a connection
+        that had sat idle (the server restarted, a proxy dropped it) is retried once on a fresh
+        one. Any other failure is LockStoreUnavailable.
+        """
+        for attempt in (1, 2):
+            try:
+                wrapper, fresh = self._wrapper()
+            except Exception as exc:
+                raise LockStoreUnavailable(
+                    f"lock store {self.alias!r} cannot connect to database {self.database!r}: "
+                    f"{exc}"
+                ) from exc
+            try:
+                cursor = wrapper.connection.cursor()
+                try:
+                    for sql, params in statements:
+                        cursor.execute(sql, params)
+                    rows = cursor.fetchall() if cursor.description else []
+                    return rows, cursor.rowcount
+                finally:
+                    cursor.close()
+            except wrapper.Database.Error as exc:
+                self._drop(wrapper)
+                if fresh or attempt == 2:
+                    raise LockStoreUnavailable(
+                        f"lock store {self.alias!r} (database {self.database!r}) failed: {exc}"
+                    ) from exc
+        raise AssertionError("unreachable")
+
+    # -- the protocol ---------------------------------------------------------------------
+    def acquire(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
+        dialect = self.dialect
+        params = dialect.acquire_params(key, owner, holder, ttl)
+        rows, _ = self._execute(list(zip(dialect.acquire_sql, params, strict=True)))
+        if not rows:
+            return AcquireResult(None)
+        fence, retry_in = rows[0][0], rows[0][1]
+        if fence is not None:
+            return AcquireResult(int(fence))
+        return AcquireResult(None, None if retry_in is None else max(0.0, float(retry_in)))
+
+    def release(self, key: str, owner: str) -> bool:
+        _, count = self._execute([(self.dialect.release_sql, (key, owner))])
+        released = count > 0
+        if released:
+            self.wake_board.wake(key)
+        return released
+
+    def extend(self, key: str, owner: str, ttl: float) -> bool:
+        dialect = self.dialect
+        _, count = self._execute([(dialect.extend_sql, dialect.extend_params(key, owner, ttl))])
+        return count > 0
+
+    def get(self, key: str) -> LockInfo | None:
+        rows, _ = self._execute([(self.dialect.get_sql, (key,))])
+        return self._info(rows[0]) if rows else None
+
+    def iter_locks(self, prefix: str = "") -> Iterator[LockInfo]:
+        last = ""
+        while True:
+            rows, _ = self._execute(
+                [(self.dialect.page_sql, (last, len(prefix), prefix, PAGE_SIZE))]
+            )
+            for row in rows:
+                yield self._info(row)
+            if len(rows) < PAGE_SIZE:
+                return
+            last = rows[-1][0]
+
+    def prune(self) -> int:
+        _, count = self._execute([(self.dialect.prune_sql, ())])
+        return max(count, 0)
+
+    def _info(self, row: Row) -> LockInfo:
+        key, owner, holder, fence, acquired_at, remaining = row[:6]
+        return LockInfo(
+            key=key,
+            owner=owner,
+            holder=holder,
+            fence=int(fence),
+            acquired_at=self.dialect.datetime(acquired_at),
+            expires_in=max(0.0, float(remaining or 0.0)),
+        )
+
+    # -- wake-ups -------------------------------------------------------------------------
+    @property
+    def push_wakeups(self) -> bool:
+        listener = self._listener
+        return listener is not None and listener.ready.is_set() and listener.pid == os.getpid()
+
+    def watch(self, key: str) -> Any:
+        if self.dialect.vendor == "postgresql":
+            self._ensure_listener()
+        return self.wake_board.watch(key)
+
+    def _ensure_listener(self) -> None:
+        listener = self._listener
+        if listener is not None and listener.pid == os.getpid() and listener.is_alive():
+            return
+        with self._mutex:
+            listener = self._listener
+            if listener is None or listener.pid != os.getpid() or not listener.is_alive():
+                self._listener = _PostgresListener(self)
+                self._listener.start()
+
+    def close(self) -> None:
+        with self._mutex:
+            wrappers, self._wrappers = self._wrappers, []
+            listener, self._listener = self._listener, None
+        if listener is not None and listener.pid == os.getpid():
+            listener.stop()
+        for wrapper in wrappers:
+            try:
+                wrapper.close()
+            except Exception:
+                pass
+        self._local = threading.local()
+
+
+class _PostgresListener(threading.Thread):
+    """One LISTEN connection per process: turns other processes' releases into wake-ups."""
+
+    def __init__(self, store: DatabaseLockStore) -> None:
+        super().__init__(name=f"keel-lock-listen-{store.alias}", daemon=True)
+        self.store = store
+        self.pid = os.getpid()
+        self.ready = threading.Event()
+        self._stopping = threading.Event()
+        self._raw: Any = None
+
+    def stop(self) -> None:
+        self._stopping.set()
+        raw = self._raw
+        if raw is not None:
+            try:
+                raw.cancel_safe() if hasattr(raw, "cancel_safe") else raw.cancel()
+            except Exception:
+                pass
+        self.join(timeout=2)
+
+    def run(self) -> None:
+        backoff = 0.05
+        while not self._stopping.is_set():
+            try:
+                self._listen()
+                backoff = 0.05
+            except Exception as exc:  # connection lost: waiters fall back to polling
+                self.ready.clear()
+                self.store.wake_board.wake_all()
+                if self._stopping.is_set():
+                    break
+                logger.debug("lock listener for %r reconnecting: %s", self.store.alias, exc)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+        self.ready.clear()
+
+    def _listen(self) -> None:
+        base = connections[self.store.database]
+        wrapper = type(base)(dict(base.settings_dict), self.store.database)
+        raw = wrapper.get_new_connection(wrapper.get_connection_params())
+        if not hasattr(raw, "notifies"):  # psycopg2: no push wake-ups, waiters poll
+            raw.close()
+            self._stopping.set()
+            return
+        try:
+            raw.autocommit = True
+            raw.execute(f"LISTEN {CHANNEL}")
+            self._raw = raw
+            self.ready.set()
+            # A release may have happened while we were (re)connecting.
+            self.store.wake_board.wake_all()
+            board = self.store.wake_board
+            while not self._stopping.is_set():
+                for notify in raw.notifies(timeout=1.0):
+                    board.wake(notify.payload)
+        finally:
+            self._raw = None
+            self.ready.clear()
+            raw.close()

@@ -1,0 +1,64 @@
+"""Helpers for a project's own tests: run each test on a fresh in-memory store.
+
+    from django_keel_lock.testing import memory_lock_store
+
+    @memory_lock_store()              # or: with memory_lock_store() as store: ...
+    def test_charge(): ...
+
+With pytest, add `pytest_plugins = ["django_keel_lock.testing"]` to conftest.py and request
+the `keel_lock_memory_store` fixture.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ContextDecorator
+from types import TracebackType
+
+
+from .conf import _overrides, get_lock_store, set_lock_store
+from .stores.base import LockStore
+from .stores.memory import MemoryLockStore
+
+
+class memory_lock_store(ContextDecorator):  # noqa: N801  (used like a function)
+    """Point the given aliases (default: "default") at fresh MemoryLockStores, then restore.
+
+    Each alias gets its own store; entering yields the first one.
+    """
+
+    def __init__(self, *aliases: str) -> None:
+        self.aliases = aliases or ("default",)
+        self._saved: list[dict[str, LockStore | None]] = []
+
+    def __enter__(self) -> MemoryLockStore:
+        self._saved.append({alias: _overrides.get(alias) for alias in self.aliases})
+        stores = [MemoryLockStore(alias=alias) for alias in self.aliases]
+        for store in stores:
+            set_lock_store(store, store.alias)
+        return stores[0]
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        for alias, previous in self._saved.pop().items():
+            set_lock_store(previous, alias)
+
+
+try:
+    import pytest
+except ImportError:  # pragma: no cover - pytest is optional for users
+    pass
+else:
+
+    @pytest.fixture
+    def keel_lock_memory_store() -> Iterator[MemoryLockStore]:
+        """A fresh MemoryLockStore as the "default" store for one test."""
+        with memory_lock_store() as store:
+            yield store
+
+
+__all__ = ["get_lock_store", "keel_lock_memory_store", "memory_lock_store"]

@@ -1,0 +1,87 @@
+"""Shared fixtures: every store alias that can run here, unique keys, real databases."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from django.conf import settings
+from django.db import connections
+from django.test.utils import setup_databases, teardown_databases
+
+from django_keel_lock import Lock, get_lock_store, lock
+from django_keel_lock.conf import reset_stores
+from django_keel_lock.stores import LockStore
+
+# alias -> reason it cannot run here (None: it runs)
+def _store_availability() -> dict[str, str | None]:
+    dbs = settings.DATABASES
+    return {
+        "memory": None,
+        "sqlite": None,
+        "postgres": None if "postgres" in dbs else "PostgreSQL is not reachable",
+        "mariadb": None if "mariadb" in dbs else "MariaDB is not reachable",
+    }
+
+
+STORE_AVAILABILITY = _store_availability()
+DATABASE_STORES = ["sqlite", "postgres", "mariadb"]
+SERVER_DATABASES = ["postgres", "mariadb"]
+
+
+def store_params(aliases: list[str]) -> list[Any]:
+    params = []
+    for alias in aliases:
+        reason = STORE_AVAILABILITY.get(alias)
+        marks = [pytest.mark.skip(reason=f"SERVER UNAVAILABLE: {reason}")] if reason else []
+        params.append(pytest.param(alias, id=alias, marks=marks))
+    return params
+
+
+ALL_STORES = store_params(list(STORE_AVAILABILITY))
+
+
+@pytest.fixture(scope="session")
+def django_db_setup(django_test_environment: Any, django_db_blocker: Any) -> Iterator[None]:
+    """Create and migrate a test database on every configured server, whatever tests ask for:
+    stores open their own connections to them."""
+    with django_db_blocker.unblock():
+        config = setup_databases(verbosity=0, interactive=False, aliases=set(connections))
+    yield
+    reset_stores()
+    with django_db_blocker.unblock():
+        teardown_databases(config, verbosity=0)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _databases(django_db_setup: Any, django_db_blocker: Any) -> Iterator[None]:
+    """Stores open their own connections, outside any test transaction: let them."""
+    with django_db_blocker.unblock():
+        yield
+
+
+@pytest.fixture
+def key(request: pytest.FixtureRequest) -> str:
+    """A key no other test (or earlier run) uses, so rows left in a database never collide."""
+    return f"test:{request.node.name[:60]}:{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(params=ALL_STORES)
+def store_alias(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def store(store_alias: str) -> LockStore:
+    return get_lock_store(store_alias)
+
+
+@pytest.fixture
+def make_lock(store_alias: str, key: str) -> Callable[..., Lock]:
+    def make(name: str | None = None, **kwargs: Any) -> Lock:
+        kwargs.setdefault("store", store_alias)
+        return lock(name or key, **kwargs)
+
+    return make

@@ -1,0 +1,132 @@
+"""Test settings: one Django database per real server, one lock store alias per store.
+
+Servers come from env vars with the machine's defaults. A server that does not answer is left
+out (its tests skip loudly) except under CI=true, where it stays and its tests fail.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+
+CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
+RUN_ID = os.environ.get("KEEL_TEST_RUN_ID") or str(os.getpid())
+os.environ.setdefault("KEEL_TEST_RUN_ID", RUN_ID)  # subprocesses reuse the same test databases
+
+PG_HOST = os.environ.get("PGHOST", "127.0.0.1")
+PG_PORT = int(os.environ.get("PGPORT", "5432"))
+PG_USER = os.environ.get("PGUSER", "postgres")
+MYSQL_HOST = os.environ.get("MYSQL_HOST", "127.0.0.1")
+MYSQL_PORT = int(os.environ.get("MYSQL_PORT", "3306"))
+MYSQL_USER = os.environ.get("MYSQL_USER", "root")
+MYSQL_DATABASE = os.environ.get("MYSQL_DATABASE", "test")
+REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def reachable(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+SERVERS = {
+    "postgres": reachable(PG_HOST, PG_PORT),
+    "mariadb": reachable(MYSQL_HOST, MYSQL_PORT),
+}
+
+SECRET_KEY = "tests-only-not-secret"
+DEBUG = False
+USE_TZ = True
+ROOT_URLCONF = "tests.urls"
+ALLOWED_HOSTS = ["*"]
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django_keel_lock",
+    "tests.testapp",
+]
+MIDDLEWARE = [
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+
+_sqlite_path = os.path.join(tempfile.gettempdir(), f"keel-lock-test-{RUN_ID}.sqlite3")
+DATABASES: dict[str, dict[str, object]] = {
+    # A file, not :memory:, so several processes share it.
+    "default": {
+        "ENGINE": "django.db.backends.sqlite3",
+        "NAME": _sqlite_path + ".main",
+        "TEST": {"NAME": _sqlite_path},
+    },
+}
+if SERVERS["postgres"] or CI:
+    DATABASES["postgres"] = {
+        "ENGINE": "django.db.backends.postgresql",
+        "HOST": PG_HOST,
+        "PORT": PG_PORT,
+        "USER": PG_USER,
+        "NAME": "postgres",
+        "TEST": {"NAME": f"test_keel_lock_{RUN_ID}"},
+    }
+if SERVERS["mariadb"] or CI:
+    DATABASES["mariadb"] = {
+        "ENGINE": "django.db.backends.mysql",
+        "HOST": MYSQL_HOST,
+        "PORT": MYSQL_PORT,
+        "USER": MYSQL_USER,
+        "PASSWORD": "",
+        "NAME": MYSQL_DATABASE,
+        "OPTIONS": {"charset": "utf8mb4"},
+        "TEST": {"NAME": f"test_keel_lock_{RUN_ID}", "CHARSET": "utf8mb4"},
+    }
+
+KEEL_LOCK_STORES = {
+    "default": {"BACKEND": "django_keel_lock.stores.DatabaseLockStore"},
+    "memory": {"BACKEND": "django_keel_lock.stores.MemoryLockStore"},
+    "sqlite": {
+        "BACKEND": "django_keel_lock.stores.DatabaseLockStore",
+        "OPTIONS": {"DATABASE": "default"},
+    },
+    "postgres": {
+        "BACKEND": "django_keel_lock.stores.DatabaseLockStore",
+        "OPTIONS": {"DATABASE": "postgres"},
+    },
+    "postgres-fast": {
+        "BACKEND": "django_keel_lock.stores.DatabaseLockStore",
+        "OPTIONS": {"DATABASE": "postgres", "DURABLE": False},
+    },
+    "mariadb": {
+        "BACKEND": "django_keel_lock.stores.DatabaseLockStore",
+        "OPTIONS": {"DATABASE": "mariadb"},
+    },
+}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "loggers": {"django_keel_lock": {"level": "DEBUG"}},
+}
