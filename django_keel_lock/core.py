@@ -6,6 +6,7 @@ through `Lock`; stores below only answer atomic questions (see `stores.base.Lock
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import random
@@ -65,6 +66,38 @@ def validate_key(key: object, store: LockStore | None = None) -> str:
             f"accepts at most {limit}"
         )
     return key
+
+
+KeyTemplate = str | Callable[..., str]
+
+
+def format_key(
+    template: KeyTemplate, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> str:
+    """The key for one call of `fn`: `template` formatted with the call's bound arguments
+    ("report:{date}", "{self.pk}" works too), or `template(*args, **kwargs)` if callable.
+
+    The one key formatter every decorator (locked, locked_task) uses.
+    """
+    if callable(template):
+        return validate_key(template(*args, **kwargs))
+    if not isinstance(template, str):
+        raise TypeError(f"key must be a str template or a callable, got {type(template).__name__}")
+    try:
+        bound = inspect.signature(fn).bind(*args, **kwargs)
+    except TypeError as exc:
+        raise TypeError(
+            f"cannot bind arguments of {fn.__qualname__} for key {template!r}: {exc}"
+        ) from None
+    bound.apply_defaults()
+    try:
+        return validate_key(template.format(**bound.arguments))
+    except (KeyError, AttributeError, IndexError) as exc:
+        names = ", ".join(bound.arguments) or "none"
+        raise ValueError(
+            f"key template {template!r} names {exc} which {fn.__qualname__} does not have "
+            f"(its arguments: {names})"
+        ) from None
 
 
 def _validate_holder(holder: object) -> str:
@@ -304,9 +337,7 @@ def lock(
     holder: str | None = None,
 ) -> Lock:
     """A handle on `key` in `store`; nothing is acquired until acquire/run/`with`."""
-    return Lock(
-        key, ttl=ttl, timeout=timeout, retry_delay=retry_delay, store=store, holder=holder
-    )
+    return Lock(key, ttl=ttl, timeout=timeout, retry_delay=retry_delay, store=store, holder=holder)
 
 
 def restore_lock(token: str) -> Lock:
@@ -320,8 +351,7 @@ def restore_lock(token: str) -> Lock:
         data = signing.loads(token, salt=TOKEN_SALT)
     except signing.BadSignature as exc:
         raise InvalidLockToken(
-            "lock token is not valid: it was altered, truncated, or signed with another "
-            "SECRET_KEY"
+            "lock token is not valid: it was altered, truncated, or signed with another SECRET_KEY"
         ) from exc
     except Exception as exc:  # undecodable payload behind a valid signature cannot happen,
         raise InvalidLockToken(f"lock token could not be decoded: {exc}") from exc  # but be sure
@@ -333,5 +363,12 @@ def restore_lock(token: str) -> Lock:
 
 
 def _token_shape_ok(data: dict[str, Any]) -> bool:
-    types = {"k": str, "t": (int, float), "o": str, "f": int, "h": str, "s": str}
+    types: dict[str, type | tuple[type, ...]] = {
+        "k": str,
+        "t": (int, float),
+        "o": str,
+        "f": int,
+        "h": str,
+        "s": str,
+    }
     return all(isinstance(data.get(name), kind) for name, kind in types.items())

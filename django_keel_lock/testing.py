@@ -15,13 +15,12 @@ from collections.abc import Iterator
 from contextlib import ContextDecorator
 from types import TracebackType
 
-
 from .conf import _overrides, get_lock_store, set_lock_store
 from .stores.base import LockStore
 from .stores.memory import MemoryLockStore
 
 
-class memory_lock_store(ContextDecorator):  # noqa: N801  (used like a function)
+class memory_lock_store(ContextDecorator):  # lower case: used like a function
     """Point the given aliases (default: "default") at fresh MemoryLockStores, then restore.
 
     Each alias gets its own store; entering yields the first one.

@@ -15,6 +15,7 @@ from django_keel_lock import Lock, get_lock_store, lock
 from django_keel_lock.conf import reset_stores
 from django_keel_lock.stores import LockStore
 
+
 # alias -> reason it cannot run here (None: it runs)
 def _store_availability() -> dict[str, str | None]:
     dbs = settings.DATABASES

@@ -130,3 +130,11 @@ LOGGING = {
     "disable_existing_loggers": False,
     "loggers": {"django_keel_lock": {"level": "DEBUG"}},
 }
+
+CACHES = {
+    "default": {
+        "BACKEND": "django_redis.cache.RedisCache",
+        "LOCATION": REDIS_URL,
+        "OPTIONS": {"CLIENT_CLASS": "django_redis.client.DefaultClient"},
+    }
+}

@@ -27,7 +27,8 @@ def create_vendor_parts(apps: Any, schema_editor: Any) -> None:
         )
     elif connection.vendor == "sqlite":
         schema_editor.execute(
-            "CREATE INDEX IF NOT EXISTS django_keel_lock_lock_fence ON django_keel_lock_lock (fence)"
+            "CREATE INDEX IF NOT EXISTS django_keel_lock_lock_fence "
+            "ON django_keel_lock_lock (fence)"
         )
 
 
@@ -39,7 +40,7 @@ def drop_vendor_parts(apps: Any, schema_editor: Any) -> None:
 
 class Migration(migrations.Migration):
     initial = True
-    dependencies: list[tuple[str, str]] = []
+    dependencies = []  # type: ignore[var-annotated]
 
     operations = [
         migrations.CreateModel(
@@ -58,9 +59,7 @@ class Migration(migrations.Migration):
                 "db_table": "django_keel_lock_lock",
                 "ordering": ("key",),
                 "default_permissions": ("view",),
-                "permissions": (
-                    ("force_release_lock", "Can force-release a lock held by anyone"),
-                ),
+                "permissions": (("force_release_lock", "Can force-release a lock held by anyone"),),
             },
         ),
         migrations.RunPython(create_vendor_parts, drop_vendor_parts, atomic=False),

@@ -6,6 +6,7 @@ decides policy. Waiting, ownership tokens and fencing rules live in `django_keel
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
@@ -69,7 +70,7 @@ class Waiter:
 
 
 class _Slot:
-    __slots__ = ("cond", "generation", "watchers", "callbacks")
+    __slots__ = ("callbacks", "cond", "generation", "watchers")
 
     def __init__(self) -> None:
         self.cond = threading.Condition(threading.Lock())
@@ -225,6 +226,21 @@ class LockStore(ABC):
 
     def close(self) -> None:
         """Release connections and stop listeners; the store may be used again afterwards."""
+
+    # -- async ----------------------------------------------------------------------------
+    # Defaults run the sync operation in a worker thread; stores with a native async client
+    # (Redis) override them. The core makes them cancellation-safe, not the store.
+    async def aacquire(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
+        return await asyncio.to_thread(self.acquire, key, owner, holder, ttl)
+
+    async def arelease(self, key: str, owner: str) -> bool:
+        return await asyncio.to_thread(self.release, key, owner)
+
+    async def aextend(self, key: str, owner: str, ttl: float) -> bool:
+        return await asyncio.to_thread(self.extend, key, owner, ttl)
+
+    async def aget(self, key: str) -> LockInfo | None:
+        return await asyncio.to_thread(self.get, key)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} alias={self.alias!r}>"

@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from django.db import connections
@@ -55,7 +55,7 @@ class Dialect:
         if isinstance(value, str):
             value = datetime.fromisoformat(value)
         if isinstance(value, datetime) and value.tzinfo is None:
-            value = value.replace(tzinfo=timezone.utc)
+            value = value.replace(tzinfo=UTC)
         return value  # type: ignore[no-any-return]
 
 
@@ -309,8 +309,7 @@ class DatabaseLockStore(LockStore):
                 wrapper, fresh = self._wrapper()
             except Exception as exc:
                 raise LockStoreUnavailable(
-                    f"lock store {self.alias!r} cannot connect to database {self.database!r}: "
-                    f"{exc}"
+                    f"lock store {self.alias!r} cannot connect to database {self.database!r}: {exc}"
                 ) from exc
             try:
                 cursor = wrapper.connection.cursor()

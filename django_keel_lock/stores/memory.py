@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from .base import AcquireResult, LockInfo, LockStore
@@ -92,7 +92,7 @@ class MemoryLockStore(LockStore):
         return True  # every holder lives in this process, so every release wakes directly
 
     def _info(self, key: str, entry: _Entry, now: float) -> LockInfo:
-        acquired = datetime.fromtimestamp(entry.acquired_at + self._wall_offset, tz=timezone.utc)
+        acquired = datetime.fromtimestamp(entry.acquired_at + self._wall_offset, tz=UTC)
         return LockInfo(
             key=key,
             owner=entry.owner,
@@ -108,4 +108,3 @@ class MemoryLockStore(LockStore):
             for entry in self._locks.values():
                 entry.expires_at -= seconds
                 entry.acquired_at -= seconds
-
