@@ -1,0 +1,1 @@
+"""Benchmarks: run by hand (`make bench` or `python -m bench.<name>`); they print tables."""
