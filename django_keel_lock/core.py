@@ -372,3 +372,29 @@ def _token_shape_ok(data: dict[str, Any]) -> bool:
         "s": str,
     }
     return all(isinstance(data.get(name), kind) for name, kind in types.items())
+
+
+def force_release(
+    key: str, *, store: str = "default", user: object | None = None
+) -> LockInfo | None:
+    """Free `key` in the store `store` whoever holds it; the lock that was freed, or None.
+
+    The one force release behind `manage.py locks release` and the admin: it logs a WARNING when
+    it frees a lock and always sends `lock_force_released` (info=None: nothing was held).
+    """
+    if not isinstance(store, str):
+        raise TypeError(f"store must be an alias (str), got {type(store).__name__}")
+    lock_store = get_lock_store(store)
+    validate_key(key, lock_store)
+    info = lock_store.force_release(key)
+    if info is not None:
+        logger.warning(
+            "lock %r in store %r (holder %s, fence %s) was force-released by %s",
+            key,
+            store,
+            info.holder,
+            info.fence,
+            user if user is not None else "a script",
+        )
+    signals.lock_force_released.send(sender=Lock, key=key, store=store, info=info, user=user)
+    return info
