@@ -1,0 +1,592 @@
+"""Locks in Redis, shared by every process and server that talks to the same Redis.
+
+Three rules shape this module:
+- Redis decides expiry (PX / PTTL, milliseconds); the app server's clock is never read.
+- Each operation is one Lua script, loaded once and called by SHA: one round trip, atomic.
+- Every key of one lock shares the lock key's hash tag, so the scripts run on Redis Cluster.
+
+Layout of one lock on `key` under the default prefix:
+    keel-lock:{key}        hash: o = owner, h = holder, f = fence, t = acquired (ms), with PX
+    keel-lock:{key}:fence  the key's fence counter; never deleted, so fences only go up
+    keel-lock:released     pub/sub channel; each release publishes its key there
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import re
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any, NamedTuple
+
+from django.core.exceptions import ImproperlyConfigured
+
+from ..exceptions import LockStoreUnavailable
+from .base import AcquireResult, LockInfo, LockStore
+
+try:
+    import redis
+    import redis.asyncio
+    from redis.asyncio.retry import Retry as AsyncRetry
+    from redis.backoff import NoBackoff
+    from redis.exceptions import NoScriptError, RedisError
+    from redis.retry import Retry
+except ImportError as exc:  # pragma: no cover - depends on the installation
+    raise ImproperlyConfigured(
+        "RedisLockStore needs redis-py: pip install 'django-keel-lock[redis]'"
+    ) from exc
+
+logger = logging.getLogger("django_keel_lock")
+
+DEFAULT_PREFIX = "keel-lock:"
+PAGE_SIZE = 500
+# Plain URL connections: fail fast instead of hanging a request on a dead server.
+SOCKET_TIMEOUT = 5.0
+CONNECT_TIMEOUT = 2.0
+# The listener pings when the channel has been quiet this long, and reconnects when even the
+# ping goes unanswered for LISTEN_DEAD seconds: a silently dead link must not keep
+# `push_wakeups` True.
+LISTEN_PING = 5.0
+LISTEN_DEAD = 15.0
+
+
+class _Script(NamedTuple):
+    text: str
+    sha: str
+
+
+def _script(text: str) -> _Script:
+    return _Script(text, hashlib.sha1(text.encode()).hexdigest())
+
+
+# KEYS[1] lock hash, KEYS[2] fence counter; ARGV owner, holder, ttl ms.
+# Returns {1, fence} when acquired, {0, pttl} when someone else holds it. The same owner gets
+# its acquisition back (same fence, ttl renewed): a retry after a lost reply is safe.
+ACQUIRE = _script(
+    """
+local current = redis.call('HGET', KEYS[1], 'o')
+if current then
+    if current ~= ARGV[1] then
+        return {0, redis.call('PTTL', KEYS[1])}
+    end
+    redis.call('PEXPIRE', KEYS[1], ARGV[3])
+    return {1, tonumber(redis.call('HGET', KEYS[1], 'f'))}
+end
+local fence = redis.call('INCR', KEYS[2])
+local now = redis.call('TIME')
+redis.call('HSET', KEYS[1], 'o', ARGV[1], 'h', ARGV[2], 'f', fence,
+           't', tostring(now[1] * 1000 + math.floor(now[2] / 1000)))
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return {1, fence}
+"""
+)
+
+# KEYS[1] lock hash; ARGV owner, channel, key. 1 if released (and announced), else 0.
+RELEASE = _script(
+    """
+if redis.call('HGET', KEYS[1], 'o') == ARGV[1] then
+    redis.call('DEL', KEYS[1])
+    redis.call('PUBLISH', ARGV[2], ARGV[3])
+    return 1
+end
+return 0
+"""
+)
+
+# KEYS[1] lock hash; ARGV owner, ttl ms. Expiry becomes max(current, now + ttl): never shorter.
+EXTEND = _script(
+    """
+if redis.call('HGET', KEYS[1], 'o') == ARGV[1] then
+    if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[2]) then
+        redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    end
+    return 1
+end
+return 0
+"""
+)
+
+# KEYS[1] lock hash. {owner, holder, fence, acquired ms, pttl} read atomically, or nil.
+GET = _script(
+    """
+local v = redis.call('HMGET', KEYS[1], 'o', 'h', 'f', 't')
+if not v[1] then
+    return false
+end
+return {v[1], v[2], v[3], v[4], redis.call('PTTL', KEYS[1])}
+"""
+)
+
+_ESCAPES = {"%": "%25", "{": "%7B", "}": "%7D"}
+_UNESCAPES = {code: char for char, code in _ESCAPES.items()}
+_ESCAPE_RE = re.compile(r"[%{}]")
+_UNESCAPE_RE = re.compile(r"%(?:25|7B|7D)")
+_GLOB_RE = re.compile(r"([*?\[\]\\])")
+
+
+def _escape(key: str) -> str:
+    """`key` without braces, so it fits inside a hash tag. A prefix code: escaping keeps
+    "starts with" intact, which iter_locks' SCAN MATCH relies on."""
+    return _ESCAPE_RE.sub(lambda m: _ESCAPES[m.group()], key)
+
+
+def _unescape(text: str) -> str:
+    return _UNESCAPE_RE.sub(lambda m: _UNESCAPES[m.group()], text)
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
+
+
+def _seconds(pttl: Any) -> float | None:
+    millis = int(pttl)
+    return None if millis < 0 else millis / 1000.0
+
+
+# Connection settings an async pool can take over from a sync pool unchanged.
+_PORTABLE_KWARGS = frozenset(
+    {
+        "host",
+        "port",
+        "path",
+        "db",
+        "username",
+        "password",
+        "socket_timeout",
+        "socket_connect_timeout",
+        "socket_keepalive",
+        "socket_keepalive_options",
+        "client_name",
+        "encoding",
+        "encoding_errors",
+        "decode_responses",
+        "health_check_interval",
+        "ssl_keyfile",
+        "ssl_certfile",
+        "ssl_cert_reqs",
+        "ssl_ca_certs",
+        "ssl_ca_data",
+        "ssl_check_hostname",
+    }
+)
+
+
+class RedisLockStore(LockStore):
+    """Locks in Redis (OPTIONS: CONNECTION or URL, KEY_PREFIX, CLUSTER).
+
+    CONNECTION names a django-redis cache alias whose client and pool are reused (Sentinel
+    included); URL is a plain redis-py URL (`?socket_timeout=1` etc. honoured), and CLUSTER=True
+    makes it a RedisCluster.
+    """
+
+    option_names = frozenset({"CONNECTION", "URL", "KEY_PREFIX", "CLUSTER"})
+
+    def __init__(self, alias: str = "default", options: Mapping[str, Any] | None = None) -> None:
+        super().__init__(alias, options)
+        connection = self.options.get("CONNECTION")
+        url = self.options.get("URL")
+        if (connection is None) == (url is None):
+            raise ImproperlyConfigured(
+                f"KEEL_LOCK_STORES[{alias!r}] OPTIONS needs exactly one of CONNECTION (a "
+                f"django-redis CACHES alias) or URL (redis://host:port/db)"
+            )
+        if connection is not None and not isinstance(connection, str):
+            raise ImproperlyConfigured(
+                f"KEEL_LOCK_STORES[{alias!r}] OPTIONS CONNECTION must be a CACHES alias (str)"
+            )
+        if url is not None and not isinstance(url, str):
+            raise ImproperlyConfigured(f"KEEL_LOCK_STORES[{alias!r}] OPTIONS URL must be a str")
+        prefix = self.options.get("KEY_PREFIX", DEFAULT_PREFIX)
+        if not isinstance(prefix, str) or "{" in prefix or "}" in prefix:
+            # The prefix sits outside the hash tag; a brace in it would move the tag.
+            raise ImproperlyConfigured(
+                f"KEEL_LOCK_STORES[{alias!r}] OPTIONS KEY_PREFIX must be a str without "
+                f"braces, got {prefix!r}"
+            )
+        self.connection_alias: str | None = connection
+        self.url: str | None = url
+        self.cluster = bool(self.options.get("CLUSTER", False))
+        if self.cluster and url is None:
+            raise ImproperlyConfigured(
+                f"KEEL_LOCK_STORES[{alias!r}] OPTIONS CLUSTER needs URL (a node of the cluster)"
+            )
+        self.prefix = prefix
+        self.channel = f"{prefix}released"
+        self._mutex = threading.Lock()
+        self._client_obj: Any = None
+        self._client_pid = 0
+        self._owns_client = url is not None
+        self._listener: _RedisListener | None = None
+        self._aclients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._async_factory: Callable[[], Any] | None = None
+        self._async_checked = False
+
+    # -- connections ----------------------------------------------------------------------
+    def _where(self) -> str:
+        if self.url is not None:
+            return f"URL {redis.connection.parse_url(self.url).get('host', '?')}"
+        return f"CACHES[{self.connection_alias!r}]"
+
+    def _unavailable(self, exc: Exception) -> LockStoreUnavailable:
+        return LockStoreUnavailable(
+            f"lock store {self.alias!r} cannot use Redis ({self._where()}): "
+            f"{type(exc).__name__}: {exc}"
+        )
+
+    def _client(self) -> Any:
+        """The sync client: built once per process (redis-py pools are not fork-safe to share
+        in flight, and a child must not reuse its parent's sockets)."""
+        client = self._client_obj
+        if client is not None and self._client_pid == os.getpid():
+            return client
+        with self._mutex:
+            if self._client_obj is None or self._client_pid != os.getpid():
+                try:
+                    self._client_obj = self._build_client()
+                except (ImproperlyConfigured, LockStoreUnavailable):
+                    raise
+                except Exception as exc:
+                    raise self._unavailable(exc) from exc
+                self._client_pid = os.getpid()
+            return self._client_obj
+
+    def _url_kwargs(self) -> dict[str, Any]:
+        # No redis-py retries: a retried script whose first reply was lost could report a
+        # release as failed. Stale pooled sockets are reconnected by the pool before use.
+        return {
+            "socket_timeout": SOCKET_TIMEOUT,
+            "socket_connect_timeout": CONNECT_TIMEOUT,
+            "health_check_interval": 30,
+        }
+
+    def _build_client(self) -> Any:
+        if self.url is not None:
+            if self.cluster:
+                return redis.RedisCluster.from_url(self.url, **self._url_kwargs())
+            return redis.Redis.from_url(self.url, retry=Retry(NoBackoff(), 0), **self._url_kwargs())
+        from django_redis import get_redis_connection
+
+        try:
+            return get_redis_connection(self.connection_alias or "default", write=True)
+        except NotImplementedError:
+            raise ImproperlyConfigured(
+                f"KEEL_LOCK_STORES[{self.alias!r}] CONNECTION {self.connection_alias!r} is not "
+                f"a django-redis cache (BACKEND django_redis.cache.RedisCache)"
+            ) from None
+
+    def _names(self, key: str) -> tuple[str, str]:
+        lock_name = f"{self.prefix}{{{_escape(key)}}}"
+        return lock_name, lock_name + ":fence"
+
+    def _run(self, script: _Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        client = self._client()
+        try:
+            try:
+                return client.evalsha(script.sha, len(keys), *keys, *args)
+            except NoScriptError:
+                # EVAL also caches the script, so later calls go by SHA again.
+                return client.eval(script.text, len(keys), *keys, *args)
+        except RedisError as exc:
+            raise self._unavailable(exc) from exc
+
+    # -- the protocol ---------------------------------------------------------------------
+    def acquire(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
+        reply = self._run(ACQUIRE, self._names(key), (owner, holder, _ms(ttl)))
+        return self._acquired(reply)
+
+    def release(self, key: str, owner: str) -> bool:
+        names = self._names(key)
+        released = bool(self._run(RELEASE, names[:1], (owner, self.channel, key)))
+        if released:
+            self.wake_board.wake(key)  # our own waiters need not wait for the pub/sub echo
+        return released
+
+    def extend(self, key: str, owner: str, ttl: float) -> bool:
+        return bool(self._run(EXTEND, self._names(key)[:1], (owner, _ms(ttl))))
+
+    def get(self, key: str) -> LockInfo | None:
+        reply = self._run(GET, self._names(key)[:1], ())
+        return None if reply is None else self._info(key, *reply)
+
+    def iter_locks(self, prefix: str = "") -> Iterator[LockInfo]:
+        """Live locks under `prefix`, in key order. SCAN collects only the key names (sorting
+        needs them all); the locks themselves are read a page at a time."""
+        start = f"{self.prefix}{{"
+        pattern = _GLOB_RE.sub(r"\\\1", start + _escape(prefix)) + "*"
+        client = self._client()
+        try:
+            keys = sorted(
+                _unescape(name[len(start) : -1])
+                for name in map(_text, client.scan_iter(match=pattern, count=PAGE_SIZE))
+                if name.endswith("}") and name.startswith(start)
+            )
+        except RedisError as exc:
+            raise self._unavailable(exc) from exc
+        for first in range(0, len(keys), PAGE_SIZE):
+            page = keys[first : first + PAGE_SIZE]
+            try:
+                pipe = client.pipeline(transaction=False)
+                for key in page:
+                    name = self._names(key)[0]
+                    pipe.hmget(name, "o", "h", "f", "t")
+                    pipe.pttl(name)
+                replies = pipe.execute()
+            except RedisError as exc:
+                raise self._unavailable(exc) from exc
+            for index, key in enumerate(page):
+                fields, pttl = replies[2 * index], replies[2 * index + 1]
+                # Released or expired between SCAN and now, or caught mid-change: skip.
+                if fields[0] is None or fields[2] is None or int(pttl) <= 0:
+                    continue
+                owner, holder, fence, acquired = fields
+                yield self._info(key, owner, holder, fence, acquired, pttl)
+
+    def _acquired(self, reply: Any) -> AcquireResult:
+        won, value = int(reply[0]), int(reply[1])
+        if won:
+            return AcquireResult(value)
+        return AcquireResult(None, _seconds(value))
+
+    @staticmethod
+    def _info(key: str, owner: Any, holder: Any, fence: Any, acquired: Any, pttl: Any) -> LockInfo:
+        acquired_at = (
+            None if acquired is None else datetime.fromtimestamp(int(acquired) / 1000.0, tz=UTC)
+        )
+        return LockInfo(
+            key=key,
+            owner=_text(owner),
+            holder=_text(holder) if holder is not None else "",
+            fence=int(fence),
+            acquired_at=acquired_at,
+            expires_in=max(0.0, _seconds(pttl) or 0.0),
+        )
+
+    # -- wake-ups -------------------------------------------------------------------------
+    @property
+    def push_wakeups(self) -> bool:
+        listener = self._listener
+        return listener is not None and listener.ready.is_set() and listener.pid == os.getpid()
+
+    def watch(self, key: str) -> Any:
+        self._ensure_listener()
+        return self.wake_board.watch(key)
+
+    def _ensure_listener(self) -> None:
+        listener = self._listener
+        if listener is not None and listener.pid == os.getpid() and listener.is_alive():
+            return
+        with self._mutex:
+            listener = self._listener
+            if listener is None or listener.pid != os.getpid() or not listener.is_alive():
+                self._listener = _RedisListener(self)
+                self._listener.start()
+
+    def close(self) -> None:
+        with self._mutex:
+            listener, self._listener = self._listener, None
+            client, self._client_obj = self._client_obj, None
+            pid, self._client_pid = self._client_pid, 0
+            self._aclients = weakref.WeakKeyDictionary()
+        if listener is not None and listener.pid == os.getpid():
+            listener.stop()
+        # A django-redis client belongs to the cache; only a client we built is ours to close.
+        if client is not None and self._owns_client and pid == os.getpid():
+            try:
+                client.close()
+            except Exception:
+                pass
+
+    # -- async ----------------------------------------------------------------------------
+    # redis.asyncio clients are bound to the event loop that first used them: one per loop.
+    def _aclient(self) -> Any:
+        loop = asyncio.get_running_loop()
+        client = self._aclients.get(loop)
+        if client is None:
+            factory = self._async_client_factory()
+            if factory is None:
+                return None
+            try:
+                client = factory()
+            except Exception as exc:
+                raise self._unavailable(exc) from exc
+            self._aclients[loop] = client
+        return client
+
+    def _async_client_factory(self) -> Callable[[], Any] | None:
+        """How to make an async client talking to the same server, or None when only the
+        sync client knows how (then the async methods run it in a thread)."""
+        if self._async_checked:
+            return self._async_factory
+        factory: Callable[[], Any] | None = None
+        if self.url is not None:
+            url, kwargs = self.url, self._url_kwargs()
+            if self.cluster:
+                factory = lambda: redis.asyncio.RedisCluster.from_url(url, **kwargs)  # noqa: E731
+            else:
+                retry = AsyncRetry(NoBackoff(), 0)
+                factory = lambda: redis.asyncio.Redis.from_url(  # noqa: E731
+                    url, retry=retry, **kwargs
+                )
+        else:
+            factory = _async_twin(self._client())
+        self._async_factory, self._async_checked = factory, True
+        return factory
+
+    async def _arun(self, script: _Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        client = self._aclient()
+        try:
+            try:
+                return await client.evalsha(script.sha, len(keys), *keys, *args)
+            except NoScriptError:
+                return await client.eval(script.text, len(keys), *keys, *args)
+        except RedisError as exc:
+            raise self._unavailable(exc) from exc
+        except OSError as exc:  # asyncio can surface raw socket errors on connect
+            raise self._unavailable(exc) from exc
+
+    def _native_async(self) -> bool:
+        return self._async_client_factory() is not None
+
+    async def aacquire(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
+        if not self._native_async():
+            return await super().aacquire(key, owner, holder, ttl)
+        reply = await self._arun(ACQUIRE, self._names(key), (owner, holder, _ms(ttl)))
+        return self._acquired(reply)
+
+    async def arelease(self, key: str, owner: str) -> bool:
+        if not self._native_async():
+            return await super().arelease(key, owner)
+        reply = await self._arun(RELEASE, self._names(key)[:1], (owner, self.channel, key))
+        if reply:
+            self.wake_board.wake(key)
+        return bool(reply)
+
+    async def aextend(self, key: str, owner: str, ttl: float) -> bool:
+        if not self._native_async():
+            return await super().aextend(key, owner, ttl)
+        return bool(await self._arun(EXTEND, self._names(key)[:1], (owner, _ms(ttl))))
+
+    async def aget(self, key: str) -> LockInfo | None:
+        if not self._native_async():
+            return await super().aget(key)
+        reply = await self._arun(GET, self._names(key)[:1], ())
+        return None if reply is None else self._info(key, *reply)
+
+
+def _async_twin(client: Any) -> Callable[[], Any] | None:
+    """A factory for an async client on the same server as the sync `client` (plain pools and
+    Sentinel pools), or None for pools we cannot reproduce."""
+    from redis.asyncio import connection as aconn
+    from redis.asyncio import sentinel as asentinel
+    from redis.sentinel import SentinelConnectionPool
+
+    pool = client.connection_pool
+    kwargs = {k: v for k, v in pool.connection_kwargs.items() if k in _PORTABLE_KWARGS}
+    retry = AsyncRetry(NoBackoff(), 0)
+    if isinstance(pool, SentinelConnectionPool):
+        sentinels = [
+            (
+                s.connection_pool.connection_kwargs["host"],
+                s.connection_pool.connection_kwargs["port"],
+            )
+            for s in pool.sentinel_manager.sentinels
+        ]
+        service = pool.service_name
+        kwargs.pop("host", None)
+        kwargs.pop("port", None)
+
+        def sentinel_client() -> Any:
+            manager = asentinel.Sentinel(sentinels, socket_timeout=kwargs.get("socket_timeout"))
+            return manager.master_for(service, retry=retry, **kwargs)
+
+        return sentinel_client
+    classes: dict[type, type] = {
+        redis.connection.Connection: aconn.Connection,
+        redis.connection.SSLConnection: aconn.SSLConnection,
+        redis.connection.UnixDomainSocketConnection: aconn.UnixDomainSocketConnection,
+    }
+    connection_class = classes.get(pool.connection_class)
+    if type(pool) is not redis.ConnectionPool or connection_class is None:
+        return None
+
+    def plain_client() -> Any:
+        apool = aconn.ConnectionPool(connection_class=connection_class, retry=retry, **kwargs)
+        return redis.asyncio.Redis(connection_pool=apool)
+
+    return plain_client
+
+
+class _RedisListener(threading.Thread):
+    """One pub/sub subscription per process: turns other processes' releases into wake-ups."""
+
+    def __init__(self, store: RedisLockStore) -> None:
+        super().__init__(name=f"keel-lock-listen-{store.alias}", daemon=True)
+        self.store = store
+        self.pid = os.getpid()
+        self.ready = threading.Event()
+        self._stopping = threading.Event()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self.join(timeout=3)
+
+    def run(self) -> None:
+        backoff = 0.05
+        while not self._stopping.is_set():
+            try:
+                self._listen()
+                backoff = 0.05
+            except Exception as exc:  # connection lost: waiters fall back to polling
+                self.ready.clear()
+                # Waiters sleeping on push must look again now: the store may be down (they
+                # should hear so) or releases may have been missed.
+                self.store.wake_board.wake_all()
+                if self._stopping.is_set():
+                    break
+                logger.debug("lock listener for %r reconnecting: %s", self.store.alias, exc)
+                self._stopping.wait(backoff)
+                backoff = min(backoff * 2, 2.0)
+        self.ready.clear()
+
+    def _listen(self) -> None:
+        board = self.store.wake_board
+        pubsub = self.store._client().pubsub()
+        try:
+            pubsub.subscribe(self.store.channel)
+            heard = pinged = time.monotonic()
+            while not self._stopping.is_set():
+                message = pubsub.get_message(timeout=1.0)
+                now = time.monotonic()
+                if message is None:
+                    if now - heard > LISTEN_DEAD:
+                        raise ConnectionError("no reply to PING on the release channel")
+                    if now - heard > LISTEN_PING and now - pinged > LISTEN_PING:
+                        pubsub.ping()
+                        pinged = now
+                    continue
+                heard = now
+                kind = _text(message.get("type"))
+                if kind == "message":
+                    board.wake(_text(message["data"]))
+                elif kind == "subscribe":
+                    self.ready.set()
+                    # A release may have happened while we were (re)subscribing.
+                    board.wake_all()
+        finally:
+            self.ready.clear()
+            try:
+                pubsub.close()
+            except Exception:
+                pass
