@@ -24,6 +24,7 @@ def _store_availability() -> dict[str, str | None]:
         "sqlite": None,
         "postgres": None if "postgres" in dbs else "PostgreSQL is not reachable",
         "mariadb": None if "mariadb" in dbs else "MariaDB is not reachable",
+        "redis": None if settings.SERVERS["redis"] or settings.CI else "Redis is not reachable",
     }
 
 

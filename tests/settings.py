@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+from urllib.parse import urlsplit
 
 CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
 RUN_ID = os.environ.get("KEEL_TEST_RUN_ID") or str(os.getpid())
@@ -35,6 +36,9 @@ def reachable(host: str, port: int) -> bool:
 SERVERS = {
     "postgres": reachable(PG_HOST, PG_PORT),
     "mariadb": reachable(MYSQL_HOST, MYSQL_PORT),
+    "redis": reachable(
+        urlsplit(REDIS_URL).hostname or "127.0.0.1", urlsplit(REDIS_URL).port or 6379
+    ),
 }
 
 SECRET_KEY = "tests-only-not-secret"
@@ -122,6 +126,16 @@ KEEL_LOCK_STORES = {
     "mariadb": {
         "BACKEND": "django_keel_lock.stores.DatabaseLockStore",
         "OPTIONS": {"DATABASE": "mariadb"},
+    },
+    # Reuses the django-redis cache's client and pool (CACHES["default"] below).
+    "redis": {
+        "BACKEND": "django_keel_lock.stores.RedisLockStore",
+        "OPTIONS": {"CONNECTION": "default"},
+    },
+    # Its own redis-py client from a URL, another prefix on the same server.
+    "redis-url": {
+        "BACKEND": "django_keel_lock.stores.RedisLockStore",
+        "OPTIONS": {"URL": REDIS_URL, "KEY_PREFIX": f"keel-lock-test-{RUN_ID}:"},
     },
 }
 
