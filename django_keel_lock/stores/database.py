@@ -17,6 +17,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 
 from ..exceptions import LockStoreUnavailable
@@ -238,6 +239,11 @@ class DatabaseLockStore(LockStore):
     def __init__(self, alias: str = "default", options: Mapping[str, Any] | None = None) -> None:
         super().__init__(alias, options)
         self.database: str = self.options.get("DATABASE", "default")
+        if self.database not in connections.settings:
+            raise ImproperlyConfigured(
+                f"KEEL_LOCK_STORES[{alias!r}] OPTIONS DATABASE {self.database!r} is not in "
+                f"DATABASES (configured: {', '.join(connections.settings)})"
+            )
         self.durable = bool(self.options.get("DURABLE", True))
         self._local = threading.local()
         self._mutex = threading.Lock()

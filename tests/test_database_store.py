@@ -1,0 +1,288 @@
+"""What only the database store must get right: transactions, the database clock, outages."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from django.conf import settings
+from django.contrib.auth.models import Group
+from django.core.exceptions import ImproperlyConfigured
+from django.db import connections, transaction
+from django.test import override_settings
+
+from django_keel_lock import LockStoreUnavailable, get_lock_store, lock
+from django_keel_lock.stores import DatabaseLockStore
+
+from .conftest import DATABASE_STORES, SERVER_DATABASES, store_params
+
+FAKETIME_LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_child(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> list[Any]:
+    """Run tests.child with `args`; its JSON lines."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.child", *args],
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.fixture(params=store_params(DATABASE_STORES))
+def db_alias(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(params=store_params(SERVER_DATABASES))
+def server_alias(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def _database_of(alias: str) -> str:
+    store = get_lock_store(alias)
+    assert isinstance(store, DatabaseLockStore)
+    return store.database
+
+
+@pytest.mark.django_db(databases="__all__", transaction=True)
+def test_lock_taken_inside_atomic_survives_rollback_and_is_visible_at_once(
+    server_alias: str, key: str
+) -> None:
+    database = _database_of(server_alias)
+    seen_from_other_thread: list[bool] = []
+    handle = lock(key, store=server_alias)
+    with pytest.raises(RuntimeError, match="roll back"):
+        with transaction.atomic(using=database):
+            Group.objects.using(database).create(name=key[:150])
+            assert handle.acquire()
+            probe = threading.Thread(
+                target=lambda: seen_from_other_thread.append(
+                    lock(key, store=server_alias).acquire()
+                )
+            )
+            probe.start()
+            probe.join()
+            raise RuntimeError("roll back the caller's transaction")
+    assert seen_from_other_thread == [False]  # held, and visible outside the transaction
+    assert not Group.objects.using(database).filter(name=key[:150]).exists()
+    assert handle.is_locked()
+    assert handle.release()
+
+
+@pytest.mark.django_db(databases="__all__", transaction=True)
+def test_acquire_never_waits_behind_a_callers_open_transaction(server_alias: str, key: str) -> None:
+    database = _database_of(server_alias)
+    inside = threading.Event()
+    finish = threading.Event()
+
+    def caller() -> None:
+        with transaction.atomic(using=database):
+            Group.objects.using(database).create(name=key[:150])
+            assert lock(key, store=server_alias).run(lambda: None).acquired
+            inside.set()
+            finish.wait(10)
+        connections[database].close()
+
+    thread = threading.Thread(target=caller)
+    thread.start()
+    try:
+        assert inside.wait(10)
+        started = time.monotonic()
+        assert lock(key, store=server_alias).run(lambda: True) == (True, True)
+        assert time.monotonic() - started < 1.0
+    finally:
+        finish.set()
+        thread.join()
+
+
+@pytest.mark.django_db(databases="__all__", transaction=True)
+def test_callers_transaction_stays_usable_after_a_store_failure(
+    server_alias: str, key: str
+) -> None:
+    database = _database_of(server_alias)
+    with transaction.atomic(using=database):
+        Group.objects.using(database).create(name=key[:150])
+        with pytest.raises(ValueError, match="key"):
+            lock("x" * 300, store=server_alias)
+        assert lock(key, store=server_alias).run(lambda: 1) == (True, 1)
+        assert Group.objects.using(database).filter(name=key[:150]).count() == 1
+
+
+@pytest.mark.skipif(
+    not os.path.exists(FAKETIME_LIB) and os.environ.get("CI") != "true",
+    reason="SKIPPED LOUDLY: libfaketime is not installed (apt-get install faketime)",
+)
+@pytest.mark.parametrize("skew", ["+2h", "-2h"])
+def test_app_server_clock_skew_neither_steals_nor_keeps_locks(
+    server_alias: str, key: str, skew: str
+) -> None:
+    # Server databases only: SQLite runs inside each process, so its "now" is the process's
+    # clock; processes sharing one SQLite file share one machine and so one clock.
+    db_alias = server_alias
+    skewed = {"LD_PRELOAD": FAKETIME_LIB, "FAKETIME": skew, "FAKETIME_DONT_RESET": "1"}
+    # The skewed process really runs with a shifted clock.
+    [child_clock] = run_child("acquire", "--store", db_alias, "--key", key + ":probe", env=skewed)
+    assert abs(child_clock["wall"] - time.time()) > 3600
+
+    holder = lock(key, ttl=30, store=db_alias)
+    assert holder.acquire()
+    # A process two hours ahead must not see our 30 s lock as expired.
+    [stolen] = run_child("acquire", "--store", db_alias, "--key", key, env=skewed)
+    assert stolen["acquired"] is False
+    assert holder.release()
+
+    # A lock taken by a skewed process lives exactly its ttl by the database's clock.
+    [taken] = run_child("acquire", "--store", db_alias, "--key", key, "--ttl", "1", env=skewed)
+    assert taken["acquired"] is True and 0.5 < taken["remaining"] <= 1.01
+    assert not lock(key, store=db_alias).acquire()
+    time.sleep(1.2)
+    late = lock(key, store=db_alias)
+    assert late.acquire()
+    assert late.fence is not None and late.fence > taken["fence"]
+    late.release()
+
+
+def test_serialized_lock_is_released_by_another_process(db_alias: str, key: str) -> None:
+    [child] = run_child("acquire", "--store", db_alias, "--key", key, "--ttl", "30")
+    assert child["acquired"]
+    assert not lock(key, store=db_alias).acquire()
+    [extended] = run_child("restore-extend", "--token", child["token"], "--ttl", "60")
+    assert 59 < extended["remaining"] <= 60.01
+    [released] = run_child("restore-release", "--token", child["token"])
+    assert released == {"released": True}
+    assert lock(key, store=db_alias).run(lambda: "mine") == (True, "mine")
+    [again] = run_child("restore-release", "--token", child["token"])
+    assert again == {"released": False}
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+DOWN_DATABASES = {
+    "postgres": {"ENGINE": "django.db.backends.postgresql", "USER": "postgres", "NAME": "x"},
+    "mariadb": {"ENGINE": "django.db.backends.mysql", "USER": "root", "NAME": "x"},
+}
+
+
+@pytest.fixture
+def down_database() -> Iterator[Callable[[str], str]]:
+    """Register a Django database alias whose server port is closed; its name."""
+    added: list[str] = []
+
+    def add(engine: str) -> str:
+        alias = f"down-{engine}"
+        config = {**DOWN_DATABASES[engine], "HOST": "127.0.0.1", "PORT": _closed_port()}
+        # override_settings(DATABASES=...) does not reach django.db.connections; add it there.
+        configured = connections.configure_settings(
+            {"default": connections.settings["default"], alias: config}
+        )
+        connections.settings[alias] = configured[alias]
+        added.append(alias)
+        return alias
+
+    yield add
+    for alias in added:
+        del connections.settings[alias]
+
+
+@pytest.mark.parametrize("engine", ["postgres", "mariadb"])
+def test_unreachable_database_is_an_error_not_contention(
+    engine: str, key: str, down_database: Callable[[str], str]
+) -> None:
+    database = down_database(engine)
+    stores = {
+        "down": {
+            "BACKEND": "django_keel_lock.stores.DatabaseLockStore",
+            "OPTIONS": {"DATABASE": database},
+        }
+    }
+    with override_settings(KEEL_LOCK_STORES=stores):
+        handle = lock(key, store="down")
+        calls: list[int] = []
+        operations: list[Callable[[], object]] = [
+            handle.acquire,
+            handle.is_locked,
+            lambda: handle.run(lambda: calls.append(1)),
+            lambda: lock(key, store="down", timeout=1).__enter__(),
+        ]
+        for operation in operations:
+            with pytest.raises(LockStoreUnavailable, match="cannot connect"):
+                operation()
+        assert calls == []
+
+
+def test_connection_killed_by_the_server_is_replaced_transparently(
+    server_alias: str, key: str
+) -> None:
+    store = get_lock_store(server_alias)
+    assert isinstance(store, DatabaseLockStore)
+    handle = lock(key, store=server_alias)
+    assert handle.acquire()
+    wrapper, _ = store._wrapper()
+    with connections[store.database].cursor() as cursor:
+        pid = _backend_id(wrapper)
+        kill = (
+            "SELECT pg_terminate_backend(%s)" if store.dialect.vendor == "postgresql" else "KILL %s"
+        )
+        cursor.execute(kill, [pid])
+    time.sleep(0.2)
+    assert handle.release() is True  # retried once on a fresh connection
+    assert not handle.is_locked()
+
+
+def _backend_id(wrapper: Any) -> int:
+    raw = wrapper.connection
+    cursor = raw.cursor()
+    cursor.execute(
+        "SELECT pg_backend_pid()" if wrapper.vendor == "postgresql" else "SELECT CONNECTION_ID()"
+    )
+    value = int(cursor.fetchone()[0])
+    cursor.close()
+    return value
+
+
+def test_durable_false_store_locks_the_same_way(key: str) -> None:
+    if "postgres" not in settings.DATABASES:
+        pytest.skip("SERVER UNAVAILABLE: PostgreSQL is not reachable")
+    fast, durable = lock(key, store="postgres-fast"), lock(key, store="postgres")
+    assert fast.acquire()
+    assert not durable.acquire()
+    assert fast.release()
+    assert durable.acquire() and durable.fence is not None and fast.fence is not None
+    assert durable.fence > fast.fence
+    durable.release()
+
+
+def test_unknown_database_alias_is_a_clear_error(key: str) -> None:
+    stores = {
+        "bad": {
+            "BACKEND": "django_keel_lock.stores.DatabaseLockStore",
+            "OPTIONS": {"DATABASE": "nope"},
+        }
+    }
+    with override_settings(KEEL_LOCK_STORES=stores):
+        with pytest.raises(ImproperlyConfigured, match="DATABASE 'nope'"):
+            lock(key, store="bad")
+
+
+def test_unknown_option_names_the_option() -> None:
+    with pytest.raises(ImproperlyConfigured, match="DURABEL"):
+        DatabaseLockStore("x", {"DURABEL": False})
