@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from .conf import get_lock_store, set_lock_store
-from .core import Lock, LockOutcome, lock, restore_lock
+from .core import Lock, LockOutcome, force_release, lock, restore_lock
+from .decorators import locked
 from .exceptions import (
     InvalidLockToken,
     LockError,
@@ -11,6 +12,7 @@ from .exceptions import (
     LockStoreUnavailable,
     LockUnavailable,
 )
+from .views import LockViewMixin, lock_view
 
 __all__ = [
     "InvalidLockToken",
@@ -20,8 +22,12 @@ __all__ = [
     "LockOutcome",
     "LockStoreUnavailable",
     "LockUnavailable",
+    "LockViewMixin",
+    "force_release",
     "get_lock_store",
     "lock",
+    "lock_view",
+    "locked",
     "restore_lock",
     "set_lock_store",
 ]

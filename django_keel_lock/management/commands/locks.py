@@ -1,0 +1,208 @@
+"""`manage.py locks`: list, show, force-release and prune the locks of a store.
+
+    manage.py locks list [--store ALIAS] [--prefix P] [--json]
+    manage.py locks show KEY [--store ALIAS] [--json]
+    manage.py locks release KEY [--store ALIAS] [--yes]
+    manage.py locks prune [--store ALIAS]
+
+Exit codes: 0 done; 1 the key is not held (show, release) or the release was declined at the
+prompt; 2 usage errors and an unknown or misconfigured store alias; 3 the store could not be
+reached (the state of the locks is unknown).
+
+`list` streams: rows are printed as the store yields them (page by page for the database store),
+with fixed column widths so the table never needs every row in memory.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from datetime import UTC
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from ...conf import conf, get_lock_store
+from ...core import force_release
+from ...exceptions import LockStoreUnavailable
+from ...stores.base import LockInfo, LockStore
+
+EXIT_NOT_HELD = 1
+EXIT_CONFIG = 2
+EXIT_UNAVAILABLE = 3
+
+HOLDER_WIDTH = 32
+# FENCE, EXPIRES IN, ACQUIRED (UTC), HOLDER are fixed width; KEY comes last and is never cut.
+ROW = "{fence:>12}  {expires:>10}  {acquired:<23}  {holder:<" + str(HOLDER_WIDTH) + "}  {key}"
+
+
+def format_acquired(info: LockInfo) -> str:
+    if info.acquired_at is None:
+        return "-"
+    return info.acquired_at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:23]
+
+
+def format_expires(seconds: float) -> str:
+    return f"{seconds:.1f}s"
+
+
+def info_dict(info: LockInfo, *, owner: bool = False) -> dict[str, Any]:
+    data: dict[str, Any] = {
+        "key": info.key,
+        "holder": info.holder,
+        "fence": info.fence,
+        "acquired_at": None if info.acquired_at is None else info.acquired_at.isoformat(),
+        "expires_in": round(info.expires_in, 3),
+    }
+    if owner:
+        data["owner"] = info.owner
+    return data
+
+
+def table_row(info: LockInfo) -> str:
+    holder = info.holder
+    if len(holder) > HOLDER_WIDTH:
+        holder = holder[: HOLDER_WIDTH - 1] + "…"
+    return ROW.format(
+        fence=info.fence,
+        expires=format_expires(info.expires_in),
+        acquired=format_acquired(info),
+        holder=holder,
+        key=info.key,
+    )
+
+
+def list_lines(store: LockStore, prefix: str = "", as_json: bool = False) -> Iterator[str]:
+    """The lines `locks list` prints, produced one store row at a time."""
+    count = 0
+    if not as_json:
+        yield ROW.format(
+            fence="FENCE",
+            expires="EXPIRES IN",
+            acquired="ACQUIRED (UTC)",
+            holder="HOLDER",
+            key="KEY",
+        )
+    for info in store.iter_locks(prefix):
+        count += 1
+        yield json.dumps(info_dict(info), ensure_ascii=False) if as_json else table_row(info)
+    if not as_json:
+        what = f" with prefix {prefix!r}" if prefix else ""
+        yield f"{count} lock{'' if count == 1 else 's'} held in store {store.alias!r}{what}."
+
+
+class Command(BaseCommand):
+    help = "List, show, force-release and prune the locks of a django-keel-lock store."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+
+        def add(name: str, help: str) -> Any:
+            sub = actions.add_parser(name, help=help, description=help)
+            sub.add_argument(
+                "--store", default="default", metavar="ALIAS", help="store alias (default: default)"
+            )
+            return sub
+
+        listing = add("list", "List every held lock: key, holder, fence, acquired, expires in.")
+        listing.add_argument("--prefix", default="", help="only keys starting with this")
+        listing.add_argument("--json", action="store_true", help="one JSON object per line")
+        show = add("show", "Show one lock in detail.")
+        show.add_argument("key")
+        show.add_argument("--json", action="store_true", help="print a JSON object")
+        release = add("release", "Force-release a lock, whoever holds it.")
+        release.add_argument("key")
+        release.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+        add("prune", "Delete expired lock rows (database store); print how many.")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        alias: str = options["store"]
+        store = self.get_store(alias)
+        try:
+            getattr(self, f"do_{options['action']}")(store, options)
+        except LockStoreUnavailable as exc:
+            raise CommandError(
+                f"store {alias!r} is unavailable, nothing was done: {exc}",
+                returncode=EXIT_UNAVAILABLE,
+            ) from exc
+
+    def get_store(self, alias: str) -> LockStore:
+        try:
+            stores = conf.STORES
+            if alias not in stores:
+                known = ", ".join(sorted(stores)) or "none"
+                raise CommandError(
+                    f"unknown store alias {alias!r} (KEEL_LOCK_STORES has: {known})",
+                    returncode=EXIT_CONFIG,
+                )
+            return get_lock_store(alias)
+        except ImproperlyConfigured as exc:
+            raise CommandError(str(exc), returncode=EXIT_CONFIG) from exc
+
+    # -- actions --------------------------------------------------------------------------
+    def do_list(self, store: LockStore, options: dict[str, Any]) -> None:
+        for line in list_lines(store, options["prefix"], options["json"]):
+            self.stdout.write(line)
+
+    def do_show(self, store: LockStore, options: dict[str, Any]) -> None:
+        info = self.read(store, options["key"])
+        if options["json"]:
+            self.stdout.write(json.dumps({"store": store.alias, **info_dict(info, owner=True)}))
+            return
+        rows = [
+            ("key", info.key),
+            ("store", store.alias),
+            ("holder", info.holder),
+            ("fence", str(info.fence)),
+            ("owner", info.owner),
+            ("acquired", f"{format_acquired(info)} UTC"),
+            ("expires in", format_expires(info.expires_in)),
+        ]
+        for label, value in rows:
+            self.stdout.write(f"{label + ':':<12}{value}")
+
+    def do_release(self, store: LockStore, options: dict[str, Any]) -> None:
+        key: str = options["key"]
+        if not options["yes"]:
+            info = self.read(store, key)
+            question = (
+                f"Force-release {key!r} in store {store.alias!r}, held by {info.holder} "
+                f"(fence {info.fence}, expires in {format_expires(info.expires_in)})? "
+                "Its holder will keep running without the lock. [y/N] "
+            )
+            try:
+                answer = input(question)
+            except EOFError:
+                answer = ""
+            if answer.strip().lower() not in {"y", "yes"}:
+                raise CommandError(
+                    "Not released (answer 'y' to release; --yes skips the question).",
+                    returncode=EXIT_NOT_HELD,
+                )
+        freed = force_release(key, store=store.alias)
+        if freed is None:
+            raise self.not_held(store, key)
+        self.stdout.write(
+            f"Released {key!r} in store {store.alias!r} (was held by {freed.holder}, "
+            f"fence {freed.fence})."
+        )
+
+    def do_prune(self, store: LockStore, options: dict[str, Any]) -> None:
+        count = store.prune()
+        self.stdout.write(
+            f"Pruned {count} expired lock{'' if count == 1 else 's'} from store {store.alias!r}."
+        )
+
+    # -- helpers --------------------------------------------------------------------------
+    def read(self, store: LockStore, key: str) -> LockInfo:
+        info = store.get(key)
+        if info is None:
+            raise self.not_held(store, key)
+        return info
+
+    @staticmethod
+    def not_held(store: LockStore, key: str) -> CommandError:
+        return CommandError(
+            f"lock {key!r} is not held in store {store.alias!r}", returncode=EXIT_NOT_HELD
+        )

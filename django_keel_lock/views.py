@@ -1,0 +1,312 @@
+"""`@lock_view` and `LockViewMixin`: one request at a time per key; the others get 409 Conflict.
+
+    @lock_view("invoice:<pk>", ttl="2m")            # <name> is filled from the URL kwargs
+    def charge_invoice(request, pk): ...
+
+    class ChargeView(LockViewMixin, View):
+        lock_key = "invoice:<pk>"
+
+A thin adapter over `core.Lock`: the lock is held while the view runs and released when it
+returns (a streaming response's body is produced after that, outside the lock). A store that
+cannot be reached raises LockStoreUnavailable (a 500): an outage is not contention.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+from asgiref.sync import iscoroutinefunction, sync_to_async
+from django.core.exceptions import ImproperlyConfigured
+from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
+
+from .core import DEFAULT_RETRY_DELAY, Lock
+from .core import lock as make_lock
+from .decorators import arun, check_lock_options, labelled_holder
+from .durations import Duration
+
+if TYPE_CHECKING:
+    from django.views import View
+
+    _MixinBase = View
+else:
+    _MixinBase = object
+
+ViewFunc = TypeVar("ViewFunc", bound=Callable[..., Any])
+ViewKey = str | Callable[..., str]
+OnLockedView = Callable[[HttpRequest, str], HttpResponseBase | Awaitable[HttpResponseBase]]
+
+_PLACEHOLDER = re.compile(r"<([^<>]*)>")
+_Part = tuple[bool, str]  # (is_placeholder, literal text or URL kwarg name)
+
+
+@functools.lru_cache(maxsize=256)
+def parse_key_template(template: str) -> tuple[_Part, ...]:
+    """Split "invoice:<pk>" into literal text and URL kwarg names; a bad template raises."""
+    parts: list[_Part] = []
+    pos = 0
+    for match in _PLACEHOLDER.finditer(template):
+        parts.append((False, template[pos : match.start()]))
+        name = match.group(1)
+        if not name.isidentifier():
+            raise ImproperlyConfigured(
+                f"lock key {template!r}: <{name}> is not a placeholder; write <name> where name "
+                f"is a URL kwarg (< and > are only for placeholders)"
+            )
+        parts.append((True, name))
+        pos = match.end()
+    rest = template[pos:]
+    if "<" in rest or ">" in rest or any("<" in t or ">" in t for p, t in parts if not p):
+        raise ImproperlyConfigured(
+            f"lock key {template!r} has an unpaired < or >; they are only for <name> placeholders"
+        )
+    parts.append((False, rest))
+    return tuple(part for part in parts if part[0] or part[1])
+
+
+def render_key_template(template: str, url_kwargs: dict[str, Any]) -> str:
+    """The key for one request: each <name> replaced by str(url_kwargs[name]), as given."""
+    out = []
+    for is_name, text in parse_key_template(template):
+        if not is_name:
+            out.append(text)
+        elif text in url_kwargs:
+            out.append(str(url_kwargs[text]))
+        else:
+            known = ", ".join(sorted(url_kwargs)) or "none"
+            raise ImproperlyConfigured(
+                f"lock key {template!r} names <{text}>, which is not a URL kwarg of this view "
+                f"(its URL kwargs: {known})"
+            )
+    return "".join(out)
+
+
+def wants_json(request: HttpRequest) -> bool:
+    """True when the Accept header names JSON (application/json or */*+json) with q > 0.
+
+    A bare */* (browsers, curl, the test client) gets text: JSON only for clients that ask.
+    """
+    for item in request.headers.get("Accept", "").split(","):
+        media, *params = (piece.strip() for piece in item.split(";"))
+        media = media.lower()
+        if media != "application/json" and not (
+            media.startswith("application/") and media.endswith("+json")
+        ):
+            continue
+        quality = 1.0
+        for param in params:
+            name, _, value = param.partition("=")
+            if name.strip().lower() == "q":
+                try:
+                    quality = float(value)
+                except ValueError:
+                    quality = 0.0
+        if quality > 0:
+            return True
+    return False
+
+
+def conflict_response(request: HttpRequest, key: str, retry_after: float | None) -> HttpResponse:
+    """The default answer while `key` is held: 409 with Retry-After, JSON if the client asks."""
+    seconds = 0 if retry_after is None else max(0, math.ceil(retry_after))
+    detail = "Another request holds this resource's lock; retry later."
+    response: HttpResponse
+    if wants_json(request):
+        response = JsonResponse({"detail": detail, "key": key}, status=409)
+    else:
+        response = HttpResponse(
+            f"409 Conflict: {key} is locked by another request; retry in {seconds}s.\n",
+            status=409,
+            content_type="text/plain; charset=utf-8",
+        )
+    response["Retry-After"] = str(seconds)
+    return response
+
+
+@dataclass(frozen=True)
+class ViewLock:
+    """How one view takes its lock; shared by `lock_view` and `LockViewMixin`."""
+
+    key: ViewKey
+    ttl: Duration | None = None
+    timeout: Duration = 0
+    retry_delay: Duration = DEFAULT_RETRY_DELAY
+    store: str = "default"
+    holder: str | None = None
+    on_locked: OnLockedView | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.key, str):
+            parse_key_template(self.key)
+        elif not callable(self.key):
+            raise TypeError(
+                f"lock key must be a str template or a callable (request, *args, **kwargs) -> "
+                f"str, got {type(self.key).__name__}"
+            )
+        if self.on_locked is not None and not callable(self.on_locked):
+            raise TypeError(
+                f"on_locked must be a callable (request, key) -> HttpResponse, "
+                f"got {type(self.on_locked).__name__}"
+            )
+        check_lock_options(self.ttl, self.timeout, self.retry_delay, self.store)
+
+    def handle(self, request: HttpRequest, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Lock:
+        if isinstance(self.key, str):
+            key = render_key_template(self.key, kwargs)
+        else:
+            key = self.key(request, *args, **kwargs)
+        holder = self.holder
+        if holder is None:
+            holder = labelled_holder(f"{request.method} {request.path}")
+        return make_lock(
+            key,
+            ttl=self.ttl,
+            timeout=self.timeout,
+            retry_delay=self.retry_delay,
+            store=self.store,
+            holder=holder,
+        )
+
+    def refused(self, request: HttpRequest, handle: Lock) -> HttpResponseBase:
+        if self.on_locked is None:
+            return conflict_response(request, handle.key, handle.remaining_time())
+        response = self.on_locked(request, handle.key)
+        if inspect.isawaitable(response):
+            raise ImproperlyConfigured(
+                f"on_locked {self.on_locked!r} is async but the view is sync; make it sync"
+            )
+        return response
+
+    async def arefused(self, request: HttpRequest, handle: Lock) -> HttpResponseBase:
+        if self.on_locked is None:
+            remaining = await sync_to_async(handle.remaining_time, thread_sensitive=False)()
+            return conflict_response(request, handle.key, remaining)
+        if iscoroutinefunction(self.on_locked):
+            return await cast(Awaitable[HttpResponseBase], self.on_locked(request, handle.key))
+        # User code (it may use the ORM): run it where Django runs sync code.
+        response = await sync_to_async(self.on_locked)(request, handle.key)
+        return await response if inspect.isawaitable(response) else response
+
+    def call(self, view: Callable[..., Any], request: HttpRequest, args: Any, kwargs: Any) -> Any:
+        """Run a view under the lock. Called inside a running event loop (an async view, or a
+        sync `dispatch` of an async class-based view), it returns a coroutine instead."""
+        if _in_event_loop():
+            return self.acall(view, request, args, kwargs)
+        handle = self.handle(request, args, kwargs)
+        outcome = handle.run(lambda: view(request, *args, **kwargs))
+        return outcome.value if outcome.acquired else self.refused(request, handle)
+
+    async def acall(
+        self, view: Callable[..., Any], request: HttpRequest, args: Any, kwargs: Any
+    ) -> Any:
+        handle = self.handle(request, args, kwargs)
+
+        async def run_view() -> Any:
+            result = view(request, *args, **kwargs)
+            return await result if inspect.isawaitable(result) else result
+
+        outcome = await arun(handle, run_view)
+        return outcome.value if outcome.acquired else await self.arefused(request, handle)
+
+
+def _in_event_loop() -> bool:
+    import asyncio
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def lock_view(
+    key: ViewKey,
+    *,
+    ttl: Duration | None = None,
+    timeout: Duration = 0,
+    retry_delay: Duration = DEFAULT_RETRY_DELAY,
+    store: str = "default",
+    holder: str | None = None,
+    on_locked: OnLockedView | None = None,
+) -> Callable[[ViewFunc], ViewFunc]:
+    """Run the view only while holding `key`; while another request holds it, answer 409.
+
+    `key` is a template whose <name> placeholders come from the URL kwargs, or a callable
+    `(request, *args, **kwargs) -> key`. `on_locked(request, key)` answers instead of the 409.
+    ttl, timeout (how long to wait for the lock before answering), retry_delay, store and holder
+    go to `lock()`. Works on sync and `async def` views and (via method_decorator on
+    "dispatch") on class-based views.
+    """
+    config = ViewLock(key, ttl, timeout, retry_delay, store, holder, on_locked)
+
+    def decorate(view: ViewFunc) -> ViewFunc:
+        if iscoroutinefunction(view):
+
+            @functools.wraps(view)
+            async def async_wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
+                return await config.acall(view, request, args, kwargs)
+
+            return cast(ViewFunc, async_wrapper)
+
+        @functools.wraps(view)
+        def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
+            return config.call(view, request, args, kwargs)
+
+        return cast(ViewFunc, wrapper)
+
+    return decorate
+
+
+class LockViewMixin(_MixinBase):
+    """Class-based view twin of `lock_view`: set `lock_key` (or override `get_lock_key`).
+
+    Attributes lock_ttl, lock_timeout, lock_retry_delay, lock_store and lock_holder go to
+    `lock()`; define a method `lock_on_locked(self, request, key)` to answer instead of the 409.
+    """
+
+    lock_key: ViewKey | None = None
+    lock_ttl: Duration | None = None
+    lock_timeout: Duration = 0
+    lock_retry_delay: Duration = DEFAULT_RETRY_DELAY
+    lock_store: str = "default"
+    lock_holder: str | None = None
+    #: A method `(self, request, key) -> HttpResponse` to answer instead of the default 409.
+    lock_on_locked: OnLockedView | None = None
+
+    def get_lock_key(self, request: HttpRequest, *args: Any, **kwargs: Any) -> str:
+        """The key for this request: `lock_key` with <name> filled from the URL kwargs."""
+        template = self.lock_key
+        if template is None:
+            raise ImproperlyConfigured(
+                f"{type(self).__name__} needs a lock_key (e.g. 'invoice:<pk>') or a "
+                f"get_lock_key() method"
+            )
+        if isinstance(template, str):
+            return render_key_template(template, kwargs)
+        return template(request, *args, **kwargs)
+
+    def _view_lock(self) -> ViewLock:
+        return ViewLock(
+            key=self.get_lock_key,
+            ttl=self.lock_ttl,
+            timeout=self.lock_timeout,
+            retry_delay=self.lock_retry_delay,
+            store=self.lock_store,
+            holder=self.lock_holder,
+            on_locked=self.lock_on_locked,
+        )
+
+    def dispatch(self, request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
+        config = self._view_lock()
+        parent = super().dispatch
+        if getattr(type(self), "view_is_async", False):
+            return config.acall(parent, request, args, kwargs)
+        return config.call(parent, request, args, kwargs)
+
+
+__all__ = ["LockViewMixin", "conflict_response", "lock_view"]
