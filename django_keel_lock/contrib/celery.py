@@ -1,0 +1,200 @@
+"""Celery tasks that must not run twice at once, without hand-written try/finally.
+
+    from celery import shared_task
+    from django_keel_lock.contrib.celery import locked_task
+
+    @shared_task(bind=True, max_retries=10)
+    @locked_task("report:{date}", ttl="1h", on_locked="retry")
+    def build_report(self, date): ...
+
+Celery is an optional extra (`django-keel-lock[celery]`): nothing else in the package imports
+this module, so the app works without Celery installed.
+
+A worker killed mid-task (SIGKILL, OOM) never releases its lock, but the lock still expires at
+its ttl: the next run proceeds after that. Choose a ttl longer than the task ever runs (or use
+`auto_extend=True` once the lock watchdog exists) and shorter than you are willing to wait after
+a crash.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+import logging
+import math
+from collections.abc import Callable
+from typing import Any, Literal, ParamSpec, TypeVar
+
+try:
+    from celery import Task, current_task
+except ImportError as exc:  # pragma: no cover - exercised by a subprocess test
+    raise ImportError(
+        "django_keel_lock.contrib.celery needs Celery: pip install 'django-keel-lock[celery]'"
+    ) from exc
+
+from ..core import DEFAULT_RETRY_DELAY, KeyTemplate, Lock, default_holder, format_key, lock
+from ..durations import Duration, to_seconds
+from ..exceptions import LockUnavailable
+
+__all__ = ["DEFAULT_RETRY_COUNTDOWN", "current_lock", "locked_task"]
+
+logger = logging.getLogger("django_keel_lock.celery")
+
+P = ParamSpec("P")
+R = TypeVar("R")
+OnLocked = Literal["skip", "raise", "retry"]
+
+#: Seconds before a retry when the holder's remaining time is unknown (it just released).
+DEFAULT_RETRY_COUNTDOWN = 1.0
+_ON_LOCKED = ("skip", "raise", "retry")
+
+_current: contextvars.ContextVar[Lock | None] = contextvars.ContextVar(
+    "django_keel_lock_task_lock", default=None
+)
+
+
+def current_lock() -> Lock | None:
+    """The lock the running `locked_task` holds (to pass its `fence` on), None outside one."""
+    return _current.get()
+
+
+def _lock_accepts(name: str) -> bool:
+    return name in inspect.signature(lock).parameters
+
+
+def locked_task(
+    key: KeyTemplate,
+    *,
+    ttl: Duration | None = None,
+    on_locked: OnLocked = "skip",
+    timeout: Duration = 0,
+    retry_delay: Duration = DEFAULT_RETRY_DELAY,
+    store: str = "default",
+    holder: str | None = None,
+    countdown: Duration | None = None,
+    auto_extend: bool = False,
+) -> Callable[[Callable[P, R]], Callable[P, R | None]]:
+    """Run the task body only while holding the lock `key` (formatted from the task's
+    arguments, `self` included for bound tasks); put it *under* `@shared_task`.
+
+    When the lock stays held for `timeout` seconds (default 0: don't wait), `on_locked` decides:
+    "skip" returns None and logs at INFO; "raise" raises `LockUnavailable`; "retry" calls the
+    task's `retry()` after `countdown` seconds (default: the holder's remaining time, rounded
+    up) and raises `LockUnavailable` once the task's `max_retries` are used up. A store that
+    cannot be reached raises `LockStoreUnavailable` whatever `on_locked` says.
+    """
+    if on_locked not in _ON_LOCKED:
+        raise ValueError(f"on_locked must be one of {', '.join(_ON_LOCKED)}; got {on_locked!r}")
+    if ttl is not None:
+        to_seconds("ttl", ttl)  # fail at import time, not in the worker
+    to_seconds("timeout", timeout, allow_zero=True)
+    to_seconds("retry_delay", retry_delay, allow_zero=True)
+    fixed_countdown = (
+        None if countdown is None else to_seconds("countdown", countdown, allow_zero=True)
+    )
+    if countdown is not None and on_locked != "retry":
+        raise ValueError('countdown= only applies to on_locked="retry"')
+    if not isinstance(store, str):
+        raise TypeError(f"store must be an alias (str), got {type(store).__name__}")
+    extra: dict[str, Any] = {}
+    if auto_extend:
+        if not _lock_accepts("auto_extend"):
+            raise TypeError(
+                "auto_extend=True needs lock(..., auto_extend=True) (the lock watchdog), which "
+                "this version of django-keel-lock does not have; pass a ttl longer than the task"
+            )
+        extra["auto_extend"] = True
+
+    def decorate(fn: Callable[P, R]) -> Callable[P, R | None]:
+        @functools.wraps(fn)
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R | None:
+            task = _running_task(args)
+            handle = lock(
+                format_key(key, fn, args, kwargs),
+                ttl=ttl,
+                timeout=timeout,
+                retry_delay=retry_delay,
+                store=store,
+                holder=holder if holder is not None else _task_holder(task),
+                **extra,
+            )
+
+            def body() -> R:
+                token = _current.set(handle)
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    _current.reset(token)
+
+            outcome = handle.run(body)
+            if outcome.acquired:
+                return outcome.value
+            _refused(handle, task, on_locked, fixed_countdown)
+            return None
+
+        # Celery checks call arguments against the signature it reads here (no __wrapped__).
+        wrapper.__signature__ = inspect.signature(fn)  # type: ignore[attr-defined]
+        return wrapper
+
+    return decorate
+
+
+def _running_task(args: tuple[Any, ...]) -> Task | None:
+    """The bound task (`self`), else the task Celery is running in this thread, if any."""
+    if args and isinstance(args[0], Task):
+        return args[0]
+    task = current_task._get_current_object() if current_task else None
+    return task if isinstance(task, Task) else None
+
+
+def _task_holder(task: Task | None) -> str:
+    """`<hostname>:<pid> <task name>[<task id>]`, so `locks list` says which run holds a key."""
+    base = default_holder()
+    if task is None:
+        return base
+    task_id = getattr(task.request, "id", None) or "?"
+    return f"{base} {task.name}[{task_id}]"[:255]
+
+
+def _refused(handle: Lock, task: Task | None, on_locked: OnLocked, countdown: float | None) -> None:
+    name = task.name if task is not None else "task"
+    task_id = getattr(task.request, "id", None) if task is not None else None
+    if on_locked == "skip":
+        info = handle.info()
+        logger.info(
+            "skipped %s[%s]: lock %r is held by %s",
+            name,
+            task_id,
+            handle.key,
+            f"{info.holder} (fence {info.fence}, {info.expires_in:.1f}s left)" if info else "?",
+        )
+        return None
+    error = LockUnavailable(handle.key, f"{name}: lock {handle.key!r} is held by someone else")
+    if on_locked == "raise" or task is None:
+        raise error
+    if countdown is None:
+        remaining = handle.remaining_time()
+        countdown = max(1.0, float(math.ceil(remaining))) if remaining else DEFAULT_RETRY_COUNTDOWN
+    retries, limit = getattr(task.request, "retries", 0) or 0, task.max_retries
+    if limit is not None and retries >= limit:
+        logger.info(
+            "giving up on %s[%s] after %s retries: lock %r is held",
+            name,
+            task_id,
+            retries,
+            handle.key,
+        )
+    else:
+        logger.info(
+            "retrying %s[%s] in %gs: lock %r is held (retry %s of %s)",
+            name,
+            task_id,
+            countdown,
+            handle.key,
+            retries + 1,
+            limit if limit is not None else "unlimited",
+        )
+    # exc= is what Celery raises once max_retries are used up: the lock, not a bare
+    # MaxRetriesExceededError, is what went wrong.
+    raise task.retry(countdown=countdown, exc=error)

@@ -1,0 +1,85 @@
+"""Tasks the real Celery worker runs in tests/test_celery.py.
+
+Charges go to a Redis list per invoice (the "payment provider" both the worker and the test can
+read). Each charge is a non-atomic read-check-sleep-write, so without the lock two worker
+processes charging the same invoice would both charge it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Task, shared_task
+
+from django_keel_lock.contrib.celery import current_lock, locked_task
+from tests.celery_app import BROKER_URL, STORE
+
+KEY = "invoice:{run}:{invoice_id}"
+
+
+def provider() -> redis.Redis:
+    return redis.Redis.from_url(BROKER_URL)
+
+
+def charges_key(run: str, invoice_id: int) -> str:
+    return f"keel-lock-test:{run}:charges:{invoice_id}"
+
+
+def _charge(task: Task, run: str, invoice_id: int, work: float) -> dict[str, Any]:
+    held = current_lock()
+    fence = held.fence if held is not None else None
+    result = {"pid": os.getpid(), "fence": fence, "retries": task.request.retries}
+    client = provider()
+    if client.llen(charges_key(run, invoice_id)):  # read, check ...
+        return {**result, "charged": False}
+    time.sleep(work)  # ... the payment provider takes its time ...
+    client.rpush(charges_key(run, invoice_id), json.dumps(result))  # ... write
+    return {**result, "charged": True}
+
+
+@shared_task
+def ping() -> int:
+    return os.getpid()
+
+
+@shared_task(bind=True)
+@locked_task(KEY, ttl=30, on_locked="skip", store=STORE)
+def charge_invoice(self: Task, run: str, invoice_id: int, work: float = 0.3) -> dict[str, Any]:
+    return _charge(self, run, invoice_id, work)
+
+
+@shared_task(bind=True)
+def charge_invoice_unlocked(
+    self: Task, run: str, invoice_id: int, work: float = 0.3
+) -> dict[str, Any]:
+    """The same charge without the lock: the control that shows the race is real."""
+    return _charge(self, run, invoice_id, work)
+
+
+@shared_task(bind=True)
+@locked_task(KEY, ttl=30, on_locked="raise", store=STORE)
+def charge_or_raise(self: Task, run: str, invoice_id: int) -> dict[str, Any]:
+    return _charge(self, run, invoice_id, 0)
+
+
+@shared_task(bind=True, max_retries=10)
+@locked_task(KEY, ttl=30, on_locked="retry", store=STORE)
+def charge_with_retry(self: Task, run: str, invoice_id: int) -> dict[str, Any]:
+    return _charge(self, run, invoice_id, 0)
+
+
+@shared_task(bind=True, max_retries=1)
+@locked_task(KEY, ttl=30, on_locked="retry", countdown=0.2, store=STORE)
+def charge_retry_once(self: Task, run: str, invoice_id: int) -> dict[str, Any]:
+    return _charge(self, run, invoice_id, 0)
+
+
+@shared_task(bind=True)
+@locked_task(KEY, ttl=4, on_locked="skip", store=STORE)
+def charge_slowly(self: Task, run: str, invoice_id: int, seconds: float) -> dict[str, Any]:
+    """Holds the lock (ttl 4 s) for `seconds`: the test SIGKILLs the process meanwhile."""
+    return _charge(self, run, invoice_id, seconds)

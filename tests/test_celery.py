@@ -1,0 +1,468 @@
+"""locked_task: in-process behaviour, then a real prefork Celery worker on Redis.
+
+The worker tests start `celery worker --pool=prefork --concurrency=4` as a subprocess (Redis as
+broker and result backend, DB 5, a queue named after the test run) on tests/worker_settings.py,
+so its four processes take locks in the same test database as this process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+from celery import Celery, Task
+from celery.exceptions import Retry
+
+from django_keel_lock import LockUnavailable, get_lock_store, lock
+from django_keel_lock.contrib import celery as keel_celery
+from django_keel_lock.contrib.celery import current_lock, locked_task
+from tests import celery_tasks as tasks
+from tests.celery_app import BROKER_URL, QUEUE, RUN_ID, STORE
+from tests.settings import CI, reachable
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# -- in-process: an eager app on the per-process memory store ------------------------------
+
+eager = Celery(
+    "keel-lock-eager", set_as_current=False, broker="memory://", backend="cache+memory://"
+)
+eager.conf.task_always_eager = True
+calls: list[tuple[Any, ...]] = []
+
+
+@eager.task(bind=True, max_retries=2)
+@locked_task("job:{name}:{n}", store="memory", on_locked="retry")
+def retrying(self: Task, name: str, n: int = 1) -> str:
+    calls.append((name, n))
+    return f"ran {name}"
+
+
+@eager.task(bind=True)
+@locked_task("job:{name}:{n}", store="memory", on_locked="skip", ttl="5m")
+def skipping(self: Task, name: str, n: int = 1) -> dict[str, Any]:
+    held = current_lock()
+    assert held is not None
+    return {"key": held.key, "fence": held.fence, "holder": held.holder, "ttl": held.ttl}
+
+
+@eager.task(bind=True)
+@locked_task("job:{name}:{n}", store="memory", on_locked="raise")
+def raising(self: Task, name: str, n: int = 1) -> str:
+    return "ran"
+
+
+@eager.task
+@locked_task(lambda name: f"job:{name}:1", store="memory", on_locked="skip")
+def unbound(name: str) -> str:
+    return f"ran {name}"
+
+
+@eager.task(bind=True)
+@locked_task("job:{self.name}", store="memory")
+def by_task_name(self: Task) -> str:
+    held = current_lock()
+    assert held is not None
+    return held.key
+
+
+def test_key_is_formatted_from_the_task_arguments_and_the_lock_is_released() -> None:
+    result = skipping.apply(args=("a",), kwargs={"n": 7}).get()
+    assert result["key"] == "job:a:7"
+    assert result["ttl"] == 300
+    assert get_lock_store("memory").get("job:a:7") is None
+    assert current_lock() is None
+
+
+def test_key_template_can_use_the_bound_task_itself() -> None:
+    assert by_task_name.apply().get() == f"job:{by_task_name.name}"
+
+
+def test_unbound_task_with_a_callable_key() -> None:
+    assert unbound.apply(args=("u",)).get() == "ran u"
+    with lock("job:u:1", store="memory"):
+        assert unbound.apply(args=("u",)).get() is None
+
+
+def test_default_holder_names_the_task_and_its_id() -> None:
+    result = skipping.apply(args=("h",), task_id="task-id-123").get()
+    assert result["holder"].endswith(f" {skipping.name}[task-id-123]")
+    assert result["holder"].split()[0].endswith(f":{os.getpid()}")
+
+
+def test_skip_returns_none_and_logs_who_holds_it(caplog: pytest.LogCaptureFixture) -> None:
+    with lock("job:s:1", store="memory", holder="someone-else"):
+        with caplog.at_level(logging.INFO, logger="django_keel_lock.celery"):
+            result = skipping.apply(args=("s",))
+    assert result.state == "SUCCESS"
+    assert result.get() is None
+    (record,) = [r for r in caplog.records if r.name == "django_keel_lock.celery"]
+    assert record.levelno == logging.INFO
+    assert "job:s:1" in record.getMessage()
+    assert "someone-else" in record.getMessage()
+
+
+def test_raise_raises_lock_unavailable_naming_the_key() -> None:
+    with lock("job:r:1", store="memory"):
+        result = raising.apply(args=("r",))
+    assert result.state == "FAILURE"
+    assert isinstance(result.result, LockUnavailable)
+    assert result.result.key == "job:r:1"
+    assert raising.apply(args=("r",)).get() == "ran"
+
+
+def test_retry_uses_the_holders_remaining_time_as_countdown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: list[dict[str, Any]] = []
+
+    def fake_retry(self: Task, **options: Any) -> Retry:
+        seen.append(options)
+        return Retry("retry later")
+
+    monkeypatch.setattr(Task, "retry", fake_retry)
+    with lock("job:c:1", store="memory", ttl=2.5):
+        result = retrying.apply(args=("c",))
+    assert result.state == "RETRY"
+    (options,) = seen
+    assert options["countdown"] == 3  # 2.5 s left, rounded up
+    assert isinstance(options["exc"], LockUnavailable)
+
+
+def test_retry_gives_up_with_lock_unavailable_after_max_retries() -> None:
+    calls.clear()
+    with lock("job:m:1", store="memory", ttl=60):
+        result = retrying.apply(args=("m",))
+    assert result.state == "FAILURE"
+    assert isinstance(result.result, LockUnavailable)
+    assert calls == []
+    assert retrying.apply(args=("m",)).get() == "ran m"
+    assert calls == [("m", 1)]
+
+
+def test_explicit_countdown_is_passed_to_retry(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[dict[str, Any]] = []
+
+    @eager.task(bind=True, name="fixed_countdown")
+    @locked_task("job:{name}", store="memory", on_locked="retry", countdown="1500ms")
+    def fixed(self: Task, name: str) -> None:
+        return None
+
+    def fake_retry(self: Task, **options: Any) -> Retry:
+        seen.append(options)
+        return Retry("retry later")
+
+    monkeypatch.setattr(Task, "retry", fake_retry)
+    with lock("job:f", store="memory"):
+        fixed.apply(args=("f",))
+    assert seen[0]["countdown"] == 1.5
+
+
+def test_celery_checks_call_arguments_against_the_task_signature() -> None:
+    with pytest.raises(TypeError):
+        skipping.apply_async(args=("a", 1, "too many"))
+
+
+@pytest.mark.parametrize(
+    ("options", "error"),
+    [
+        ({"on_locked": "wait"}, "on_locked must be one of skip, raise, retry"),
+        ({"ttl": -1}, "ttl must be > 0"),
+        ({"timeout": "soon"}, "timeout could not be parsed"),
+        ({"countdown": 5}, "countdown= only applies"),
+    ],
+)
+def test_bad_options_fail_when_the_task_is_defined(options: dict[str, Any], error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        locked_task("k", **options)
+
+
+def test_auto_extend_is_passed_to_lock_or_refused_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
+    if keel_celery._lock_accepts("auto_extend"):
+        passed: list[dict[str, Any]] = []
+        real_lock = keel_celery.lock
+
+        def spy(key: str, **options: Any) -> Any:
+            passed.append(options)
+            return real_lock(key, **options)
+
+        monkeypatch.setattr(keel_celery, "lock", spy)
+
+        @eager.task(bind=True, name="extended")
+        @locked_task("job:extended", store="memory", auto_extend=True)
+        def extended(self: Task) -> str:
+            return "ran"
+
+        assert extended.apply().get() == "ran"
+        assert passed[0]["auto_extend"] is True
+    else:
+        with pytest.raises(TypeError, match="watchdog"):
+            locked_task("k", auto_extend=True)
+
+
+def test_the_app_imports_and_sets_up_without_celery_installed(tmp_path: Path) -> None:
+    """Celery is an optional extra: only contrib.celery may import it."""
+    hide = tmp_path / "sitecustomize.py"
+    hide.write_text(
+        "import sys\n"
+        "for name in ('celery', 'kombu', 'billiard'):\n"
+        "    sys.modules[name] = None  # import fails as if not installed\n"
+    )
+    script = """
+import importlib, pkgutil, django
+django.setup()
+import django_keel_lock
+skipped = []
+for info in pkgutil.walk_packages(django_keel_lock.__path__, "django_keel_lock."):
+    if info.name == "django_keel_lock.contrib.celery":
+        continue
+    try:
+        importlib.import_module(info.name)
+    except ImportError as exc:  # a module of another optional extra (redis)
+        if "celery" in str(exc):
+            raise
+        skipped.append(info.name)
+try:
+    import django_keel_lock.contrib.celery
+except ImportError as exc:
+    assert "django-keel-lock[celery]" in str(exc), exc
+else:
+    raise AssertionError("contrib.celery imported without celery")
+with django_keel_lock.lock("no-celery", store="memory") as held:
+    assert held.fence == 1
+print("ok", skipped)
+"""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]),
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("ok")
+
+
+# -- a real worker --------------------------------------------------------------------------
+
+
+class Worker:
+    def __init__(self, proc: subprocess.Popen[bytes], log: Path) -> None:
+        self.proc = proc
+        self.log = log
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def _require_redis() -> None:
+    parts = urlsplit(BROKER_URL)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 6379
+    if reachable(host, port):
+        return
+    message = f"SERVER UNAVAILABLE: Redis at {host}:{port} (Celery broker) is not reachable"
+    if CI:
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)  # the worker and its pool processes
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory, django_db_setup: None) -> Iterator[Worker]:
+    _require_redis()
+    log = tmp_path_factory.mktemp("celery") / "worker.log"
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "tests.worker_settings",
+        "KEEL_TEST_RUN_ID": RUN_ID,
+        "CELERY_SKIP_CHECKS": "1",
+        "PYTHONPATH": str(ROOT),
+    }
+    command = [
+        *(sys.executable, "-m", "celery", "-A", "tests.celery_app", "worker"),
+        *("--pool=prefork", "--concurrency=4", "-Q", QUEUE, "--loglevel=INFO"),
+        *("--without-gossip", "--without-mingle", "--without-heartbeat"),
+        *("-n", f"keel-{RUN_ID}@%h"),
+    ]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    started = Worker(proc, log)
+    try:
+        pending = [tasks.ping.delay() for _ in range(8)]
+        deadline = time.monotonic() + 30
+        for result in pending:
+            while not result.ready():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"the Celery worker did not start:\n{started.output()[-4000:]}")
+                time.sleep(0.05)
+        yield started
+    finally:
+        _stop(proc)
+        client = tasks.provider()
+        client.delete(QUEUE)
+        for name in client.scan_iter(f"keel-lock-test:{RUN_ID}-*"):
+            client.delete(name)
+        print(f"--- celery worker log (tail) ---\n{started.output()[-3000:]}")
+
+
+@pytest.fixture
+def run() -> str:
+    """A namespace for this test's invoices (keys and the provider's charge lists)."""
+    return f"{RUN_ID}-{uuid.uuid4().hex[:8]}"
+
+
+def charges(run: str, invoice_id: int) -> list[dict[str, Any]]:
+    raw = tasks.provider().lrange(tasks.charges_key(run, invoice_id), 0, -1)
+    return [json.loads(item) for item in raw]
+
+
+def wait_for(result: Any, timeout: float = 30) -> Any:
+    return result.get(timeout=timeout, propagate=False)
+
+
+def test_50_duplicate_charges_for_5_invoices_charge_each_exactly_once(
+    worker: Worker, run: str
+) -> None:
+    jobs = [(invoice, n) for invoice in range(1, 6) for n in range(10)]
+    random.Random(5).shuffle(jobs)
+    started = time.monotonic()
+    sent = [tasks.charge_invoice.delay(run, invoice, 0.3) for invoice, _ in jobs]
+    results = [wait_for(result, 60) for result in sent]
+    assert all(result is None or isinstance(result, dict) for result in results), results
+
+    for invoice in range(1, 6):
+        assert len(charges(run, invoice)) == 1, f"invoice {invoice}: {charges(run, invoice)}"
+    charged = [r for r in results if r and r["charged"]]
+    skipped = [r for r in results if r is None]
+    already = [r for r in results if r and not r["charged"]]
+    assert len(charged) == 5
+    assert len({r["fence"] for r in charged}) == 5
+    assert len(skipped) + len(already) == 45
+    assert skipped, "no duplicate ever met a held lock: the race did not happen"
+    worked = {r["pid"] for r in results if r}
+    assert len(worked) > 1, "only one worker process ran tasks"
+    assert time.monotonic() - started < 45
+
+
+def test_without_the_lock_the_same_duplicates_double_charge(worker: Worker, run: str) -> None:
+    """The control: the charge really is racy, so the test above would catch a broken lock."""
+    sent = [tasks.charge_invoice_unlocked.delay(run, 1, 1.0) for _ in range(4)]
+    for result in sent:
+        wait_for(result)
+    assert len(charges(run, 1)) > 1
+
+
+def test_skip_returns_none_and_logs_while_another_process_holds_the_lock(
+    worker: Worker, run: str
+) -> None:
+    with lock(f"invoice:{run}:1", store=STORE, holder="the-test-process"):
+        result = tasks.charge_invoice.delay(run, 1)
+        assert wait_for(result) is None
+        assert result.state == "SUCCESS"
+    assert charges(run, 1) == []
+    deadline = time.monotonic() + 5
+    while "the-test-process" not in worker.output() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    line = next(line for line in worker.output().splitlines() if "the-test-process" in line)
+    assert f"skipped {tasks.charge_invoice.name}[{result.id}]" in line
+    assert f"invoice:{run}:1" in line
+
+
+def test_raise_fails_the_task_with_lock_unavailable(worker: Worker, run: str) -> None:
+    with lock(f"invoice:{run}:1", store=STORE):
+        result = tasks.charge_or_raise.delay(run, 1)
+        wait_for(result)
+    assert result.state == "FAILURE"
+    assert type(result.result).__name__ == "LockUnavailable"
+    assert f"invoice:{run}:1" in str(result.result)
+    assert charges(run, 1) == []
+    assert wait_for(tasks.charge_or_raise.delay(run, 1))["charged"] is True
+
+
+def test_retry_runs_the_task_once_the_holder_lets_go(worker: Worker, run: str) -> None:
+    held = lock(f"invoice:{run}:1", store=STORE, ttl=2)
+    assert held.acquire()  # never released: it expires after 2 s
+    started = time.monotonic()
+    result = tasks.charge_with_retry.delay(run, 1)
+    states = set()
+    while not result.ready() and time.monotonic() - started < 30:
+        states.add(result.state)
+        time.sleep(0.05)
+    outcome = wait_for(result)
+    assert "RETRY" in states
+    assert outcome["charged"] is True
+    assert outcome["retries"] >= 1
+    assert outcome["fence"] > held.fence
+    assert time.monotonic() - started >= 1.5  # countdown = the holder's 2 s, rounded up
+
+
+def test_retry_gives_up_after_max_retries_with_lock_unavailable(worker: Worker, run: str) -> None:
+    with lock(f"invoice:{run}:1", store=STORE, ttl=30):
+        result = tasks.charge_retry_once.delay(run, 1)
+        wait_for(result)
+    assert result.state == "FAILURE"
+    assert type(result.result).__name__ == "LockUnavailable"
+    assert charges(run, 1) == []
+    assert f"retrying {tasks.charge_retry_once.name}[{result.id}]" in worker.output()
+
+
+def test_sigkill_of_the_worker_process_holding_a_lock_frees_it_at_ttl(
+    worker: Worker, run: str
+) -> None:
+    store = get_lock_store(STORE)
+    key = f"invoice:{run}:1"
+    doomed = tasks.charge_slowly.delay(run, 1, 60)  # ttl 4 s, would hold it for a minute
+    deadline = time.monotonic() + 15
+    while (info := store.get(key)) is None:
+        assert time.monotonic() < deadline, worker.output()[-3000:]
+        time.sleep(0.02)
+    read_at = time.monotonic()
+    pid = int(info.holder.split()[0].rsplit(":", 1)[1])
+    assert pid not in (os.getpid(), worker.proc.pid)  # a pool process of the worker
+    os.kill(pid, signal.SIGKILL)
+
+    later = tasks.charge_with_retry.delay(run, 1)
+    assert store.get(key) is not None, "the lock vanished before its ttl"
+    while store.get(key) is not None:
+        assert time.monotonic() - read_at < info.expires_in + 3, "the lock outlived its ttl"
+        time.sleep(0.05)
+    freed_after = time.monotonic() - read_at
+    assert freed_after >= info.expires_in - 0.5
+
+    outcome = wait_for(later)
+    assert outcome["charged"] is True
+    assert outcome["retries"] >= 1
+    assert outcome["fence"] > info.fence
+    assert outcome["pid"] != pid
+    assert len(charges(run, 1)) == 1
+    wait_for(doomed, 15)
+    assert doomed.state == "FAILURE"  # WorkerLostError: the process died mid-task
