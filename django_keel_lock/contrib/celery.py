@@ -34,6 +34,7 @@ except ImportError as exc:  # pragma: no cover - exercised by a subprocess test
     ) from exc
 
 from ..core import DEFAULT_RETRY_DELAY, KeyTemplate, Lock, default_holder, format_key, lock
+from ..decorators import check_lock_options, labelled_holder
 from ..durations import Duration, to_seconds
 from ..exceptions import LockUnavailable
 
@@ -86,17 +87,12 @@ def locked_task(
     """
     if on_locked not in _ON_LOCKED:
         raise ValueError(f"on_locked must be one of {', '.join(_ON_LOCKED)}; got {on_locked!r}")
-    if ttl is not None:
-        to_seconds("ttl", ttl)  # fail at import time, not in the worker
-    to_seconds("timeout", timeout, allow_zero=True)
-    to_seconds("retry_delay", retry_delay, allow_zero=True)
+    check_lock_options(ttl, timeout, retry_delay, store)  # fail at import, not in the worker
+    if countdown is not None and on_locked != "retry":
+        raise ValueError('countdown= only applies to on_locked="retry"')
     fixed_countdown = (
         None if countdown is None else to_seconds("countdown", countdown, allow_zero=True)
     )
-    if countdown is not None and on_locked != "retry":
-        raise ValueError('countdown= only applies to on_locked="retry"')
-    if not isinstance(store, str):
-        raise TypeError(f"store must be an alias (str), got {type(store).__name__}")
     extra: dict[str, Any] = {}
     if auto_extend:
         if not _lock_accepts("auto_extend"):
@@ -150,11 +146,9 @@ def _running_task(args: tuple[Any, ...]) -> Task | None:
 
 def _task_holder(task: Task | None) -> str:
     """`<hostname>:<pid> <task name>[<task id>]`, so `locks list` says which run holds a key."""
-    base = default_holder()
     if task is None:
-        return base
-    task_id = getattr(task.request, "id", None) or "?"
-    return f"{base} {task.name}[{task_id}]"[:255]
+        return default_holder()
+    return labelled_holder(f"{task.name}[{getattr(task.request, 'id', None) or '?'}]")
 
 
 def _refused(handle: Lock, task: Task | None, on_locked: OnLocked, countdown: float | None) -> None:
