@@ -123,6 +123,8 @@ return {v[1], v[2], v[3], v[4], redis.call('PTTL', KEYS[1])}
 """
 )
 
+SCRIPTS = (ACQUIRE, RELEASE, EXTEND, GET)
+
 _ESCAPES = {"%": "%25", "{": "%7B", "}": "%7D"}
 _UNESCAPES = {code: char for char, code in _ESCAPES.items()}
 _ESCAPE_RE = re.compile(r"[%{}]")
@@ -268,7 +270,6 @@ class RedisLockStore(LockStore):
         return {
             "socket_timeout": SOCKET_TIMEOUT,
             "socket_connect_timeout": CONNECT_TIMEOUT,
-            "health_check_interval": 30,
         }
 
     def _build_client(self) -> Any:
@@ -296,8 +297,11 @@ class RedisLockStore(LockStore):
             try:
                 return client.evalsha(script.sha, len(keys), *keys, *args)
             except NoScriptError:
-                # EVAL also caches the script, so later calls go by SHA again.
-                return client.eval(script.text, len(keys), *keys, *args)
+                # A new or restarted server: load every script now, so no later call of
+                # another script meets NOSCRIPT (an extra round trip in a critical moment).
+                for each in SCRIPTS:
+                    client.script_load(each.text)
+                return client.evalsha(script.sha, len(keys), *keys, *args)
         except RedisError as exc:
             raise self._unavailable(exc) from exc
 
@@ -450,7 +454,9 @@ class RedisLockStore(LockStore):
             try:
                 return await client.evalsha(script.sha, len(keys), *keys, *args)
             except NoScriptError:
-                return await client.eval(script.text, len(keys), *keys, *args)
+                for each in SCRIPTS:
+                    await client.script_load(each.text)
+                return await client.evalsha(script.sha, len(keys), *keys, *args)
         except RedisError as exc:
             raise self._unavailable(exc) from exc
         except OSError as exc:  # asyncio can surface raw socket errors on connect

@@ -1,0 +1,386 @@
+"""Real Redis servers, a fault-injecting TCP proxy and child-process workers for the Redis tests.
+
+Servers are started by the tests themselves on free ports (redis-server must be on PATH or at
+/usr/bin/redis-server) and killed when the test is done.
+
+Workers run lock operations in another Python process and print one JSON line per event:
+
+    python -m tests.redis_servers count --url U --key K --iterations N --counter FILE
+    python -m tests.redis_servers wait --url U --key K --timeout T --retry-delay D
+    python -m tests.redis_servers stale --alias A --key K --ttl T --work W
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_port(port: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.02)
+    raise RuntimeError(f"nothing listens on port {port} after {timeout}s")
+
+
+class RedisServer:
+    """One redis-server process on a free port, without persistence; restartable on the same
+    port so clients configured with its URL find it again."""
+
+    def __init__(self, *extra: str, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.extra = list(extra)
+        self.dir = tempfile.mkdtemp(prefix=f"keel-redis-{self.port}-")
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        self.process = subprocess.Popen(
+            [
+                REDIS_SERVER,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self.dir,
+                *self.extra,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_port(self.port)
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL: the server vanishes mid-whatever, like a crash."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+        self.process = None
+
+    def cli(self, *args: str) -> str:
+        return subprocess.run(
+            [REDIS_CLI, "-p", str(self.port), *args],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
+
+    def stop(self) -> None:
+        self.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@contextmanager
+def redis_server(*extra: str) -> Iterator[RedisServer]:
+    server = RedisServer(*extra).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@contextmanager
+def redis_cluster(size: int = 3) -> Iterator[list[RedisServer]]:
+    """`size` masters joined with `redis-cli --cluster create`, slots all covered."""
+    nodes = [RedisServer() for _ in range(size)]
+    try:
+        for node in nodes:
+            node.extra = [
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                os.path.join(node.dir, "nodes.conf"),
+                "--cluster-node-timeout",
+                "2000",
+            ]
+            node.start()
+        subprocess.run(
+            [
+                REDIS_CLI,
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{node.port}" for node in nodes),
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        deadline = time.monotonic() + 20
+        while not all("cluster_state:ok" in node.cli("cluster", "info") for node in nodes):
+            if time.monotonic() > deadline:
+                raise RuntimeError("cluster did not reach cluster_state:ok")
+            time.sleep(0.1)
+        yield nodes
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+@contextmanager
+def redis_sentinel(service: str = "keelmaster") -> Iterator[tuple[RedisServer, RedisServer]]:
+    """A master and one sentinel monitoring it (quorum 1): (master, sentinel)."""
+    master = RedisServer().start()
+    sentinel = RedisServer()
+    conf = os.path.join(sentinel.dir, "sentinel.conf")
+    with open(conf, "w") as handle:
+        handle.write(
+            f"port {sentinel.port}\n"
+            f"bind 127.0.0.1\n"
+            f"dir {sentinel.dir}\n"
+            f"sentinel monitor {service} 127.0.0.1 {master.port} 1\n"
+            f"sentinel down-after-milliseconds {service} 2000\n"
+        )
+    try:
+        sentinel.process = subprocess.Popen(
+            [REDIS_SERVER, conf, "--sentinel"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_port(sentinel.port)
+        deadline = time.monotonic() + 20
+        while str(master.port) not in sentinel.cli("sentinel", "get-master-addr-by-name", service):
+            if time.monotonic() > deadline:
+                raise RuntimeError("sentinel does not know the master")
+            time.sleep(0.1)
+        yield master, sentinel
+    finally:
+        sentinel.stop()
+        master.stop()
+
+
+class FaultyProxy:
+    """A TCP proxy in front of a server whose behaviour the test switches at will:
+    "pass" forwards both ways; "drop_replies" forwards requests but closes the client's
+    connection instead of passing a reply (the command ran, its answer is lost); "stall"
+    holds every byte in both directions without closing anything."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.mode = "pass"
+        self._listener = socket.socket()
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(64)
+        self.port = int(self._listener.getsockname()[1])
+        self._closing = threading.Event()
+        self._sockets: list[socket.socket] = []
+        self._mutex = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def _accept(self) -> None:
+        while not self._closing.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            except OSError:
+                client.close()
+                continue
+            with self._mutex:
+                self._sockets += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, reply: bool) -> None:
+        try:
+            while True:
+                data = source.recv(65536)
+                if not data:
+                    break
+                while self.mode == "stall" and not self._closing.is_set():
+                    time.sleep(0.01)
+                if reply and self.mode == "drop_replies":
+                    break
+                sink.sendall(data)
+        except OSError:
+            pass
+        for sock in (source, sink):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+
+    def close(self) -> None:
+        self._closing.set()
+        self._listener.close()
+        with self._mutex:
+            for sock in self._sockets:
+                try:
+                    sock.close()
+                except OSError:
+                    pass
+
+
+# -- child-process workers ----------------------------------------------------------------
+
+
+def spawn(*args: str) -> subprocess.Popen[str]:
+    """Start `python -m tests.redis_servers <args>` with the test settings."""
+    env = dict(os.environ, DJANGO_SETTINGS_MODULE="tests.settings", PYTHONPATH=str(ROOT))
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.redis_servers", *args],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def read_event(process: subprocess.Popen[str], timeout: float = 30.0) -> dict[str, Any]:
+    """The child's next JSON line, failing loudly (with its stderr) if it dies or hangs."""
+    assert process.stdout is not None
+    result: list[str] = []
+    reader = threading.Thread(target=lambda: result.append(process.stdout.readline()))  # type: ignore[union-attr]
+    reader.start()
+    reader.join(timeout)
+    line = result[0] if result else ""
+    if not line:
+        process.kill()
+        _, err = process.communicate(timeout=10)
+        raise AssertionError(f"child gave no event within {timeout}s; stderr:\n{err}")
+    return dict(json.loads(line))
+
+
+def _emit(**data: Any) -> None:
+    print(json.dumps(data), flush=True)
+
+
+def _store_alias(url: str) -> str:
+    """Register a RedisLockStore for `url` under an alias of its own in this process."""
+    import django
+
+    django.setup()
+    from django_keel_lock import set_lock_store
+    from django_keel_lock.stores import RedisLockStore
+
+    set_lock_store(RedisLockStore("child", {"URL": url}), "child")
+    return "child"
+
+
+def _count(args: argparse.Namespace) -> None:
+    from django_keel_lock import lock
+
+    alias = _store_alias(args.url)
+    handle = lock(args.key, ttl=30, timeout=60, retry_delay=0.05, store=alias)
+    intervals = []
+    _emit(event="ready")
+    for _ in range(args.iterations):
+        with handle:
+            start = time.monotonic()
+            path = Path(args.counter)
+            value = int(path.read_text() or "0")
+            time.sleep(0.001)  # widen the read-modify-write window
+            path.write_text(str(value + 1))
+            intervals.append((start, time.monotonic(), handle.fence))
+    _emit(event="done", pid=os.getpid(), intervals=intervals)
+
+
+def _wait(args: argparse.Namespace) -> None:
+    from django_keel_lock import lock
+
+    alias = _store_alias(args.url)
+    handle = lock(args.key, ttl=30, store=alias)
+    handle.store.watch(args.key).__enter__()  # start the listener before the test releases
+    deadline = time.monotonic() + 10
+    while not handle.store.push_wakeups and time.monotonic() < deadline:
+        time.sleep(0.01)
+    _emit(event="waiting", push=handle.store.push_wakeups)
+    acquired = handle.acquire(timeout=args.timeout, retry_delay=args.retry_delay)
+    _emit(event="returned", acquired=acquired, at=time.monotonic(), fence=handle.fence)
+    if acquired:
+        handle.release()
+
+
+def _stale(args: argparse.Namespace) -> None:
+    import django
+
+    django.setup()
+    from django_keel_lock import LockNotHeldError, lock, restore_lock
+
+    # The settings' alias, like the test's: restore_lock finds the store by alias.
+    handle = lock(args.key, ttl=args.ttl, store=args.alias)
+    assert handle.acquire()
+    token = handle.serialize()
+    _emit(event="acquired", fence=handle.fence, owner=handle.owner)
+    end = time.monotonic() + args.work
+    while time.monotonic() < end:  # "work"; the test pauses us with SIGSTOP meanwhile
+        time.sleep(0.01)
+    try:
+        handle.extend()
+        extended = "extended"
+    except LockNotHeldError as exc:
+        extended = f"raised: {exc}"
+    released = restore_lock(token).release()
+    _emit(event="after", extend=extended, release=released, fence=handle.fence)
+
+
+def main(argv: list[str]) -> int:
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("command", choices=["count", "wait", "stale"])
+    parser.add_argument("--url", default="")
+    parser.add_argument("--alias", default="redis-url")
+    parser.add_argument("--key", required=True)
+    parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--counter", default="")
+    parser.add_argument("--timeout", type=float, default=10)
+    parser.add_argument("--retry-delay", type=float, default=0.05)
+    parser.add_argument("--ttl", type=float, default=30)
+    parser.add_argument("--work", type=float, default=1)
+    args = parser.parse_args(argv)
+    {"count": _count, "wait": _wait, "stale": _stale}[args.command](args)
+    return 0
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    sys.exit(main(sys.argv[1:]))

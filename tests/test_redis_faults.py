@@ -1,0 +1,209 @@
+"""Outage is not contention: a Redis that dies, drops replies or stalls gives
+LockStoreUnavailable, never "someone else holds it", and never two owners at once.
+
+Every test here runs its own redis-server on a free port (and a proxy where it needs one).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from django_keel_lock import Lock, LockStoreUnavailable, lock, set_lock_store
+from django_keel_lock.stores import RedisLockStore
+
+from .redis_servers import REDIS_SERVER, FaultyProxy, RedisServer
+
+pytestmark = pytest.mark.skipif(
+    not __import__("os").path.exists(REDIS_SERVER), reason="redis-server binary not found"
+)
+
+
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
+def _alias_for(url: str) -> tuple[str, RedisLockStore]:
+    alias = f"fault-{uuid.uuid4().hex[:8]}"
+    store = RedisLockStore(alias, {"URL": url})
+    set_lock_store(store, alias)
+    return alias, store
+
+
+@pytest.fixture
+def direct(server: RedisServer) -> Iterator[tuple[str, RedisLockStore]]:
+    alias, store = _alias_for(server.url + "?socket_timeout=1")
+    yield alias, store
+    set_lock_store(None, alias)
+    store.close()
+
+
+@pytest.fixture
+def proxy(server: RedisServer) -> Iterator[FaultyProxy]:
+    proxy = FaultyProxy(server.port)
+    yield proxy
+    proxy.close()
+
+
+@pytest.fixture
+def proxied(proxy: FaultyProxy) -> Iterator[tuple[str, RedisLockStore]]:
+    alias, store = _alias_for(proxy.url + "?socket_timeout=1")
+    # Warm up: the pooled connection is open and every script loaded, so the faults below
+    # hit the lock scripts themselves, not the handshake or a NOSCRIPT reply.
+    assert lock(f"warm-up:{uuid.uuid4().hex}", store=alias).run(lambda: None).acquired
+    yield alias, store
+    set_lock_store(None, alias)
+    store.close()
+
+
+def test_killed_server_while_held_raises_everywhere_and_keeps_the_owner(
+    server: RedisServer, direct: tuple[str, RedisLockStore], key: str
+) -> None:
+    alias, _ = direct
+    held = lock(key, ttl=30, store=alias)
+    assert held.acquire()
+    owner = held.owner
+    server.kill()
+    with pytest.raises(LockStoreUnavailable, match=r"cannot use Redis .*ConnectionError"):
+        held.release()
+    assert held.held and held.owner == owner  # not forgotten: Redis never confirmed
+    with pytest.raises(LockStoreUnavailable):
+        held.extend()
+    with pytest.raises(LockStoreUnavailable):
+        lock(key, store=alias).acquire()
+    with pytest.raises(LockStoreUnavailable):
+        lock(key, store=alias).acquire(timeout=1)
+    calls: list[int] = []
+    with pytest.raises(LockStoreUnavailable):
+        lock(key, store=alias).run(lambda: calls.append(1))
+    assert calls == []
+    with pytest.raises(LockStoreUnavailable):
+        held.info()
+
+
+def test_restarted_server_works_again(
+    server: RedisServer, direct: tuple[str, RedisLockStore], key: str
+) -> None:
+    alias, _ = direct
+    assert lock(key, store=alias).run(lambda: 1) == (True, 1)
+    server.kill()
+    with pytest.raises(LockStoreUnavailable):
+        lock(key, store=alias).acquire()
+    server.start()
+    handle = lock(key, ttl=30, store=alias)
+    assert handle.acquire()  # the pool reconnects its stale sockets by itself
+    assert not lock(key, store=alias).acquire()
+    assert handle.release()
+
+
+def test_killed_server_wakes_a_waiter_with_store_unavailable_not_a_timeout(
+    server: RedisServer, direct: tuple[str, RedisLockStore], key: str
+) -> None:
+    alias, store = direct
+    holder = lock(key, ttl=30, store=alias)
+    assert holder.acquire()
+    outcome: list[object] = []
+
+    def wait() -> None:
+        try:
+            outcome.append(lock(key, store=alias).acquire(timeout=20, retry_delay=10))
+        except LockStoreUnavailable as exc:
+            outcome.append(exc)
+
+    with store.watch(key):  # start the listener so the waiter sleeps on push
+        deadline = time.monotonic() + 5
+        while not store.push_wakeups and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert store.push_wakeups
+    thread = threading.Thread(target=wait)
+    thread.start()
+    time.sleep(0.3)
+    killed_at = time.monotonic()
+    server.kill()
+    thread.join(10)
+    assert outcome and isinstance(outcome[0], LockStoreUnavailable), outcome
+    assert time.monotonic() - killed_at < 5, "the waiter slept on instead of hearing the outage"
+    assert not store.push_wakeups  # the listener knows it lost its subscription
+    server.start()
+    deadline = time.monotonic() + 10
+    while not store.push_wakeups and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert store.push_wakeups, "the listener did not resubscribe after the restart"
+
+
+def test_lost_acquire_reply_is_an_error_and_a_retry_with_the_same_owner_is_safe(
+    proxy: FaultyProxy, proxied: tuple[str, RedisLockStore], key: str
+) -> None:
+    alias, store = proxied
+    proxy.mode = "drop_replies"
+    with pytest.raises(LockStoreUnavailable, match="cannot use Redis"):
+        store.acquire(key, "a" * 32, "h", 30)
+    proxy.mode = "pass"
+    # The script ran: the key is held, by exactly the owner whose reply was lost.
+    assert not lock(key, store=alias).acquire()
+    retried = store.acquire(key, "a" * 32, "h", 30)
+    info = store.get(key)
+    assert retried.fence is not None and info is not None
+    assert info.owner == "a" * 32 and info.fence == retried.fence
+    assert store.release(key, "a" * 32)
+
+
+def test_lost_release_reply_keeps_the_owner_and_never_gives_two_owners(
+    proxy: FaultyProxy, proxied: tuple[str, RedisLockStore], key: str
+) -> None:
+    alias, store = proxied
+    held = lock(key, ttl=30, store=alias)
+    assert held.acquire()
+    proxy.mode = "drop_replies"
+    with pytest.raises(LockStoreUnavailable):
+        held.release()
+    assert held.held  # the handle could not know the release happened, so it keeps the owner
+    proxy.mode = "pass"
+    assert held.release() is False  # Redis had released it: nothing is stranded
+    other = lock(key, ttl=30, store=alias)
+    assert other.acquire() and other.fence is not None and other.fence > (held.fence or 0)
+    info = store.get(key)
+    assert info is not None and info.owner == other.owner
+    assert other.release()
+
+
+def test_stalled_connection_times_out_with_a_clear_error_and_no_double_owner(
+    proxy: FaultyProxy, proxied: tuple[str, RedisLockStore], key: str
+) -> None:
+    alias, _ = proxied
+    held = lock(key, ttl=30, store=alias)
+    assert held.acquire()
+    proxy.mode = "stall"
+    started = time.monotonic()
+    with pytest.raises(LockStoreUnavailable, match=r"Timeout"):
+        lock(key, store=alias).acquire()
+    assert time.monotonic() - started < 4  # socket_timeout=1 in the URL
+    with pytest.raises(LockStoreUnavailable, match=r"Timeout"):
+        held.extend()
+    assert held.held
+    proxy.mode = "pass"
+    contender: Lock = lock(key, store=alias)
+    assert not contender.acquire()  # the stall did not free or duplicate the lock
+    assert held.release()
+    assert contender.acquire() and contender.release()
+
+
+def test_connection_refused_from_the_start_is_store_unavailable(key: str) -> None:
+    from .redis_servers import free_port
+
+    alias, store = _alias_for(f"redis://127.0.0.1:{free_port()}/0")
+    try:
+        started = time.monotonic()
+        with pytest.raises(LockStoreUnavailable, match=r"Connection refused|Error 111"):
+            lock(key, store=alias).acquire(timeout=5)
+        assert time.monotonic() - started < 3  # an outage is not waited out like contention
+    finally:
+        set_lock_store(None, alias)
+        store.close()

@@ -1,0 +1,370 @@
+"""RedisLockStore against the real Redis at REDIS_URL: layout, atomic scripts, wake-ups,
+several processes, a paused holder, and the native async methods."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+
+from django_keel_lock import LockStoreUnavailable, get_lock_store, lock
+from django_keel_lock.stores import RedisLockStore
+from django_keel_lock.stores.redis import ACQUIRE, SCRIPTS
+
+from .conftest import STORE_AVAILABILITY
+from .redis_servers import read_event, spawn
+
+pytestmark = pytest.mark.skipif(
+    STORE_AVAILABILITY["redis"] is not None,
+    reason=f"SERVER UNAVAILABLE: {STORE_AVAILABILITY['redis']}",
+)
+
+URL = settings.REDIS_URL
+
+
+@pytest.fixture
+def raw() -> Iterator[redis.Redis[bytes]]:
+    client = redis.Redis.from_url(URL)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def url_store() -> Iterator[RedisLockStore]:
+    """A store of the test's own (own client, own listener), on the shared Redis."""
+    store = RedisLockStore("own", {"URL": URL})
+    yield store
+    store.close()
+
+
+@pytest.fixture(params=["redis", "redis-url"])
+def alias(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+# -- configuration ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({}, "exactly one of CONNECTION"),
+        ({"URL": URL, "CONNECTION": "default"}, "exactly one of CONNECTION"),
+        ({"URL": URL, "KEY_PREFIX": "a{b}:"}, "without braces"),
+        ({"CONNECTION": "default", "CLUSTER": True}, "CLUSTER needs URL"),
+        ({"URL": URL, "TIMEOUT": 3}, "unknown option"),
+    ],
+)
+def test_bad_options_are_refused_with_the_reason(options: dict[str, object], message: str) -> None:
+    with pytest.raises(ImproperlyConfigured, match=message):
+        RedisLockStore("bad", options)
+
+
+def test_connection_alias_reuses_the_django_redis_client() -> None:
+    from django_redis import get_redis_connection
+
+    store = get_lock_store("redis")
+    assert isinstance(store, RedisLockStore)
+    assert store._client() is get_redis_connection("default")
+
+
+# -- layout and scripts -----------------------------------------------------------------
+
+
+def test_layout_is_one_hash_with_ttl_and_a_fence_counter_sharing_its_hash_tag(
+    url_store: RedisLockStore, raw: redis.Redis[bytes], key: str
+) -> None:
+    result = url_store.acquire(key, "o" * 32, "web-1:7", 20)
+    assert result.fence is not None
+    name = f"keel-lock:{{{key}}}"
+    assert raw.hgetall(name)[b"o"] == b"o" * 32
+    assert raw.hget(name, "h") == b"web-1:7"
+    assert int(raw.hget(name, "f") or 0) == result.fence
+    assert 19_000 < raw.pttl(name) <= 20_000
+    assert int(raw.get(name + ":fence") or 0) == result.fence
+    assert raw.ttl(name + ":fence") == -1  # the counter never expires
+    assert url_store.release(key, "o" * 32)
+    assert not raw.exists(name) and int(raw.get(name + ":fence") or 0) == result.fence
+
+
+def test_cluster_keyslot_is_shared_even_for_keys_with_braces(url_store: RedisLockStore) -> None:
+    for key in ["}x{", "{}", "a}b", "{tag}rest", "%7D"]:
+        lock_name, fence_name = url_store._names(key)
+        assert lock_name.count("{") == 1 and lock_name.endswith("}")
+        assert fence_name == lock_name + ":fence"
+
+
+def test_retry_with_the_same_owner_after_a_lost_reply_returns_the_same_acquisition(
+    url_store: RedisLockStore, key: str
+) -> None:
+    first = url_store.acquire(key, "a" * 32, "h", 5)
+    again = url_store.acquire(key, "a" * 32, "h", 5)
+    assert first.fence is not None and again.fence == first.fence
+    other = url_store.acquire(key, "b" * 32, "h", 5)
+    assert other.fence is None and other.retry_in is not None and 4.0 < other.retry_in <= 5.0
+    assert url_store.release(key, "a" * 32)
+    assert not url_store.release(key, "a" * 32)
+
+
+def test_scripts_are_called_by_sha_after_a_script_flush(
+    url_store: RedisLockStore, raw: redis.Redis[bytes], key: str
+) -> None:
+    raw.script_flush()
+    assert raw.script_exists(ACQUIRE.sha) == [False]  # type: ignore[no-untyped-call]
+    assert url_store.acquire(key, "a" * 32, "h", 5).acquired  # loads every script once
+    loaded = raw.script_exists(*(script.sha for script in SCRIPTS))  # type: ignore[no-untyped-call]
+    assert loaded == [True] * len(SCRIPTS)
+    assert url_store.release(key, "a" * 32)
+
+
+def test_ttl_is_kept_in_milliseconds(url_store: RedisLockStore, key: str) -> None:
+    assert url_store.acquire(key, "a" * 32, "h", 0.25).acquired
+    info = url_store.get(key)
+    assert info is not None and 0.15 < info.expires_in <= 0.25
+    time.sleep(0.3)
+    assert url_store.get(key) is None
+    assert url_store.acquire(key, "b" * 32, "h", 1).acquired
+
+
+def test_keys_with_braces_percent_and_glob_characters_list_exactly(
+    url_store: RedisLockStore, key: str
+) -> None:
+    names = [f"{key}:{suffix}" for suffix in ["{a}", "}", "%7B", "*", "?", "[x]", "\\", "%"]]
+    for name in names:
+        assert url_store.acquire(name, "o" * 32, "h", 10).acquired, name
+    assert url_store.acquire(f"{key}*other", "o" * 32, "h", 10).acquired
+    listed = [info.key for info in url_store.iter_locks(prefix=f"{key}:")]
+    assert listed == sorted(names)
+    assert [info.key for info in url_store.iter_locks(prefix=f"{key}:{{")] == [f"{key}:{{a}}"]
+    for name in [*names, f"{key}*other"]:
+        assert url_store.release(name, "o" * 32)
+
+
+def test_prefixes_keep_stores_apart(raw: redis.Redis[bytes], key: str) -> None:
+    one = RedisLockStore("one", {"URL": URL, "KEY_PREFIX": "keel-one:"})
+    two = RedisLockStore("two", {"URL": URL, "KEY_PREFIX": "keel-two:"})
+    try:
+        assert one.acquire(key, "a" * 32, "h", 5).acquired
+        assert two.acquire(key, "b" * 32, "h", 5).acquired
+        assert raw.exists(f"keel-one:{{{key}}}") and raw.exists(f"keel-two:{{{key}}}")
+        assert [i.owner for i in two.iter_locks(prefix=key)] == ["b" * 32]
+    finally:
+        one.release(key, "a" * 32)
+        two.release(key, "b" * 32)
+        one.close()
+        two.close()
+
+
+def test_force_release_frees_and_reports_the_holder(url_store: RedisLockStore, key: str) -> None:
+    assert url_store.acquire(key, "a" * 32, "someone", 10).acquired
+    freed = url_store.force_release(key)
+    assert freed is not None and freed.owner == "a" * 32 and freed.holder == "someone"
+    assert url_store.get(key) is None and url_store.prune() == 0
+
+
+def test_wrong_type_at_the_lock_key_is_a_store_error_not_contention(
+    url_store: RedisLockStore, raw: redis.Redis[bytes], key: str
+) -> None:
+    raw.set(f"keel-lock:{{{key}}}", "not a hash", px=5000)
+    with pytest.raises(LockStoreUnavailable, match="WRONGTYPE"):
+        url_store.acquire(key, "a" * 32, "h", 5)
+
+
+# -- wake-ups ---------------------------------------------------------------------------
+
+
+def test_release_in_another_store_instance_wakes_a_waiter_through_pubsub(
+    alias: str, key: str
+) -> None:
+    """Two store objects, as in two processes: only pub/sub can carry the release across."""
+    other = RedisLockStore("other", {"URL": URL, "KEY_PREFIX": get_lock_store(alias).prefix})  # type: ignore[attr-defined]
+    try:
+        holder = lock(key, ttl=30, store=alias)
+        assert holder.acquire()
+        waiter = get_lock_store(alias)
+        with waiter.watch(key):
+            deadline = time.monotonic() + 5
+            while not waiter.push_wakeups and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert waiter.push_wakeups
+        woke: list[float] = []
+
+        def wait() -> None:
+            handle = lock(key, ttl=30, store=alias)
+            assert handle.acquire(timeout=20, retry_delay=10)
+            woke.append(time.monotonic())
+            handle.release()
+
+        thread = threading.Thread(target=wait)
+        thread.start()
+        time.sleep(0.3)  # the waiter is asleep on push by now (its next poll: ~30 s away)
+        released_at = time.monotonic()
+        assert other.release(key, holder.owner or "")
+        thread.join(10)
+        assert woke, "the waiter did not wake up on a release made by another store instance"
+        assert woke[0] - released_at < 0.5
+    finally:
+        other.close()
+
+
+def test_push_wakeups_is_false_in_a_forked_child(url_store: RedisLockStore, key: str) -> None:
+    with url_store.watch(key):
+        deadline = time.monotonic() + 5
+        while not url_store.push_wakeups and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert url_store.push_wakeups
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # child: the parent's listener thread does not exist here
+            os.write(write, b"1" if url_store.push_wakeups else b"0")
+            os._exit(0)
+        os.waitpid(pid, 0)
+        assert os.read(read, 1) == b"0"
+        os.close(read)
+        os.close(write)
+
+
+def test_waiter_in_another_process_wakes_on_release_well_before_its_poll(key: str) -> None:
+    holder = lock(key, ttl=30, store="redis")
+    assert holder.acquire()
+    child = spawn("wait", "--url", URL, "--key", key, "--timeout", "15", "--retry-delay", "10")
+    try:
+        ready = read_event(child)
+        assert ready["event"] == "waiting" and ready["push"] is True
+        time.sleep(0.5)  # let the child block in acquire
+        released_at = time.monotonic()
+        assert holder.release()
+        done = read_event(child)
+        latency = done["at"] - released_at
+        assert done["acquired"] is True
+        assert latency < 0.5, f"waiter took {latency:.3f}s after the release"
+        assert done["fence"] > (holder.fence or 0)
+    finally:
+        child.kill()
+        child.communicate(timeout=10)
+
+
+# -- several processes ------------------------------------------------------------------
+
+
+def test_eight_processes_exclude_each_other_and_count_exactly(key: str, tmp_path: Path) -> None:
+    counter = tmp_path / "counter"
+    counter.write_text("0")
+    iterations = 15
+    children = [
+        spawn(
+            "count",
+            "--url",
+            URL,
+            "--key",
+            key,
+            "--iterations",
+            str(iterations),
+            "--counter",
+            str(counter),
+        )
+        for _ in range(8)
+    ]
+    try:
+        results = [read_event(child, timeout=60) for child in children]
+        assert all(r["event"] == "ready" for r in results)
+        done = [read_event(child, timeout=90) for child in children]
+    finally:
+        for child in children:
+            child.kill()
+            child.communicate(timeout=10)
+    assert int(counter.read_text()) == 8 * iterations
+    intervals = sorted(tuple(i) for r in done for i in r["intervals"])
+    assert len(intervals) == 8 * iterations
+    for (_, end, fence), (start, _, next_fence) in itertools.pairwise(intervals):
+        assert start >= end, "two processes were inside the critical section at once"
+        assert next_fence > fence, "fences must increase in the order the lock was held"
+
+
+def test_paused_holder_is_taken_over_and_its_release_false_extend_raises_fence_lower(
+    key: str,
+) -> None:
+    child = spawn("stale", "--alias", "redis-url", "--key", key, "--ttl", "0.5", "--work", "1.2")
+    try:
+        acquired = read_event(child)
+        os.kill(child.pid, signal.SIGSTOP)
+        try:
+            time.sleep(0.8)  # past its ttl while it cannot run
+            fresh = lock(key, ttl=30, store="redis-url")
+            assert fresh.acquire(timeout=5)
+        finally:
+            os.kill(child.pid, signal.SIGCONT)
+        after = read_event(child)
+        assert after["extend"].startswith("raised:") and "taken over" in after["extend"]
+        assert after["release"] is False
+        assert acquired["fence"] < (fresh.fence or 0)
+        info = fresh.info()
+        assert info is not None and info.owner == fresh.owner
+        assert fresh.release()
+    finally:
+        child.kill()
+        child.communicate(timeout=10)
+
+
+# -- native async -----------------------------------------------------------------------
+
+
+async def test_async_methods_are_atomic_and_native(alias: str, key: str) -> None:
+    store = get_lock_store(alias)
+    assert isinstance(store, RedisLockStore)
+    assert store._native_async()
+    before = threading.active_count()
+    got = await store.aacquire(key, "a" * 32, "h", 5)
+    assert got.fence is not None
+    assert threading.active_count() == before  # no worker thread was used
+    miss = await store.aacquire(key, "b" * 32, "h", 5)
+    assert miss.fence is None and miss.retry_in is not None and miss.retry_in <= 5
+    assert await store.aextend(key, "a" * 32, 30)
+    assert await store.aextend(key, "a" * 32, 1)  # never shortens
+    info = await store.aget(key)
+    assert info is not None and info.owner == "a" * 32 and info.expires_in > 25
+    assert info.fence == got.fence
+    assert not await store.aextend(key, "b" * 32, 30)
+    assert not await store.arelease(key, "b" * 32)
+
+    woken = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    token = store.wake_board.add_callback(key, lambda: loop.call_soon_threadsafe(woken.set))
+    try:
+        assert await store.arelease(key, "a" * 32)
+        await asyncio.wait_for(woken.wait(), 2)
+    finally:
+        store.wake_board.remove_callback(token)
+    assert await store.aget(key) is None
+    again = await store.aacquire(key, "b" * 32, "h", 5)
+    assert again.fence is not None and again.fence > got.fence
+    assert await store.arelease(key, "b" * 32)
+
+
+async def test_async_store_unreachable_raises_store_unavailable(key: str) -> None:
+    from .redis_servers import free_port
+
+    store = RedisLockStore("gone", {"URL": f"redis://127.0.0.1:{free_port()}/0"})
+    with pytest.raises(LockStoreUnavailable, match="cannot use Redis"):
+        await store.aacquire(key, "a" * 32, "h", 5)
+    with pytest.raises(LockStoreUnavailable):
+        await store.arelease(key, "a" * 32)
+
+
+def test_unique_owner_tokens_do_not_collide(key: str) -> None:
+    store = get_lock_store("redis")
+    owners = [uuid.uuid4().hex for _ in range(20)]
+    results = [store.acquire(key, owner, "h", 5) for owner in owners]
+    assert [r.acquired for r in results] == [True] + [False] * 19
+    assert store.release(key, owners[0])
