@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -37,6 +38,25 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is free and valid too."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 40000)
+        if _bindable(port) and _bindable(port + 10000):
+            return port
+    raise RuntimeError("no free port pair for a cluster node")
 
 
 def wait_port(port: int, timeout: float = 10.0) -> None:
@@ -119,7 +139,7 @@ def redis_server(*extra: str) -> Iterator[RedisServer]:
 @contextmanager
 def redis_cluster(size: int = 3) -> Iterator[list[RedisServer]]:
     """`size` masters joined with `redis-cli --cluster create`, slots all covered."""
-    nodes = [RedisServer() for _ in range(size)]
+    nodes = [RedisServer(port=free_cluster_port()) for _ in range(size)]
     try:
         for node in nodes:
             node.extra = [
@@ -131,7 +151,7 @@ def redis_cluster(size: int = 3) -> Iterator[list[RedisServer]]:
                 "2000",
             ]
             node.start()
-        subprocess.run(
+        created = subprocess.run(
             [
                 REDIS_CLI,
                 "--cluster",
@@ -141,10 +161,14 @@ def redis_cluster(size: int = 3) -> Iterator[list[RedisServer]]:
                 "0",
                 "--cluster-yes",
             ],
-            check=True,
             capture_output=True,
+            text=True,
             timeout=60,
         )
+        if created.returncode:
+            raise RuntimeError(
+                f"redis-cli --cluster create failed:\n{created.stdout}{created.stderr}"
+            )
         deadline = time.monotonic() + 20
         while not all("cluster_state:ok" in node.cli("cluster", "info") for node in nodes):
             if time.monotonic() > deadline:

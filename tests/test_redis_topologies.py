@@ -1,0 +1,197 @@
+"""RedisLockStore on a real Redis Cluster and behind a real Sentinel, both started here."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+from django.test import override_settings
+
+from django_keel_lock import get_lock_store, lock, set_lock_store
+from django_keel_lock.stores import RedisLockStore
+
+from .redis_servers import REDIS_SERVER, RedisServer, redis_cluster, redis_sentinel
+
+pytestmark = pytest.mark.skipif(
+    not os.path.exists(REDIS_SERVER), reason="redis-server binary not found"
+)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[list[RedisServer]]:
+    with redis_cluster(3) as nodes:
+        yield nodes
+
+
+@pytest.fixture
+def cluster_alias(cluster: list[RedisServer]) -> Iterator[str]:
+    alias = f"cluster-{uuid.uuid4().hex[:8]}"
+    store = RedisLockStore(alias, {"URL": cluster[0].url, "CLUSTER": True})
+    set_lock_store(store, alias)
+    yield alias
+    set_lock_store(None, alias)
+    store.close()
+
+
+def _wait_push(store: RedisLockStore, key: str) -> None:
+    with store.watch(key):
+        deadline = time.monotonic() + 10
+        while not store.push_wakeups and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert store.push_wakeups, "the listener never subscribed"
+
+
+def test_cluster_locks_keys_on_every_node_with_shared_hash_tags(
+    cluster: list[RedisServer], cluster_alias: str, key: str
+) -> None:
+    client: redis.RedisCluster[bytes] = redis.RedisCluster.from_url(cluster[0].url)
+    try:
+        keys = [f"{key}:{i:02d}" for i in range(24)]
+        handles = [lock(name, ttl=30, store=cluster_alias) for name in keys]
+        assert all(handle.acquire() for handle in handles)
+        store = get_lock_store(cluster_alias)
+        assert isinstance(store, RedisLockStore)
+        nodes = set()
+        for name in keys:
+            lock_name, fence_name = store._names(name)
+            slot = client.keyslot(lock_name)
+            assert slot == client.keyslot(fence_name)
+            node = client.nodes_manager.get_node_from_slot(slot)  # type: ignore[arg-type]
+            nodes.add(node.port)
+        assert len(nodes) == 3, "the keys should have spread over all three masters"
+        assert not lock(keys[0], store=cluster_alias).acquire()
+        listed = list(store.iter_locks(prefix=f"{key}:"))  # SCAN on every master
+        assert [info.key for info in listed] == keys
+        assert [info.fence for info in listed] == [handle.fence for handle in handles]
+        assert all(handle.release() for handle in handles)
+        again = lock(keys[0], store=cluster_alias)
+        assert again.acquire() and (again.fence or 0) > (handles[0].fence or 0)
+        assert again.release()
+    finally:
+        client.close()
+
+
+def test_cluster_release_on_one_node_wakes_a_waiter_subscribed_elsewhere(
+    cluster: list[RedisServer], cluster_alias: str, key: str
+) -> None:
+    # The waiter's store subscribes through another node than the one holding the key.
+    waiter_store = RedisLockStore("cluster-waiter", {"URL": cluster[2].url, "CLUSTER": True})
+    alias = f"cluster-waiter-{uuid.uuid4().hex[:8]}"
+    set_lock_store(waiter_store, alias)
+    try:
+        holder = lock(key, ttl=30, store=cluster_alias)
+        assert holder.acquire()
+        _wait_push(waiter_store, key)
+        woke: list[float] = []
+
+        def wait() -> None:
+            handle = lock(key, ttl=30, store=alias)
+            if handle.acquire(timeout=15, retry_delay=10):
+                woke.append(time.monotonic())
+                handle.release()
+
+        thread = threading.Thread(target=wait)
+        thread.start()
+        time.sleep(0.3)
+        released_at = time.monotonic()
+        assert holder.release()
+        thread.join(20)
+        assert woke and woke[0] - released_at < 0.5, woke
+    finally:
+        set_lock_store(None, alias)
+        waiter_store.close()
+
+
+async def test_cluster_async_methods(cluster_alias: str, key: str) -> None:
+    store = get_lock_store(cluster_alias)
+    got = await store.aacquire(key, "a" * 32, "h", 5)
+    assert got.fence is not None
+    assert (await store.aacquire(key, "b" * 32, "h", 5)).fence is None
+    assert await store.aextend(key, "a" * 32, 20)
+    info = await store.aget(key)
+    assert info is not None and info.expires_in > 15 and info.fence == got.fence
+    assert await store.arelease(key, "a" * 32)
+    assert await store.aget(key) is None
+
+
+@pytest.fixture(scope="module")
+def sentinel() -> Iterator[tuple[RedisServer, RedisServer]]:
+    with redis_sentinel("keelmaster") as servers:
+        yield servers
+
+
+@pytest.fixture
+def sentinel_alias(sentinel: tuple[RedisServer, RedisServer]) -> Iterator[str]:
+    """django-redis' SentinelClient as the project would configure it; the store reuses it."""
+    _, sentinel_server = sentinel
+    caches = {
+        "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+        "sentinel": {
+            "BACKEND": "django_redis.cache.RedisCache",
+            "LOCATION": "redis://keelmaster/0",
+            "OPTIONS": {
+                "CLIENT_CLASS": "django_redis.client.SentinelClient",
+                "CONNECTION_FACTORY": "django_redis.pool.SentinelConnectionFactory",
+                "SENTINELS": [("127.0.0.1", sentinel_server.port)],
+            },
+        },
+    }
+    stores = {
+        "via-sentinel": {
+            "BACKEND": "django_keel_lock.stores.RedisLockStore",
+            "OPTIONS": {"CONNECTION": "sentinel"},
+        }
+    }
+    with override_settings(CACHES=caches, KEEL_LOCK_STORES=stores):
+        yield "via-sentinel"
+
+
+def test_sentinel_client_is_reused_and_locks_land_on_the_master(
+    sentinel: tuple[RedisServer, RedisServer], sentinel_alias: str, key: str
+) -> None:
+    master, _ = sentinel
+    handle = lock(key, ttl=30, store=sentinel_alias, holder="via-sentinel")
+    assert handle.acquire()
+    assert "via-sentinel" in master.cli("hget", f"keel-lock:{{{key}}}", "h")
+    assert not lock(key, store=sentinel_alias).acquire()
+    store = get_lock_store(sentinel_alias)
+    assert isinstance(store, RedisLockStore)
+    _wait_push(store, key)
+    woke: list[float] = []
+
+    def wait() -> None:
+        other = lock(key, ttl=30, store=sentinel_alias)
+        if other.acquire(timeout=15, retry_delay=10):
+            woke.append(time.monotonic())
+            other.release()
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    time.sleep(0.3)
+    released_at = time.monotonic()
+    # Released by a plain client on the master, as another server would: only pub/sub tells us.
+    plain = RedisLockStore("plain", {"URL": master.url})
+    try:
+        assert plain.release(key, handle.owner or "")
+    finally:
+        plain.close()
+    thread.join(20)
+    assert woke and woke[0] - released_at < 0.5, woke
+
+
+async def test_sentinel_async_methods_use_an_async_sentinel_client(
+    sentinel_alias: str, key: str
+) -> None:
+    store = get_lock_store(sentinel_alias)
+    assert isinstance(store, RedisLockStore) and store._native_async()
+    got = await store.aacquire(key, "a" * 32, "h", 5)
+    assert got.fence is not None
+    assert (await store.aacquire(key, "b" * 32, "h", 5)).fence is None
+    info = await store.aget(key)
+    assert info is not None and info.owner == "a" * 32
+    assert await store.arelease(key, "a" * 32)
