@@ -29,6 +29,7 @@ from typing import Any
 
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Warning, register
+from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
 from .durations import to_seconds
@@ -141,12 +142,12 @@ def _check_alias(alias: str, config: object) -> list[CheckMessage]:
     backend: type[LockStore] | None = None
     try:
         imported = import_string(path)
-    except ImportError as exc:
+    except (ImportError, ImproperlyConfigured) as exc:  # a store missing its driver says so
         missing_driver = redis_path and any(m.id == ID.format("E007") for m in messages)
         if not missing_driver:
             messages.append(
                 Error(
-                    f"{where} BACKEND {path!r} cannot be imported: {exc}.",
+                    f"{where} BACKEND {path!r} cannot be imported: {exc}",
                     hint="Use django_keel_lock.stores.DatabaseLockStore, RedisLockStore, "
                     "MemoryLockStore or your own LockStore subclass.",
                     id=ID.format("E002"),

@@ -6,8 +6,8 @@
     manage.py locks prune [--store ALIAS]
 
 Exit codes: 0 done; 1 the key is not held (show, release) or the release was declined at the
-prompt; 2 usage errors and an unknown or misconfigured store alias; 3 the store could not be
-reached (the state of the locks is unknown).
+prompt; 2 usage errors (bad arguments, a key the store cannot hold) and an unknown or
+misconfigured store alias; 3 the store could not be reached (the state of the locks is unknown).
 
 `list` streams: rows are printed as the store yields them (page by page for the database store),
 with fixed column widths so the table never needs every row in memory.
@@ -24,7 +24,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from ...conf import conf, get_lock_store
-from ...core import force_release
+from ...core import force_release, validate_key
 from ...exceptions import LockStoreUnavailable
 from ...stores.base import LockInfo, LockStore
 
@@ -146,7 +146,7 @@ class Command(BaseCommand):
             self.stdout.write(line)
 
     def do_show(self, store: LockStore, options: dict[str, Any]) -> None:
-        info = self.read(store, options["key"])
+        info = self.read(store, self.checked_key(store, options["key"]))
         if options["json"]:
             self.stdout.write(json.dumps({"store": store.alias, **info_dict(info, owner=True)}))
             return
@@ -163,7 +163,7 @@ class Command(BaseCommand):
             self.stdout.write(f"{label + ':':<12}{value}")
 
     def do_release(self, store: LockStore, options: dict[str, Any]) -> None:
-        key: str = options["key"]
+        key = self.checked_key(store, options["key"])
         if not options["yes"]:
             info = self.read(store, key)
             question = (
@@ -195,6 +195,13 @@ class Command(BaseCommand):
         )
 
     # -- helpers --------------------------------------------------------------------------
+    @staticmethod
+    def checked_key(store: LockStore, key: str) -> str:
+        try:
+            return validate_key(key, store)
+        except (TypeError, ValueError) as exc:
+            raise CommandError(f"bad key: {exc}", returncode=EXIT_CONFIG) from exc
+
     def read(self, store: LockStore, key: str) -> LockInfo:
         info = store.get(key)
         if info is None:

@@ -1,0 +1,287 @@
+"""`manage.py locks`: list / show / release / prune against real stores, exit codes, streaming."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+import tracemalloc
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from django.core.management import CommandError, call_command
+from django.db import connections
+from django.test import override_settings
+
+from django_keel_lock import get_lock_store, lock
+from django_keel_lock.conf import conf
+from django_keel_lock.management.commands.locks import list_lines
+from django_keel_lock.stores.database import PAGE_SIZE
+from tests.conftest import ALL_STORES, STORE_AVAILABILITY, store_params
+from tests.holders import held_elsewhere, manage
+
+DOWN_STORES = {"down": {"BACKEND": "django_keel_lock.stores.RedisLockStore",
+                        "OPTIONS": {"URL": "redis://127.0.0.1:1/0"}}}  # fmt: skip
+
+
+def run(*args: str) -> str:
+    out = io.StringIO()
+    call_command("locks", *args, stdout=out, stderr=io.StringIO())
+    return out.getvalue()
+
+
+def fails(*args: str) -> CommandError:
+    with pytest.raises(CommandError) as info:
+        run(*args)
+    return info.value
+
+
+# -- list -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("store_alias", ALL_STORES)
+def test_list_shows_locks_held_by_another_process(store_alias: str, key: str) -> None:
+    with held_elsewhere(store_alias, key, ttl=30) as held:
+        table = run("list", "--store", store_alias, "--prefix", key).splitlines()
+        lines = run("list", "--store", store_alias, "--prefix", key, "--json").splitlines()
+    assert table[0].split() == ["FENCE", "EXPIRES", "IN", "ACQUIRED", "(UTC)", "HOLDER", "KEY"]
+    assert len(table) == 3, table
+    fence, expires, day, clock, holder, listed_key = table[1].split()
+    assert listed_key == key and int(fence) == held["fence"]
+    assert 25 <= float(expires.rstrip("s")) <= 30
+    acquired = datetime.fromisoformat(f"{day} {clock}").replace(tzinfo=UTC)
+    assert abs((datetime.now(UTC) - acquired).total_seconds()) < 60
+    assert holder.split(":")[1].isdigit()  # <hostname>:<pid> of the other process
+    assert table[2] == f"1 lock held in store {store_alias!r} with prefix {key!r}."
+    assert len(lines) == 1
+    row = json.loads(lines[0])
+    assert row["key"] == key and row["fence"] == held["fence"]
+    assert set(row) == {"key", "holder", "fence", "acquired_at", "expires_in"}
+    assert 25 <= row["expires_in"] <= 30
+
+
+def test_list_prefix_filters_and_orders(key: str) -> None:
+    handles = [lock(f"{key}:{n}", store="memory") for n in (3, 1, 2)]
+    other = lock(f"{key}-other", store="memory")
+    for handle in [*handles, other]:
+        assert handle.acquire()
+    keys = [json.loads(line)["key"] for line in run("list", "--store", "memory", "--prefix",
+                                                    f"{key}:", "--json").splitlines()]  # fmt: skip
+    assert keys == [f"{key}:1", f"{key}:2", f"{key}:3"]
+    table = run("list", "--store", "memory", "--prefix", f"{key}:")
+    assert table.splitlines()[-1] == f"3 locks held in store 'memory' with prefix '{key}:'."
+
+
+def test_list_keeps_columns_fixed_and_never_cuts_the_key(key: str) -> None:
+    long_key = key + ":" + "k" * 150
+    handle = lock(long_key, store="memory", holder="h" * 200)
+    assert handle.acquire()
+    header, row, _ = run("list", "--store", "memory", "--prefix", key).splitlines()
+    assert row.endswith(long_key)
+    assert row.index(long_key) == header.index("KEY")
+    assert "h" * 31 + "…" in row and "h" * 33 not in row
+
+
+# -- streaming ------------------------------------------------------------------------------
+def _insert_sql(vendor: str, prefix: str, count: int) -> str:
+    if vendor == "postgresql":
+        return (
+            "INSERT INTO django_keel_lock_lock (key, owner, holder, fence, acquired_at, "
+            f"expires_at) SELECT '{prefix}' || lpad(g::text, 6, '0'), md5(g::text), "
+            "'bulk:1', nextval('django_keel_lock_fence'), clock_timestamp(), "
+            f"clock_timestamp() + interval '1 hour' FROM generate_series(1, {count}) g"
+        )
+    return (
+        f"WITH RECURSIVE g(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < {count}) "
+        "INSERT INTO django_keel_lock_lock (key, owner, holder, fence, acquired_at, expires_at) "
+        f"SELECT '{prefix}' || substr('000000' || n, -6), hex(randomblob(16)), 'bulk:1', "
+        "(SELECT COALESCE(MAX(fence), 0) FROM django_keel_lock_lock) + n, "
+        "strftime('%Y-%m-%d %H:%M:%f', 'now'), "
+        "strftime('%Y-%m-%d %H:%M:%f', 'now', '+3600 seconds') FROM g"
+    )
+
+
+def _sql(database: str, sql: str, params: tuple[Any, ...] = ()) -> None:
+    """Run one statement on a connection of its own, committed at once (like another server)."""
+    conn = connections.create_connection(database)
+    try:
+        with conn.cursor() as cursor:
+            cursor.execute(sql, params)
+    finally:
+        conn.close()
+
+
+MANY = 20_000
+
+
+@pytest.fixture(params=store_params(["sqlite", "postgres"]))
+def many_locks(request: pytest.FixtureRequest, key: str) -> Iterator[tuple[str, str, str]]:
+    """(store alias, database alias, prefix) with MANY locks held under prefix."""
+    alias = str(request.param)
+    database = get_lock_store(alias).database  # type: ignore[attr-defined]
+    prefix = f"{key}:"
+    _sql(database, _insert_sql(connections[database].vendor, prefix, MANY))
+    try:
+        yield alias, database, prefix
+    finally:
+        _sql(database, "DELETE FROM django_keel_lock_lock WHERE key LIKE %s", (prefix + "%",))
+
+
+def test_list_streams_page_by_page(many_locks: tuple[str, str, str]) -> None:
+    alias, database, prefix = many_locks
+    lines = list_lines(get_lock_store(alias), prefix)
+    assert next(lines).startswith("       FENCE")
+    assert next(lines).endswith(f"{prefix}000001")
+    # The rows are gone now: a listing that had read them all up front would still print them;
+    # a streaming one prints what is left of the page it holds, then stops.
+    _sql(database, "DELETE FROM django_keel_lock_lock WHERE key LIKE %s", (prefix + "%",))
+    rest = list(lines)
+    assert len(rest) < PAGE_SIZE + 1
+    assert rest[-1] == f"{len(rest)} locks held in store {alias!r} with prefix {prefix!r}."
+
+
+class _Sink(io.TextIOBase):
+    """A stdout that counts lines and keeps only the last (so it holds no output itself)."""
+
+    def __init__(self) -> None:
+        self.lines = 0
+        self.last = ""
+
+    def write(self, text: str) -> int:
+        self.lines += text.count("\n")
+        self.last = text or self.last
+        return len(text)
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["table", "json"])
+def test_list_memory_stays_bounded(many_locks: tuple[str, str, str], as_json: bool) -> None:
+    alias, _, prefix = many_locks
+    sink = _Sink()
+    args = ["list", "--store", alias, "--prefix", prefix] + (["--json"] if as_json else [])
+    tracemalloc.start()
+    try:
+        call_command("locks", *args, stdout=sink)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert sink.lines == MANY + (0 if as_json else 2)
+    if not as_json:
+        assert sink.last.startswith(f"{MANY} locks held")
+    # All rows at once would be ~10 MB of LockInfo and strings; a page is a few hundred KB.
+    assert peak < 3_000_000, f"peak {peak / 1e6:.1f} MB"
+
+
+# -- show -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("store_alias", ALL_STORES)
+def test_show_one_lock(store_alias: str, key: str) -> None:
+    with held_elsewhere(store_alias, key, ttl=30) as held:
+        text = run("show", key, "--store", store_alias)
+        data = json.loads(run("show", key, "--store", store_alias, "--json"))
+    fields = dict(line.split(":", 1) for line in text.splitlines())
+    assert fields["key"].strip() == key
+    assert fields["store"].strip() == store_alias
+    assert int(fields["fence"]) == held["fence"]
+    assert len(fields["owner"].strip()) == 32
+    assert data["key"] == key and data["store"] == store_alias and data["fence"] == held["fence"]
+    assert data["owner"] == fields["owner"].strip()
+    error = fails("show", key, "--store", store_alias)
+    assert error.returncode == 1
+    assert "not held" in str(error)
+
+
+# -- release --------------------------------------------------------------------------------
+@pytest.mark.parametrize("store_alias", ALL_STORES)
+def test_release_yes_frees_a_lock_held_by_another_process(store_alias: str, key: str) -> None:
+    with held_elsewhere(store_alias, key, ttl=30) as held:
+        out = run("release", key, "--store", store_alias, "--yes")
+        assert f"Released {key!r}" in out and f"fence {held['fence']}" in out
+        assert not lock(key, store=store_alias).is_locked()
+        taker = lock(key, store=store_alias)
+        assert taker.acquire()
+        assert taker.release()
+    error = fails("release", key, "--store", store_alias, "--yes")
+    assert error.returncode == 1
+
+
+def test_release_asks_first(key: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    holder = lock(key, store="memory", holder="worker-7:99")
+    assert holder.acquire()
+    monkeypatch.setattr("sys.stdin", io.StringIO("n\n"))
+    error = fails("release", key, "--store", "memory")
+    assert error.returncode == 1 and "Not released" in str(error)
+    assert holder.info() is not None
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))  # no terminal, no answer: not released
+    assert fails("release", key, "--store", "memory").returncode == 1
+    monkeypatch.setattr("sys.stdin", io.StringIO("y\n"))
+    assert "Released" in run("release", key, "--store", "memory")
+    assert holder.info() is None
+    assert holder.release() is False  # the holder finds out it lost the lock
+
+
+# -- prune ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("store_alias", ALL_STORES)
+def test_prune_deletes_expired_entries_and_says_how_many(store_alias: str, key: str) -> None:
+    store = get_lock_store(store_alias)
+    store.prune()
+    for n in range(3):
+        assert lock(f"{key}:{n}", store=store_alias, ttl=0.2).acquire()
+    keeper = lock(f"{key}:live", store=store_alias, ttl=60)
+    assert keeper.acquire()
+    time.sleep(0.4)
+    out = run("prune", "--store", store_alias)
+    count = int(out.split()[1])
+    if store_alias.startswith("redis"):
+        assert count == 0  # Redis expires keys itself
+    else:
+        # SQLite keeps the row with the highest fence (it is the fence counter).
+        assert count >= 2
+        assert out == f"Pruned {count} expired locks from store {store_alias!r}.\n"
+        assert store.prune() == 0
+    assert keeper.is_locked()
+    assert keeper.release()
+
+
+# -- errors and exit codes ------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "args", [["list"], ["show", "k"], ["release", "k", "--yes"], ["prune"]], ids=str
+)
+def test_unknown_alias_is_exit_code_2(args: list[str]) -> None:
+    error = fails(*args, "--store", "nope")
+    assert error.returncode == 2
+    assert "unknown store alias 'nope'" in str(error) and "memory" in str(error)
+
+
+@override_settings(KEEL_LOCK_STORES={**conf.STORES, **DOWN_STORES})
+@pytest.mark.parametrize(
+    "args", [["list"], ["show", "k"], ["release", "k", "--yes"], ["prune"]], ids=str
+)
+def test_store_outage_is_exit_code_3(args: list[str]) -> None:
+    if args[0] == "prune":
+        pytest.skip("Redis prunes nothing, so it never talks to the server")
+    error = fails(*args, "--store", "down")
+    assert error.returncode == 3
+    assert "store 'down' is unavailable" in str(error)
+
+
+def test_bad_key_is_a_usage_error(key: str) -> None:
+    error = fails("show", "x" * 300, "--store", "sqlite")
+    assert error.returncode == 2 and "at most 255" in str(error)
+
+
+@pytest.mark.skipif(STORE_AVAILABILITY["postgres"] is not None, reason="needs PostgreSQL")
+def test_exit_codes_from_the_command_line(key: str) -> None:
+    with held_elsewhere("postgres", key, ttl=30):
+        shown = manage("locks", "show", key, "--store", "postgres")
+        assert shown.returncode == 0 and key in shown.stdout
+        declined = manage("locks", "release", key, "--store", "postgres", input="n\n")
+        assert declined.returncode == 1 and "Not released" in declined.stderr
+        assert lock(key, store="postgres").is_locked()
+        released = manage("locks", "release", key, "--store", "postgres", input="y\n")
+        assert released.returncode == 0, released.stderr
+        assert not lock(key, store="postgres").is_locked()
+    again = manage("locks", "release", key, "--store", "postgres", "--yes")
+    assert again.returncode == 1 and "not held" in again.stderr
+    unknown = manage("locks", "list", "--store", "nope")
+    assert unknown.returncode == 2 and "unknown store alias" in unknown.stderr
+    usage = manage("locks", "frobnicate")
+    assert usage.returncode == 2

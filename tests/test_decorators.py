@@ -1,0 +1,264 @@
+"""@locked on sync and async functions, against real stores."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import Any
+
+import pytest
+from asgiref.sync import async_to_sync, iscoroutinefunction, sync_to_async
+from django.test import override_settings
+
+from django_keel_lock import LockStoreUnavailable, LockUnavailable, lock, locked
+from django_keel_lock.conf import conf
+from tests.conftest import ALL_STORES
+from tests.holders import held_elsewhere
+
+DOWN_STORES = {"down": {"BACKEND": "django_keel_lock.stores.RedisLockStore",
+                        "OPTIONS": {"URL": "redis://127.0.0.1:1/0"}}}  # fmt: skip
+
+
+def holder_of(key: str, store: str = "memory") -> str | None:
+    info = lock(key, store=store).info()
+    return None if info is None else info.holder
+
+
+def test_key_is_formatted_from_bound_arguments_and_held_during_the_call(key: str) -> None:
+    seen: list[Any] = []
+
+    @locked(key + ":{date}:{kind}", store="memory", ttl=60)
+    def build(date: str, kind: str = "daily") -> str:
+        seen.append(holder_of(f"{key}:{date}:{kind}"))
+        return f"built {date}"
+
+    assert build("2024-05-01") == "built 2024-05-01"
+    assert build(date="2024-05-02", kind="weekly") == "built 2024-05-02"
+    assert len(seen) == 2 and all(seen)
+    # The holder names the function, for `locks list` readers.
+    assert "test_decorators" in seen[0] and "build" in seen[0]
+    assert holder_of(f"{key}:2024-05-01:daily") is None
+
+
+def test_attribute_and_callable_keys(key: str) -> None:
+    class Account:
+        pk = 7
+
+    @locked(key + ":{account.pk}", store="memory")
+    def sync_account(account: Account) -> int:
+        return 1 if holder_of(f"{key}:7") else 0
+
+    @locked(lambda n: f"{key}:n{n}", store="memory")
+    def numbered(n: int) -> bool:
+        return holder_of(f"{key}:n{n}") is not None
+
+    assert sync_account(Account()) == 1
+    assert numbered(3) is True
+
+
+@pytest.mark.parametrize("store_alias", ALL_STORES)
+def test_raise_and_skip_when_another_process_holds_the_key(
+    store_alias: str, key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    calls: list[str] = []
+
+    @locked("{name}", store=store_alias)
+    def strict(name: str) -> str:
+        calls.append(name)
+        return "ran"
+
+    @locked("{name}", store=store_alias, on_locked="skip")
+    def lenient(name: str) -> str:
+        calls.append(name)
+        return "ran"
+
+    with held_elsewhere(store_alias, key):
+        with pytest.raises(LockUnavailable) as info:
+            strict(key)
+        assert info.value.key == key
+        assert "strict" in str(info.value)
+        with caplog.at_level(logging.INFO, logger="django_keel_lock"):
+            assert lenient(key) is None
+    assert calls == []
+    skipped = [r for r in caplog.records if r.levelno == logging.INFO]
+    assert len(skipped) == 1 and key in skipped[0].getMessage()
+    assert "lenient" in skipped[0].getMessage()
+    assert strict(key) == "ran" and lenient(key) == "ran"
+    assert calls == [key, key]
+
+
+def test_timeout_waits_for_the_holder(key: str) -> None:
+    holder = lock(key, store="memory", ttl=60)
+    assert holder.acquire()
+    threading.Timer(0.3, holder.release).start()
+
+    @locked(key, store="memory", timeout=5)
+    def job() -> str:
+        return "done"
+
+    started = time.monotonic()
+    assert job() == "done"
+    assert time.monotonic() - started >= 0.25
+
+
+def test_exception_propagates_and_releases(key: str) -> None:
+    @locked(key, store="memory")
+    def fails() -> None:
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        fails()
+    assert holder_of(key) is None
+
+
+def test_concurrent_callers_one_runs_the_other_skips(key: str) -> None:
+    inside, leave = threading.Event(), threading.Event()
+
+    @locked(key, store="memory", on_locked="skip")
+    def job() -> str:
+        inside.set()
+        leave.wait(5)
+        return "ran"
+
+    results: list[Any] = []
+    thread = threading.Thread(target=lambda: results.append(job()))
+    thread.start()
+    try:
+        assert inside.wait(5)
+        assert job() is None
+    finally:
+        leave.set()
+        thread.join(5)
+    assert results == ["ran"]
+
+
+@override_settings(KEEL_LOCK_STORES={**conf.STORES, **DOWN_STORES})
+def test_store_outage_raises_even_with_skip(key: str) -> None:
+    calls: list[int] = []
+
+    @locked(key, store="down", on_locked="skip")
+    def job() -> None:
+        calls.append(1)
+
+    with pytest.raises(LockStoreUnavailable):
+        job()
+    assert calls == []
+
+
+@pytest.mark.parametrize("bad", ["ignore", "Skip", None, True])
+def test_on_locked_must_be_raise_or_skip(bad: Any) -> None:
+    with pytest.raises(ValueError, match='on_locked must be "raise" or "skip"'):
+        locked("k", on_locked=bad)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [({"ttl": 0}, ValueError), ({"timeout": -1}, ValueError), ({"store": None}, TypeError)],
+)
+def test_bad_options_fail_at_decoration(kwargs: dict[str, Any], error: type[Exception]) -> None:
+    with pytest.raises(error):
+        locked("k", **kwargs)
+
+
+def test_template_naming_a_missing_argument_is_a_clear_error(key: str) -> None:
+    @locked("report:{day}", store="memory")
+    def report(date: str) -> None:  # pragma: no cover
+        pass
+
+    with pytest.raises(ValueError, match=r"'day'.*its arguments: date"):
+        report("2024")
+
+
+def test_holder_and_ttl_pass_through(key: str) -> None:
+    @locked(key, store="memory", holder="nightly-cron", ttl="90s")
+    def job() -> tuple[str | None, float | None]:
+        return holder_of(key), lock(key, store="memory").remaining_time()
+
+    holder, remaining = job()
+    assert holder == "nightly-cron"
+    assert remaining is not None and 85 < remaining <= 90
+
+
+def test_wraps_keeps_name_and_coroutine_nature() -> None:
+    @locked("k")
+    def plain() -> None: ...
+
+    @locked("k")
+    async def coro() -> None: ...
+
+    assert plain.__name__ == "plain" and coro.__name__ == "coro"
+    assert not iscoroutinefunction(plain)
+    assert iscoroutinefunction(coro)
+
+
+# -- async functions ------------------------------------------------------------------------
+async def test_async_function_holds_the_lock_while_awaited(key: str) -> None:
+    @locked(key + ":{n}", store="memory")
+    async def job(n: int) -> str | None:
+        await asyncio.sleep(0)
+        return holder_of(f"{key}:{n}")
+
+    assert await job(1)
+    assert holder_of(f"{key}:1") is None
+
+
+@pytest.mark.parametrize("store_alias", ALL_STORES)
+async def test_async_raise_and_skip_when_another_process_holds(store_alias: str, key: str) -> None:
+    calls: list[str] = []
+
+    @locked("{name}", store=store_alias)
+    async def strict(name: str) -> str:
+        calls.append(name)
+        return "ran"
+
+    @locked("{name}", store=store_alias, on_locked="skip")
+    async def lenient(name: str) -> str:
+        calls.append(name)
+        return "ran"
+
+    with held_elsewhere(store_alias, key):
+        with pytest.raises(LockUnavailable):
+            await strict(key)
+        assert await lenient(key) is None
+    assert calls == []
+    assert await strict(key) == "ran"
+    assert await sync_to_async(holder_of)(key, store_alias) is None
+
+
+async def test_async_concurrent_tasks_one_runs(key: str) -> None:
+    started = asyncio.Event()
+
+    @locked(key, store="memory", on_locked="skip")
+    async def job(n: int) -> int:
+        started.set()
+        await asyncio.sleep(0.2)
+        return n
+
+    first = asyncio.ensure_future(job(1))
+    await started.wait()
+    assert await job(2) is None
+    assert await first == 1
+
+
+async def test_async_exception_releases(key: str) -> None:
+    @locked(key, store="memory")
+    async def fails() -> None:
+        await asyncio.sleep(0)
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError):
+        await fails()
+    assert holder_of(key) is None
+
+
+def test_async_store_outage_raises_even_with_skip(key: str) -> None:
+    @locked(key, store="down", on_locked="skip")
+    async def job() -> None:  # pragma: no cover
+        raise AssertionError("must not run")
+
+    # Settings change outside the event loop: closing the stores it resets is sync-only.
+    with override_settings(KEEL_LOCK_STORES={**conf.STORES, **DOWN_STORES}):
+        with pytest.raises(LockStoreUnavailable):
+            async_to_sync(job)()

@@ -1,0 +1,397 @@
+"""@lock_view and LockViewMixin on sync, async and class-based views, against real stores."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from asgiref.sync import async_to_sync, iscoroutinefunction, sync_to_async
+from django.core.exceptions import ImproperlyConfigured
+from django.http import HttpRequest, HttpResponse
+from django.test import AsyncClient, Client, override_settings
+
+from django_keel_lock import Lock, LockStoreUnavailable, lock, lock_view
+from django_keel_lock.conf import conf
+from django_keel_lock.views import parse_key_template, render_key_template, wants_json
+from tests.conftest import ALL_STORES
+from tests.holders import held_elsewhere
+from tests.testapp import views
+
+JSON = {"Accept": "application/json"}
+# A Redis URL store on a port nothing listens on: every call is an outage.
+DOWN_STORES = {"down": {"BACKEND": "django_keel_lock.stores.RedisLockStore",
+                        "OPTIONS": {"URL": "redis://127.0.0.1:1/0"}}}  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _reset_views() -> Iterator[None]:
+    views.CALLS.clear()
+    views.GATE.clear()
+    views.ENTERED.clear()
+    yield
+    views.GATE.set()  # never leave a request thread blocked
+
+
+def hold(key: str, ttl: float = 60, store: str = "memory") -> Lock:
+    handle = lock(key, ttl=ttl, store=store, holder="someone-else:1")
+    assert handle.acquire()
+    return handle
+
+
+def is_free(key: str, store: str = "memory") -> bool:
+    return not lock(key, store=store).is_locked()
+
+
+# -- key templates --------------------------------------------------------------------------
+def test_placeholders_are_filled_from_url_kwargs_as_given() -> None:
+    assert render_key_template("invoice:<pk>", {"pk": 42}) == "invoice:42"
+    # Braces and percent signs are not formatting: values and literals are used as given.
+    assert render_key_template("a{0}:<x>:%s", {"x": "{y}<z>"}) == "a{0}:{y}<z>:%s"
+
+
+@pytest.mark.parametrize("template", ["a<b", "a>b", "x:<pk>>", "<1pk>", "<>", "<a b>"])
+def test_bad_template_is_rejected_when_decorating(template: str) -> None:
+    with pytest.raises(ImproperlyConfigured, match="placeholder"):
+        lock_view(template)
+
+
+def test_template_parts() -> None:
+    assert parse_key_template("inv:<pk>:<slug>") == (
+        (False, "inv:"), (True, "pk"), (False, ":"), (True, "slug"),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"key": 42}, TypeError),
+        ({"key": "k", "on_locked": "skip"}, TypeError),
+        ({"key": "k", "ttl": -1}, ValueError),
+        ({"key": "k", "timeout": "soon"}, ValueError),
+        ({"key": "k", "store": 3}, TypeError),
+    ],
+)
+def test_bad_arguments_fail_at_decoration(kwargs: dict[str, Any], error: type[Exception]) -> None:
+    key = kwargs.pop("key")
+    with pytest.raises(error):
+        lock_view(key, **kwargs)
+
+
+def test_unknown_placeholder_raises_improperly_configured_naming_it(client: Client) -> None:
+    with pytest.raises(ImproperlyConfigured, match=r"<nope>.*URL kwargs: key"):
+        client.get("/views/bad-placeholder/anything/")
+    assert views.CALLS == []
+
+
+@pytest.mark.parametrize(
+    ("accept", "expected"),
+    [
+        ("", False),
+        ("*/*", False),
+        ("text/html,application/xhtml+xml,*/*;q=0.8", False),
+        ("application/json", True),
+        ("text/html, application/json;q=0.5", True),
+        ("application/problem+json", True),
+        ("application/json;q=0", False),
+        ("application/json;q=bogus", False),
+    ],
+)
+def test_json_only_for_clients_that_ask_for_it(accept: str, expected: bool) -> None:
+    request = HttpRequest()
+    if accept:
+        request.META["HTTP_ACCEPT"] = accept
+    assert wants_json(request) is expected
+
+
+# -- sync function views --------------------------------------------------------------------
+def test_free_key_runs_the_view_and_releases_the_lock(client: Client) -> None:
+    pk = random.randrange(10**9)
+    response = client.get(f"/views/charge/{pk}/")
+    assert response.status_code == 200
+    assert views.CALLS == ["charge"]
+    assert is_free(f"invoice:{pk}")
+
+
+def test_held_key_answers_409_text_with_retry_after_rounded_up(client: Client) -> None:
+    pk = random.randrange(10**9)
+    holder = hold(f"invoice:{pk}", ttl=7.2)
+    try:
+        response = client.get(f"/views/charge/{pk}/")
+    finally:
+        holder.release()
+    assert response.status_code == 409
+    assert response["Retry-After"] == "8"  # 7.19...s left, rounded up
+    assert response["Content-Type"].startswith("text/plain")
+    assert f"invoice:{pk}" in response.content.decode()
+    assert views.CALLS == []
+    assert client.get(f"/views/charge/{pk}/").status_code == 200
+
+
+def test_held_key_answers_json_when_the_client_accepts_json(client: Client) -> None:
+    pk = random.randrange(10**9)
+    holder = hold(f"invoice:{pk}", ttl=120)
+    try:
+        response = client.get(f"/views/charge/{pk}/", headers=JSON)
+    finally:
+        holder.release()
+    assert response.status_code == 409
+    assert response["Content-Type"] == "application/json"
+    body = response.json()
+    assert body["key"] == f"invoice:{pk}" and body["detail"]
+    assert set(body) == {"detail", "key"}
+    assert response["Retry-After"] == "120"
+
+
+@pytest.mark.parametrize("store_alias", ALL_STORES)
+def test_lock_held_by_another_process_answers_409_in_every_store(
+    client: Client, store_alias: str, key: str
+) -> None:
+    url = f"/views/store/{store_alias}/{key}/"
+    with held_elsewhere(store_alias, key, ttl=30):
+        response = client.get(url, headers=JSON)
+        assert response.status_code == 409, response.content
+        assert 25 <= int(response["Retry-After"]) <= 30
+        assert response.json()["key"] == key
+        assert views.CALLS == []
+    response = client.get(url)
+    assert response.status_code == 200
+    assert views.CALLS == ["store_view"]
+    assert is_free(key, store_alias)
+
+
+def test_callable_key(client: Client, key: str) -> None:
+    holder = hold(f"callable:{key}")
+    try:
+        assert client.get(f"/views/callable/{key}/").status_code == 409
+    finally:
+        holder.release()
+    assert client.get(f"/views/callable/{key}/").status_code == 200
+    assert views.CALLS == ["by_callable"]
+
+
+def test_on_locked_answers_instead_of_409(client: Client, key: str) -> None:
+    holder = hold(key)
+    try:
+        response = client.get(f"/views/custom/{key}/")
+    finally:
+        holder.release()
+    assert response.status_code == 423
+    assert response.content.decode() == f"busy {key}"
+    assert views.CALLS == []
+
+
+def test_timeout_waits_for_the_holder_then_runs(client: Client, key: str) -> None:
+    holder = hold(key)
+    timer = threading.Timer(0.3, holder.release)
+    timer.start()
+    started = time.monotonic()
+    response = client.get(f"/views/waits/{key}/")
+    assert response.status_code == 200
+    assert time.monotonic() - started >= 0.25
+    assert views.CALLS == ["waits"]
+
+
+def test_concurrent_request_gets_409_while_the_first_runs(client: Client, key: str) -> None:
+    first: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: first.update(r=Client().get(f"/views/slow/{key}/")))
+    thread.start()
+    try:
+        assert views.ENTERED.wait(5)
+        info = lock(key, store="memory").info()
+        assert info is not None and f"GET /views/slow/{key}/" in info.holder
+        second = client.get(f"/views/slow/{key}/")
+        assert second.status_code == 409
+        assert 55 <= int(second["Retry-After"]) <= 60
+    finally:
+        views.GATE.set()
+        thread.join(5)
+    assert first["r"].status_code == 200
+    assert views.CALLS == ["slow"]
+    assert is_free(key)
+
+
+def test_lock_is_released_when_the_view_raises(client: Client, key: str) -> None:
+    with pytest.raises(views.Boom):
+        client.get(f"/views/boom/{key}/")
+    assert views.CALLS == ["boom"]
+    assert is_free(key)
+
+
+@override_settings(KEEL_LOCK_STORES={**conf.STORES, **DOWN_STORES})
+def test_store_outage_is_a_500_not_a_409(key: str) -> None:
+    with pytest.raises(LockStoreUnavailable):
+        Client().get(f"/views/store/down/{key}/")
+    response = Client(raise_request_exception=False).get(f"/views/store/down/{key}/")
+    assert response.status_code == 500
+    assert views.CALLS == []
+
+
+# -- async function views -------------------------------------------------------------------
+def test_decorated_async_view_stays_a_coroutine_function() -> None:
+    assert iscoroutinefunction(views.aview)
+    assert not iscoroutinefunction(views.charge)
+
+
+async def test_async_view_runs_when_free_and_releases(async_client: AsyncClient, key: str) -> None:
+    response = await async_client.get(f"/views/async/{key}/")
+    assert response.status_code == 200
+    assert views.CALLS == ["aview"]
+    assert is_free(key)
+
+
+async def test_async_view_answers_409_while_held(async_client: AsyncClient, key: str) -> None:
+    holder = hold(key, ttl=42)
+    try:
+        response = await async_client.get(f"/views/async/{key}/", headers=JSON)
+    finally:
+        holder.release()
+    assert response.status_code == 409
+    assert response["Retry-After"] == "42"
+    assert response.json() == {"detail": response.json()["detail"], "key": key}
+    assert views.CALLS == []
+
+
+async def test_async_on_locked_may_be_async(async_client: AsyncClient, key: str) -> None:
+    holder = hold(key)
+    try:
+        response = await async_client.get(f"/views/async-custom/{key}/")
+    finally:
+        holder.release()
+    assert response.status_code == 423
+    assert response.content.decode() == f"async busy {key}"
+
+
+@pytest.mark.parametrize("store_alias", ALL_STORES)
+async def test_async_view_lock_held_by_another_process_in_every_store(
+    async_client: AsyncClient, store_alias: str, key: str
+) -> None:
+    url = f"/views/astore/{store_alias}/{key}/"
+    with held_elsewhere(store_alias, key, ttl=30):
+        response = await async_client.get(url)
+        assert response.status_code == 409
+        assert 25 <= int(response["Retry-After"]) <= 30
+        assert response["Content-Type"].startswith("text/plain")
+    response = await async_client.get(url)
+    assert response.status_code == 200
+    assert views.CALLS == ["astore_view"]
+    assert await sync_to_async(is_free)(key, store_alias)
+
+
+async def test_concurrent_async_request_gets_409(async_client: AsyncClient, key: str) -> None:
+    first = asyncio.ensure_future(async_client.get(f"/views/async-slow/{key}/"))
+    try:
+        for _ in range(500):
+            if views.ENTERED.is_set():
+                break
+            await asyncio.sleep(0.01)
+        assert views.ENTERED.is_set()
+        second = await AsyncClient().get(f"/views/async-slow/{key}/")
+        assert second.status_code == 409
+    finally:
+        views.GATE.set()
+    assert (await first).status_code == 200
+    assert views.CALLS == ["aslow"]
+    assert is_free(key)
+
+
+async def test_async_lock_is_released_when_the_view_raises(
+    async_client: AsyncClient, key: str
+) -> None:
+    with pytest.raises(views.Boom):
+        await async_client.get(f"/views/async-boom/{key}/")
+    assert views.CALLS == ["aboom"]
+    assert is_free(key)
+
+
+def test_async_store_outage_is_a_500_not_a_409(key: str) -> None:
+    async def get(client: AsyncClient) -> HttpResponse:
+        return await client.get(f"/views/astore/down/{key}/")  # type: ignore[no-any-return]
+
+    # Settings change outside the event loop: closing the stores it resets is sync-only.
+    with override_settings(KEEL_LOCK_STORES={**conf.STORES, **DOWN_STORES}):
+        with pytest.raises(LockStoreUnavailable):
+            async_to_sync(get)(AsyncClient())
+        response = async_to_sync(get)(AsyncClient(raise_request_exception=False))
+    assert response.status_code == 500
+    assert views.CALLS == []
+
+
+# -- class-based views ----------------------------------------------------------------------
+def test_mixin_runs_when_free_and_409_while_held(client: Client, key: str) -> None:
+    assert client.post(f"/views/mixin/{key}/").status_code == 200
+    assert is_free(f"mixin:{key}")
+    holder = hold(f"mixin:{key}", ttl=9)
+    try:
+        response = client.post(f"/views/mixin/{key}/")
+    finally:
+        holder.release()
+    assert response.status_code == 409
+    assert response["Retry-After"] == "9"
+    assert views.CALLS == ["mixin"]
+
+
+def test_mixin_get_lock_key_and_lock_on_locked(client: Client, key: str) -> None:
+    holder = hold(f"mixin-custom:{key}")
+    try:
+        response = client.get(f"/views/mixin-custom/{key}/")
+    finally:
+        holder.release()
+    assert response.status_code == 503
+    assert response.content.decode() == f"mixin busy mixin-custom:{key}"
+    assert client.get(f"/views/mixin-custom/{key}/").status_code == 200
+    assert views.CALLS == ["mixin_custom"]
+
+
+def test_mixin_without_a_key_is_improperly_configured(rf: Any) -> None:
+    from django.views import View
+
+    from django_keel_lock import LockViewMixin
+
+    class NoKey(LockViewMixin, View):
+        def get(self, request: HttpRequest) -> HttpResponse:  # pragma: no cover
+            return HttpResponse()
+
+    with pytest.raises(ImproperlyConfigured, match="lock_key"):
+        NoKey.as_view()(rf.get("/"))
+
+
+async def test_async_mixin(async_client: AsyncClient, key: str) -> None:
+    holder = hold(f"amixin:{key}")
+    try:
+        assert (await async_client.get(f"/views/async-mixin/{key}/")).status_code == 409
+    finally:
+        holder.release()
+    assert (await async_client.get(f"/views/async-mixin/{key}/")).status_code == 200
+    assert views.CALLS == ["amixin"]
+    assert is_free(f"amixin:{key}")
+
+
+def test_method_decorator_on_dispatch(client: Client, key: str) -> None:
+    holder = hold(f"decorated:{key}")
+    try:
+        assert client.get(f"/views/decorated/{key}/").status_code == 409
+    finally:
+        holder.release()
+    assert client.get(f"/views/decorated/{key}/").status_code == 200
+    assert views.CALLS == ["decorated"]
+    assert is_free(f"decorated:{key}")
+
+
+async def test_method_decorator_on_dispatch_of_an_async_view(
+    async_client: AsyncClient, key: str
+) -> None:
+    holder = hold(f"adecorated:{key}")
+    try:
+        assert (await async_client.get(f"/views/async-decorated/{key}/")).status_code == 409
+    finally:
+        holder.release()
+    response = await async_client.get(f"/views/async-decorated/{key}/")
+    assert response.status_code == 200
+    assert json.loads(response.content)["ran"] == "adecorated"
+    assert is_free(f"adecorated:{key}")

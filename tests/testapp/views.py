@@ -1,0 +1,172 @@
+"""Views for the lock_view / LockViewMixin tests. Each records that it ran in `CALLS`."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.utils.decorators import method_decorator
+from django.views import View
+
+from django_keel_lock import LockViewMixin, lock_view
+
+CALLS: list[str] = []
+# Set by a test to make `slow` / `aslow` wait inside the lock until released.
+GATE = threading.Event()
+ENTERED = threading.Event()
+
+
+def _ran(name: str, **kwargs: Any) -> HttpResponse:
+    CALLS.append(name)
+    return JsonResponse({"ran": name, **{k: str(v) for k, v in kwargs.items()}})
+
+
+@lock_view("invoice:<pk>", ttl="2m", store="memory")
+def charge(request: HttpRequest, pk: int) -> HttpResponse:
+    return _ran("charge", pk=pk)
+
+
+STORE_VIEWS: dict[str, Any] = {}
+
+
+def store_view(request: HttpRequest, store: str, key: str) -> Any:
+    """Dispatch to a lock_view-decorated view for `store`, built once per store alias."""
+    view = STORE_VIEWS.get(store)
+    if view is None:
+
+        @lock_view("<key>", ttl=60, store=store)
+        def view(request: HttpRequest, key: str) -> HttpResponse:
+            return _ran("store_view", key=key)
+
+        STORE_VIEWS[store] = view
+    return view(request, key=key)
+
+
+@lock_view(lambda request, key: f"callable:{key}", store="memory", ttl=60)
+def by_callable(request: HttpRequest, key: str) -> HttpResponse:
+    return _ran("by_callable", key=key)
+
+
+def _busy(request: HttpRequest, key: str) -> HttpResponse:
+    return HttpResponse(f"busy {key}", status=423)
+
+
+@lock_view("<key>", store="memory", on_locked=_busy)
+def custom(request: HttpRequest, key: str) -> HttpResponse:
+    return _ran("custom", key=key)
+
+
+@lock_view("<key>", store="memory", timeout=5, ttl=60)
+def waits(request: HttpRequest, key: str) -> HttpResponse:
+    return _ran("waits", key=key)
+
+
+@lock_view("<nope>", store="memory")
+def bad_placeholder(request: HttpRequest, key: str) -> HttpResponse:  # pragma: no cover
+    return _ran("bad_placeholder")
+
+
+@lock_view("<key>", store="memory", ttl=60)
+def slow(request: HttpRequest, key: str) -> HttpResponse:
+    ENTERED.set()
+    GATE.wait(10)
+    return _ran("slow", key=key)
+
+
+@lock_view("<key>", store="memory", ttl=60)
+async def aview(request: HttpRequest, key: str) -> HttpResponse:
+    await asyncio.sleep(0)
+    return _ran("aview", key=key)
+
+
+async def _abusy(request: HttpRequest, key: str) -> HttpResponse:
+    return HttpResponse(f"async busy {key}", status=423)
+
+
+@lock_view("<key>", store="memory", ttl=60, on_locked=_abusy)
+async def aview_custom(request: HttpRequest, key: str) -> HttpResponse:
+    return _ran("aview_custom", key=key)
+
+
+@lock_view("<key>", store="memory", ttl=60)
+async def aslow(request: HttpRequest, key: str) -> HttpResponse:
+    ENTERED.set()
+    await asyncio.to_thread(GATE.wait, 10)
+    return _ran("aslow", key=key)
+
+
+ASTORE_VIEWS: dict[str, Any] = {}
+
+
+async def astore_view(request: HttpRequest, store: str, key: str) -> Any:
+    view = ASTORE_VIEWS.get(store)
+    if view is None:
+
+        @lock_view("<key>", ttl=60, store=store)
+        async def view(request: HttpRequest, key: str) -> HttpResponse:
+            return _ran("astore_view", key=key)
+
+        ASTORE_VIEWS[store] = view
+    return await view(request, key=key)
+
+
+class MixinView(LockViewMixin, View):
+    lock_key = "mixin:<key>"
+    lock_store = "memory"
+    lock_ttl = 60
+
+    def post(self, request: HttpRequest, key: str) -> HttpResponse:
+        return _ran("mixin", key=key)
+
+
+class MixinCustomView(LockViewMixin, View):
+    lock_store = "memory"
+
+    def get_lock_key(self, request: HttpRequest, *args: Any, **kwargs: Any) -> str:
+        return f"mixin-custom:{kwargs['key']}"
+
+    def lock_on_locked(self, request: HttpRequest, key: str) -> HttpResponse:
+        return HttpResponse(f"mixin busy {key}", status=503)
+
+    def get(self, request: HttpRequest, key: str) -> HttpResponse:
+        return _ran("mixin_custom", key=key)
+
+
+class AsyncMixinView(LockViewMixin, View):
+    lock_key = "amixin:<key>"
+    lock_store = "memory"
+
+    async def get(self, request: HttpRequest, key: str) -> HttpResponse:
+        await asyncio.sleep(0)
+        return _ran("amixin", key=key)
+
+
+@method_decorator(lock_view("decorated:<key>", store="memory"), name="dispatch")
+class DecoratedView(View):
+    def get(self, request: HttpRequest, key: str) -> HttpResponse:
+        return _ran("decorated", key=key)
+
+
+@method_decorator(lock_view("adecorated:<key>", store="memory"), name="dispatch")
+class AsyncDecoratedView(View):
+    async def get(self, request: HttpRequest, key: str) -> HttpResponse:
+        await asyncio.sleep(0)
+        return _ran("adecorated", key=key)
+
+
+class Boom(Exception):
+    pass
+
+
+@lock_view("<key>", store="memory", ttl=60)
+def boom(request: HttpRequest, key: str) -> HttpResponse:
+    CALLS.append("boom")
+    raise Boom(key)
+
+
+@lock_view("<key>", store="memory", ttl=60)
+async def aboom(request: HttpRequest, key: str) -> HttpResponse:
+    CALLS.append("aboom")
+    raise Boom(key)
