@@ -1,0 +1,567 @@
+"""Admin for locks: the database store's table, read-only, and the held locks of every store.
+
+Two rules shape this module:
+- Remaining time and held/expired come from the store's clock, never the app server's: the
+  changelist asks the database (`RemainingSeconds`), the all-stores page reads
+  `LockInfo.expires_in`.
+- Owner tokens never leave this module: whoever knows one can release or extend that lock.
+
+Force release goes through `core.force_release` (store call, signal, WARNING); the admin adds the
+permission check, a confirmation step and a `LogEntry`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, cast
+from urllib.parse import urlencode
+
+from django.contrib import admin, messages
+from django.contrib.admin import helpers
+from django.contrib.admin.models import CHANGE, LogEntry
+from django.contrib.admin.utils import unquote
+from django.contrib.contenttypes.models import ContentType
+from django.core.exceptions import PermissionDenied
+from django.db import NotSupportedError, models
+from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.models.sql.compiler import SQLCompiler
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.template.response import TemplateResponse
+from django.urls import URLPattern, path, reverse
+from django.utils.html import format_html
+from django.utils.http import url_has_allowed_host_and_scheme
+
+from .conf import conf, get_lock_store
+from .core import force_release
+from .models import Lock
+from .stores.base import LockInfo, LockStore
+
+logger = logging.getLogger("django_keel_lock")
+
+#: Rows of one store the all-stores page renders at once (the rest: "next" link or a prefix).
+STORE_PAGE_SIZE = 100
+
+
+class RemainingSeconds(models.Func):
+    """Seconds until a lock row expires, by the database's own clock (<= 0 once expired).
+
+    The same clock expressions as `stores.database` uses for `expires_in`, so the changelist and
+    the store never disagree about whether a lock is held.
+    """
+
+    arity = 1
+    output_field = models.FloatField()
+
+    def as_postgresql(
+        self, compiler: SQLCompiler, connection: BaseDatabaseWrapper, **extra: Any
+    ) -> Any:
+        template = "EXTRACT(EPOCH FROM (%(expressions)s - clock_timestamp()))::float8"
+        return super().as_sql(compiler, connection, template=template, **extra)
+
+    def as_mysql(self, compiler: SQLCompiler, connection: BaseDatabaseWrapper, **extra: Any) -> Any:
+        template = "TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), %(expressions)s) / 1000000.0"
+        return super().as_sql(compiler, connection, template=template, **extra)
+
+    def as_sqlite(
+        self, compiler: SQLCompiler, connection: BaseDatabaseWrapper, **extra: Any
+    ) -> Any:
+        template = "((julianday(%(expressions)s) - julianday('now')) * 86400.0)"
+        return super().as_sql(compiler, connection, template=template, **extra)
+
+    def as_sql(
+        self,
+        compiler: SQLCompiler,
+        connection: BaseDatabaseWrapper,
+        function: str | None = None,
+        template: str | None = None,
+        arg_joiner: str | None = None,
+        **extra: Any,
+    ) -> Any:
+        raise NotSupportedError(
+            f"the lock admin reads the clock of PostgreSQL, MariaDB and SQLite only, "
+            f"not {connection.vendor!r}"
+        )
+
+
+def format_remaining(seconds: float) -> str:
+    """ "4m 05s" for people: whole seconds rounded up, tenths below ten seconds."""
+    if seconds <= 0:
+        return "expired"
+    if seconds < 10:
+        return f"{math.ceil(seconds * 10) / 10:.1f}s"
+    hours, rest = divmod(math.ceil(seconds), 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h {minutes:02d}m {secs:02d}s"
+    if minutes:
+        return f"{minutes}m {secs:02d}s"
+    return f"{secs}s"
+
+
+def database_store_alias(database: str) -> str | None:
+    """The first configured alias whose store is the database store on `database`."""
+    from .stores.database import DatabaseLockStore
+
+    for alias in conf.STORES:
+        try:
+            store = get_lock_store(alias)
+        except Exception:  # a broken alias elsewhere must not hide this one
+            continue
+        if isinstance(store, DatabaseLockStore) and store.database == database:
+            return alias
+    return None
+
+
+@dataclass(frozen=True)
+class LockRow:
+    """What the admin shows of one held lock: everything but the owner token."""
+
+    key: str
+    holder: str
+    fence: int
+    acquired_at: datetime | None
+    expires_in: float
+    remaining: str
+    release_url: str | None = None
+
+    @classmethod
+    def from_info(cls, info: LockInfo, release_url: str | None = None) -> LockRow:
+        return cls(
+            key=info.key,
+            holder=info.holder,
+            fence=info.fence,
+            acquired_at=info.acquired_at,
+            expires_in=info.expires_in,
+            remaining=format_remaining(info.expires_in),
+            release_url=release_url,
+        )
+
+
+@dataclass
+class StoreSection:
+    """One store on the all-stores page: its held locks (a page of them) or its error."""
+
+    alias: str
+    backend: str
+    rows: list[LockRow]
+    start: int = 0
+    error: str | None = None
+    note: str | None = None
+    next_url: str | None = None
+    previous_url: str | None = None
+    all_url: str | None = None
+
+
+class StateFilter(admin.SimpleListFilter):
+    """Held / expired, judged by the database's clock like the store judges it."""
+
+    title = "state"
+    parameter_name = "state"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> Sequence[tuple[str, str]]:
+        return (("held", "held"), ("expired", "expired or released"))
+
+    def queryset(self, request: HttpRequest, queryset: models.QuerySet[Any]) -> Any:
+        if self.value() == "held":
+            return queryset.filter(remaining__gt=0)
+        if self.value() == "expired":
+            return queryset.filter(remaining__lte=0)
+        return queryset
+
+
+@admin.register(Lock)
+class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    """Read-only view of the database store's table, plus the all-stores page and force release."""
+
+    list_display = ("key", "holder", "fence", "acquired_at", "remaining_display", "state_display")
+    list_filter = (StateFilter,)
+    search_fields = ("key",)
+    fields = (
+        "key",
+        "holder",
+        "fence",
+        "acquired_at",
+        "expires_at",
+        "remaining_display",
+        "state_display",
+    )
+    readonly_fields = fields
+    actions = ("force_release_selected",)
+    show_full_result_count = False  # one COUNT(*) per page is enough on a big table
+    store_page_size = STORE_PAGE_SIZE
+
+    # -- permissions ----------------------------------------------------------------------
+    # Rows are written only by the store's SQL: nobody adds, edits or deletes them here
+    # (superusers pass every has_perm, so say no explicitly).
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_force_release_permission(self, request: HttpRequest) -> bool:
+        return request.user.has_perm(f"{self.opts.app_label}.force_release_lock")
+
+    # -- the changelist -------------------------------------------------------------------
+    def get_queryset(self, request: HttpRequest) -> models.QuerySet[Lock]:
+        queryset = super().get_queryset(request)
+        return cast(
+            "models.QuerySet[Lock]", queryset.annotate(remaining=RemainingSeconds("expires_at"))
+        )
+
+    @admin.display(description="remaining", ordering="remaining")
+    def remaining_display(self, obj: Lock) -> str:
+        seconds = _remaining(obj)
+        if seconds <= 0:
+            return "—"
+        return format_html(
+            '<span title="{} s">{}</span>', f"{seconds:.3f}", format_remaining(seconds)
+        )
+
+    @admin.display(description="state")
+    def state_display(self, obj: Lock) -> str:
+        return "held" if _remaining(obj) > 0 else "expired"
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        extra = {"stores_url": self._url("stores"), **(extra_context or {})}
+        return super().changelist_view(request, extra)
+
+    def change_view(
+        self,
+        request: HttpRequest,
+        object_id: str,
+        form_url: str = "",
+        extra_context: dict[str, Any] | None = None,
+    ) -> HttpResponse:
+        extra = dict(extra_context or {})
+        obj = self.get_object(request, unquote(object_id))
+        if obj is not None and _remaining(obj) > 0 and self.has_force_release_permission(request):
+            alias = database_store_alias(obj._state.db or "default")
+            if alias is not None:
+                extra["force_release_url"] = self._release_url(
+                    alias, obj.key, next_url=request.get_full_path()
+                )
+        return super().change_view(request, object_id, form_url, extra)
+
+    @admin.action(description="Force release selected locks", permissions=["force_release"])
+    def force_release_selected(
+        self, request: HttpRequest, queryset: models.QuerySet[Lock]
+    ) -> HttpResponse | None:
+        alias = database_store_alias(queryset.db)
+        if alias is None:
+            self.message_user(
+                request,
+                f"No KEEL_LOCK_STORES alias is a DatabaseLockStore on database {queryset.db!r}, "
+                "so these locks cannot be released from here.",
+                messages.ERROR,
+            )
+            return None
+        selected = list(queryset)
+        if request.POST.get("post") == "yes":
+            self._release_confirmed(request, alias, selected)
+            return None
+        held = [obj for obj in selected if _remaining(obj) > 0]
+        context = {
+            **self._context(request, "Force release locks"),
+            "mode": "action",
+            "store": alias,
+            "rows": [_row_from_model(obj) for obj in held],
+            "skipped": [obj.key for obj in selected if _remaining(obj) <= 0],
+            "selected_keys": [obj.pk for obj in selected],
+            "fences": json.dumps({obj.key: obj.fence for obj in held}),
+            "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+            "cancel_url": self._url("changelist"),
+        }
+        return TemplateResponse(
+            request, "admin/django_keel_lock/lock/force_release_confirmation.html", context
+        )
+
+    def _release_confirmed(self, request: HttpRequest, alias: str, selected: list[Lock]) -> None:
+        try:
+            fences = json.loads(request.POST.get("fences") or "{}")
+        except ValueError:
+            fences = {}
+        if not isinstance(fences, dict):
+            fences = {}
+        released = 0
+        for obj in selected:
+            expected = fences.get(obj.key)
+            if not isinstance(expected, int):
+                continue  # not held when the user confirmed: nothing was asked for
+            level, text = self._release_one(request, alias, obj.key, expected)
+            if level == messages.SUCCESS:
+                released += 1
+            else:
+                self.message_user(request, text, level)
+        if released:
+            noun = "lock" if released == 1 else "locks"
+            self.message_user(
+                request, f"Force-released {released} {noun} in store {alias!r}.", messages.SUCCESS
+            )
+
+    # -- the all-stores page --------------------------------------------------------------
+    def get_urls(self) -> list[URLPattern]:
+        name = f"{self.opts.app_label}_{self.opts.model_name}"
+        view = self.admin_site.admin_view
+        return [
+            path("stores/", view(self.stores_view), name=f"{name}_stores"),
+            path("stores/release/", view(self.force_release_view), name=f"{name}_force_release"),
+            *super().get_urls(),
+        ]
+
+    def stores_view(self, request: HttpRequest) -> HttpResponse:
+        """Every configured store's held locks, a page per store; a broken store shows its
+        error instead of failing the page."""
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        prefix = request.GET.get("prefix", "")
+        only = request.GET.get("store") or None
+        start = (_count(request.GET.get("start")) or 0) if only else 0
+        aliases = [alias for alias in conf.STORES if only is None or alias == only]
+        can_release = self.has_force_release_permission(request)
+        sections = [self._section(alias, prefix, start, can_release, only) for alias in aliases]
+        _note_shared_tables(sections)
+        context = {
+            **self._context(request, "Locks in every store"),
+            "sections": sections,
+            "prefix": prefix,
+            "only": only,
+            "can_release": can_release,
+            "page_size": self.store_page_size,
+            "stores_url": self._url("stores"),
+        }
+        return TemplateResponse(request, "admin/django_keel_lock/lock/stores.html", context)
+
+    def _section(
+        self, alias: str, prefix: str, start: int, can_release: bool, only: str | None
+    ) -> StoreSection:
+        backend = str(conf.STORES.get(alias, {}).get("BACKEND", "?")).rsplit(".", 1)[-1]
+        section = StoreSection(alias=alias, backend=backend, rows=[], start=start)
+        size = self.store_page_size
+        here = self._url("stores")
+        try:
+            store = get_lock_store(alias)
+            section.backend = type(store).__name__
+            infos = _take(store.iter_locks(prefix), start, size + 1)
+        except Exception as exc:  # unreachable, misconfigured or broken: say so, keep the page
+            logger.warning("lock admin could not list store %r: %s", alias, exc)
+            section.error = f"{type(exc).__name__}: {exc}"
+            return section
+        section.note = _store_note(store)
+        for info in infos[:size]:
+            url = self._release_url(alias, info.key, next_url=None) if can_release else None
+            section.rows.append(LockRow.from_info(info, url))
+        query = {"store": alias, **({"prefix": prefix} if prefix else {})}
+        if len(infos) > size:
+            section.next_url = f"{here}?{urlencode({**query, 'start': start + size})}"
+        if start > 0:
+            previous = max(0, start - size)
+            section.previous_url = f"{here}?{urlencode({**query, 'start': previous})}"
+        if only is None and section.next_url is not None:
+            section.all_url = f"{here}?{urlencode(query)}"
+        return section
+
+    # -- force release (all-stores page and change view) -----------------------------------
+    def force_release_view(self, request: HttpRequest) -> HttpResponse:
+        """GET: confirm releasing one key of one store. POST with post=yes: release it, if the
+        holder is still the one the user confirmed (same fence)."""
+        if not self.has_force_release_permission(request):
+            raise PermissionDenied
+        data = request.POST if request.method == "POST" else request.GET
+        alias, key = data.get("store", ""), data.get("key", "")
+        next_url = self._next_url(request, data.get("next"))
+        if alias not in conf.STORES:
+            self.message_user(request, f"There is no lock store {alias!r}.", messages.ERROR)
+            return HttpResponseRedirect(next_url)
+        if request.method == "POST" and data.get("post") == "yes":
+            expected = _count(data.get("fence"))
+            level, text = self._release_one(request, alias, key, expected)
+            self.message_user(request, text, level)
+            return HttpResponseRedirect(next_url)
+        try:
+            info = get_lock_store(alias).get(key)
+        except Exception as exc:
+            self.message_user(
+                request, f"Cannot read {key!r} in store {alias!r}: {exc}", messages.ERROR
+            )
+            return HttpResponseRedirect(next_url)
+        if info is None:
+            self.message_user(
+                request,
+                f"{key!r} is not held in store {alias!r}: nothing to release.",
+                messages.WARNING,
+            )
+            return HttpResponseRedirect(next_url)
+        context = {
+            **self._context(request, "Force release a lock"),
+            "mode": "single",
+            "store": alias,
+            "rows": [LockRow.from_info(info)],
+            "fence": info.fence,
+            "next_url": next_url,
+            "cancel_url": next_url,
+        }
+        return TemplateResponse(
+            request, "admin/django_keel_lock/lock/force_release_confirmation.html", context
+        )
+
+    def _release_one(
+        self, request: HttpRequest, alias: str, key: str, expected_fence: int | None
+    ) -> tuple[int, str]:
+        """Force-release `key` in `alias`; (message level, message). A LogEntry per release."""
+        try:
+            if expected_fence is not None:
+                # The user confirmed releasing one holder; a lock taken since then is not theirs
+                # to break. (A takeover between this read and the release below can still be
+                # freed: the window is one round trip, and the LogEntry records what was freed.)
+                current = get_lock_store(alias).get(key)
+                if current is None:
+                    return messages.WARNING, f"{key!r} in store {alias!r} was no longer held."
+                if current.fence != expected_fence:
+                    return messages.WARNING, (
+                        f"{key!r} in store {alias!r} was taken again since you confirmed "
+                        f"(holder {current.holder}, fence {current.fence}); nothing was released."
+                    )
+            info = force_release(key, store=alias, user=request.user)
+        except Exception as exc:  # store down, bad key: report, never a 500
+            logger.warning("lock admin could not force-release %r in %r: %s", key, alias, exc)
+            return messages.ERROR, f"Could not force-release {key!r} in store {alias!r}: {exc}"
+        if info is None:
+            return messages.WARNING, f"{key!r} in store {alias!r} was no longer held."
+        self._log_release(request, alias, info)
+        return messages.SUCCESS, (
+            f"Force-released {key!r} in store {alias!r} (holder {info.holder}, fence {info.fence})."
+        )
+
+    def _log_release(self, request: HttpRequest, alias: str, info: LockInfo) -> None:
+        # object_id only when the lock is a row this admin shows, so "Recent actions" links
+        # resolve; locks of other stores are named by object_repr and the message.
+        own_row = _is_model_store(alias)
+        LogEntry.objects.create(
+            user_id=cast(int, request.user.pk),  # admin_view let only a signed-in user here
+            content_type=ContentType.objects.get_for_model(Lock),
+            object_id=info.key if own_row else None,
+            object_repr=info.key[:200],
+            action_flag=CHANGE,
+            change_message=(
+                f"Force-released in store {alias!r}: holder {info.holder}, fence {info.fence}."
+            ),
+        )
+
+    # -- helpers --------------------------------------------------------------------------
+    def _url(self, name: str) -> str:
+        return reverse(
+            f"admin:{self.opts.app_label}_{self.opts.model_name}_{name}",
+            current_app=self.admin_site.name,
+        )
+
+    def _release_url(self, alias: str, key: str, *, next_url: str | None) -> str:
+        query = {"store": alias, "key": key, **({"next": next_url} if next_url else {})}
+        return f"{self._url('force_release')}?{urlencode(query)}"
+
+    def _next_url(self, request: HttpRequest, candidate: str | None) -> str:
+        if candidate and url_has_allowed_host_and_scheme(
+            candidate, allowed_hosts={request.get_host()}, require_https=request.is_secure()
+        ):
+            return candidate
+        return self._url("stores")
+
+    def _context(self, request: HttpRequest, title: str) -> dict[str, Any]:
+        request.current_app = self.admin_site.name
+        return {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "title": title,
+            "has_view_permission": self.has_view_permission(request),
+        }
+
+
+def _remaining(obj: Lock) -> float:
+    value = getattr(obj, "remaining", None)
+    return float(value) if value is not None else 0.0
+
+
+def _row_from_model(obj: Lock) -> LockRow:
+    seconds = _remaining(obj)
+    return LockRow(
+        key=obj.key,
+        holder=obj.holder,
+        fence=obj.fence,
+        acquired_at=obj.acquired_at,
+        expires_in=seconds,
+        remaining=format_remaining(seconds),
+    )
+
+
+def _model_database() -> str:
+    from django.db import router
+
+    return router.db_for_read(Lock) or "default"
+
+
+def _is_model_store(alias: str) -> bool:
+    """Is `alias` a database store on the database this admin's changelist reads?"""
+    from .stores.database import DatabaseLockStore
+
+    try:
+        store = get_lock_store(alias)
+    except Exception:
+        return False
+    return isinstance(store, DatabaseLockStore) and store.database == _model_database()
+
+
+def _store_note(store: LockStore) -> str | None:
+    from .stores.memory import MemoryLockStore
+
+    if isinstance(store, MemoryLockStore):
+        return (
+            "Locks of this web server process only: a memory store does not coordinate processes."
+        )
+    return None
+
+
+def _note_shared_tables(sections: list[StoreSection]) -> None:
+    """Database stores on one database share one table: say so where the same locks repeat."""
+    from .stores.database import DatabaseLockStore
+
+    first: dict[str, str] = {}
+    for section in sections:
+        if section.error is not None:
+            continue
+        store = get_lock_store(section.alias)
+        if not isinstance(store, DatabaseLockStore):
+            continue
+        owner = first.setdefault(store.database, section.alias)
+        if owner != section.alias:
+            shared = f"Same table as store {owner!r} (database {store.database!r}): same locks."
+            section.note = f"{section.note} {shared}" if section.note else shared
+
+
+def _take(locks: Iterable[LockInfo], start: int, count: int) -> list[LockInfo]:
+    """Up to `count` locks after skipping `start`, streaming: never more in memory."""
+    iterator = iter(locks)
+    try:
+        return list(itertools.islice(iterator, start, start + count))
+    finally:
+        close = getattr(iterator, "close", None)
+        if close is not None:
+            close()
+
+
+def _count(value: str | None) -> int | None:
+    """A non-negative int from a query parameter, None if missing or garbage."""
+    try:
+        return max(0, int(value)) if value is not None else None
+    except ValueError:
+        return None
