@@ -47,6 +47,7 @@ USE_TZ = True
 ROOT_URLCONF = "tests.urls"
 ALLOWED_HOSTS = ["*"]
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+STATIC_URL = "/static/"
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -54,6 +55,7 @@ INSTALLED_APPS = [
     "django.contrib.contenttypes",
     "django.contrib.sessions",
     "django.contrib.messages",
+    "django.contrib.staticfiles",  # the live server serves the admin's CSS (browser test)
     "django_keel_lock",
     "tests.testapp",
 ]
