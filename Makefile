@@ -21,11 +21,13 @@ $(STAMP_TEST): $(BIN)/python setup.cfg
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@ $(STAMP_BASE)
 
+# The race: PROCS processes charge the same invoices through the lock (STORE=database|redis).
 demo: $(STAMP_BASE)
-	cd example_project && STORE=$(STORE) ../$(BIN)/python manage.py race --procs $(PROCS)
+	cd example_project && KEEL_LOCK_STORE=$(STORE) ../$(BIN)/python manage.py race --procs $(PROCS)
 
+# The example site on ADDR (default 127.0.0.1:8000) with a seeded superuser it prints.
 serve: $(STAMP_BASE)
-	cd example_project && ../$(BIN)/python manage.py serve_demo
+	cd example_project && KEEL_LOCK_STORE=$(STORE) ../$(BIN)/python manage.py serve_demo $(ADDR)
 
 test: $(STAMP_TEST)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
