@@ -16,9 +16,9 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal, ParamSpec, TypeVar, cast, overload
 
-from asgiref.sync import iscoroutinefunction, sync_to_async
+from asgiref.sync import iscoroutinefunction
 
-from .core import DEFAULT_RETRY_DELAY, KeyTemplate, Lock, LockOutcome, default_holder, format_key
+from .core import DEFAULT_RETRY_DELAY, KeyTemplate, Lock, default_holder, format_key
 from .core import lock as make_lock
 from .durations import Duration, to_seconds
 from .exceptions import LockUnavailable
@@ -27,7 +27,6 @@ logger = logging.getLogger("django_keel_lock")
 
 P = ParamSpec("P")
 R = TypeVar("R")
-T = TypeVar("T")
 
 OnLocked = Literal["raise", "skip"]
 ON_LOCKED_CHOICES: tuple[OnLocked, ...] = ("raise", "skip")
@@ -48,22 +47,6 @@ def check_lock_options(
 def labelled_holder(label: str) -> str:
     """`<hostname>:<pid> <label>`, cut to what a store keeps: tells people what holds a lock."""
     return f"{default_holder()} {label}".replace("\x00", "")[:255]
-
-
-async def arun(handle: Lock, call: Callable[[], Awaitable[T]]) -> LockOutcome[T]:
-    """`Lock.run` for a coroutine: acquire, await `call()`, always release.
-
-    The store calls run in worker threads (sync_to_async, thread_sensitive=False) so the event
-    loop never blocks on the store.
-    """
-    acquired = await sync_to_async(handle.acquire, thread_sensitive=False)()
-    if not acquired:
-        return LockOutcome(False, None)
-    try:
-        value = await call()
-    finally:
-        await sync_to_async(handle.release, thread_sensitive=False)()
-    return LockOutcome(True, value)
 
 
 @overload
@@ -144,8 +127,11 @@ def locked(
             @functools.wraps(fn)
             async def async_wrapper(*args: P.args, **kwargs: P.kwargs) -> Any:
                 handle = handle_for(args, kwargs)
-                call = cast(Callable[[], Awaitable[Any]], functools.partial(fn, *args, **kwargs))
-                outcome = await arun(handle, call)
+
+                async def call() -> Any:
+                    return await cast(Callable[..., Awaitable[Any]], fn)(*args, **kwargs)
+
+                outcome = await handle.arun(call)
                 return outcome.value if outcome.acquired else not_acquired(handle)
 
             return async_wrapper

@@ -27,7 +27,7 @@ from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonRespons
 
 from .core import DEFAULT_RETRY_DELAY, Lock
 from .core import lock as make_lock
-from .decorators import arun, check_lock_options, labelled_holder
+from .decorators import check_lock_options, labelled_holder
 from .durations import Duration
 
 if TYPE_CHECKING:
@@ -184,8 +184,7 @@ class ViewLock:
 
     async def arefused(self, request: HttpRequest, handle: Lock) -> HttpResponseBase:
         if self.on_locked is None:
-            remaining = await sync_to_async(handle.remaining_time, thread_sensitive=False)()
-            return conflict_response(request, handle.key, remaining)
+            return conflict_response(request, handle.key, await handle.aremaining_time())
         if iscoroutinefunction(self.on_locked):
             return await cast(Awaitable[HttpResponseBase], self.on_locked(request, handle.key))
         # User code (it may use the ORM): run it where Django runs sync code.
@@ -210,7 +209,7 @@ class ViewLock:
             result = view(request, *args, **kwargs)
             return await result if inspect.isawaitable(result) else result
 
-        outcome = await arun(handle, run_view)
+        outcome = await handle.arun(run_view)
         return outcome.value if outcome.acquired else await self.arefused(request, handle)
 
 

@@ -1,0 +1,171 @@
+"""System checks for KEEL_LOCK_STORES and KEEL_LOCK_DEFAULT_TTL: one test per id, no servers."""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from typing import Any
+
+import pytest
+from django.core.checks import CheckMessage
+from django.core.management import call_command
+from django.core.management.base import SystemCheckError
+from django.test import override_settings
+
+from django_keel_lock import checks
+from django_keel_lock.checks import check_stores
+
+DB = "django_keel_lock.stores.DatabaseLockStore"
+MEMORY = "django_keel_lock.stores.MemoryLockStore"
+REDIS = "django_keel_lock.stores.RedisLockStore"
+
+
+def ids(**settings: Any) -> list[str]:
+    with override_settings(**settings):
+        return [message.id or "" for message in check_stores()]
+
+
+def messages(**settings: Any) -> list[CheckMessage]:
+    with override_settings(**settings):
+        return check_stores()
+
+
+def stores(**aliases: Any) -> dict[str, Any]:
+    return {"default": {"BACKEND": DB}, **aliases}
+
+
+def test_the_test_settings_are_clean() -> None:
+    assert check_stores() == []
+
+
+def test_no_keel_lock_stores_setting_is_clean() -> None:
+    with override_settings():
+        from django.conf import settings
+
+        del settings.KEEL_LOCK_STORES
+        assert check_stores() == []
+
+
+@pytest.mark.parametrize(
+    "value",
+    [["default"], {"default": "django_keel_lock.stores.DatabaseLockStore"}, {"default": {}},
+     {"default": {"BACKEND": 3}}],
+    ids=["list", "str-config", "no-backend", "backend-not-str"],
+)  # fmt: skip
+def test_e001_malformed_stores(value: Any) -> None:
+    assert ids(KEEL_LOCK_STORES=value) == ["django_keel_lock.E001"]
+
+
+@pytest.mark.parametrize(
+    "backend",
+    ["nowhere.Store", "django_keel_lock.stores.NoSuchStore", "django_keel_lock.conf.conf"],
+)
+def test_e002_unknown_backend(backend: str) -> None:
+    found = messages(KEEL_LOCK_STORES=stores(x={"BACKEND": backend}))
+    assert [m.id for m in found] == ["django_keel_lock.E002"]
+    assert "KEEL_LOCK_STORES['x']" in found[0].msg and backend in found[0].msg
+
+
+def test_e003_options_not_a_dict() -> None:
+    assert ids(KEEL_LOCK_STORES=stores(x={"BACKEND": DB, "OPTIONS": ["DATABASE"]})) == [
+        "django_keel_lock.E003"
+    ]
+
+
+def test_e004_unknown_option_names_the_known_ones() -> None:
+    found = messages(KEEL_LOCK_STORES=stores(x={"BACKEND": DB, "OPTIONS": {"DATABSE": "x"}}))
+    assert [m.id for m in found] == ["django_keel_lock.E004"]
+    assert "DATABSE" in found[0].msg and "DATABASE, DURABLE" in (found[0].hint or "")
+
+
+def test_e005_database_store_on_an_unknown_database() -> None:
+    found = messages(KEEL_LOCK_STORES=stores(x={"BACKEND": DB, "OPTIONS": {"DATABASE": "nope"}}))
+    assert [m.id for m in found] == ["django_keel_lock.E005"]
+    assert "'nope'" in found[0].msg and "default" in (found[0].hint or "")
+
+
+@pytest.mark.filterwarnings("ignore:Overriding setting DATABASES")
+def test_e006_database_store_on_an_unsupported_database() -> None:
+    from django.conf import settings
+
+    databases = {**settings.DATABASES, "other": {"ENGINE": "django.db.backends.dummy"}}
+    found = ids(
+        DATABASES=databases,
+        KEEL_LOCK_STORES=stores(x={"BACKEND": DB, "OPTIONS": {"DATABASE": "other"}}),
+    )
+    assert found == ["django_keel_lock.E006"]
+
+
+def test_e007_redis_store_without_its_packages(monkeypatch: pytest.MonkeyPatch) -> None:
+    # As if neither package were installed (None in sys.modules makes imports fail).
+    monkeypatch.setitem(sys.modules, "redis", None)  # type: ignore[arg-type]
+    monkeypatch.setitem(sys.modules, "django_redis", None)  # type: ignore[arg-type]
+    found = messages(
+        KEEL_LOCK_STORES=stores(r={"BACKEND": REDIS, "OPTIONS": {"CONNECTION": "default"}}),
+        CACHES={"default": {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": "x"}},
+    )
+    assert [m.id for m in found] == ["django_keel_lock.E007"]
+    assert "redis and django_redis are not installed" in found[0].msg
+    url_only = messages(KEEL_LOCK_STORES=stores(r={"BACKEND": REDIS, "OPTIONS": {"URL": "x"}}))
+    assert [m.id for m in url_only] == ["django_keel_lock.E007"]
+    assert "redis is not installed" in url_only[0].msg
+
+
+def test_e008_redis_connection_must_be_a_django_redis_cache() -> None:
+    missing = messages(
+        KEEL_LOCK_STORES=stores(r={"BACKEND": REDIS, "OPTIONS": {"CONNECTION": "locks"}})
+    )
+    assert [m.id for m in missing] == ["django_keel_lock.E008"]
+    assert "'locks' is not a CACHES alias" in missing[0].msg
+    wrong = messages(
+        KEEL_LOCK_STORES=stores(r={"BACKEND": REDIS, "OPTIONS": {"CONNECTION": "local"}}),
+        CACHES={"local": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}},
+    )
+    assert [m.id for m in wrong] == ["django_keel_lock.E008"]
+    assert "not a django-redis one" in wrong[0].msg
+
+
+@pytest.mark.parametrize("ttl", [-1, 0, "soon", None, True])
+def test_e009_bad_default_ttl(ttl: Any) -> None:
+    assert ids(KEEL_LOCK_DEFAULT_TTL=ttl) == ["django_keel_lock.E009"]
+
+
+@pytest.mark.parametrize("ttl", [5, 0.5, "2m"])
+def test_good_default_ttl(ttl: Any) -> None:
+    assert ids(KEEL_LOCK_DEFAULT_TTL=ttl) == []
+
+
+def test_w001_memory_store_as_default_in_production() -> None:
+    memory_default = {"default": {"BACKEND": MEMORY}}
+    assert ids(KEEL_LOCK_STORES=memory_default, DEBUG=False) == ["django_keel_lock.W001"]
+    assert ids(KEEL_LOCK_STORES=memory_default, DEBUG=True) == []
+    assert ids(KEEL_LOCK_STORES=stores(m={"BACKEND": MEMORY}), DEBUG=False) == []
+
+
+def test_w002_no_default_alias() -> None:
+    assert ids(KEEL_LOCK_STORES={"main": {"BACKEND": DB}}) == ["django_keel_lock.W002"]
+
+
+def test_checks_do_not_connect_to_servers() -> None:
+    # Nothing listens on port 1: a check that connected would fail or hang here.
+    started = time.monotonic()
+    found = ids(
+        KEEL_LOCK_STORES=stores(r={"BACKEND": REDIS, "OPTIONS": {"URL": "redis://127.0.0.1:1/0"}})
+    )
+    assert found == []
+    assert time.monotonic() - started < 1
+
+
+def test_manage_py_check_reports_the_ids() -> None:
+    with override_settings(KEEL_LOCK_STORES={"default": {"BACKEND": "nowhere.Store"}}):
+        with pytest.raises(SystemCheckError, match=r"django_keel_lock\.E002"):
+            call_command("check")
+
+
+def test_every_id_is_documented_in_the_module_docstring() -> None:
+    source = open(checks.__file__).read()
+    used = set(re.findall(r'ID\.format\("([EW]\d{3})"\)', source))
+    documented = set(re.findall(r"django_keel_lock\.([EW]\d{3})", checks.__doc__ or ""))
+    assert used == documented
+    assert {"E001", "E009", "W001", "W002"} <= used
