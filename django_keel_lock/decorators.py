@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any, Literal, ParamSpec, TypeVar, cast, overload
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Literal, ParamSpec, Protocol, TypeVar, cast, overload
 
 from asgiref.sync import iscoroutinefunction
 
@@ -49,6 +49,19 @@ def labelled_holder(label: str) -> str:
     return f"{default_holder()} {label}".replace("\x00", "")[:255]
 
 
+class _Skipping(Protocol):
+    """What `locked(..., on_locked="skip")` returns: the result may be None (awaited, for
+    async functions)."""
+
+    @overload
+    def __call__(
+        self, fn: Callable[P, Coroutine[Any, Any, R]]
+    ) -> Callable[P, Coroutine[Any, Any, R | None]]: ...
+
+    @overload
+    def __call__(self, fn: Callable[P, R]) -> Callable[P, R | None]: ...
+
+
 @overload
 def locked(
     key: KeyTemplate,
@@ -72,7 +85,7 @@ def locked(
     store: str = ...,
     holder: str | None = ...,
     on_locked: Literal["skip"],
-) -> Callable[[Callable[P, R]], Callable[P, R | None]]: ...
+) -> _Skipping: ...
 
 
 def locked(
@@ -84,7 +97,7 @@ def locked(
     store: str = "default",
     holder: str | None = None,
     on_locked: OnLocked = "raise",
-) -> Callable[[Callable[P, R]], Callable[P, Any]]:
+) -> Callable[[Callable[P, R]], Callable[P, Any]] | _Skipping:
     """Hold the lock `key` (a "{name}" template over the call's arguments, or a callable taking
     them) while the function runs; waits up to `timeout` seconds for it.
 

@@ -99,8 +99,8 @@ def test_e006_database_store_on_an_unsupported_database() -> None:
 
 def test_e007_redis_store_without_its_packages(monkeypatch: pytest.MonkeyPatch) -> None:
     # As if neither package were installed (None in sys.modules makes imports fail).
-    monkeypatch.setitem(sys.modules, "redis", None)  # type: ignore[arg-type]
-    monkeypatch.setitem(sys.modules, "django_redis", None)  # type: ignore[arg-type]
+    monkeypatch.setitem(sys.modules, "redis", None)
+    monkeypatch.setitem(sys.modules, "django_redis", None)
     found = messages(
         KEEL_LOCK_STORES=stores(r={"BACKEND": REDIS, "OPTIONS": {"CONNECTION": "default"}}),
         CACHES={"default": {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": "x"}},
