@@ -75,6 +75,7 @@ def locked_task(
     holder: str | None = None,
     countdown: Duration | None = None,
     auto_extend: bool = False,
+    max_hold: Duration | None = None,
 ) -> Callable[[Callable[P, R]], Callable[P, R | None]]:
     """Run the task body only while holding the lock `key` (formatted from the task's
     arguments, `self` included for bound tasks); put it *under* `@shared_task`.
@@ -84,6 +85,9 @@ def locked_task(
     task's `retry()` after `countdown` seconds (default: the holder's remaining time, rounded
     up) and raises `LockUnavailable` once the task's `max_retries` are used up. A store that
     cannot be reached raises `LockStoreUnavailable` whatever `on_locked` says.
+
+    `auto_extend=True` keeps the lock alive while the task runs (the lock watchdog), for at
+    most `max_hold` in all if given; ttl then only bounds how long a crashed worker blocks.
     """
     if on_locked not in _ON_LOCKED:
         raise ValueError(f"on_locked must be one of {', '.join(_ON_LOCKED)}; got {on_locked!r}")
@@ -93,14 +97,18 @@ def locked_task(
     fixed_countdown = (
         None if countdown is None else to_seconds("countdown", countdown, allow_zero=True)
     )
+    # Passed only when asked for, so this module works with a core that has no watchdog.
     extra: dict[str, Any] = {}
     if auto_extend:
-        if not _lock_accepts("auto_extend"):
-            raise TypeError(
-                "auto_extend=True needs lock(..., auto_extend=True) (the lock watchdog), which "
-                "this version of django-keel-lock does not have; pass a ttl longer than the task"
-            )
         extra["auto_extend"] = True
+    if max_hold is not None:
+        extra["max_hold"] = max_hold
+    for name in extra:
+        if not _lock_accepts(name):
+            raise TypeError(
+                f"{name}= needs lock(..., {name}=...) (the lock watchdog), which this version "
+                f"of django-keel-lock does not have; pass a ttl longer than the task instead"
+            )
 
     def decorate(fn: Callable[P, R]) -> Callable[P, R | None]:
         @functools.wraps(fn)
