@@ -66,24 +66,29 @@ def _script(text: str) -> _Script:
 
 
 # KEYS[1] lock hash, KEYS[2] fence counter; ARGV owner, holder, ttl ms.
-# Returns {1, fence} when acquired, {0, pttl} when someone else holds it. The same owner gets
-# its acquisition back (same fence, ttl renewed): a retry after a lost reply is safe.
+# One integer back (cheaper to parse than an array): the fence (> 0) when acquired; when
+# someone else holds it, -(pttl + 1) (0 if the key has no expiry). The same owner gets its
+# acquisition back (same fence, ttl renewed): a retry after a lost reply is safe.
 ACQUIRE = _script(
     """
 local current = redis.call('HGET', KEYS[1], 'o')
 if current then
     if current ~= ARGV[1] then
-        return {0, redis.call('PTTL', KEYS[1])}
+        local pttl = redis.call('PTTL', KEYS[1])
+        if pttl < 0 then
+            return 0
+        end
+        return -(pttl + 1)
     end
     redis.call('PEXPIRE', KEYS[1], ARGV[3])
-    return {1, tonumber(redis.call('HGET', KEYS[1], 'f'))}
+    return tonumber(redis.call('HGET', KEYS[1], 'f'))
 end
 local fence = redis.call('INCR', KEYS[2])
 local now = redis.call('TIME')
 redis.call('HSET', KEYS[1], 'o', ARGV[1], 'h', ARGV[2], 'f', fence,
            't', tostring(now[1] * 1000 + math.floor(now[2] / 1000)))
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
-return {1, fence}
+return fence
 """
 )
 
@@ -135,6 +140,8 @@ _GLOB_RE = re.compile(r"([*?\[\]\\])")
 def _escape(key: str) -> str:
     """`key` without braces, so it fits inside a hash tag. A prefix code: escaping keeps
     "starts with" intact, which iter_locks' SCAN MATCH relies on."""
+    if "%" not in key and "{" not in key and "}" not in key:  # the usual key: no regex
+        return key
     return _ESCAPE_RE.sub(lambda m: _ESCAPES[m.group()], key)
 
 
@@ -357,11 +364,12 @@ class RedisLockStore(LockStore):
                 owner, holder, fence, acquired = fields
                 yield self._info(key, owner, holder, fence, acquired, pttl)
 
-    def _acquired(self, reply: Any) -> AcquireResult:
-        won, value = int(reply[0]), int(reply[1])
-        if won:
+    @staticmethod
+    def _acquired(reply: Any) -> AcquireResult:
+        value = int(reply)
+        if value > 0:
             return AcquireResult(value)
-        return AcquireResult(None, _seconds(value))
+        return AcquireResult(None, None if value == 0 else (-value - 1) / 1000.0)
 
     @staticmethod
     def _info(key: str, owner: Any, holder: Any, fence: Any, acquired: Any, pttl: Any) -> LockInfo:
