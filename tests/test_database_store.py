@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -286,3 +287,22 @@ def test_unknown_database_alias_is_a_clear_error(key: str) -> None:
 def test_unknown_option_names_the_option() -> None:
     with pytest.raises(ImproperlyConfigured, match="DURABEL"):
         DatabaseLockStore("x", {"DURABEL": False})
+
+
+def test_closing_the_store_inside_an_event_loop_frees_its_connections(key: str) -> None:
+    if "postgres" not in settings.DATABASES:
+        pytest.skip("SERVER UNAVAILABLE: PostgreSQL is not reachable")
+    store = DatabaseLockStore("closing", {"DATABASE": "postgres"})
+    assert store.acquire(key, "owner", "holder", 30).acquired
+    wrapper, _ = store._wrapper()
+    backend = _backend_id(wrapper)
+    assert store.release(key, "owner")
+
+    async def close_from_async_code() -> None:
+        store.close()  # Django's own close() refuses to run here
+
+    asyncio.run(close_from_async_code())
+    time.sleep(0.2)
+    with connections["postgres"].cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", [backend])
+        assert cursor.fetchone()[0] == 0

@@ -294,10 +294,7 @@ class DatabaseLockStore(LockStore):
         with self._mutex:
             if wrapper in self._wrappers:
                 self._wrappers.remove(wrapper)
-        try:
-            wrapper.close()
-        except Exception:  # already broken; nothing more to free
-            pass
+        _close_quietly(wrapper)
 
     @property
     def dialect(self) -> Dialect:
@@ -423,11 +420,20 @@ class DatabaseLockStore(LockStore):
         if listener is not None and listener.pid == os.getpid():
             listener.stop()
         for wrapper in wrappers:
-            try:
-                wrapper.close()
-            except Exception:
-                pass
+            _close_quietly(wrapper)
         self._local = threading.local()
+
+
+def _close_quietly(wrapper: Any) -> None:
+    """Close the driver connection itself: Django's close() refuses to run inside an event loop
+    (override_settings in an async test, an ASGI shutdown), which would leak the connection."""
+    raw = wrapper.connection
+    wrapper.connection = None
+    if raw is not None:
+        try:
+            raw.close()
+        except Exception:  # already broken: nothing more to free
+            pass
 
 
 class _PostgresListener(threading.Thread):
