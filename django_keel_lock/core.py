@@ -2,24 +2,33 @@
 
 Every surface (context manager, view decorator, management command, admin, Celery) goes
 through `Lock`; stores below only answer atomic questions (see `stores.base.LockStore`).
+
+The sync and async methods share every decision (`_wait_args`, `_begin`, `_finish`,
+`_released`, `_extend_args`, `_extended`, `next_delay`); they differ only in how they wait and
+call the store. The async ones are cancellation-safe: a store call they start always runs to
+its end (`_to_the_end`), so a cancellation never strands a lock nor skips a release.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
+import math
 import os
 import random
 import secrets
 import socket
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from types import TracebackType
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar, overload
 
+from asgiref.sync import iscoroutinefunction, sync_to_async
 from django.core import signing
 
-from . import signals
+from . import signals, watchdog
 from .conf import conf, get_lock_store
 from .durations import Duration, to_seconds
 from .exceptions import InvalidLockToken, LockError, LockNotHeldError, LockUnavailable
@@ -110,6 +119,74 @@ def _validate_holder(holder: object) -> str:
     return holder
 
 
+async def _to_the_end(
+    operation: Awaitable[T],
+) -> tuple[asyncio.Future[T], asyncio.CancelledError | None]:
+    """Run `operation` to its end even if the calling task is cancelled meanwhile.
+
+    Returns the finished future (read its result or error) and the cancellation that arrived
+    while waiting, if any: the caller settles what the operation did, then re-raises it.
+    """
+    future = asyncio.ensure_future(operation)
+    cancelled: asyncio.CancelledError | None = None
+    while not future.done():
+        try:
+            await asyncio.shield(future)
+        except asyncio.CancelledError as exc:
+            if not future.cancelled():  # we were cancelled, the operation goes on
+                cancelled = exc
+        except Exception:
+            pass  # the operation's own error: the caller reads it from the future
+    return future, cancelled
+
+
+class _Turn:
+    """Async waiters for one key in one event loop take turns, first come first served: only
+    the one whose turn it is tries the store and listens for releases.
+
+    Without it every release would wake every waiter of the loop into a store round trip at
+    once (200 waiters: 200 calls per release, a pool's worth of connections at a time).
+    """
+
+    _mutex = threading.Lock()  # the registry is shared by every loop of the process
+    _registry: dict[tuple[asyncio.AbstractEventLoop, LockStore, str], _Turn] = {}
+
+    def __init__(self, name: tuple[asyncio.AbstractEventLoop, LockStore, str]) -> None:
+        self.name = name
+        self.lock = asyncio.Lock()
+        self.members = 0
+
+    @classmethod
+    def join(cls, loop: asyncio.AbstractEventLoop, store: LockStore, key: str) -> _Turn:
+        """The turn of `key` in `store` for `loop`'s waiters, counting one more member."""
+        with cls._mutex:
+            turn = cls._registry.get((loop, store, key))
+            if turn is None:
+                turn = cls._registry[loop, store, key] = cls((loop, store, key))
+            turn.members += 1
+            return turn
+
+    def leave(self) -> None:
+        """One member fewer; the last one removes the turn from the registry."""
+        with self._mutex:
+            self.members -= 1
+            if self.members == 0:
+                del self._registry[self.name]
+
+    async def take(self, deadline: float) -> bool:
+        """Wait for our turn until `deadline` (monotonic); False if it did not come."""
+        try:
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                await self.lock.acquire()
+        except TimeoutError:
+            return False
+        return True
+
+    def give(self) -> None:
+        """End our turn: the next waiter in line tries the store."""
+        self.lock.release()
+
+
 def next_delay(retry_delay: float, retry_in: float | None, push: bool) -> float:
     """How long a waiter sleeps before its next attempt.
 
@@ -141,6 +218,8 @@ class Lock:
         retry_delay: Duration = DEFAULT_RETRY_DELAY,
         store: str = "default",
         holder: str | None = None,
+        auto_extend: bool = False,
+        max_hold: Duration | None = None,
     ) -> None:
         if not isinstance(store, str):
             raise TypeError(f"store must be an alias (str), got {type(store).__name__}")
@@ -150,10 +229,25 @@ class Lock:
         self.timeout = to_seconds("timeout", timeout, allow_zero=True)
         self.retry_delay = to_seconds("retry_delay", retry_delay, allow_zero=True)
         self.holder = default_holder() if holder is None else _validate_holder(holder)
+        if not isinstance(auto_extend, bool):
+            raise TypeError(f"auto_extend must be True or False, got {auto_extend!r}")
+        self.auto_extend = auto_extend
+        self.max_hold = None if max_hold is None else to_seconds("max_hold", max_hold)
+        if self.max_hold is not None and not auto_extend:
+            raise ValueError(
+                "max_hold caps how long auto_extend keeps a lock alive; pass auto_extend=True "
+                "with it, or drop max_hold"
+            )
         self.store_alias = store
         self.owner: str | None = None
         self.fence: int | None = None
+        #: True once this acquisition is known lost (expired, taken over, store unreachable).
+        self.lost = False
         self._held = False
+        self._acquired_at = 0.0  # monotonic, when the acquiring call was sent
+        self._valid_until = math.inf  # monotonic, the last expiry the store confirmed
+        self._renewal: watchdog.Renewal | None = None
+        self._mutex = threading.Lock()  # state shared with the watchdog
 
     # -- acquiring ------------------------------------------------------------------------
     def acquire(self, timeout: Duration | None = None, retry_delay: Duration | None = None) -> bool:
@@ -161,20 +255,29 @@ class Lock:
 
         True if acquired. Raises LockStoreUnavailable if the store cannot be reached.
         """
+        wait, delay = self._wait_args(timeout, retry_delay)
+        owner = self._begin()
+        if wait <= 0:
+            sent = time.monotonic()
+            result = self._store.acquire(self.key, owner, self.holder, self.ttl)
+        else:
+            result, sent = self._wait(owner, wait, delay)
+        if not self._finish(owner, result, sent):
+            return False
+        if self.auto_extend:
+            self._renewal = watchdog.start_thread(self)
+        return True
+
+    def _wait_args(
+        self, timeout: Duration | None, retry_delay: Duration | None
+    ) -> tuple[float, float]:
         wait = self.timeout if timeout is None else to_seconds("timeout", timeout, allow_zero=True)
         delay = (
             self.retry_delay
             if retry_delay is None
             else to_seconds("retry_delay", retry_delay, allow_zero=True)
         )
-        owner = self._begin()
-        store = self._store
-        result = (
-            store.acquire(self.key, owner, self.holder, self.ttl)
-            if wait <= 0
-            else self._wait(owner, wait, delay)
-        )
-        return self._finish(owner, result)
+        return wait, delay
 
     def _begin(self) -> str:
         if self._held:
@@ -183,35 +286,126 @@ class Lock:
             )
         return secrets.token_hex(16)
 
-    def _finish(self, owner: str, result: AcquireResult) -> bool:
+    def _finish(self, owner: str, result: AcquireResult, sent: float) -> bool:
+        """Take on the outcome of an acquire attempt sent at monotonic time `sent`."""
         if result.fence is None:
             logger.debug("lock %r is held by someone else", self.key)
             return False
-        self.owner, self.fence, self._held = owner, result.fence, True
+        with self._mutex:
+            self.owner, self.fence, self._held, self.lost = owner, result.fence, True, False
+            # The store started the ttl after we sent the call: counting from `sent` errs early.
+            self._acquired_at, self._valid_until = sent, sent + self.ttl
         if signals.lock_acquired.receivers:
             signals.lock_acquired.send(sender=Lock, lock=self)
         return True
 
-    def _wait(self, owner: str, timeout: float, retry_delay: float) -> AcquireResult:
+    def _wait(self, owner: str, timeout: float, retry_delay: float) -> tuple[AcquireResult, float]:
         store = self._store
         deadline = time.monotonic() + timeout
         with store.watch(self.key) as waiter:
             while True:
+                sent = time.monotonic()
                 result = store.acquire(self.key, owner, self.holder, self.ttl)
                 left = deadline - time.monotonic()
                 if result.fence is not None or left <= 0:
-                    return result
+                    return result, sent
                 waiter.wait(min(left, next_delay(retry_delay, result.retry_in, store.push_wakeups)))
+
+    # -- acquiring, async -----------------------------------------------------------------
+    async def aacquire(
+        self, timeout: Duration | None = None, retry_delay: Duration | None = None
+    ) -> bool:
+        """`acquire` for async code: waits without blocking the event loop.
+
+        Cancelled while waiting or while an attempt is in flight, it leaves no lock behind."""
+        wait, delay = self._wait_args(timeout, retry_delay)
+        owner = self._begin()
+        if wait <= 0:
+            result, sent = await self._aattempt(owner)
+        else:
+            result, sent = await self._await(owner, wait, delay)
+        if not self._finish(owner, result, sent):
+            return False
+        if self.auto_extend:
+            self._renewal = watchdog.start_task(self)
+        return True
+
+    async def _aattempt(self, owner: str) -> tuple[AcquireResult, float]:
+        """One acquire attempt; if cancelled meanwhile, give back what it took, then re-raise."""
+        store = self._store
+        sent = time.monotonic()
+        future, cancelled = await _to_the_end(
+            store.aacquire(self.key, owner, self.holder, self.ttl)
+        )
+        if cancelled is not None:
+            if not future.cancelled() and future.exception() is None and future.result().acquired:
+                undo, _ = await _to_the_end(store.arelease(self.key, owner))
+                if undo.cancelled() or undo.exception() is not None:
+                    logger.warning(
+                        "lock %r was acquired as its waiter was cancelled and could not be given "
+                        "back; it expires in %gs",
+                        self.key,
+                        self.ttl,
+                    )
+            raise cancelled
+        return future.result(), sent
+
+    async def _await(
+        self, owner: str, timeout: float, retry_delay: float
+    ) -> tuple[AcquireResult, float]:
+        store = self._store
+        loop = asyncio.get_running_loop()
+        woken = asyncio.Event()
+
+        def wake() -> None:  # called from whichever thread saw the release
+            try:
+                loop.call_soon_threadsafe(woken.set)
+            except RuntimeError:  # the loop is closed; nobody is waiting any more
+                pass
+
+        deadline = time.monotonic() + timeout
+        turn = _Turn.join(loop, store, self.key)
+        try:
+            if not await turn.take(deadline):
+                return AcquireResult(None), time.monotonic()
+            try:
+                # watch() starts the store's cross-process listener; the callback is how an
+                # async waiter hears of releases: it cannot block on the Waiter's condition.
+                with store.watch(self.key):
+                    token = store.wake_board.add_callback(self.key, wake)
+                    try:
+                        while True:
+                            woken.clear()  # before the attempt: a release right after counts
+                            result, sent = await self._aattempt(owner)
+                            left = deadline - time.monotonic()
+                            if result.fence is not None or left <= 0:
+                                return result, sent
+                            pause = next_delay(retry_delay, result.retry_in, store.push_wakeups)
+                            try:
+                                async with asyncio.timeout(min(left, pause)):
+                                    await woken.wait()
+                            except TimeoutError:
+                                pass
+                    finally:
+                        store.wake_board.remove_callback(token)
+            finally:
+                turn.give()
+        finally:
+            turn.leave()
 
     # -- holding --------------------------------------------------------------------------
     def release(self) -> bool:
         """Free the lock if we still own it. False if it had expired or was taken over.
 
-        On LockStoreUnavailable the handle keeps its owner, so release can be called again.
+        On LockStoreUnavailable the handle keeps its owner, so release can be called again
+        (the watchdog, if any, has stopped: the lock then lives until its ttl at most).
         """
         if not self._held or self.owner is None:
             return False
-        released = self._store.release(self.key, self.owner)
+        self._stop_renewal()
+        return self._released(self._store.release(self.key, self.owner))
+
+    def _released(self, released: bool) -> bool:
         self._held = False
         if released:
             if signals.lock_released.receivers:
@@ -225,20 +419,96 @@ class Lock:
 
         Raises LockNotHeldError if the lock was lost; the handle then no longer holds it.
         """
+        seconds, owner = self._extend_args(ttl)
+        sent = time.monotonic()
+        self._extended(self._store.extend(self.key, owner, seconds), sent + seconds)
+
+    def _extend_args(self, ttl: Duration | None) -> tuple[float, str]:
         seconds = self.ttl if ttl is None else to_seconds("ttl", ttl)
         if not self._held or self.owner is None:
             raise LockNotHeldError(f"cannot extend {self.key!r}: this handle does not hold it")
-        if not self._store.extend(self.key, self.owner, seconds):
-            self._held = False
-            self._lost("extend found the lock expired or taken over")
-            raise LockNotHeldError(
-                f"cannot extend {self.key!r}: the lock expired or was taken over (fence "
-                f"{self.fence})"
-            )
+        return seconds, self.owner
 
-    def _lost(self, reason: str) -> None:
+    def _extended(self, extended: bool, until: float) -> None:
+        if extended:
+            self._valid_until = max(self._valid_until, until)
+            return
+        self._held = False
+        self._lost("extend found the lock expired or taken over")
+        raise LockNotHeldError(
+            f"cannot extend {self.key!r}: the lock expired or was taken over (fence {self.fence})"
+        )
+
+    def _confirmed(self, owner: str, until: float) -> None:
+        """The watchdog's extend for `owner` landed: the lock lives at least until `until`."""
+        with self._mutex:
+            if self._held and self.owner == owner:
+                self._valid_until = max(self._valid_until, until)
+
+    def _lost(self, reason: str, owner: str | None = None) -> None:
+        """Mark the current acquisition lost, once: `lost`, a WARNING and `lock_lost`.
+
+        With `owner` (the watchdog reporting), only if that acquisition is still current."""
+        with self._mutex:
+            if self.lost or (owner is not None and (owner != self.owner or not self._held)):
+                return
+            self.lost, self._held = True, False
+        self._stop_renewal()
         logger.warning("lock %r (fence %s) was lost: %s", self.key, self.fence, reason)
         signals.lock_lost.send(sender=Lock, lock=self, reason=reason)
+
+    def _stop_renewal(self) -> None:
+        renewal, self._renewal = self._renewal, None
+        if renewal is not None:
+            renewal.stop()
+
+    def ensure_held(self) -> None:
+        """Raise LockNotHeldError unless this handle still holds its lock, as far as it knows.
+
+        No store round trip: fails once released, lost, or past the last expiry confirmed."""
+        if self._held and time.monotonic() >= self._valid_until:
+            self._lost("its ttl ran out without a confirmed extend", owner=self.owner)
+        if not self._held or self.owner is None:
+            why = "it was lost" if self.lost else "this handle does not hold it"
+            raise LockNotHeldError(f"lock {self.key!r} (fence {self.fence}) is not held: {why}")
+
+    # -- holding, async -------------------------------------------------------------------
+    async def arelease(self) -> bool:
+        """`release` for async code; it completes even while the task is being cancelled.
+
+        The cancellation is re-raised once the store has answered."""
+        if not self._held or self.owner is None:
+            return False
+        self._stop_renewal()
+        future, cancelled = await _to_the_end(self._store.arelease(self.key, self.owner))
+        if cancelled is not None:
+            if future.cancelled() or future.exception() is not None:
+                logger.warning(
+                    "release of lock %r failed while its task was cancelled; it expires in at "
+                    "most %gs",
+                    self.key,
+                    self.ttl,
+                )
+            else:
+                self._released(future.result())
+            raise cancelled
+        return self._released(future.result())
+
+    async def aextend(self, ttl: Duration | None = None) -> None:
+        """`extend` for async code. Raises LockNotHeldError if the lock was lost.
+
+        Cancelled meanwhile, it still records what the store did, then re-raises."""
+        seconds, owner = self._extend_args(ttl)
+        sent = time.monotonic()
+        future, cancelled = await _to_the_end(self._store.aextend(self.key, owner, seconds))
+        if cancelled is not None:
+            if not future.cancelled() and future.exception() is None:
+                try:
+                    self._extended(future.result(), sent + seconds)
+                except LockNotHeldError:
+                    pass
+            raise cancelled
+        self._extended(future.result(), sent + seconds)
 
     # -- inspection -----------------------------------------------------------------------
     def info(self) -> LockInfo | None:
@@ -259,6 +529,26 @@ class Lock:
     def remaining_time(self) -> float | None:
         """Seconds until the key's current lock expires, None when nobody holds it."""
         info = self._store.get(self.key)
+        return None if info is None else info.expires_in
+
+    async def ainfo(self) -> LockInfo | None:
+        """`info` for async code: the live lock on this key, or None if it is free."""
+        return await self._store.aget(self.key)
+
+    async def ais_locked(self) -> bool:
+        """`is_locked` for async code: does anyone hold the key right now?"""
+        return await self._store.aget(self.key) is not None
+
+    async def ais_expired(self) -> bool:
+        """`is_expired` for async code: acquired by this handle, no longer held in the store."""
+        if self.owner is None:
+            return False
+        info = await self._store.aget(self.key)
+        return info is None or info.owner != self.owner
+
+    async def aremaining_time(self) -> float | None:
+        """`remaining_time` for async code: seconds until the key's lock expires, or None."""
+        info = await self._store.aget(self.key)
         return None if info is None else info.expires_in
 
     @property
@@ -292,11 +582,65 @@ class Lock:
         """`run` that never waits: fn runs only if the lock is free right now."""
         return self.run(fn, timeout=0)
 
+    # -- running, async ------------------------------------------------------------------
+    @overload
+    async def arun(  # type: ignore[overload-overlap]
+        self,
+        fn: Callable[[], Awaitable[T]],
+        *,
+        timeout: Duration | None = None,
+        retry_delay: Duration | None = None,
+    ) -> LockOutcome[T]: ...
+
+    @overload
+    async def arun(
+        self,
+        fn: Callable[[], T],
+        *,
+        timeout: Duration | None = None,
+        retry_delay: Duration | None = None,
+    ) -> LockOutcome[T]: ...
+
+    async def arun(
+        self,
+        fn: Callable[[], Any],
+        *,
+        timeout: Duration | None = None,
+        retry_delay: Duration | None = None,
+    ) -> LockOutcome[Any]:
+        """`run` for async code: `fn` is an async callable, or a sync one run in a thread.
+
+        The release completes even on cancellation; a sync fn cannot be interrupted, so on
+        cancellation the lock is kept until it returns, then released, then the cancel raised."""
+        if not await self.aacquire(timeout=timeout, retry_delay=retry_delay):
+            return LockOutcome(False, None)
+        try:
+            value = await _call(fn)
+        finally:
+            await self.arelease()
+        return LockOutcome(True, value)
+
+    async def __aenter__(self) -> Lock:
+        if not await self.aacquire():
+            raise self._unavailable()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.arelease()
+
+    def _unavailable(self) -> LockUnavailable:
+        return LockUnavailable(
+            self.key, f"lock {self.key!r} is held by someone else (waited {self.timeout:g}s)"
+        )
+
     def __enter__(self) -> Lock:
         if not self.acquire():
-            raise LockUnavailable(
-                self.key, f"lock {self.key!r} is held by someone else (waited {self.timeout:g}s)"
-            )
+            raise self._unavailable()
         return self
 
     def __exit__(
@@ -335,9 +679,38 @@ def lock(
     retry_delay: Duration = DEFAULT_RETRY_DELAY,
     store: str = "default",
     holder: str | None = None,
+    auto_extend: bool = False,
+    max_hold: Duration | None = None,
 ) -> Lock:
-    """A handle on `key` in `store`; nothing is acquired until acquire/run/`with`."""
-    return Lock(key, ttl=ttl, timeout=timeout, retry_delay=retry_delay, store=store, holder=holder)
+    """A handle on `key` in `store`; nothing is acquired until acquire/run/`with`.
+
+    `auto_extend=True` keeps the lock alive while held (extending every ttl/3), for at most
+    `max_hold` seconds in all if given."""
+    return Lock(
+        key,
+        ttl=ttl,
+        timeout=timeout,
+        retry_delay=retry_delay,
+        store=store,
+        holder=holder,
+        auto_extend=auto_extend,
+        max_hold=max_hold,
+    )
+
+
+async def _call(fn: Callable[[], Any]) -> Any:
+    """Call `fn` from async code: await it if async, else run it in a worker thread.
+
+    A thread cannot be interrupted: if cancelled meanwhile, wait for it, then re-raise."""
+    if iscoroutinefunction(fn):
+        return await fn()
+    future, cancelled = await _to_the_end(sync_to_async(fn, thread_sensitive=False)())
+    if cancelled is not None:
+        raise cancelled
+    value = future.result()
+    if inspect.isawaitable(value):  # lambda: some_coroutine(...)
+        value = await value
+    return value
 
 
 def restore_lock(token: str) -> Lock:

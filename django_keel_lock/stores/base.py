@@ -7,15 +7,20 @@ decides policy. Waiting, ownership tokens and fencing rules live in `django_keel
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from django.core.exceptions import ImproperlyConfigured
+
+T = TypeVar("T")
+_executor_mutex = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -227,20 +232,45 @@ class LockStore(ABC):
     def close(self) -> None:
         """Release connections and stop listeners; the store may be used again afterwards."""
 
+    # -- worker threads -------------------------------------------------------------------
+    #: Threads that run sync operations for async callers and the watchdog (the size of
+    #: asyncio's default executor).
+    worker_threads = min(32, (os.cpu_count() or 1) + 4)
+    _executor: ThreadPoolExecutor | None = None
+    _executor_pid = 0
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """Run `fn(*args)` on this store's own worker threads, made once per process.
+
+        Not asyncio's executor: that one lives and dies with each event loop, and a connection
+        a store opens per thread would outlive its thread; these threads live as long as the
+        store, so the connections they open stay few and are reused.
+        """
+        executor = self._executor
+        if executor is None or self._executor_pid != os.getpid():
+            with _executor_mutex:
+                executor = self._executor
+                if executor is None or self._executor_pid != os.getpid():
+                    executor = self._executor = ThreadPoolExecutor(
+                        self.worker_threads, thread_name_prefix=f"keel-lock-{self.alias}"
+                    )
+                    self._executor_pid = os.getpid()
+        return executor.submit(fn, *args)
+
     # -- async ----------------------------------------------------------------------------
-    # Defaults run the sync operation in a worker thread; stores with a native async client
-    # (Redis) override them. The core makes them cancellation-safe, not the store.
+    # Defaults run the sync operation on the store's worker threads; stores with a native
+    # async client (Redis) override them. The core makes them cancellation-safe, not the store.
     async def aacquire(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
-        return await asyncio.to_thread(self.acquire, key, owner, holder, ttl)
+        return await asyncio.wrap_future(self.submit(self.acquire, key, owner, holder, ttl))
 
     async def arelease(self, key: str, owner: str) -> bool:
-        return await asyncio.to_thread(self.release, key, owner)
+        return await asyncio.wrap_future(self.submit(self.release, key, owner))
 
     async def aextend(self, key: str, owner: str, ttl: float) -> bool:
-        return await asyncio.to_thread(self.extend, key, owner, ttl)
+        return await asyncio.wrap_future(self.submit(self.extend, key, owner, ttl))
 
     async def aget(self, key: str) -> LockInfo | None:
-        return await asyncio.to_thread(self.get, key)
+        return await asyncio.wrap_future(self.submit(self.get, key))
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} alias={self.alias!r}>"

@@ -1,0 +1,193 @@
+"""Keeps `auto_extend` locks alive while their holder works, and notices when one is lost.
+
+A sync acquisition gets a thread of its own, an async one a task on its event loop; both run
+the same `Renewal` plan: extend every ttl/3 (owner-checked by the store), never past
+`max_hold`, and report the lock lost when an extend finds it gone or no extend has been
+confirmed before the last confirmed expiry. Neither holds a strong reference to the handle, so
+dropping the handle stops the renewals; releasing it stops them first.
+
+Why a thread per lock rather than one scheduler thread: an extend stuck on one store (a
+network partition can hang a connect for minutes) cannot delay another lock's renewal, and
+stopping is one `Event.set`. The thread only waits: its store calls run on the store's own
+worker threads (`LockStore.submit`), so threads coming and going leave no connections behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import weakref
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .core import Lock
+
+logger = logging.getLogger("django_keel_lock")
+
+#: Extend tasks still running after their watchdog moved on (asyncio keeps only weak refs).
+_pending: set[asyncio.Future[bool]] = set()
+
+
+def _forget(task: asyncio.Future[bool]) -> None:
+    _pending.discard(task)
+    if not task.cancelled():
+        task.exception()  # read it, so asyncio does not log "exception was never retrieved"
+
+
+class Renewal:
+    """The renewal plan of one acquisition, shared by the sync thread and the async task."""
+
+    def __init__(self, handle: Lock) -> None:
+        assert handle.owner is not None
+        self._handle = weakref.ref(handle)
+        self.store = handle.store
+        self.key, self.owner, self.ttl = handle.key, handle.owner, handle.ttl
+        self.max_hold = handle.max_hold
+        self.interval = handle.ttl / 3
+        # While the store fails: try again soon, but not in a tight loop.
+        self.retry = max(0.05, min(handle.ttl / 10, 1.0))
+        self.cap = None if self.max_hold is None else handle._acquired_at + self.max_hold
+        self.stopped = False
+        self._kick = threading.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._finalizer = weakref.finalize(handle, self.stop)
+
+    def stop(self) -> None:
+        """Stop renewing now (release, loss, or the handle was garbage-collected).
+
+        Safe from any thread and idempotent; an extend already sent is left to finish."""
+        self.stopped = True
+        self._finalizer.detach()
+        self._kick.set()
+        task, loop = self._task, self._loop
+        if task is not None and loop is not None:
+            try:
+                loop.call_soon_threadsafe(task.cancel)
+            except RuntimeError:  # the loop is closed, and the task with it
+                pass
+
+    # -- the plan -------------------------------------------------------------------------
+    def time_left(self) -> float:
+        """Seconds until the last expiry the store confirmed (0 when the handle is gone)."""
+        handle = self._handle()
+        return 0.0 if handle is None else max(0.0, handle._valid_until - time.monotonic())
+
+    def extension(self) -> float | None:
+        """How many seconds to extend by now; None when `max_hold` allows no more."""
+        if self.cap is None:
+            return self.ttl
+        now = time.monotonic()
+        seconds = min(self.ttl, self.cap - now)
+        handle = self._handle()
+        if handle is None or now + seconds <= handle._valid_until:
+            return None  # an extend would not push the expiry out any more
+        return seconds
+
+    def capped(self) -> float | None:
+        """`max_hold` reached: the pause until the lock runs out, then (None) report it lost."""
+        left = self.time_left()
+        if left > 0:
+            return left
+        self._report_lost(f"max_hold of {self.max_hold:g}s reached; the lock expired")
+        return None
+
+    def settle(
+        self, outcome: bool | BaseException | None, seconds: float, sent: float
+    ) -> float | None:
+        """Apply one extend's outcome (None: no answer by the deadline). The pause before the
+        next step, or None to stop."""
+        handle = self._handle()
+        if handle is None or self.stopped:
+            return None
+        if outcome is True:
+            handle._confirmed(self.owner, sent + seconds)
+            return self.interval
+        if outcome is False:
+            self._report_lost("the watchdog's extend found the lock expired or taken over")
+            return None
+        left = self.time_left()
+        why = "no answer" if outcome is None else f"{type(outcome).__name__}: {outcome}"
+        if left <= 0:
+            self._report_lost(f"the store did not confirm an extend before the ttl ran out ({why})")
+            return None
+        logger.info("could not extend lock %r (%s); retrying, %.1fs left", self.key, why, left)
+        return min(self.retry, left)
+
+    def _report_lost(self, reason: str) -> None:
+        handle = self._handle()
+        if handle is not None and not self.stopped:
+            handle._lost(reason, owner=self.owner)
+
+    # -- sync -----------------------------------------------------------------------------
+    def _wait(self, timeout: float) -> bool:
+        """Sleep up to `timeout` or until kicked; True once stopped."""
+        self._kick.wait(timeout)
+        self._kick.clear()
+        return self.stopped
+
+    def _run_thread(self) -> None:
+        pause: float | None = self.interval
+        while pause is not None and not self._wait(pause):
+            seconds = self.extension()
+            if seconds is None:
+                pause = self.capped()
+                continue
+            sent = time.monotonic()
+            future = self.store.submit(self.store.extend, self.key, self.owner, seconds)
+            future.add_done_callback(lambda _: self._kick.set())
+            # Wait for the answer, but no longer than the lock is known to live.
+            deadline = sent + self.time_left()
+            while not future.done() and not self.stopped and time.monotonic() < deadline:
+                self._wait(max(0.0, deadline - time.monotonic()))
+            if self.stopped:
+                return
+            outcome: bool | BaseException | None = None
+            if future.done():
+                outcome = future.exception() or future.result()
+            pause = self.settle(outcome, seconds, sent)
+
+    # -- async ----------------------------------------------------------------------------
+    async def _run_task(self) -> None:
+        pause: float | None = self.interval
+        while pause is not None:
+            await asyncio.sleep(pause)
+            if self.stopped:
+                return
+            seconds = self.extension()
+            if seconds is None:
+                pause = self.capped()
+                continue
+            sent = time.monotonic()
+            task = asyncio.ensure_future(self.store.aextend(self.key, self.owner, seconds))
+            _pending.add(task)
+            task.add_done_callback(_forget)
+            done, _ = await asyncio.wait({task}, timeout=self.time_left())
+            outcome: bool | BaseException | None = None
+            if done:
+                if task.cancelled():
+                    return
+                outcome = task.exception() or task.result()
+            pause = self.settle(outcome, seconds, sent)
+
+
+def start_thread(handle: Lock) -> Renewal:
+    """Keep `handle`'s current acquisition alive from a daemon thread (sync holders)."""
+    renewal = Renewal(handle)
+    thread = threading.Thread(
+        target=renewal._run_thread, name=f"keel-lock-watchdog:{handle.key[:40]}", daemon=True
+    )
+    thread.start()
+    return renewal
+
+
+def start_task(handle: Lock) -> Renewal:
+    """Keep `handle`'s current acquisition alive from a task on the running loop (async)."""
+    renewal = Renewal(handle)
+    renewal._loop = asyncio.get_running_loop()
+    renewal._task = renewal._loop.create_task(
+        renewal._run_task(), name=f"keel-lock-watchdog:{handle.key[:40]}"
+    )
+    return renewal
