@@ -16,6 +16,10 @@ from django_keel_lock.conf import reset_stores
 from django_keel_lock.stores import LockStore
 
 
+# What a user's conftest.py does to get the keel_lock_memory_store fixture.
+pytest_plugins = ["django_keel_lock.testing"]
+
+
 # alias -> reason it cannot run here (None: it runs)
 def _store_availability() -> dict[str, str | None]:
     dbs = settings.DATABASES
