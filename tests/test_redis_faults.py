@@ -92,7 +92,8 @@ def test_restarted_server_works_again(
     server: RedisServer, direct: tuple[str, RedisLockStore], key: str
 ) -> None:
     alias, _ = direct
-    assert lock(key, store=alias).run(lambda: 1) == (True, 1)
+    before = lock(key, store=alias)
+    assert before.run(lambda: 1) == (True, 1)
     server.kill()
     with pytest.raises(LockStoreUnavailable):
         lock(key, store=alias).acquire()
@@ -100,6 +101,10 @@ def test_restarted_server_works_again(
     handle = lock(key, ttl=30, store=alias)
     assert handle.acquire()  # the pool reconnects its stale sockets by itself
     assert not lock(key, store=alias).acquire()
+    # The restarted server kept nothing (no persistence), fence counters included; fences
+    # must still grow, or a stale holder from before the restart could pass a fence check.
+    assert handle.fence is not None and before.fence is not None
+    assert handle.fence > before.fence
     assert handle.release()
 
 

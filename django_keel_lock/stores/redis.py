@@ -83,8 +83,16 @@ if current then
     redis.call('PEXPIRE', KEYS[1], ARGV[3])
     return tonumber(redis.call('HGET', KEYS[1], 'f'))
 end
-local fence = redis.call('INCR', KEYS[2])
 local now = redis.call('TIME')
+local fence
+if redis.call('EXISTS', KEYS[2]) == 1 then
+    fence = redis.call('INCR', KEYS[2])
+else
+    -- A new counter (a new key, or a Redis restarted without persistence) starts at the
+    -- server's clock in microseconds: above any fence a lost counter could have handed out.
+    fence = now[1] * 1000000 + now[2]
+    redis.call('SET', KEYS[2], string.format('%d', fence))
+end
 redis.call('HSET', KEYS[1], 'o', ARGV[1], 'h', ARGV[2], 'f', fence,
            't', tostring(now[1] * 1000 + math.floor(now[2] / 1000)))
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
