@@ -240,6 +240,7 @@ class Lock:
             )
         self.store_alias = store
         self.owner: str | None = None
+        self._next_owner: str | None = None
         self.fence: int | None = None
         #: True once this acquisition is known lost (expired, taken over, store unreachable).
         self.lost = False
@@ -284,7 +285,12 @@ class Lock:
             raise LockError(
                 f"this handle already holds {self.key!r}; release it first or make a new handle"
             )
-        return secrets.token_hex(16)
+        # The owner stays the same for every attempt until one succeeds: an attempt whose
+        # reply was lost (timeout, dropped connection) may still have taken the lock, and a
+        # retry with the same owner gets it back instead of stranding it until its ttl.
+        if self._next_owner is None:
+            self._next_owner = secrets.token_hex(16)
+        return self._next_owner
 
     def _finish(self, owner: str, result: AcquireResult, sent: float) -> bool:
         """Take on the outcome of an acquire attempt sent at monotonic time `sent`."""
@@ -293,6 +299,7 @@ class Lock:
             return False
         with self._mutex:
             self.owner, self.fence, self._held, self.lost = owner, result.fence, True, False
+            self._next_owner = None
             # The store started the ttl after we sent the call: counting from `sent` errs early.
             self._acquired_at, self._valid_until = sent, sent + self.ttl
         if signals.lock_acquired.receivers:

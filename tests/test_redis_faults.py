@@ -160,6 +160,21 @@ def test_lost_acquire_reply_is_an_error_and_a_retry_with_the_same_owner_is_safe(
     assert store.release(key, "a" * 32)
 
 
+def test_handle_retry_after_a_lost_acquire_reply_gets_the_lock_instead_of_stranding_it(
+    proxy: FaultyProxy, proxied: tuple[str, RedisLockStore], key: str
+) -> None:
+    alias, _ = proxied
+    handle = lock(key, ttl=30, store=alias)
+    proxy.mode = "drop_replies"
+    with pytest.raises(LockStoreUnavailable):
+        handle.acquire()
+    proxy.mode = "pass"
+    assert not lock(key, store=alias).acquire()  # the attempt whose reply was lost took it
+    assert handle.acquire()  # the handle retries as the same owner and gets it back
+    assert handle.release()
+    assert lock(key, store=alias).run(lambda: 1) == (True, 1)
+
+
 def test_lost_release_reply_keeps_the_owner_and_never_gives_two_owners(
     proxy: FaultyProxy, proxied: tuple[str, RedisLockStore], key: str
 ) -> None:
@@ -187,8 +202,9 @@ def test_stalled_connection_times_out_with_a_clear_error_and_no_double_owner(
     assert held.acquire()
     proxy.mode = "stall"
     started = time.monotonic()
+    stalled = lock(key, store=alias)
     with pytest.raises(LockStoreUnavailable, match=r"Timeout"):
-        lock(key, store=alias).acquire()
+        stalled.acquire()
     assert time.monotonic() - started < 4  # socket_timeout=1 in the URL
     with pytest.raises(LockStoreUnavailable, match=r"Timeout"):
         held.extend()
@@ -197,6 +213,12 @@ def test_stalled_connection_times_out_with_a_clear_error_and_no_double_owner(
     contender: Lock = lock(key, store=alias)
     assert not contender.acquire()  # the stall did not free or duplicate the lock
     assert held.release()
+    # The timed-out attempt may still reach Redis late and take the lock for its owner. A retry
+    # on the same handle reuses that owner, so it gets the lock either way: never stranded,
+    # never two owners.
+    assert stalled.acquire()
+    assert not contender.acquire()
+    assert stalled.release()
     assert contender.acquire() and contender.release()
 
 
