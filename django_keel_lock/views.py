@@ -6,7 +6,8 @@
     class ChargeView(LockViewMixin, View):
         lock_key = "invoice:<pk>"
 
-A thin adapter over `core.Lock`: the lock is held while the view runs and released when it
+The view finds its handle as `request.keel_lock` (pass `request.keel_lock.fence` to what it
+protects). A thin adapter over `core.Lock`: the lock is held while the view runs and released when it
 returns (a streaming response's body is produced after that, outside the lock). A store that
 cannot be reached raises LockStoreUnavailable (a 500): an outage is not contention.
 """
@@ -197,6 +198,7 @@ class ViewLock:
         if _in_event_loop():
             return self.acall(view, request, args, kwargs)
         handle = self.handle(request, args, kwargs)
+        request.keel_lock = handle  # type: ignore[attr-defined]  # the view can read its fence
         outcome = handle.run(lambda: view(request, *args, **kwargs))
         return outcome.value if outcome.acquired else self.refused(request, handle)
 
@@ -204,6 +206,7 @@ class ViewLock:
         self, view: Callable[..., Any], request: HttpRequest, args: Any, kwargs: Any
     ) -> Any:
         handle = self.handle(request, args, kwargs)
+        request.keel_lock = handle  # type: ignore[attr-defined]  # the view can read its fence
 
         async def run_view() -> Any:
             result = view(request, *args, **kwargs)

@@ -115,6 +115,8 @@ def test_free_key_runs_the_view_and_releases_the_lock(client: Client) -> None:
     response = client.get(f"/views/charge/{pk}/")
     assert response.status_code == 200
     assert views.CALLS == ["charge"]
+    # The view saw its own held lock as request.keel_lock, fence and all.
+    assert response.json()["held"] == "True" and response.json()["fence"].isdigit()
     assert is_free(f"invoice:{pk}")
 
 
@@ -242,6 +244,7 @@ async def test_async_view_runs_when_free_and_releases(async_client: AsyncClient,
     response = await async_client.get(f"/views/async/{key}/")
     assert response.status_code == 200
     assert views.CALLS == ["aview"]
+    assert response.json()["held"] == "True" and response.json()["fence"].isdigit()
     assert is_free(key)
 
 

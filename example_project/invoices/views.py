@@ -53,9 +53,11 @@ def index(request: HttpRequest) -> HttpResponse:
 @lock_view("invoice:<pk>", ttl="1m")  # a second charge of the same invoice meanwhile: 409
 def charge(request: HttpRequest, pk: int) -> HttpResponse:
     invoice = get_object_or_404(Invoice, pk=pk)
-    # lock_view does not hand the view its Lock, so this charge carries no fence; the task does.
     done = billing.charge(
-        invoice.pk, charged_by=f"web pid {os.getpid()}", fence=None, work=_seconds(request)
+        invoice.pk,
+        charged_by=f"web pid {os.getpid()}",
+        fence=request.keel_lock.fence,  # type: ignore[attr-defined]  # set by lock_view
+        work=_seconds(request),
     )
     if done is None:
         messages.info(request, f"{invoice} was paid already: not charged again.")

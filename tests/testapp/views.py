@@ -25,7 +25,8 @@ def _ran(name: str, **kwargs: Any) -> HttpResponse:
 
 @lock_view("invoice:<pk>", ttl="2m", store="memory")
 def charge(request: HttpRequest, pk: int) -> HttpResponse:
-    return _ran("charge", pk=pk)
+    handle = request.keel_lock  # type: ignore[attr-defined]
+    return _ran("charge", pk=pk, fence=handle.fence, held=handle.is_locked() and handle.held)
 
 
 STORE_VIEWS: dict[str, Any] = {}
@@ -78,7 +79,8 @@ def slow(request: HttpRequest, key: str) -> HttpResponse:
 @lock_view("<key>", store="memory", ttl=60)
 async def aview(request: HttpRequest, key: str) -> HttpResponse:
     await asyncio.sleep(0)
-    return _ran("aview", key=key)
+    handle = request.keel_lock  # type: ignore[attr-defined]
+    return _ran("aview", key=key, fence=handle.fence, held=handle.held)
 
 
 async def _abusy(request: HttpRequest, key: str) -> HttpResponse:
