@@ -7,8 +7,8 @@
         lock_key = "invoice:<pk>"
 
 The view finds its handle as `request.keel_lock` (pass `request.keel_lock.fence` to what it
-protects). A thin adapter over `core.Lock`: the lock is held while the view runs and released when it
-returns (a streaming response's body is produced after that, outside the lock). A store that
+protects). A thin adapter over `core.Lock`: the lock is held while the view runs and released
+when it returns (a streaming response's body is produced after that, outside the lock). A store that
 cannot be reached raises LockStoreUnavailable (a 500): an outage is not contention.
 """
 

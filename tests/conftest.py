@@ -15,7 +15,6 @@ from django_keel_lock import Lock, get_lock_store, lock
 from django_keel_lock.conf import reset_stores
 from django_keel_lock.stores import LockStore
 
-
 # What a user's conftest.py does to get the keel_lock_memory_store fixture.
 pytest_plugins = ["django_keel_lock.testing"]
 

@@ -9,7 +9,6 @@ from django_keel_lock.stores import DatabaseLockStore, MemoryLockStore
 from django_keel_lock.testing import memory_lock_store
 
 
-
 def test_memory_lock_store_swaps_default_and_restores_it() -> None:
     before = get_lock_store()
     assert isinstance(before, DatabaseLockStore)
