@@ -7,6 +7,7 @@ decides policy. Waiting, ownership tokens and fencing rules live in `django_keel
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 from abc import ABC, abstractmethod
@@ -18,6 +19,8 @@ from datetime import datetime
 from typing import Any, NamedTuple, TypeVar
 
 from django.core.exceptions import ImproperlyConfigured
+
+logger = logging.getLogger("django_keel_lock")
 
 T = TypeVar("T")
 _executor_mutex = threading.Lock()
@@ -152,6 +155,53 @@ class WakeBoard:
             callback()
 
 
+class ReleaseListener(threading.Thread):
+    """One connection per process and store that hears other processes' releases and turns
+    them into wake-ups on the store's WakeBoard. Subclasses implement `listen()`."""
+
+    def __init__(self, store: LockStore) -> None:
+        super().__init__(name=f"keel-lock-listen-{store.alias}", daemon=True)
+        self.store = store
+        self.pid = os.getpid()
+        self.ready = threading.Event()  # set while subscribed: releases reach us
+        self.stopping = threading.Event()
+
+    def listen(self) -> None:
+        """Connect, subscribe, set `ready`, call `store.wake_board.wake(key)` per release, and
+        return only when `stopping` is set; raise when the connection is lost."""
+        raise NotImplementedError
+
+    def interrupt(self) -> None:
+        """Make a blocked `listen()` notice `stopping` sooner (optional)."""
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.interrupt()
+        self.join(timeout=3)
+
+    @property
+    def usable_here(self) -> bool:
+        return self.pid == os.getpid() and self.is_alive()
+
+    def run(self) -> None:
+        backoff = 0.05
+        while not self.stopping.is_set():
+            try:
+                self.listen()
+                backoff = 0.05
+            except Exception as exc:  # connection lost: waiters fall back to polling
+                self.ready.clear()
+                # Waiters sleeping on push must look again now: the store may be down (they
+                # should hear so) or releases may have been missed meanwhile.
+                self.store.wake_board.wake_all()
+                if self.stopping.is_set():
+                    break
+                logger.debug("lock listener for %r reconnecting: %s", self.store.alias, exc)
+                self.stopping.wait(backoff)
+                backoff = min(backoff * 2, 2.0)
+        self.ready.clear()
+
+
 class LockStore(ABC):
     """Where locks live. Every operation is atomic on the store's side and never waits.
 
@@ -231,6 +281,32 @@ class LockStore(ABC):
 
     def close(self) -> None:
         """Release connections and stop listeners; the store may be used again afterwards."""
+
+    # -- the cross-process listener, for stores that have one ------------------------------
+    _listener: ReleaseListener | None = None
+    _listener_mutex = threading.Lock()
+
+    def ensure_listener(self, factory: Callable[[], ReleaseListener]) -> None:
+        """Start this process's listener unless one runs (a forked child starts its own)."""
+        listener = self._listener
+        if listener is not None and listener.usable_here:
+            return
+        with self._listener_mutex:
+            listener = self._listener
+            if listener is None or not listener.usable_here:
+                self._listener = factory()
+                self._listener.start()
+
+    def listener_ready(self) -> bool:
+        """True while this process's listener hears releases (the `push_wakeups` answer)."""
+        listener = self._listener
+        return listener is not None and listener.ready.is_set() and listener.pid == os.getpid()
+
+    def stop_listener(self) -> None:
+        with self._listener_mutex:
+            listener, self._listener = self._listener, None
+        if listener is not None and listener.pid == os.getpid():
+            listener.stop()
 
     # -- worker threads -------------------------------------------------------------------
     #: Threads that run sync operations for async callers and the watchdog (the size of

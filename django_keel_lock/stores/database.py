@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -21,7 +20,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 
 from ..exceptions import LockStoreUnavailable
-from .base import AcquireResult, LockInfo, LockStore
+from .base import AcquireResult, LockInfo, LockStore, ReleaseListener
 
 logger = logging.getLogger("django_keel_lock")
 
@@ -248,7 +247,6 @@ class DatabaseLockStore(LockStore):
         self._local = threading.local()
         self._mutex = threading.Lock()
         self._wrappers: list[Any] = []  # every connection we opened, for close()
-        self._listener: _PostgresListener | None = None
 
     # -- connections ----------------------------------------------------------------------
     def _new_wrapper(self) -> Any:
@@ -395,30 +393,17 @@ class DatabaseLockStore(LockStore):
     # -- wake-ups -------------------------------------------------------------------------
     @property
     def push_wakeups(self) -> bool:
-        listener = self._listener
-        return listener is not None and listener.ready.is_set() and listener.pid == os.getpid()
+        return self.listener_ready()
 
     def watch(self, key: str) -> Any:
         if self.dialect.vendor == "postgresql":
-            self._ensure_listener()
+            self.ensure_listener(lambda: _PostgresListener(self))
         return self.wake_board.watch(key)
 
-    def _ensure_listener(self) -> None:
-        listener = self._listener
-        if listener is not None and listener.pid == os.getpid() and listener.is_alive():
-            return
-        with self._mutex:
-            listener = self._listener
-            if listener is None or listener.pid != os.getpid() or not listener.is_alive():
-                self._listener = _PostgresListener(self)
-                self._listener.start()
-
     def close(self) -> None:
+        self.stop_listener()
         with self._mutex:
             wrappers, self._wrappers = self._wrappers, []
-            listener, self._listener = self._listener, None
-        if listener is not None and listener.pid == os.getpid():
-            listener.stop()
         for wrapper in wrappers:
             _close_quietly(wrapper)
         self._local = threading.local()
@@ -436,50 +421,27 @@ def _close_quietly(wrapper: Any) -> None:
             pass
 
 
-class _PostgresListener(threading.Thread):
+class _PostgresListener(ReleaseListener):
     """One LISTEN connection per process: turns other processes' releases into wake-ups."""
 
-    def __init__(self, store: DatabaseLockStore) -> None:
-        super().__init__(name=f"keel-lock-listen-{store.alias}", daemon=True)
-        self.store = store
-        self.pid = os.getpid()
-        self.ready = threading.Event()
-        self._stopping = threading.Event()
-        self._raw: Any = None
+    store: DatabaseLockStore
+    _raw: Any = None
 
-    def stop(self) -> None:
-        self._stopping.set()
+    def interrupt(self) -> None:
         raw = self._raw
         if raw is not None:
             try:
                 raw.cancel_safe() if hasattr(raw, "cancel_safe") else raw.cancel()
             except Exception:
                 pass
-        self.join(timeout=2)
 
-    def run(self) -> None:
-        backoff = 0.05
-        while not self._stopping.is_set():
-            try:
-                self._listen()
-                backoff = 0.05
-            except Exception as exc:  # connection lost: waiters fall back to polling
-                self.ready.clear()
-                self.store.wake_board.wake_all()
-                if self._stopping.is_set():
-                    break
-                logger.debug("lock listener for %r reconnecting: %s", self.store.alias, exc)
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
-        self.ready.clear()
-
-    def _listen(self) -> None:
+    def listen(self) -> None:
         base = connections[self.store.database]
         wrapper = type(base)(dict(base.settings_dict), self.store.database)
         raw = wrapper.get_new_connection(wrapper.get_connection_params())
         if not hasattr(raw, "notifies"):  # psycopg2: no push wake-ups, waiters poll
             raw.close()
-            self._stopping.set()
+            self.stopping.set()
             return
         try:
             raw.autocommit = True
@@ -489,7 +451,7 @@ class _PostgresListener(threading.Thread):
             # A release may have happened while we were (re)connecting.
             self.store.wake_board.wake_all()
             board = self.store.wake_board
-            while not self._stopping.is_set():
+            while not self.stopping.is_set():
                 for notify in raw.notifies(timeout=1.0):
                     board.wake(notify.payload)
         finally:

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 from django.core.exceptions import ImproperlyConfigured
 
 from ..exceptions import LockStoreUnavailable
-from .base import AcquireResult, LockInfo, LockStore
+from .base import AcquireResult, LockInfo, LockStore, ReleaseListener
 
 try:
     import redis
@@ -243,7 +243,6 @@ class RedisLockStore(LockStore):
         self._client_obj: Any = None
         self._client_pid = 0
         self._owns_client = url is not None
-        self._listener: _RedisListener | None = None
         self._aclients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = (
             weakref.WeakKeyDictionary()
         )
@@ -396,31 +395,18 @@ class RedisLockStore(LockStore):
     # -- wake-ups -------------------------------------------------------------------------
     @property
     def push_wakeups(self) -> bool:
-        listener = self._listener
-        return listener is not None and listener.ready.is_set() and listener.pid == os.getpid()
+        return self.listener_ready()
 
     def watch(self, key: str) -> Any:
-        self._ensure_listener()
+        self.ensure_listener(lambda: _RedisListener(self))
         return self.wake_board.watch(key)
 
-    def _ensure_listener(self) -> None:
-        listener = self._listener
-        if listener is not None and listener.pid == os.getpid() and listener.is_alive():
-            return
-        with self._mutex:
-            listener = self._listener
-            if listener is None or listener.pid != os.getpid() or not listener.is_alive():
-                self._listener = _RedisListener(self)
-                self._listener.start()
-
     def close(self) -> None:
+        self.stop_listener()
         with self._mutex:
-            listener, self._listener = self._listener, None
             client, self._client_obj = self._client_obj, None
             pid, self._client_pid = self._client_pid, 0
             self._aclients = weakref.WeakKeyDictionary()
-        if listener is not None and listener.pid == os.getpid():
-            listener.stop()
         # A django-redis client belongs to the cache; only a client we built is ours to close.
         if client is not None and self._owns_client and pid == os.getpid():
             try:
@@ -550,45 +536,18 @@ def _async_twin(client: Any) -> Callable[[], Any] | None:
     return plain_client
 
 
-class _RedisListener(threading.Thread):
+class _RedisListener(ReleaseListener):
     """One pub/sub subscription per process: turns other processes' releases into wake-ups."""
 
-    def __init__(self, store: RedisLockStore) -> None:
-        super().__init__(name=f"keel-lock-listen-{store.alias}", daemon=True)
-        self.store = store
-        self.pid = os.getpid()
-        self.ready = threading.Event()
-        self._stopping = threading.Event()
+    store: RedisLockStore
 
-    def stop(self) -> None:
-        self._stopping.set()
-        self.join(timeout=3)
-
-    def run(self) -> None:
-        backoff = 0.05
-        while not self._stopping.is_set():
-            try:
-                self._listen()
-                backoff = 0.05
-            except Exception as exc:  # connection lost: waiters fall back to polling
-                self.ready.clear()
-                # Waiters sleeping on push must look again now: the store may be down (they
-                # should hear so) or releases may have been missed.
-                self.store.wake_board.wake_all()
-                if self._stopping.is_set():
-                    break
-                logger.debug("lock listener for %r reconnecting: %s", self.store.alias, exc)
-                self._stopping.wait(backoff)
-                backoff = min(backoff * 2, 2.0)
-        self.ready.clear()
-
-    def _listen(self) -> None:
+    def listen(self) -> None:
         board = self.store.wake_board
         pubsub = self.store._client().pubsub()
         try:
             pubsub.subscribe(self.store.channel)
             heard = pinged = time.monotonic()
-            while not self._stopping.is_set():
+            while not self.stopping.is_set():
                 message = pubsub.get_message(timeout=1.0)
                 now = time.monotonic()
                 if message is None:
