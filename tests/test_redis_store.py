@@ -368,3 +368,19 @@ def test_unique_owner_tokens_do_not_collide(key: str) -> None:
     results = [store.acquire(key, owner, "h", 5) for owner in owners]
     assert [r.acquired for r in results] == [True] + [False] * 19
     assert store.release(key, owners[0])
+
+
+@pytest.mark.parametrize("alias", ["redis", "redis-url"])
+def test_many_concurrent_async_acquires_queue_for_connections_instead_of_failing(
+    alias: str, key: str
+) -> None:
+    # More tasks than a connection pool holds: none may be told the store is unavailable.
+    handles = [lock(f"{key}:{i}", store=alias, ttl=30) for i in range(300)]
+
+    async def everyone() -> list[object]:
+        results = await asyncio.gather(*(h.aacquire() for h in handles), return_exceptions=True)
+        await asyncio.gather(*(h.arelease() for h in handles if h.held))
+        return results
+
+    results = asyncio.run(everyone())
+    assert results == [True] * len(handles)

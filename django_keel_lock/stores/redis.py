@@ -49,6 +49,9 @@ PAGE_SIZE = 500
 # Plain URL connections: fail fast instead of hanging a request on a dead server.
 SOCKET_TIMEOUT = 5.0
 CONNECT_TIMEOUT = 2.0
+# Async pools: many concurrent tasks queue for a connection (up to this many seconds) instead of
+# failing with "too many connections", which would look like an outage.
+POOL_WAIT = 5.0
 # The listener pings when the channel has been quiet this long, and reconnects when even the
 # ping goes unanswered for LISTEN_DEAD seconds: a silently dead link must not keep
 # `push_wakeups` True.
@@ -442,8 +445,10 @@ class RedisLockStore(LockStore):
                 factory = lambda: redis.asyncio.RedisCluster.from_url(url, **kwargs)  # noqa: E731
             else:
                 retry = AsyncRetry(NoBackoff(), 0)
-                factory = lambda: redis.asyncio.Redis.from_url(  # noqa: E731
-                    url, retry=retry, **kwargs
+                factory = lambda: redis.asyncio.Redis(  # noqa: E731
+                    connection_pool=redis.asyncio.BlockingConnectionPool.from_url(
+                        url, retry=retry, timeout=POOL_WAIT, **kwargs
+                    )
                 )
         else:
             factory = _async_twin(self._client())
@@ -530,7 +535,9 @@ def _async_twin(client: Any) -> Callable[[], Any] | None:
         return None
 
     def plain_client() -> Any:
-        apool = aconn.ConnectionPool(connection_class=connection_class, retry=retry, **kwargs)
+        apool = aconn.BlockingConnectionPool(
+            connection_class=connection_class, retry=retry, timeout=POOL_WAIT, **kwargs
+        )
         return redis.asyncio.Redis(connection_pool=apool)
 
     return plain_client
