@@ -51,7 +51,7 @@ SOCKET_TIMEOUT = 5.0
 CONNECT_TIMEOUT = 2.0
 # Async pools: many concurrent tasks queue for a connection (up to this many seconds) instead of
 # failing with "too many connections", which would look like an outage.
-POOL_WAIT = 5.0
+POOL_WAIT = 5
 # The listener pings when the channel has been quiet this long, and reconnects when even the
 # ping goes unanswered for LISTEN_DEAD seconds: a silently dead link must not keep
 # `push_wakeups` True.
