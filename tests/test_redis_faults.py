@@ -103,6 +103,7 @@ def test_restarted_server_works_again(
     assert not lock(key, store=alias).acquire()
     # The restarted server kept nothing (no persistence), fence counters included; fences
     # must still grow, or a stale holder from before the restart could pass a fence check.
+    # (A counter that expired a day after its key's last use is the same case.)
     assert handle.fence is not None and before.fence is not None
     assert handle.fence > before.fence
     assert handle.release()

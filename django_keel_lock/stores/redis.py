@@ -7,7 +7,7 @@ Three rules shape this module:
 
 Layout of one lock on `key` under the default prefix:
     keel-lock:{key}        hash: o = owner, h = holder, f = fence, t = acquired (ms), with PX
-    keel-lock:{key}:fence  the key's fence counter; never deleted, so fences only go up
+    keel-lock:{key}:fence  the key's last fence, kept a day after its last acquisition
     keel-lock:released     pub/sub channel; each release publishes its key there
 """
 
@@ -87,15 +87,13 @@ if current then
     return tonumber(redis.call('HGET', KEYS[1], 'f'))
 end
 local now = redis.call('TIME')
-local fence
-if redis.call('EXISTS', KEYS[2]) == 1 then
-    fence = redis.call('INCR', KEYS[2])
-else
-    -- A new counter (a new key, or a Redis restarted without persistence) starts at the
-    -- server's clock in microseconds: above any fence a lost counter could have handed out.
-    fence = now[1] * 1000000 + now[2]
-    redis.call('SET', KEYS[2], string.format('%d', fence))
-end
+-- The fence is one more than the key's last one, and never below the server's clock in
+-- microseconds. So the counter may vanish (it expires a day after the key's last acquisition,
+-- or with a Redis restarted without persistence) and fences still only go up: acquisitions
+-- of one key are at least a round trip apart, far more than a microsecond.
+local last = tonumber(redis.call('GET', KEYS[2]) or '0')
+local fence = math.max(last + 1, now[1] * 1000000 + now[2])
+redis.call('SET', KEYS[2], string.format('%d', fence), 'PX', math.max(tonumber(ARGV[3]), 86400000))
 redis.call('HSET', KEYS[1], 'o', ARGV[1], 'h', ARGV[2], 'f', fence,
            't', tostring(now[1] * 1000 + math.floor(now[2] / 1000)))
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
