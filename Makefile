@@ -43,7 +43,8 @@ typecheck: $(STAMP_TEST)
 
 bench: $(STAMP_TEST)
 	$(BIN)/pip install -q -e '.[bench]'
-	$(BIN)/python -m bench.run_all
+	$(BIN)/python -m bench.bench_db
+	$(BIN)/python -m bench.bench_redis
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info
