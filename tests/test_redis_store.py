@@ -398,3 +398,24 @@ def test_fences_keep_growing_when_the_counter_has_expired(
         assert url_store.release(key, "o" * 32)
         raw.delete(f"keel-lock:{{{key}}}:fence")  # as if its day had passed
     assert fences == sorted(fences) and len(set(fences)) == 3, fences
+
+
+def test_a_process_subscribes_only_to_the_keys_it_waits_for(
+    url_store: RedisLockStore, raw: redis.Redis[bytes], key: str
+) -> None:
+    waited, other = f"{key}:waited", f"{key}:other"
+
+    def subscribers(name: str) -> int:
+        channel = url_store.release_channel(name)
+        return int(dict(raw.pubsub_numsub(channel))[channel.encode()])
+
+    def settles(name: str, count: int) -> bool:
+        deadline = time.monotonic() + 5
+        while subscribers(name) != count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return subscribers(name) == count
+
+    with url_store.watch(waited):
+        assert settles(waited, 1)  # this process hears `waited`'s releases...
+        assert subscribers(other) == 0  # ...and nothing of keys nobody here waits for
+    assert settles(waited, 0)  # the last waiter left: unsubscribed

@@ -94,21 +94,40 @@ class WakeBoard:
     def __init__(self) -> None:
         self._mutex = threading.Lock()
         self._slots: dict[str, _Slot] = {}
+        #: Called as hook(key, True) when a key gets its first watcher and hook(key, False)
+        #: when its last one leaves (under the board's mutex: keep it short, never block).
+        #: A listener uses it to hear only about the keys this process waits for.
+        self.watched_hook: Callable[[str, bool], None] | None = None
 
-    @contextmanager
-    def watch(self, key: str) -> Iterator[Waiter]:
+    def _join(self, key: str, callback: Any = None) -> _Slot:
         with self._mutex:
             slot = self._slots.get(key)
             if slot is None:
                 slot = self._slots[key] = _Slot()
+                if self.watched_hook is not None:
+                    self.watched_hook(key, True)
             slot.watchers += 1
+            if callback is not None:
+                slot.callbacks.append(callback)
+            return slot
+
+    def _leave(self, key: str, slot: _Slot, callback: Any = None) -> None:
+        with self._mutex:
+            if callback is not None:
+                slot.callbacks.remove(callback)
+            slot.watchers -= 1
+            if slot.watchers == 0 and self._slots.get(key) is slot:
+                del self._slots[key]
+                if self.watched_hook is not None:
+                    self.watched_hook(key, False)
+
+    @contextmanager
+    def watch(self, key: str) -> Iterator[Waiter]:
+        slot = self._join(key)
         try:
             yield Waiter(slot)
         finally:
-            with self._mutex:
-                slot.watchers -= 1
-                if slot.watchers == 0 and self._slots.get(key) is slot:
-                    del self._slots[key]
+            self._leave(key, slot)
 
     def add_callback(self, key: str, callback: Any) -> Any:
         """Call `callback()` (from any thread) on each wake of `key` while registered.
@@ -116,21 +135,15 @@ class WakeBoard:
         Used by async waiters, which cannot block on a threading.Condition. Returns a token for
         `remove_callback`.
         """
-        with self._mutex:
-            slot = self._slots.get(key)
-            if slot is None:
-                slot = self._slots[key] = _Slot()
-            slot.watchers += 1
-            slot.callbacks.append(callback)
-        return (key, slot, callback)
+        return (key, self._join(key, callback), callback)
 
     def remove_callback(self, token: Any) -> None:
         key, slot, callback = token
+        self._leave(key, slot, callback)
+
+    def watched_keys(self) -> list[str]:
         with self._mutex:
-            slot.callbacks.remove(callback)
-            slot.watchers -= 1
-            if slot.watchers == 0 and self._slots.get(key) is slot:
-                del self._slots[key]
+            return list(self._slots)
 
     def has_watchers(self) -> bool:
         return bool(self._slots)

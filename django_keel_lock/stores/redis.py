@@ -8,7 +8,8 @@ Three rules shape this module:
 Layout of one lock on `key` under the default prefix:
     keel-lock:{key}        hash: o = owner, h = holder, f = fence, t = acquired (ms), with PX
     keel-lock:{key}:fence  the key's last fence, kept a day after its last acquisition
-    keel-lock:released     pub/sub channel; each release publishes its key there
+    keel-lock:released:key pub/sub channel a release publishes on; a process subscribes to it
+                           only while one of its threads or tasks waits for `key`
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import hashlib
 import logging
 import os
 import re
+import select
 import threading
 import time
 import weakref
@@ -101,12 +103,12 @@ return fence
 """
 )
 
-# KEYS[1] lock hash; ARGV owner, channel, key. 1 if released (and announced), else 0.
+# KEYS[1] lock hash; ARGV owner, the key's release channel. 1 if released (and announced).
 RELEASE = _script(
     """
 if redis.call('HGET', KEYS[1], 'o') == ARGV[1] then
     redis.call('DEL', KEYS[1])
-    redis.call('PUBLISH', ARGV[2], ARGV[3])
+    redis.call('PUBLISH', ARGV[2], '1')
     return 1
 end
 return 0
@@ -240,6 +242,7 @@ class RedisLockStore(LockStore):
             )
         self.prefix = prefix
         self.channel = f"{prefix}released"
+        self.wake_board.watched_hook = self._watched
         self._mutex = threading.Lock()
         self._client_obj: Any = None
         self._client_pid = 0
@@ -302,6 +305,16 @@ class RedisLockStore(LockStore):
                 f"a django-redis cache (BACKEND django_redis.cache.RedisCache)"
             ) from None
 
+    def release_channel(self, key: str) -> str:
+        """Where a release of `key` is announced: one channel per key, so a process hears only
+        about the keys it waits for, not every release in the whole Redis."""
+        return f"{self.channel}:{key}"
+
+    def _watched(self, key: str, watched: bool) -> None:
+        listener = self._listener
+        if isinstance(listener, _RedisListener) and listener.usable_here:
+            listener.want(key, watched)
+
     def _names(self, key: str) -> tuple[str, str]:
         lock_name = f"{self.prefix}{{{_escape(key)}}}"
         return lock_name, lock_name + ":fence"
@@ -327,7 +340,7 @@ class RedisLockStore(LockStore):
 
     def release(self, key: str, owner: str) -> bool:
         names = self._names(key)
-        released = bool(self._run(RELEASE, names[:1], (owner, self.channel, key)))
+        released = bool(self._run(RELEASE, names[:1], (owner, self.release_channel(key))))
         if released:
             self.wake_board.wake(key)  # our own waiters need not wait for the pub/sub echo
         return released
@@ -479,7 +492,7 @@ class RedisLockStore(LockStore):
     async def arelease(self, key: str, owner: str) -> bool:
         if not self._native_async():
             return await super().arelease(key, owner)
-        reply = await self._arun(RELEASE, self._names(key)[:1], (owner, self.channel, key))
+        reply = await self._arun(RELEASE, self._names(key)[:1], (owner, self.release_channel(key)))
         if reply:
             self.wake_board.wake(key)
         return bool(reply)
@@ -542,37 +555,118 @@ def _async_twin(client: Any) -> Callable[[], Any] | None:
 
 
 class _RedisListener(ReleaseListener):
-    """One pub/sub subscription per process: turns other processes' releases into wake-ups."""
+    """One pub/sub connection per process. It is subscribed to the release channel of each key
+    some thread or task of this process waits for (and to the store's base channel, which keeps
+    the connection up and tells when it is), and turns each release heard into a wake-up.
+
+    Only this thread touches the pub/sub connection: waiters ask for (un)subscriptions through
+    `want()`, which pokes the thread through a pipe so it acts at once.
+    """
 
     store: RedisLockStore
 
-    def listen(self) -> None:
-        board = self.store.wake_board
-        pubsub = self.store._client().pubsub()
+    def __init__(self, store: RedisLockStore) -> None:
+        super().__init__(store)
+        self._mutex = threading.Lock()
+        self._changed: set[str] = set()
+        self._closed = False
+        self._poke_r, self._poke_w = os.pipe()
+        os.set_blocking(self._poke_r, False)
+        os.set_blocking(self._poke_w, False)
+
+    def run(self) -> None:
         try:
-            pubsub.subscribe(self.store.channel)
+            super().run()
+        finally:
+            with self._mutex:
+                self._closed = True
+                os.close(self._poke_r)
+                os.close(self._poke_w)
+
+    def want(self, key: str, watched: bool) -> None:
+        """Subscribe to `key`'s releases (watched) or stop; the thread settles it shortly."""
+        with self._mutex:
+            self._changed.add(key)
+        self.interrupt()
+
+    def interrupt(self) -> None:
+        with self._mutex:  # never write to a closed (and maybe reused) descriptor
+            if self._closed:
+                return
+            try:
+                os.write(self._poke_w, b"x")
+            except OSError:
+                pass  # the pipe is full of pokes already
+
+    def listen(self) -> None:
+        store, board = self.store, self.store.wake_board
+        prefix = store.channel + ":"
+        pubsub = store._client().pubsub()
+        subscribed: set[str] = set()
+        try:
+            pubsub.subscribe(store.channel)
+            with self._mutex:
+                self._changed.clear()
+            self._settle(pubsub, subscribed, set(board.watched_keys()))
             heard = pinged = time.monotonic()
             while not self.stopping.is_set():
-                message = pubsub.get_message(timeout=1.0)
+                # Every message read so far was handled (get_message drained the parser), so
+                # anything new shows up on the socket; a poke means (un)subscribe requests.
+                sock = getattr(pubsub.connection, "_sock", None)
+                if sock is None:
+                    raise ConnectionError("the pub/sub connection is closed")
+                readable, _, _ = select.select([sock, self._poke_r], [], [], 1.0)
+                if self._poke_r in readable:
+                    self._drain_pokes()
+                    with self._mutex:
+                        changed, self._changed = self._changed, set()
+                    self._settle(pubsub, subscribed, changed)
                 now = time.monotonic()
-                if message is None:
-                    if now - heard > LISTEN_DEAD:
-                        raise ConnectionError("no reply to PING on the release channel")
-                    if now - heard > LISTEN_PING and now - pinged > LISTEN_PING:
-                        pubsub.ping()
-                        pinged = now
-                    continue
-                heard = now
-                kind = _text(message.get("type"))
-                if kind == "message":
-                    board.wake(_text(message["data"]))
-                elif kind == "subscribe":
-                    self.ready.set()
-                    # A release may have happened while we were (re)subscribing.
-                    board.wake_all()
+                if sock in readable:
+                    heard = now
+                    while (message := pubsub.get_message(timeout=0)) is not None:
+                        self._handle(message, prefix, subscribed)
+                elif now - heard > LISTEN_DEAD:
+                    raise ConnectionError("no reply to PING on the release channel")
+                elif now - heard > LISTEN_PING and now - pinged > LISTEN_PING:
+                    pubsub.ping()
+                    pinged = now
         finally:
             self.ready.clear()
             try:
                 pubsub.close()
             except Exception:
                 pass
+
+    def _settle(self, pubsub: Any, subscribed: set[str], keys: set[str]) -> None:
+        """(Un)subscribe so that exactly the watched ones among `keys` are subscribed."""
+        watched = set(self.store.wake_board.watched_keys())
+        add = [key for key in keys if key in watched and key not in subscribed]
+        drop = [key for key in keys if key not in watched and key in subscribed]
+        if add:
+            pubsub.subscribe(*(self.store.release_channel(key) for key in add))
+            subscribed.update(add)
+        if drop:
+            pubsub.unsubscribe(*(self.store.release_channel(key) for key in drop))
+            subscribed.difference_update(drop)
+
+    def _handle(self, message: dict[str, Any], prefix: str, subscribed: set[str]) -> None:
+        board = self.store.wake_board
+        kind = _text(message.get("type"))
+        channel = _text(message.get("channel"))
+        if kind == "message" and channel.startswith(prefix):
+            board.wake(channel[len(prefix) :])
+        elif kind == "subscribe":
+            if channel.startswith(prefix):
+                # From now on its releases reach us; one may have come just before: look again.
+                board.wake(channel[len(prefix) :])
+            else:
+                self.ready.set()
+                board.wake_all()  # a release may have happened while we were (re)connecting
+
+    def _drain_pokes(self) -> None:
+        try:
+            while os.read(self._poke_r, 512):
+                pass
+        except BlockingIOError:
+            pass
