@@ -141,24 +141,26 @@ async def _to_the_end(
 
 
 class _Turn:
-    """Async waiters for one key in one event loop take turns, first come first served: only
-    the one whose turn it is tries the store and listens for releases.
+    """Waiters for one key take turns, first come first served: only the one whose turn it is
+    tries the store and listens for releases. One turn per key for the threads of the process,
+    and one per key for the tasks of each event loop.
 
-    Without it every release would wake every waiter of the loop into a store round trip at
-    once (200 waiters: 200 calls per release, a pool's worth of connections at a time).
+    Without it every release would wake every waiter into a store round trip at once (200
+    waiters: 200 calls per release, a pool's worth of connections at a time).
     """
 
-    _mutex = threading.Lock()  # the registry is shared by every loop of the process
-    _registry: dict[tuple[asyncio.AbstractEventLoop, LockStore, str], _Turn] = {}
+    _mutex = threading.Lock()  # the registry is shared by every thread and loop of the process
+    _registry: dict[tuple[asyncio.AbstractEventLoop | None, LockStore, str], _Turn] = {}
 
-    def __init__(self, name: tuple[asyncio.AbstractEventLoop, LockStore, str]) -> None:
+    def __init__(self, name: tuple[asyncio.AbstractEventLoop | None, LockStore, str]) -> None:
         self.name = name
-        self.lock = asyncio.Lock()
+        self.lock: Any = threading.Lock() if name[0] is None else asyncio.Lock()
         self.members = 0
 
     @classmethod
-    def join(cls, loop: asyncio.AbstractEventLoop, store: LockStore, key: str) -> _Turn:
-        """The turn of `key` in `store` for `loop`'s waiters, counting one more member."""
+    def join(cls, loop: asyncio.AbstractEventLoop | None, store: LockStore, key: str) -> _Turn:
+        """The turn of `key` in `store` for `loop`'s tasks (None: for threads), counting one
+        more member."""
         with cls._mutex:
             turn = cls._registry.get((loop, store, key))
             if turn is None:
@@ -181,6 +183,10 @@ class _Turn:
         except TimeoutError:
             return False
         return True
+
+    def take_blocking(self, deadline: float) -> bool:
+        """`take` for threads."""
+        return bool(self.lock.acquire(timeout=max(0.0, deadline - time.monotonic())))
 
     def give(self) -> None:
         """End our turn: the next waiter in line tries the store."""
@@ -309,14 +315,24 @@ class Lock:
     def _wait(self, owner: str, timeout: float, retry_delay: float) -> tuple[AcquireResult, float]:
         store = self._store
         deadline = time.monotonic() + timeout
-        with store.watch(self.key) as waiter:
-            while True:
-                sent = time.monotonic()
-                result = store.acquire(self.key, owner, self.holder, self.ttl)
-                left = deadline - time.monotonic()
-                if result.fence is not None or left <= 0:
-                    return result, sent
-                waiter.wait(min(left, next_delay(retry_delay, result.retry_in, store.push_wakeups)))
+        turn = _Turn.join(None, store, self.key)
+        try:
+            if not turn.take_blocking(deadline):
+                return AcquireResult(None), time.monotonic()
+            try:
+                with store.watch(self.key) as waiter:
+                    while True:
+                        sent = time.monotonic()
+                        result = store.acquire(self.key, owner, self.holder, self.ttl)
+                        left = deadline - time.monotonic()
+                        if result.fence is not None or left <= 0:
+                            return result, sent
+                        push = store.push_wakeups
+                        waiter.wait(min(left, next_delay(retry_delay, result.retry_in, push)))
+            finally:
+                turn.give()
+        finally:
+            turn.leave()
 
     # -- acquiring, async -----------------------------------------------------------------
     async def aacquire(
