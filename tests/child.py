@@ -40,6 +40,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--key", default="")
     parser.add_argument("--ttl", type=float, default=30)
     parser.add_argument("--timeout", type=float, default=0)
+    parser.add_argument("--retry-delay", type=float, default=0.05)
     parser.add_argument("--hold", type=float, default=0, help="seconds to hold, then release")
     parser.add_argument("--token", default="")
     args = parser.parse_args(argv)
@@ -48,13 +49,14 @@ def main(argv: list[str]) -> int:
 
     if args.command == "acquire":
         handle = lock(args.key, ttl=args.ttl, store=args.store)
-        acquired = handle.acquire(timeout=args.timeout)
+        acquired = handle.acquire(timeout=args.timeout, retry_delay=args.retry_delay)
         emit(
             acquired=acquired,
             fence=handle.fence,
             remaining=handle.remaining_time(),
             token=handle.serialize() if acquired else None,
             wall=time.time(),
+            at=time.monotonic(),
         )
         if acquired and args.hold:
             time.sleep(args.hold)

@@ -306,3 +306,42 @@ def test_closing_the_store_inside_an_event_loop_frees_its_connections(key: str) 
     with connections["postgres"].cursor() as cursor:
         cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", [backend])
         assert cursor.fetchone()[0] == 0
+
+
+def test_postgres_waiter_in_another_process_wakes_on_release_not_on_its_poll(key: str) -> None:
+    if "postgres" not in settings.DATABASES:
+        pytest.skip("SERVER UNAVAILABLE: PostgreSQL is not reachable")
+    holder = lock(key, ttl=30, store="postgres")
+    assert holder.acquire()
+    other = lock(f"{key}:other", ttl=30, store="postgres")
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.child",
+            "acquire",
+            "--store",
+            "postgres",
+            "--key",
+            key,
+            "--timeout",
+            "20",
+            "--retry-delay",
+            "10",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        time.sleep(1.5)  # the child is waiting, LISTENing on its key's channel
+        assert other.acquire() and other.release()  # another key's release wakes nobody there
+        released_at = time.monotonic()
+        assert holder.release()
+        line = child.stdout.readline() if child.stdout else ""
+        result = json.loads(line)
+        assert result["acquired"] is True
+        assert result["at"] - released_at < 1.0  # its poll was 10 s: the NOTIFY woke it
+    finally:
+        child.kill()
+        child.communicate(timeout=10)

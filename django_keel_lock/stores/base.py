@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import select
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
@@ -170,22 +171,49 @@ class WakeBoard:
 
 class ReleaseListener(threading.Thread):
     """One connection per process and store that hears other processes' releases and turns
-    them into wake-ups on the store's WakeBoard. Subclasses implement `listen()`."""
+    them into wake-ups on the store's WakeBoard.
+
+    It listens only to the keys some thread or task of this process waits for: waiters ask
+    through `want()`, which pokes the thread through a pipe so it (un)subscribes at once. Only
+    this thread touches its connection. Subclasses implement `listen()`, using `wait()`,
+    `take_changes()` and `settle()`.
+    """
 
     def __init__(self, store: LockStore) -> None:
         super().__init__(name=f"keel-lock-listen-{store.alias}", daemon=True)
         self.store = store
         self.pid = os.getpid()
-        self.ready = threading.Event()  # set while subscribed: releases reach us
+        self.ready = threading.Event()  # set while connected: releases reach us
         self.stopping = threading.Event()
+        self._mutex = threading.Lock()
+        self._changed: set[str] = set()
+        self._closed = False
+        self._poke_r, self._poke_w = os.pipe()
+        os.set_blocking(self._poke_r, False)
+        os.set_blocking(self._poke_w, False)
 
     def listen(self) -> None:
-        """Connect, subscribe, set `ready`, call `store.wake_board.wake(key)` per release, and
-        return only when `stopping` is set; raise when the connection is lost."""
+        """Connect, subscribe to the watched keys, set `ready`, call `store.wake_board.wake(key)`
+        per release heard, and return only when `stopping` is set; raise when the connection is
+        lost."""
         raise NotImplementedError
 
+    # -- asked from other threads ---------------------------------------------------------
+    def want(self, key: str, watched: bool) -> None:
+        """`key` got its first waiter (or lost its last): (un)subscribe shortly."""
+        with self._mutex:
+            self._changed.add(key)
+        self.interrupt()
+
     def interrupt(self) -> None:
-        """Make a blocked `listen()` notice `stopping` sooner (optional)."""
+        """Wake the thread from `wait()`."""
+        with self._mutex:  # never write to a closed (and maybe reused) descriptor
+            if self._closed:
+                return
+            try:
+                os.write(self._poke_w, b"x")
+            except OSError:
+                pass  # the pipe is full of pokes already
 
     def stop(self) -> None:
         self.stopping.set()
@@ -196,23 +224,69 @@ class ReleaseListener(threading.Thread):
     def usable_here(self) -> bool:
         return self.pid == os.getpid() and self.is_alive()
 
+    # -- for listen() -----------------------------------------------------------------------
+    def wait(self, fileno: int, timeout: float) -> tuple[bool, bool]:
+        """Block until the connection `fileno` has data, or a poke came, or `timeout`:
+        (data, poked)."""
+        readable, _, _ = select.select([fileno, self._poke_r], [], [], timeout)
+        return fileno in readable, self._poke_r in readable
+
+    def take_changes(self) -> set[str]:
+        """The keys whose waiting changed since the last call."""
+        try:
+            while os.read(self._poke_r, 512):
+                pass
+        except BlockingIOError:
+            pass
+        with self._mutex:
+            changed, self._changed = self._changed, set()
+        return changed
+
+    def settle(
+        self,
+        subscribed: set[str],
+        keys: set[str],
+        subscribe: Callable[[list[str]], None],
+        unsubscribe: Callable[[list[str]], None],
+    ) -> None:
+        """(Un)subscribe so that exactly the watched ones among `keys` are subscribed; each new
+        subscription wakes its key's waiters once (a release may have come just before)."""
+        board = self.store.wake_board
+        watched = set(board.watched_keys())
+        add = sorted(key for key in keys if key in watched and key not in subscribed)
+        drop = sorted(key for key in keys if key not in watched and key in subscribed)
+        if add:
+            subscribe(add)
+            subscribed.update(add)
+            for key in add:
+                board.wake(key)
+        if drop:
+            unsubscribe(drop)
+            subscribed.difference_update(drop)
+
     def run(self) -> None:
         backoff = 0.05
-        while not self.stopping.is_set():
-            try:
-                self.listen()
-                backoff = 0.05
-            except Exception as exc:  # connection lost: waiters fall back to polling
-                self.ready.clear()
-                # Waiters sleeping on push must look again now: the store may be down (they
-                # should hear so) or releases may have been missed meanwhile.
-                self.store.wake_board.wake_all()
-                if self.stopping.is_set():
-                    break
-                logger.debug("lock listener for %r reconnecting: %s", self.store.alias, exc)
-                self.stopping.wait(backoff)
-                backoff = min(backoff * 2, 2.0)
-        self.ready.clear()
+        try:
+            while not self.stopping.is_set():
+                try:
+                    self.listen()
+                    backoff = 0.05
+                except Exception as exc:  # connection lost: waiters fall back to polling
+                    self.ready.clear()
+                    # Waiters sleeping on push must look again now: the store may be down
+                    # (they should hear so) or releases may have been missed meanwhile.
+                    self.store.wake_board.wake_all()
+                    if self.stopping.is_set():
+                        break
+                    logger.debug("lock listener for %r reconnecting: %s", self.store.alias, exc)
+                    self.stopping.wait(backoff)
+                    backoff = min(backoff * 2, 2.0)
+        finally:
+            self.ready.clear()
+            with self._mutex:
+                self._closed = True
+                os.close(self._poke_r)
+                os.close(self._poke_w)
 
 
 class LockStore(ABC):
@@ -238,6 +312,7 @@ class LockStore(ABC):
                 f"for {type(self).__name__} (known: {known})"
             )
         self.wake_board = WakeBoard()
+        self.wake_board.watched_hook = self._watched
 
     # -- the atomic operations ------------------------------------------------------------
     @abstractmethod
@@ -309,6 +384,11 @@ class LockStore(ABC):
             if listener is None or not listener.usable_here:
                 self._listener = factory()
                 self._listener.start()
+
+    def _watched(self, key: str, watched: bool) -> None:
+        listener = self._listener
+        if listener is not None and listener.usable_here:
+            listener.want(key, watched)
 
     def listener_ready(self) -> bool:
         """True while this process's listener hears releases (the `push_wakeups` answer)."""

@@ -9,6 +9,7 @@ Three rules shape this module:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -26,7 +27,9 @@ logger = logging.getLogger("django_keel_lock")
 
 TABLE = "django_keel_lock_lock"
 SEQUENCE = "django_keel_lock_fence"
-CHANNEL = "django_keel_lock"
+# A release NOTIFYs on its key's own channel: CHANNEL_PREFIX + md5(key), a valid identifier
+# whatever the key, so a process LISTENs only to the keys it waits for.
+CHANNEL_PREFIX = "keel_lock_"
 PAGE_SIZE = 1000
 
 Row = Sequence[Any]
@@ -93,7 +96,7 @@ class PostgresDialect(Dialect):
             WHERE key = %s AND owner = %s AND expires_at > clock_timestamp()
             RETURNING key
         )
-        SELECT pg_notify('{CHANNEL}', key) FROM r
+        SELECT pg_notify('{CHANNEL_PREFIX}' || md5(key), '') FROM r
     """
     extend_sql = f"""
         UPDATE {TABLE}
@@ -421,19 +424,16 @@ def _close_quietly(wrapper: Any) -> None:
             pass
 
 
+def release_channel(key: str) -> str:
+    """The channel a release of `key` is NOTIFYed on (md5 as PostgreSQL computes it)."""
+    return CHANNEL_PREFIX + hashlib.md5(key.encode("utf-8")).hexdigest()
+
+
 class _PostgresListener(ReleaseListener):
-    """One LISTEN connection per process: turns other processes' releases into wake-ups."""
+    """One LISTEN connection per process, listening to the channels of the keys this process
+    waits for: turns other processes' releases into wake-ups."""
 
     store: DatabaseLockStore
-    _raw: Any = None
-
-    def interrupt(self) -> None:
-        raw = self._raw
-        if raw is not None:
-            try:
-                raw.cancel_safe() if hasattr(raw, "cancel_safe") else raw.cancel()
-            except Exception:
-                pass
 
     def listen(self) -> None:
         base = connections[self.store.database]
@@ -443,18 +443,37 @@ class _PostgresListener(ReleaseListener):
             raw.close()
             self.stopping.set()
             return
+        board = self.store.wake_board
+        keys_by_channel: dict[str, str] = {}
+
+        def subscribe(keys: list[str]) -> None:
+            for key in keys:
+                channel = release_channel(key)
+                keys_by_channel[channel] = key
+                raw.execute(f"LISTEN {channel}")  # returns once the server listens
+
+        def unsubscribe(keys: list[str]) -> None:
+            for key in keys:
+                channel = release_channel(key)
+                keys_by_channel.pop(channel, None)
+                raw.execute(f"UNLISTEN {channel}")
+
+        subscribed: set[str] = set()
         try:
             raw.autocommit = True
-            raw.execute(f"LISTEN {CHANNEL}")
-            self._raw = raw
+            self.take_changes()
+            self.settle(subscribed, set(board.watched_keys()), subscribe, unsubscribe)
             self.ready.set()
-            # A release may have happened while we were (re)connecting.
-            self.store.wake_board.wake_all()
-            board = self.store.wake_board
+            board.wake_all()  # a release may have happened while we were (re)connecting
             while not self.stopping.is_set():
-                for notify in raw.notifies(timeout=1.0):
-                    board.wake(notify.payload)
+                _, poked = self.wait(raw.fileno(), 1.0)
+                if poked:
+                    self.settle(subscribed, self.take_changes(), subscribe, unsubscribe)
+                # Also yields what arrived while LISTEN/UNLISTEN ran (psycopg keeps a backlog).
+                for notify in raw.notifies(timeout=0):
+                    key = keys_by_channel.get(notify.channel)
+                    if key is not None:
+                        board.wake(key)
         finally:
-            self._raw = None
             self.ready.clear()
             raw.close()

@@ -19,7 +19,6 @@ import hashlib
 import logging
 import os
 import re
-import select
 import threading
 import time
 import weakref
@@ -242,7 +241,6 @@ class RedisLockStore(LockStore):
             )
         self.prefix = prefix
         self.channel = f"{prefix}released"
-        self.wake_board.watched_hook = self._watched
         self._mutex = threading.Lock()
         self._client_obj: Any = None
         self._client_pid = 0
@@ -309,11 +307,6 @@ class RedisLockStore(LockStore):
         """Where a release of `key` is announced: one channel per key, so a process hears only
         about the keys it waits for, not every release in the whole Redis."""
         return f"{self.channel}:{key}"
-
-    def _watched(self, key: str, watched: bool) -> None:
-        listener = self._listener
-        if isinstance(listener, _RedisListener) and listener.usable_here:
-            listener.want(key, watched)
 
     def _names(self, key: str) -> tuple[str, str]:
         lock_name = f"{self.prefix}{{{_escape(key)}}}"
@@ -555,77 +548,43 @@ def _async_twin(client: Any) -> Callable[[], Any] | None:
 
 
 class _RedisListener(ReleaseListener):
-    """One pub/sub connection per process. It is subscribed to the release channel of each key
-    some thread or task of this process waits for (and to the store's base channel, which keeps
-    the connection up and tells when it is), and turns each release heard into a wake-up.
-
-    Only this thread touches the pub/sub connection: waiters ask for (un)subscriptions through
-    `want()`, which pokes the thread through a pipe so it acts at once.
-    """
+    """One pub/sub connection per process, subscribed to the release channel of each key this
+    process waits for, and to the store's base channel, which keeps the connection up and
+    tells when it is."""
 
     store: RedisLockStore
 
-    def __init__(self, store: RedisLockStore) -> None:
-        super().__init__(store)
-        self._mutex = threading.Lock()
-        self._changed: set[str] = set()
-        self._closed = False
-        self._poke_r, self._poke_w = os.pipe()
-        os.set_blocking(self._poke_r, False)
-        os.set_blocking(self._poke_w, False)
-
-    def run(self) -> None:
-        try:
-            super().run()
-        finally:
-            with self._mutex:
-                self._closed = True
-                os.close(self._poke_r)
-                os.close(self._poke_w)
-
-    def want(self, key: str, watched: bool) -> None:
-        """Subscribe to `key`'s releases (watched) or stop; the thread settles it shortly."""
-        with self._mutex:
-            self._changed.add(key)
-        self.interrupt()
-
-    def interrupt(self) -> None:
-        with self._mutex:  # never write to a closed (and maybe reused) descriptor
-            if self._closed:
-                return
-            try:
-                os.write(self._poke_w, b"x")
-            except OSError:
-                pass  # the pipe is full of pokes already
-
     def listen(self) -> None:
-        store, board = self.store, self.store.wake_board
+        store = self.store
         prefix = store.channel + ":"
         pubsub = store._client().pubsub()
+
+        def subscribe(keys: list[str]) -> None:
+            pubsub.subscribe(*(store.release_channel(key) for key in keys))
+
+        def unsubscribe(keys: list[str]) -> None:
+            pubsub.unsubscribe(*(store.release_channel(key) for key in keys))
+
         subscribed: set[str] = set()
         try:
             pubsub.subscribe(store.channel)
-            with self._mutex:
-                self._changed.clear()
-            self._settle(pubsub, subscribed, set(board.watched_keys()))
+            self.take_changes()
+            self.settle(subscribed, set(store.wake_board.watched_keys()), subscribe, unsubscribe)
             heard = pinged = time.monotonic()
             while not self.stopping.is_set():
                 # Every message read so far was handled (get_message drained the parser), so
-                # anything new shows up on the socket; a poke means (un)subscribe requests.
+                # anything new shows up on the socket.
                 sock = getattr(pubsub.connection, "_sock", None)
                 if sock is None:
                     raise ConnectionError("the pub/sub connection is closed")
-                readable, _, _ = select.select([sock, self._poke_r], [], [], 1.0)
-                if self._poke_r in readable:
-                    self._drain_pokes()
-                    with self._mutex:
-                        changed, self._changed = self._changed, set()
-                    self._settle(pubsub, subscribed, changed)
+                data, poked = self.wait(sock.fileno(), 1.0)
+                if poked:
+                    self.settle(subscribed, self.take_changes(), subscribe, unsubscribe)
                 now = time.monotonic()
-                if sock in readable:
+                if data:
                     heard = now
                     while (message := pubsub.get_message(timeout=0)) is not None:
-                        self._handle(message, prefix, subscribed)
+                        self._handle(message, prefix)
                 elif now - heard > LISTEN_DEAD:
                     raise ConnectionError("no reply to PING on the release channel")
                 elif now - heard > LISTEN_PING and now - pinged > LISTEN_PING:
@@ -638,19 +597,7 @@ class _RedisListener(ReleaseListener):
             except Exception:
                 pass
 
-    def _settle(self, pubsub: Any, subscribed: set[str], keys: set[str]) -> None:
-        """(Un)subscribe so that exactly the watched ones among `keys` are subscribed."""
-        watched = set(self.store.wake_board.watched_keys())
-        add = [key for key in keys if key in watched and key not in subscribed]
-        drop = [key for key in keys if key not in watched and key in subscribed]
-        if add:
-            pubsub.subscribe(*(self.store.release_channel(key) for key in add))
-            subscribed.update(add)
-        if drop:
-            pubsub.unsubscribe(*(self.store.release_channel(key) for key in drop))
-            subscribed.difference_update(drop)
-
-    def _handle(self, message: dict[str, Any], prefix: str, subscribed: set[str]) -> None:
+    def _handle(self, message: dict[str, Any], prefix: str) -> None:
         board = self.store.wake_board
         kind = _text(message.get("type"))
         channel = _text(message.get("channel"))
@@ -658,15 +605,9 @@ class _RedisListener(ReleaseListener):
             board.wake(channel[len(prefix) :])
         elif kind == "subscribe":
             if channel.startswith(prefix):
-                # From now on its releases reach us; one may have come just before: look again.
+                # Redis confirms: from now on the key's releases reach us. One may have come
+                # just before, on another connection: its waiters look again.
                 board.wake(channel[len(prefix) :])
             else:
                 self.ready.set()
                 board.wake_all()  # a release may have happened while we were (re)connecting
-
-    def _drain_pokes(self) -> None:
-        try:
-            while os.read(self._poke_r, 512):
-                pass
-        except BlockingIOError:
-            pass
