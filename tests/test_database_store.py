@@ -345,3 +345,44 @@ def test_postgres_waiter_in_another_process_wakes_on_release_not_on_its_poll(key
     finally:
         child.kill()
         child.communicate(timeout=10)
+
+
+def _backends() -> int:
+    with connections["postgres"].cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()")
+        return int(cursor.fetchone()[0])
+
+
+def test_threads_that_end_take_their_connection_with_them(key: str) -> None:
+    if "postgres" not in settings.DATABASES:
+        pytest.skip("SERVER UNAVAILABLE: PostgreSQL is not reachable")
+    store = DatabaseLockStore("threads", {"DATABASE": "postgres"})
+    before = _backends()
+    for index in range(20):
+        worker = threading.Thread(
+            target=lambda i=index: (
+                store.release(key, "o") or store.acquire(f"{key}:{i}", "o", "h", 5)
+            )
+        )
+        worker.start()
+        worker.join()
+    time.sleep(0.3)
+    assert _backends() <= before + 1, "a connection stayed open for a thread that ended"
+    store.close()
+
+
+def test_a_forked_child_closing_the_store_leaves_the_parents_connection_alone(key: str) -> None:
+    if "postgres" not in settings.DATABASES:
+        pytest.skip("SERVER UNAVAILABLE: PostgreSQL is not reachable")
+    store = DatabaseLockStore("forked", {"DATABASE": "postgres"})
+    assert store.acquire(key, "parent", "h", 30).acquired
+    wrapper, _ = store._wrapper()
+    backend = _backend_id(wrapper)
+    pid = os.fork()
+    if pid == 0:  # the child: close the inherited store, then leave without cleanup
+        store.close()
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert _backend_id(wrapper) == backend  # same session, not killed and reopened
+    assert store.release(key, "parent")
+    store.close()

@@ -13,11 +13,13 @@ import hashlib
 import logging
 import os
 import threading
+import time
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from django.core.exceptions import ImproperlyConfigured
+from django.core.exceptions import ImproperlyConfigured, SynchronousOnlyOperation
 from django.db import connections
 
 from ..exceptions import LockStoreUnavailable
@@ -31,6 +33,8 @@ SEQUENCE = "django_keel_lock_fence"
 # whatever the key, so a process LISTENs only to the keys it waits for.
 CHANNEL_PREFIX = "keel_lock_"
 PAGE_SIZE = 1000
+# The listener checks its connection after this many quiet seconds.
+LISTEN_PING = 5.0
 
 Row = Sequence[Any]
 
@@ -249,26 +253,34 @@ class DatabaseLockStore(LockStore):
         self.durable = bool(self.options.get("DURABLE", True))
         self._local = threading.local()
         self._mutex = threading.Lock()
-        self._wrappers: list[Any] = []  # every connection we opened, for close()
+        self._connections: weakref.WeakSet[_ThreadConnection] = weakref.WeakSet()
+        self.push_possible = True  # False once the driver turned out to have no LISTEN (psycopg2)
 
     # -- connections ----------------------------------------------------------------------
-    def _new_wrapper(self) -> Any:
+    def _connection_settings(self) -> dict[str, Any]:
+        """The database's settings for a connection of our own: never from Django's pool
+        (we would drain it and never give connections back), psycopg 3 tuned for our few
+        statements, MariaDB in utf8mb4."""
         base = connections[self.database]
         settings = dict(base.settings_dict)
-        if base.vendor == "postgresql":
-            # Server-side binding lets psycopg prepare our few statements once per connection
-            # (it does after a handful of runs), so the server stops re-planning them.
-            settings["OPTIONS"] = {
-                **settings.get("OPTIONS", {}),
-                "server_side_binding": True,
-                "prepare_threshold": 2,
-            }
+        options = dict(settings.get("OPTIONS") or {})
+        options.pop("pool", None)
+        if base.vendor == "postgresql" and _is_psycopg3(base):
+            # Server-side binding lets psycopg prepare our statements once per connection, so
+            # the server stops re-planning them; a user's own choice (pgbouncer) wins.
+            options.setdefault("server_side_binding", True)
+            options.setdefault("prepare_threshold", 2)
         if base.vendor == "mysql":
             # Keys may hold any Unicode character: talk utf8mb4 whatever the project's charset.
-            settings["OPTIONS"] = {**settings.get("OPTIONS", {}), "charset": "utf8mb4"}
-        wrapper = type(base)(settings, self.database)
-        # We keep one wrapper per thread ourselves; sharing is allowed only so close() can
-        # shut every thread's connection from the thread that closes the store.
+            options["charset"] = "utf8mb4"
+        settings["OPTIONS"] = options
+        return settings
+
+    def _new_wrapper(self) -> Any:
+        base = connections[self.database]
+        wrapper = type(base)(self._connection_settings(), self.database)
+        # We keep one connection per thread ourselves; sharing is allowed only so close() and
+        # the end of a thread can shut it from another thread.
         wrapper.inc_thread_sharing()
         wrapper.ensure_connection()
         if wrapper.vendor == "postgresql" and not self.durable:
@@ -279,23 +291,25 @@ class DatabaseLockStore(LockStore):
     def _wrapper(self) -> tuple[Any, bool]:
         """This thread's own autocommit connection; True if it was opened just now."""
         local = self._local
-        wrapper = getattr(local, "wrapper", None)
-        if wrapper is not None and local.pid == os.getpid():
-            return wrapper, False
+        conn: _ThreadConnection | None = getattr(local, "conn", None)
+        if conn is not None and conn.pid == os.getpid():
+            return conn.wrapper, False
         # A forked child must never use (or close) its parent's socket.
         wrapper = self._new_wrapper()
-        local.wrapper, local.pid = wrapper, os.getpid()
-        local.cursor = wrapper.connection.cursor()  # reused: a cursor per call costs ~10%
+        conn = local.conn = _ThreadConnection(wrapper, wrapper.connection.cursor())
+        # When the thread ends its thread-local goes, and with it the connection.
+        weakref.finalize(conn, _close_quietly, wrapper, conn.pid)
         with self._mutex:
-            self._wrappers.append(wrapper)
+            self._connections.add(conn)
         return wrapper, True
 
     def _drop(self, wrapper: Any) -> None:
-        self._local.wrapper = self._local.cursor = None
+        conn = getattr(self._local, "conn", None)
+        self._local.conn = None
         with self._mutex:
-            if wrapper in self._wrappers:
-                self._wrappers.remove(wrapper)
-        _close_quietly(wrapper)
+            if conn is not None:
+                self._connections.discard(conn)
+        _close_quietly(wrapper, os.getpid())
 
     @property
     def dialect(self) -> Dialect:
@@ -320,11 +334,13 @@ class DatabaseLockStore(LockStore):
         for attempt in (1, 2):
             try:
                 wrapper, fresh = self._wrapper()
+            except SynchronousOnlyOperation:
+                raise  # a programming error (sync call in async code), not an outage
             except Exception as exc:
                 raise LockStoreUnavailable(
                     f"lock store {self.alias!r} cannot connect to database {self.database!r}: {exc}"
                 ) from exc
-            cursor = self._local.cursor
+            cursor = self._local.conn.cursor
             try:
                 for sql, params in statements:
                     cursor.execute(sql, params)
@@ -399,22 +415,38 @@ class DatabaseLockStore(LockStore):
         return self.listener_ready()
 
     def watch(self, key: str) -> Any:
-        if self.dialect.vendor == "postgresql":
+        if self.push_possible and self.dialect.vendor == "postgresql":
             self.ensure_listener(lambda: _PostgresListener(self))
         return self.wake_board.watch(key)
 
     def close(self) -> None:
         self.stop_listener()
         with self._mutex:
-            wrappers, self._wrappers = self._wrappers, []
-        for wrapper in wrappers:
-            _close_quietly(wrapper)
+            conns, self._connections = list(self._connections), weakref.WeakSet()
+        for conn in conns:
+            _close_quietly(conn.wrapper, conn.pid)
         self._local = threading.local()
 
 
-def _close_quietly(wrapper: Any) -> None:
-    """Close the driver connection itself: Django's close() refuses to run inside an event loop
-    (override_settings in an async test, an ASGI shutdown), which would leak the connection."""
+def _is_psycopg3(wrapper: Any) -> bool:
+    return bool(getattr(wrapper.Database, "__name__", "") == "psycopg")
+
+
+class _ThreadConnection:
+    """One thread's connection and the cursor it reuses (a cursor per call costs ~10%)."""
+
+    __slots__ = ("__weakref__", "cursor", "pid", "wrapper")
+
+    def __init__(self, wrapper: Any, cursor: Any) -> None:
+        self.wrapper, self.cursor, self.pid = wrapper, cursor, os.getpid()
+
+
+def _close_quietly(wrapper: Any, pid: int) -> None:
+    """Close the driver connection itself, only in the process that opened it (a forked child
+    closing it would end its parent's session). Django's close() would refuse to run inside an
+    event loop (override_settings in an async test, an ASGI shutdown) and leak it."""
+    if pid != os.getpid():
+        return
     raw = wrapper.connection
     wrapper.connection = None
     if raw is not None:
@@ -437,10 +469,11 @@ class _PostgresListener(ReleaseListener):
 
     def listen(self) -> None:
         base = connections[self.store.database]
-        wrapper = type(base)(dict(base.settings_dict), self.store.database)
+        wrapper = type(base)(self.store._connection_settings(), self.store.database)
         raw = wrapper.get_new_connection(wrapper.get_connection_params())
         if not hasattr(raw, "notifies"):  # psycopg2: no push wake-ups, waiters poll
             raw.close()
+            self.store.push_possible = False
             self.stopping.set()
             return
         board = self.store.wake_board
@@ -465,10 +498,17 @@ class _PostgresListener(ReleaseListener):
             self.settle(subscribed, set(board.watched_keys()), subscribe, unsubscribe)
             self.ready.set()
             board.wake_all()  # a release may have happened while we were (re)connecting
+            quiet_since = time.monotonic()
             while not self.stopping.is_set():
-                _, poked = self.wait(raw.fileno(), 1.0)
+                data, poked = self.wait(raw.fileno(), 1.0)
                 if poked:
                     self.settle(subscribed, self.take_changes(), subscribe, unsubscribe)
+                if data or poked:
+                    quiet_since = time.monotonic()
+                elif time.monotonic() - quiet_since > LISTEN_PING:
+                    # A silently dead link must not keep `ready` set: ask, and raise if gone.
+                    raw.execute("SELECT 1")
+                    quiet_since = time.monotonic()
                 # Also yields what arrived while LISTEN/UNLISTEN ran (psycopg keeps a backlog).
                 for notify in raw.notifies(timeout=0):
                     key = keys_by_channel.get(notify.channel)
