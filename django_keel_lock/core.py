@@ -27,6 +27,7 @@ from typing import Any, Generic, NamedTuple, TypeVar, overload
 
 from asgiref.sync import iscoroutinefunction, sync_to_async
 from django.core import signing
+from django.dispatch import Signal
 
 from . import signals, watchdog
 from .conf import conf, get_lock_store
@@ -193,6 +194,14 @@ class _Turn:
         self.lock.release()
 
 
+def announce(signal: Signal, **kwargs: Any) -> None:
+    """Send one of our signals. A receiver that raises is logged (by Django, logger
+    "django.dispatch"), not propagated: it must not strand an acquired lock nor cut a release
+    short."""
+    if signal.receivers:
+        signal.send_robust(sender=Lock, **kwargs)
+
+
 def next_delay(retry_delay: float, retry_in: float | None, push: bool) -> float:
     """How long a waiter sleeps before its next attempt.
 
@@ -308,8 +317,7 @@ class Lock:
             self._next_owner = None
             # The store started the ttl after we sent the call: counting from `sent` errs early.
             self._acquired_at, self._valid_until = sent, sent + self.ttl
-        if signals.lock_acquired.receivers:
-            signals.lock_acquired.send(sender=Lock, lock=self)
+        announce(signals.lock_acquired, lock=self)
         return True
 
     def _wait(self, owner: str, timeout: float, retry_delay: float) -> tuple[AcquireResult, float]:
@@ -431,8 +439,7 @@ class Lock:
     def _released(self, released: bool) -> bool:
         self._held = False
         if released:
-            if signals.lock_released.receivers:
-                signals.lock_released.send(sender=Lock, lock=self)
+            announce(signals.lock_released, lock=self)
         else:
             self._lost("release found the lock expired or taken over")
         return released
@@ -478,7 +485,7 @@ class Lock:
             self.lost, self._held = True, False
         self._stop_renewal()
         logger.warning("lock %r (fence %s) was lost: %s", self.key, self.fence, reason)
-        signals.lock_lost.send(sender=Lock, lock=self, reason=reason)
+        announce(signals.lock_lost, lock=self, reason=reason)
 
     def _stop_renewal(self) -> None:
         renewal, self._renewal = self._renewal, None
@@ -792,5 +799,5 @@ def force_release(
             info.fence,
             user if user is not None else "a script",
         )
-    signals.lock_force_released.send(sender=Lock, key=key, store=store, info=info, user=user)
+    announce(signals.lock_force_released, key=key, store=store, info=info, user=user)
     return info

@@ -157,3 +157,24 @@ def test_surfaces_send_the_core_signals(received: list[Record], key: str) -> Non
     assert Client().get(f"/views/store/memory/{key}/").status_code == 200
     assert names(received) == ["lock_acquired", "lock_released"] * 2
     assert {kwargs["lock"].key for _, kwargs in received} == {key}
+
+
+@pytest.mark.parametrize("store", ALL_STORES)
+def test_a_receiver_that_raises_is_logged_and_strands_no_lock(
+    store: str, key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(sender: Any, **kwargs: Any) -> None:
+        raise RuntimeError("receiver bug")
+
+    signals.lock_acquired.connect(broken, weak=False)
+    signals.lock_released.connect(broken, weak=False)
+    try:
+        with caplog.at_level(logging.ERROR, logger="django.dispatch"):
+            with lock(key, store=store) as held:
+                assert held.held
+            assert lock(key, store=store).run(lambda: "free again") == (True, "free again")
+    finally:
+        signals.lock_acquired.disconnect(broken)
+        signals.lock_released.disconnect(broken)
+    errors = [r for r in caplog.records if r.name == "django.dispatch"]
+    assert errors and "receiver bug" in errors[0].getMessage()
