@@ -142,8 +142,8 @@ async def _to_the_end(
 
 
 class _Turn:
-    """Waiters for one key take turns, first come first served: only the one whose turn it is
-    tries the store and listens for releases. One turn per key for the threads of the process,
+    """Waiters for one key take turns: only the one whose turn it is tries the store and
+    listens for releases (tasks in the order they came; threads in the order the OS wakes them). One turn per key for the threads of the process,
     and one per key for the tasks of each event loop.
 
     Without it every release would wake every waiter into a store round trip at once (200
@@ -192,6 +192,16 @@ class _Turn:
     def give(self) -> None:
         """End our turn: the next waiter in line tries the store."""
         self.lock.release()
+
+
+def _forget_turns_in_child() -> None:
+    # A forked child inherits the turns of threads that do not exist in it (their locks held
+    # for ever): start afresh.
+    _Turn._mutex = threading.Lock()
+    _Turn._registry = {}
+
+
+os.register_at_fork(after_in_child=_forget_turns_in_child)
 
 
 def announce(signal: Signal, **kwargs: Any) -> None:

@@ -9,6 +9,7 @@ import pytest
 
 from django_keel_lock import lock, set_lock_store
 from django_keel_lock.stores import AcquireResult, MemoryLockStore
+from django_keel_lock.testing import memory_lock_store
 
 from .conftest import ALL_STORES
 
@@ -83,3 +84,27 @@ def test_many_threads_on_one_key_all_get_it_in_turn_without_overlap(alias: str, 
         thread.join(90)
     assert sorted(done) == list(range(16))
     assert max(overlaps) == 1
+
+
+def test_a_forked_child_is_not_blocked_by_its_parents_waiting_threads(key: str) -> None:
+    import os
+
+    with memory_lock_store():
+        holder = lock(key, ttl=30)
+        assert holder.acquire()
+        waiting = threading.Thread(target=lambda: lock(key).acquire(timeout=3))
+        waiting.start()
+        time.sleep(0.2)  # the thread holds this key's turn while it waits
+        pid = os.fork()
+        if pid == 0:
+            # The child's copy of the store still has the holder's lock: free it there. The
+            # child's acquire must not then wait for a turn held by a thread it does not have.
+            from django_keel_lock import get_lock_store
+
+            get_lock_store().force_release(key)
+            started = time.monotonic()
+            got = lock(key).acquire(timeout=2)
+            os._exit(0 if got and time.monotonic() - started < 1 else 1)
+        _, status = os.waitpid(pid, 0)
+        waiting.join()
+        assert os.waitstatus_to_exitcode(status) == 0

@@ -228,8 +228,12 @@ class ReleaseListener(threading.Thread):
     def wait(self, fileno: int, timeout: float) -> tuple[bool, bool]:
         """Block until the connection `fileno` has data, or a poke came, or `timeout`:
         (data, poked)."""
-        readable, _, _ = select.select([fileno, self._poke_r], [], [], timeout)
-        return fileno in readable, self._poke_r in readable
+        # poll(), not select(): select() fails for descriptors above 1024.
+        poller = select.poll()
+        poller.register(fileno, select.POLLIN)
+        poller.register(self._poke_r, select.POLLIN)
+        ready = {fd for fd, _ in poller.poll(timeout * 1000)}
+        return fileno in ready, self._poke_r in ready
 
     def take_changes(self) -> set[str]:
         """The keys whose waiting changed since the last call."""
