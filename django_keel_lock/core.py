@@ -143,8 +143,8 @@ async def _to_the_end(
 
 class _Turn:
     """Waiters for one key take turns: only the one whose turn it is tries the store and
-    listens for releases (tasks in the order they came; threads in the order the OS wakes them). One turn per key for the threads of the process,
-    and one per key for the tasks of each event loop.
+    listens for releases (tasks in the order they came; threads as the OS wakes them). One turn
+    per key for the threads of the process, and one per key for the tasks of each event loop.
 
     Without it every release would wake every waiter into a store round trip at once (200
     waiters: 200 calls per release, a pool's worth of connections at a time).
