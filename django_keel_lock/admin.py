@@ -423,8 +423,8 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         try:
             if expected_fence is not None:
                 # The user confirmed releasing one holder; a lock taken since then is not theirs
-                # to break. (A takeover between this read and the release below can still be
-                # freed: the window is one round trip, and the LogEntry records what was freed.)
+                # to break. This read only words the message: the release below is itself
+                # limited to the confirmed fence.
                 current = get_lock_store(alias).get(key)
                 if current is None:
                     return messages.WARNING, f"{key!r} in store {alias!r} was no longer held."
@@ -433,7 +433,7 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
                         f"{key!r} in store {alias!r} was taken again since you confirmed "
                         f"(holder {current.holder}, fence {current.fence}); nothing was released."
                     )
-            info = force_release(key, store=alias, user=request.user)
+            info = force_release(key, store=alias, user=request.user, fence=expected_fence)
         except Exception as exc:  # store down, bad key: report, never a 500
             logger.warning("lock admin could not force-release %r in %r: %s", key, alias, exc)
             return messages.ERROR, f"Could not force-release {key!r} in store {alias!r}: {exc}"

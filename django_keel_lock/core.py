@@ -788,9 +788,11 @@ def _token_shape_ok(data: dict[str, Any]) -> bool:
 
 
 def force_release(
-    key: str, *, store: str = "default", user: object | None = None
+    key: str, *, store: str = "default", user: object | None = None, fence: int | None = None
 ) -> LockInfo | None:
     """Free `key` in the store `store` whoever holds it; the lock that was freed, or None.
+    With `fence`, only that acquisition: one taken over since (say, while a person was asked
+    to confirm) is left alone.
 
     The one force release behind `manage.py locks release` and the admin: it logs a WARNING when
     it frees a lock and always sends `lock_force_released` (info=None: nothing was held).
@@ -799,7 +801,7 @@ def force_release(
         raise TypeError(f"store must be an alias (str), got {type(store).__name__}")
     lock_store = get_lock_store(store)
     validate_key(key, lock_store)
-    info = lock_store.force_release(key)
+    info = lock_store.force_release(key, fence)
     if info is not None:
         logger.warning(
             "lock %r in store %r (holder %s, fence %s) was force-released by %s",

@@ -282,3 +282,30 @@ def test_exit_codes_from_the_command_line(key: str) -> None:
     assert unknown.returncode == 2 and "unknown store alias" in unknown.stderr
     usage = manage("locks", "frobnicate")
     assert usage.returncode == 2
+
+
+def test_release_after_confirming_leaves_a_holder_that_took_over_meanwhile(
+    key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = lock(key, store="memory", ttl=30)
+    assert first.acquire()
+    second = lock(key, store="memory", ttl=30)
+
+    def answer_after_a_takeover(question: str) -> str:
+        assert f"fence {first.fence}" in question
+        assert first.release() and second.acquire()  # someone else took it while we asked
+        return "y"
+
+    monkeypatch.setattr("builtins.input", answer_after_a_takeover)
+    error = fails("release", key, "--store", "memory")
+    assert error.returncode == 1 and "taken again" in str(error)
+    assert second.info() is not None and second.info().owner == second.owner  # type: ignore[union-attr]
+    assert second.release()
+
+
+@override_settings(KEEL_LOCK_STORES={**conf.STORES, "broken": {"BACKEND": "no.such.Backend"}})
+def test_a_broken_alias_does_not_break_commands_on_the_others(key: str) -> None:
+    assert lock(key, store="memory").acquire()
+    assert key in run("list", "--store", "memory")
+    error = fails("list", "--store", "broken")
+    assert error.returncode == 2 and "cannot be imported" in str(error)

@@ -336,15 +336,16 @@ class LockStore(ABC):
     def get(self, key: str) -> LockInfo | None:
         """The live lock on `key`, or None when it is free or expired."""
 
-    def force_release(self, key: str) -> LockInfo | None:
-        """Free `key` whoever holds it; the lock that was freed, or None if none was held.
+    def force_release(self, key: str, fence: int | None = None) -> LockInfo | None:
+        """Free `key` whoever holds it (only the acquisition with `fence`, if given); the lock
+        that was freed, or None if none (or another acquisition) was held.
 
         Reads the holder, then releases as that owner: a lock taken over in between is left
         alone, so what is reported is exactly what was freed.
         """
         for _ in range(3):
             info = self.get(key)
-            if info is None:
+            if info is None or (fence is not None and info.fence != fence):
                 return None
             if self.release(key, info.owner):
                 return info

@@ -94,6 +94,9 @@ def list_lines(store: LockStore, prefix: str = "", as_json: bool = False) -> Ite
 
 class Command(BaseCommand):
     help = "List, show, force-release and prune the locks of a django-keel-lock store."
+    # A mistake in one alias must not turn every command into exit 1 ("not held"); the alias
+    # used is checked when it is built (bad config: exit 2).
+    requires_system_checks: list[str] = []
 
     def add_arguments(self, parser: CommandParser) -> None:
         actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
@@ -121,6 +124,8 @@ class Command(BaseCommand):
         store = self.get_store(alias)
         try:
             getattr(self, f"do_{options['action']}")(store, options)
+        except ImproperlyConfigured as exc:  # found only when the store is first used
+            raise CommandError(str(exc), returncode=EXIT_CONFIG) from exc
         except LockStoreUnavailable as exc:
             raise CommandError(
                 f"store {alias!r} is unavailable, nothing was done: {exc}",
@@ -164,8 +169,10 @@ class Command(BaseCommand):
 
     def do_release(self, store: LockStore, options: dict[str, Any]) -> None:
         key = self.checked_key(store, options["key"])
+        confirmed: int | None = None  # the fence the person said yes to
         if not options["yes"]:
             info = self.read(store, key)
+            confirmed = info.fence
             question = (
                 f"Force-release {key!r} in store {store.alias!r}, held by {info.holder} "
                 f"(fence {info.fence}, expires in {format_expires(info.expires_in)})? "
@@ -180,8 +187,14 @@ class Command(BaseCommand):
                     "Not released (answer 'y' to release; --yes skips the question).",
                     returncode=EXIT_NOT_HELD,
                 )
-        freed = force_release(key, store=store.alias)
+        freed = force_release(key, store=store.alias, fence=confirmed)
         if freed is None:
+            if confirmed is not None and store.get(key) is not None:
+                raise CommandError(
+                    f"Not released: {key!r} was taken again (no longer fence {confirmed}) "
+                    "while you were asked; run the command again.",
+                    returncode=EXIT_NOT_HELD,
+                )
             raise self.not_held(store, key)
         self.stdout.write(
             f"Released {key!r} in store {store.alias!r} (was held by {freed.holder}, "
