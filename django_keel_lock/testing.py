@@ -11,13 +11,18 @@ the `keel_lock_memory_store` fixture.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+import inspect
+from collections.abc import Callable, Iterator
 from contextlib import ContextDecorator
 from types import TracebackType
+from typing import Any, TypeVar, cast
 
 from .conf import _overrides, get_lock_store, set_lock_store
 from .stores.base import LockStore
 from .stores.memory import MemoryLockStore
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class memory_lock_store(ContextDecorator):  # lower case: used like a function
@@ -45,6 +50,19 @@ class memory_lock_store(ContextDecorator):  # lower case: used like a function
     ) -> None:
         for alias, previous in self._saved.pop().items():
             set_lock_store(previous, alias)
+
+    def __call__(self, func: F) -> F:
+        """Decorate a test; an `async def` one keeps the stores for the whole coroutine (a
+        plain ContextDecorator would restore them before its body runs)."""
+        if not inspect.iscoroutinefunction(func):
+            return super().__call__(func)
+
+        @functools.wraps(func)
+        async def run(*args: Any, **kwargs: Any) -> Any:
+            with self:
+                return await func(*args, **kwargs)
+
+        return cast(F, run)
 
 
 try:

@@ -74,3 +74,13 @@ def test_set_lock_store_overrides_settings_until_cleared() -> None:
         get_lock_store("custom")
     with pytest.raises(TypeError, match="store must be a LockStore"):
         set_lock_store(object(), "custom")  # type: ignore[arg-type]
+
+
+@memory_lock_store()
+async def test_memory_lock_store_decorates_async_tests_for_their_whole_body() -> None:
+    import asyncio
+
+    await asyncio.sleep(0)
+    store = get_lock_store()
+    assert isinstance(store, MemoryLockStore)
+    assert await lock("async-helper:k").aacquire()
