@@ -419,3 +419,25 @@ def test_a_process_subscribes_only_to_the_keys_it_waits_for(
         assert settles(waited, 1)  # this process hears `waited`'s releases...
         assert subscribers(other) == 0  # ...and nothing of keys nobody here waits for
     assert settles(waited, 0)  # the last waiter left: unsubscribed
+
+
+def test_event_loops_that_finish_take_their_redis_connections_with_them(
+    alias: str, raw: redis.Redis[bytes], key: str
+) -> None:
+    import gc
+
+    def connected() -> int:
+        return int(raw.info("clients")["connected_clients"])
+
+    async def use(index: int) -> None:
+        async with lock(f"{key}:{index}", store=alias, ttl=30):
+            pass
+
+    asyncio.run(use(-1))  # first use of the alias may connect its own sync client: not counted
+    gc.collect()
+    before = connected()
+    for index in range(15):
+        asyncio.run(use(index))  # a new event loop each time, as asyncio.run / async_to_sync
+    gc.collect()
+    time.sleep(0.2)
+    assert connected() <= before + 2, "finished event loops kept their connections open"

@@ -53,6 +53,7 @@ CONNECT_TIMEOUT = 2.0
 # Async pools: many concurrent tasks queue for a connection (up to this many seconds) instead of
 # failing with "too many connections", which would look like an outage.
 POOL_WAIT = 5
+LOOP_CLIENTS = "_django_keel_lock_redis_clients"
 # The listener pings when the channel has been quiet this long, and reconnects when even the
 # ping goes unanswered for LISTEN_DEAD seconds: a silently dead link must not keep
 # `push_wakeups` True.
@@ -245,9 +246,7 @@ class RedisLockStore(LockStore):
         self._client_obj: Any = None
         self._client_pid = 0
         self._owns_client = url is not None
-        self._aclients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._generation = 0  # bumped by close(): async clients made before are not reused
         self._async_factory: Callable[[], Any] | None = None
         self._async_checked = False
 
@@ -413,7 +412,7 @@ class RedisLockStore(LockStore):
         with self._mutex:
             client, self._client_obj = self._client_obj, None
             pid, self._client_pid = self._client_pid, 0
-            self._aclients = weakref.WeakKeyDictionary()
+            self._generation += 1
         # A django-redis client belongs to the cache; only a client we built is ours to close.
         if client is not None and self._owns_client and pid == os.getpid():
             try:
@@ -422,19 +421,28 @@ class RedisLockStore(LockStore):
                 pass
 
     # -- async ----------------------------------------------------------------------------
-    # redis.asyncio clients are bound to the event loop that first used them: one per loop.
+    # redis.asyncio clients are bound to the event loop that first used them: one per loop and
+    # store, kept on the loop itself. A client refers to its loop, so a registry of ours would
+    # keep every finished loop (asyncio.run, async_to_sync) and its sockets alive; kept on the
+    # loop, both go together.
     def _aclient(self) -> Any:
         loop = asyncio.get_running_loop()
-        client = self._aclients.get(loop)
-        if client is None:
-            factory = self._async_client_factory()
-            if factory is None:
-                return None
-            try:
-                client = factory()
-            except Exception as exc:
-                raise self._unavailable(exc) from exc
-            self._aclients[loop] = client
+        clients: weakref.WeakKeyDictionary[RedisLockStore, tuple[int, Any]] | None
+        clients = getattr(loop, LOOP_CLIENTS, None)
+        if clients is None:
+            clients = weakref.WeakKeyDictionary()
+            setattr(loop, LOOP_CLIENTS, clients)
+        made = clients.get(self)
+        if made is not None and made[0] == self._generation:
+            return made[1]
+        factory = self._async_client_factory()
+        if factory is None:
+            return None
+        try:
+            client = factory()
+        except Exception as exc:
+            raise self._unavailable(exc) from exc
+        clients[self] = (self._generation, client)
         return client
 
     def _async_client_factory(self) -> Callable[[], Any] | None:
