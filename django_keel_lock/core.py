@@ -42,6 +42,9 @@ T = TypeVar("T")
 DEFAULT_RETRY_DELAY = 0.05
 TOKEN_SALT = "django_keel_lock.token"
 MAX_HOLDER_LENGTH = 255
+# Longer ttls would overflow some stores' interval arithmetic; a lock that must outlive a
+# year wants a human, not a ttl.
+MAX_TTL = 365 * 86400.0
 _HOSTNAME = socket.gethostname()
 
 
@@ -110,6 +113,14 @@ def format_key(
         ) from None
 
 
+def ttl_seconds(ttl: object) -> float:
+    """`ttl` as seconds: a duration > 0 and at most a year, else an error naming "ttl"."""
+    seconds = to_seconds("ttl", ttl)
+    if seconds > MAX_TTL:
+        raise ValueError(f"ttl must be at most {MAX_TTL:g} seconds (a year), got {ttl!r}")
+    return seconds
+
+
 def _validate_holder(holder: object) -> str:
     if not isinstance(holder, str):
         raise TypeError(f"holder must be a str, got {type(holder).__name__}")
@@ -117,6 +128,10 @@ def _validate_holder(holder: object) -> str:
         raise ValueError(
             f"holder must be 1 to {MAX_HOLDER_LENGTH} characters without NUL, got {holder!r:.80}"
         )
+    try:
+        holder.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"holder must be encodable as UTF-8 ({exc.reason})") from None
     return holder
 
 
@@ -250,7 +265,7 @@ class Lock:
             raise TypeError(f"store must be an alias (str), got {type(store).__name__}")
         self._store = get_lock_store(store)
         self.key = validate_key(key, self._store)
-        self.ttl = to_seconds("ttl", conf.DEFAULT_TTL if ttl is None else ttl)
+        self.ttl = ttl_seconds(conf.DEFAULT_TTL if ttl is None else ttl)
         self.timeout = to_seconds("timeout", timeout, allow_zero=True)
         self.retry_delay = to_seconds("retry_delay", retry_delay, allow_zero=True)
         self.holder = default_holder() if holder is None else _validate_holder(holder)
@@ -464,7 +479,7 @@ class Lock:
         self._extended(self._store.extend(self.key, owner, seconds), sent + seconds)
 
     def _extend_args(self, ttl: Duration | None) -> tuple[float, str]:
-        seconds = self.ttl if ttl is None else to_seconds("ttl", ttl)
+        seconds = self.ttl if ttl is None else ttl_seconds(ttl)
         if not self._held or self.owner is None:
             raise LockNotHeldError(f"cannot extend {self.key!r}: this handle does not hold it")
         return seconds, self.owner

@@ -18,7 +18,14 @@ from typing import Any, Literal, ParamSpec, Protocol, TypeVar, cast, overload
 
 from asgiref.sync import iscoroutinefunction
 
-from .core import DEFAULT_RETRY_DELAY, KeyTemplate, Lock, default_holder, format_key
+from .core import (
+    DEFAULT_RETRY_DELAY,
+    KeyTemplate,
+    Lock,
+    default_holder,
+    format_key,
+    ttl_seconds,
+)
 from .core import lock as make_lock
 from .durations import Duration, to_seconds
 from .exceptions import LockUnavailable
@@ -37,7 +44,7 @@ def check_lock_options(
 ) -> None:
     """Fail at decoration time, not on the first call, for a bad ttl/timeout/retry_delay/store."""
     if ttl is not None:
-        to_seconds("ttl", ttl)
+        ttl_seconds(ttl)
     to_seconds("timeout", timeout, allow_zero=True)
     to_seconds("retry_delay", retry_delay, allow_zero=True)
     if not isinstance(store, str):

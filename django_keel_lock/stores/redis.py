@@ -36,7 +36,7 @@ try:
     import redis.asyncio
     from redis.asyncio.retry import Retry as AsyncRetry
     from redis.backoff import NoBackoff
-    from redis.exceptions import NoScriptError, RedisError
+    from redis.exceptions import NoScriptError, RedisClusterException, RedisError
     from redis.retry import Retry
 except ImportError as exc:  # pragma: no cover - depends on the installation
     raise ImproperlyConfigured(
@@ -54,6 +54,9 @@ CONNECT_TIMEOUT = 2.0
 # failing with "too many connections", which would look like an outage.
 POOL_WAIT = 5
 LOOP_CLIENTS = "_django_keel_lock_redis_clients"
+# What a failing server raises; a cluster rediscovering its nodes raises a plain
+# RedisClusterException (not a RedisError) that is an outage too.
+STORE_ERRORS = (RedisError, RedisClusterException)
 # The listener pings when the channel has been quiet this long, and reconnects when even the
 # ping goes unanswered for LISTEN_DEAD seconds: a silently dead link must not keep
 # `push_wakeups` True.
@@ -322,7 +325,7 @@ class RedisLockStore(LockStore):
                 for each in SCRIPTS:
                     client.script_load(each.text)
                 return client.evalsha(script.sha, len(keys), *keys, *args)
-        except RedisError as exc:
+        except STORE_ERRORS as exc:
             raise self._unavailable(exc) from exc
 
     # -- the protocol ---------------------------------------------------------------------
@@ -356,7 +359,7 @@ class RedisLockStore(LockStore):
                 for name in map(_text, client.scan_iter(match=pattern, count=PAGE_SIZE))
                 if name.endswith("}") and name.startswith(start)
             )
-        except RedisError as exc:
+        except STORE_ERRORS as exc:
             raise self._unavailable(exc) from exc
         for first in range(0, len(keys), PAGE_SIZE):
             page = keys[first : first + PAGE_SIZE]
@@ -367,7 +370,7 @@ class RedisLockStore(LockStore):
                     pipe.hmget(name, "o", "h", "f", "t")
                     pipe.pttl(name)
                 replies = pipe.execute()
-            except RedisError as exc:
+            except STORE_ERRORS as exc:
                 raise self._unavailable(exc) from exc
             for index, key in enumerate(page):
                 fields, pttl = replies[2 * index], replies[2 * index + 1]
@@ -476,7 +479,7 @@ class RedisLockStore(LockStore):
                 for each in SCRIPTS:
                     await client.script_load(each.text)
                 return await client.evalsha(script.sha, len(keys), *keys, *args)
-        except RedisError as exc:
+        except STORE_ERRORS as exc:
             raise self._unavailable(exc) from exc
         except OSError as exc:  # asyncio can surface raw socket errors on connect
             raise self._unavailable(exc) from exc
