@@ -16,7 +16,7 @@ from datetime import UTC, datetime, timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .common import percentile, print_table, rate, setup_django
+from .common import interleaved_rates, percentile, print_table, setup_django
 
 STORES = ["memory", "sqlite", "postgres", "postgres-fast", "mariadb"]
 
@@ -168,17 +168,20 @@ def main() -> None:
     if "postgres" not in settings.DATABASES:
         available.discard("postgres-fast")
     print(f"django-keel-lock database benchmark, pid {os.getpid()}, {args.seconds:g}s per rate")
-    rows: list[list[object]] = []
-    results: dict[str, float] = {}
-    for alias in [s for s in args.stores.split(",") if s in available]:
-        cycles = rate(store_cycle(alias), args.seconds)
-        handoff = handoff_store(alias, args.rounds)
-        results[alias] = cycles
-        rows.append(
-            [f"keel-lock {alias}", cycles, percentile(handoff, 50), percentile(handoff, 90)]
-        )
+    aliases = [s for s in args.stores.split(",") if s in available]
+    contenders: dict[str, Callable[[], None]] = {alias: store_cycle(alias) for alias in aliases}
     if "postgres" in settings.DATABASES:
-        results["advisory"] = rate(advisory_cycle(), args.seconds)
+        contenders["advisory"] = advisory_cycle()
+        contenders["recipe"] = recipe_cycle()
+    # Cycles/s of everything in turns (ratios come from the same minutes), then handoffs.
+    results = interleaved_rates(contenders, args.seconds * len(contenders))
+    rows: list[list[object]] = []
+    for alias in aliases:
+        handoff = handoff_store(alias, args.rounds)
+        rows.append(
+            [f"keel-lock {alias}", results[alias], percentile(handoff, 50), percentile(handoff, 90)]
+        )
+    if "advisory" in results:
         handoff = advisory_handoff(args.rounds)
         rows.append(
             [
@@ -188,7 +191,6 @@ def main() -> None:
                 percentile(handoff, 90),
             ]
         )
-        results["recipe"] = rate(recipe_cycle(), args.seconds)
         rows.append(["3-statement recipe (pg)", results["recipe"], "-", "-"])
     print_table(["lock", "cycles/s", "handoff p50 ms", "handoff p90 ms"], rows)
     if "recipe" in results and "postgres" in results:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .common import percentile, print_table, rate
+from .common import interleaved_rates, percentile, print_table
 
 COMPARE_AND_DELETE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -134,12 +134,7 @@ def cycles(names: list[str], seconds: float, slices: int = 8) -> dict[str, float
     """Uncontended acquire+release per second for each contender. The machine may be shared,
     so contenders take turns in short slices and each gets the median of its slices: a burst
     of someone else's load hits all of them alike instead of one."""
-    runs = {name: _cycle(Contender(name)) for name in names}
-    samples: dict[str, list[float]] = {name: [] for name in names}
-    for _ in range(slices):
-        for name, cycle in runs.items():
-            samples[name].append(rate(cycle, seconds / slices))
-    return {name: percentile(values, 50) for name, values in samples.items()}
+    return interleaved_rates({name: _cycle(Contender(name)) for name in names}, seconds, slices)
 
 
 def _waiter(name: str, key: str, pipe: Connection) -> None:

@@ -62,6 +62,19 @@ def rate(cycle: Callable[[], object], seconds: float) -> float:
             return count / (now - start)
 
 
+def interleaved_rates(
+    cycles: dict[str, Callable[[], object]], seconds: float, slices: int = 8
+) -> dict[str, float]:
+    """Calls per second of each cycle. The machine may be shared (or a VM), so the cycles take
+    turns in short slices and each gets the median of its slices: a burst of someone else's
+    load, or a slower minute, hits all of them alike instead of one."""
+    samples: dict[str, list[float]] = {name: [] for name in cycles}
+    for _ in range(slices):
+        for name, cycle in cycles.items():
+            samples[name].append(rate(cycle, seconds / slices))
+    return {name: percentile(values, 50) for name, values in samples.items()}
+
+
 def percentile(values: Sequence[float], pct: float) -> float:
     ordered = sorted(values)
     index = min(len(ordered) - 1, max(0, round(pct / 100 * (len(ordered) - 1))))
