@@ -121,6 +121,46 @@ def ttl_seconds(ttl: object) -> float:
     return seconds
 
 
+class LockOptions(NamedTuple):
+    """The checked, parsed options of one lock (seconds; ttl None when left to the default)."""
+
+    ttl: float | None
+    timeout: float
+    retry_delay: float
+    max_hold: float | None
+
+
+def check_options(
+    *,
+    ttl: Duration | None,
+    timeout: Duration,
+    retry_delay: Duration,
+    store: object,
+    auto_extend: object = False,
+    max_hold: Duration | None = None,
+) -> LockOptions:
+    """Parse what lock() takes besides key and holder; a bad value raises naming it.
+
+    `Lock` uses it, and so do the decorators, so a mistake fails when a function is decorated
+    rather than on its first call (ttl None: the default, not looked at here)."""
+    if not isinstance(store, str):
+        raise TypeError(f"store must be an alias (str), got {type(store).__name__}")
+    if not isinstance(auto_extend, bool):
+        raise TypeError(f"auto_extend must be True or False, got {auto_extend!r}")
+    hold = None if max_hold is None else to_seconds("max_hold", max_hold)
+    if hold is not None and not auto_extend:
+        raise ValueError(
+            "max_hold caps how long auto_extend keeps a lock alive; pass auto_extend=True "
+            "with it, or drop max_hold"
+        )
+    return LockOptions(
+        ttl=None if ttl is None else ttl_seconds(ttl),
+        timeout=to_seconds("timeout", timeout, allow_zero=True),
+        retry_delay=to_seconds("retry_delay", retry_delay, allow_zero=True),
+        max_hold=hold,
+    )
+
+
 def _validate_holder(holder: object) -> str:
     if not isinstance(holder, str):
         raise TypeError(f"holder must be a str, got {type(holder).__name__}")
@@ -261,23 +301,20 @@ class Lock:
         auto_extend: bool = False,
         max_hold: Duration | None = None,
     ) -> None:
-        if not isinstance(store, str):
-            raise TypeError(f"store must be an alias (str), got {type(store).__name__}")
+        options = check_options(
+            ttl=conf.DEFAULT_TTL if ttl is None else ttl,
+            timeout=timeout,
+            retry_delay=retry_delay,
+            store=store,
+            auto_extend=auto_extend,
+            max_hold=max_hold,
+        )
         self._store = get_lock_store(store)
         self.key = validate_key(key, self._store)
-        self.ttl = ttl_seconds(conf.DEFAULT_TTL if ttl is None else ttl)
-        self.timeout = to_seconds("timeout", timeout, allow_zero=True)
-        self.retry_delay = to_seconds("retry_delay", retry_delay, allow_zero=True)
+        self.ttl = options.ttl or 0.0  # never None here: a ttl was given
+        self.timeout, self.retry_delay = options.timeout, options.retry_delay
         self.holder = default_holder() if holder is None else _validate_holder(holder)
-        if not isinstance(auto_extend, bool):
-            raise TypeError(f"auto_extend must be True or False, got {auto_extend!r}")
-        self.auto_extend = auto_extend
-        self.max_hold = None if max_hold is None else to_seconds("max_hold", max_hold)
-        if self.max_hold is not None and not auto_extend:
-            raise ValueError(
-                "max_hold caps how long auto_extend keeps a lock alive; pass auto_extend=True "
-                "with it, or drop max_hold"
-            )
+        self.auto_extend, self.max_hold = auto_extend, options.max_hold
         self.store_alias = store
         self.owner: str | None = None
         self._next_owner: str | None = None

@@ -22,12 +22,12 @@ from .core import (
     DEFAULT_RETRY_DELAY,
     KeyTemplate,
     Lock,
+    check_options,
     default_holder,
     format_key,
-    ttl_seconds,
 )
 from .core import lock as make_lock
-from .durations import Duration, to_seconds
+from .durations import Duration
 from .exceptions import LockUnavailable
 
 logger = logging.getLogger("django_keel_lock")
@@ -37,18 +37,6 @@ R = TypeVar("R")
 
 OnLocked = Literal["raise", "skip"]
 ON_LOCKED_CHOICES: tuple[OnLocked, ...] = ("raise", "skip")
-
-
-def check_lock_options(
-    ttl: Duration | None, timeout: Duration, retry_delay: Duration, store: object
-) -> None:
-    """Fail at decoration time, not on the first call, for a bad ttl/timeout/retry_delay/store."""
-    if ttl is not None:
-        ttl_seconds(ttl)
-    to_seconds("timeout", timeout, allow_zero=True)
-    to_seconds("retry_delay", retry_delay, allow_zero=True)
-    if not isinstance(store, str):
-        raise TypeError(f"store must be an alias (str), got {type(store).__name__}")
 
 
 def labelled_holder(label: str) -> str:
@@ -116,7 +104,7 @@ def locked(
         raise ValueError(f'on_locked must be "raise" or "skip", got {on_locked!r}')
     if not (isinstance(key, str) or callable(key)):
         raise TypeError(f"key must be a str template or a callable, got {type(key).__name__}")
-    check_lock_options(ttl, timeout, retry_delay, store)
+    check_options(ttl=ttl, timeout=timeout, retry_delay=retry_delay, store=store)
 
     def decorate(fn: Callable[P, R]) -> Callable[P, Any]:
         name = f"{fn.__module__}.{fn.__qualname__}"

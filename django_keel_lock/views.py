@@ -26,9 +26,9 @@ from asgiref.sync import iscoroutinefunction, sync_to_async
 from django.core.exceptions import ImproperlyConfigured
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
 
-from .core import DEFAULT_RETRY_DELAY, Lock
+from .core import DEFAULT_RETRY_DELAY, Lock, check_options
 from .core import lock as make_lock
-from .decorators import check_lock_options, labelled_holder
+from .decorators import labelled_holder
 from .durations import Duration
 
 if TYPE_CHECKING:
@@ -154,7 +154,9 @@ class ViewLock:
                 f"on_locked must be a callable (request, key) -> HttpResponse, "
                 f"got {type(self.on_locked).__name__}"
             )
-        check_lock_options(self.ttl, self.timeout, self.retry_delay, self.store)
+        check_options(
+            ttl=self.ttl, timeout=self.timeout, retry_delay=self.retry_delay, store=self.store
+        )
 
     def handle(self, request: HttpRequest, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Lock:
         if isinstance(self.key, str):

@@ -26,7 +26,6 @@ from celery import Celery, Task
 from celery.exceptions import Retry
 
 from django_keel_lock import LockUnavailable, get_lock_store, lock
-from django_keel_lock.contrib import celery as keel_celery
 from django_keel_lock.contrib.celery import current_lock, locked_task
 from tests import celery_tasks as tasks
 from tests.celery_app import BROKER_URL, QUEUE, RUN_ID, STORE
@@ -182,6 +181,8 @@ def test_celery_checks_call_arguments_against_the_task_signature() -> None:
         ({"ttl": -1}, "ttl must be > 0"),
         ({"timeout": "soon"}, "timeout could not be parsed"),
         ({"countdown": 5}, "countdown= only applies"),
+        ({"max_hold": "1h"}, "pass auto_extend=True"),
+        ({"auto_extend": True, "max_hold": -1}, "max_hold must be > 0"),
     ],
 )
 def test_bad_options_fail_when_the_task_is_defined(options: dict[str, Any], error: str) -> None:
@@ -190,10 +191,6 @@ def test_bad_options_fail_when_the_task_is_defined(options: dict[str, Any], erro
 
 
 def test_auto_extend_keeps_the_lock_of_a_long_task_alive() -> None:
-    if not keel_celery._lock_accepts("auto_extend"):
-        with pytest.raises(TypeError, match="watchdog"):
-            locked_task("k", auto_extend=True)
-        pytest.skip("lock() has no auto_extend (watchdog) in this version")
 
     @eager.task(bind=True, name="extended")
     @locked_task("job:extended", store="memory", ttl=0.3, auto_extend=True, max_hold=30)

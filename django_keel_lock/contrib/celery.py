@@ -12,8 +12,7 @@ this module, so the app works without Celery installed.
 
 A worker killed mid-task (SIGKILL, OOM) never releases its lock, but the lock still expires at
 its ttl: the next run proceeds after that. Choose a ttl longer than the task ever runs (or use
-`auto_extend=True` once the lock watchdog exists) and shorter than you are willing to wait after
-a crash.
+`auto_extend=True`, the lock watchdog) and shorter than you are willing to wait after a crash.
 """
 
 from __future__ import annotations
@@ -33,8 +32,16 @@ except ImportError as exc:  # pragma: no cover - exercised by a subprocess test
         "django_keel_lock.contrib.celery needs Celery: pip install 'django-keel-lock[celery]'"
     ) from exc
 
-from ..core import DEFAULT_RETRY_DELAY, KeyTemplate, Lock, default_holder, format_key, lock
-from ..decorators import check_lock_options, labelled_holder
+from ..core import (
+    DEFAULT_RETRY_DELAY,
+    KeyTemplate,
+    Lock,
+    check_options,
+    default_holder,
+    format_key,
+    lock,
+)
+from ..decorators import labelled_holder
 from ..durations import Duration, to_seconds
 from ..exceptions import LockUnavailable
 
@@ -58,10 +65,6 @@ _current: contextvars.ContextVar[Lock | None] = contextvars.ContextVar(
 def current_lock() -> Lock | None:
     """The lock the running `locked_task` holds (to pass its `fence` on), None outside one."""
     return _current.get()
-
-
-def _lock_accepts(name: str) -> bool:
-    return name in inspect.signature(lock).parameters
 
 
 def locked_task(
@@ -91,24 +94,20 @@ def locked_task(
     """
     if on_locked not in _ON_LOCKED:
         raise ValueError(f"on_locked must be one of {', '.join(_ON_LOCKED)}; got {on_locked!r}")
-    check_lock_options(ttl, timeout, retry_delay, store)  # fail at import, not in the worker
+    # Fail where the task is defined, not in the worker on its first run.
+    check_options(
+        ttl=ttl,
+        timeout=timeout,
+        retry_delay=retry_delay,
+        store=store,
+        auto_extend=auto_extend,
+        max_hold=max_hold,
+    )
     if countdown is not None and on_locked != "retry":
         raise ValueError('countdown= only applies to on_locked="retry"')
     fixed_countdown = (
         None if countdown is None else to_seconds("countdown", countdown, allow_zero=True)
     )
-    # Passed only when asked for, so this module works with a core that has no watchdog.
-    extra: dict[str, Any] = {}
-    if auto_extend:
-        extra["auto_extend"] = True
-    if max_hold is not None:
-        extra["max_hold"] = max_hold
-    for name in extra:
-        if not _lock_accepts(name):
-            raise TypeError(
-                f"{name}= needs lock(..., {name}=...) (the lock watchdog), which this version "
-                f"of django-keel-lock does not have; pass a ttl longer than the task instead"
-            )
 
     def decorate(fn: Callable[P, R]) -> Callable[P, R | None]:
         @functools.wraps(fn)
@@ -121,7 +120,8 @@ def locked_task(
                 retry_delay=retry_delay,
                 store=store,
                 holder=holder if holder is not None else _task_holder(task),
-                **extra,
+                auto_extend=auto_extend,
+                max_hold=max_hold,
             )
 
             def body() -> R:
