@@ -21,7 +21,8 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from types import TracebackType
 from typing import Any, Generic, NamedTuple, TypeVar, overload
 
@@ -214,9 +215,7 @@ class _Turn:
         self.members = 0
 
     @classmethod
-    def join(cls, loop: asyncio.AbstractEventLoop | None, store: LockStore, key: str) -> _Turn:
-        """The turn of `key` in `store` for `loop`'s tasks (None: for threads), counting one
-        more member."""
+    def _join(cls, loop: asyncio.AbstractEventLoop | None, store: LockStore, key: str) -> _Turn:
         with cls._mutex:
             turn = cls._registry.get((loop, store, key))
             if turn is None:
@@ -224,29 +223,47 @@ class _Turn:
             turn.members += 1
             return turn
 
-    def leave(self) -> None:
-        """One member fewer; the last one removes the turn from the registry."""
+    def _leave(self) -> None:
         with self._mutex:
             self.members -= 1
             if self.members == 0:
                 del self._registry[self.name]
 
-    async def take(self, deadline: float) -> bool:
-        """Wait for our turn until `deadline` (monotonic); False if it did not come."""
+    @classmethod
+    @contextmanager
+    def wait_for(cls, store: LockStore, key: str, deadline: float) -> Iterator[bool]:
+        """A thread's turn at `key`: True once it is ours (until the block ends), False if it
+        did not come by `deadline` (monotonic)."""
+        turn = cls._join(None, store, key)
         try:
-            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                await self.lock.acquire()
-        except TimeoutError:
-            return False
-        return True
+            mine = turn.lock.acquire(timeout=max(0.0, deadline - time.monotonic()))
+            try:
+                yield bool(mine)
+            finally:
+                if mine:
+                    turn.lock.release()
+        finally:
+            turn._leave()
 
-    def take_blocking(self, deadline: float) -> bool:
-        """`take` for threads."""
-        return bool(self.lock.acquire(timeout=max(0.0, deadline - time.monotonic())))
-
-    def give(self) -> None:
-        """End our turn: the next waiter in line tries the store."""
-        self.lock.release()
+    @classmethod
+    @asynccontextmanager
+    async def await_for(cls, store: LockStore, key: str, deadline: float) -> AsyncIterator[bool]:
+        """`wait_for` for the tasks of the running event loop."""
+        turn = cls._join(asyncio.get_running_loop(), store, key)
+        try:
+            try:
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    await turn.lock.acquire()
+                mine = True
+            except TimeoutError:
+                mine = False
+            try:
+                yield mine
+            finally:
+                if mine:
+                    turn.lock.release()
+        finally:
+            turn._leave()
 
 
 def _forget_turns_in_child() -> None:
@@ -385,24 +402,18 @@ class Lock:
     def _wait(self, owner: str, timeout: float, retry_delay: float) -> tuple[AcquireResult, float]:
         store = self._store
         deadline = time.monotonic() + timeout
-        turn = _Turn.join(None, store, self.key)
-        try:
-            if not turn.take_blocking(deadline):
+        with _Turn.wait_for(store, self.key, deadline) as mine:
+            if not mine:
                 return AcquireResult(None), time.monotonic()
-            try:
-                with store.watch(self.key) as waiter:
-                    while True:
-                        sent = time.monotonic()
-                        result = store.acquire(self.key, owner, self.holder, self.ttl)
-                        left = deadline - time.monotonic()
-                        if result.fence is not None or left <= 0:
-                            return result, sent
-                        push = store.push_wakeups
-                        waiter.wait(min(left, next_delay(retry_delay, result.retry_in, push)))
-            finally:
-                turn.give()
-        finally:
-            turn.leave()
+            with store.watch(self.key) as waiter:
+                while True:
+                    sent = time.monotonic()
+                    result = store.acquire(self.key, owner, self.holder, self.ttl)
+                    left = deadline - time.monotonic()
+                    if result.fence is not None or left <= 0:
+                        return result, sent
+                    push = store.push_wakeups
+                    waiter.wait(min(left, next_delay(retry_delay, result.retry_in, push)))
 
     # -- acquiring, async -----------------------------------------------------------------
     async def aacquire(
@@ -457,34 +468,28 @@ class Lock:
                 pass
 
         deadline = time.monotonic() + timeout
-        turn = _Turn.join(loop, store, self.key)
-        try:
-            if not await turn.take(deadline):
+        async with _Turn.await_for(store, self.key, deadline) as mine:
+            if not mine:
                 return AcquireResult(None), time.monotonic()
-            try:
-                # watch() starts the store's cross-process listener; the callback is how an
-                # async waiter hears of releases: it cannot block on the Waiter's condition.
-                with store.watch(self.key):
-                    token = store.wake_board.add_callback(self.key, wake)
-                    try:
-                        while True:
-                            woken.clear()  # before the attempt: a release right after counts
-                            result, sent = await self._aattempt(owner)
-                            left = deadline - time.monotonic()
-                            if result.fence is not None or left <= 0:
-                                return result, sent
-                            pause = next_delay(retry_delay, result.retry_in, store.push_wakeups)
-                            try:
-                                async with asyncio.timeout(min(left, pause)):
-                                    await woken.wait()
-                            except TimeoutError:
-                                pass
-                    finally:
-                        store.wake_board.remove_callback(token)
-            finally:
-                turn.give()
-        finally:
-            turn.leave()
+            # watch() starts the store's cross-process listener; the callback is how an
+            # async waiter hears of releases: it cannot block on the Waiter's condition.
+            with store.watch(self.key):
+                token = store.wake_board.add_callback(self.key, wake)
+                try:
+                    while True:
+                        woken.clear()  # before the attempt: a release right after counts
+                        result, sent = await self._aattempt(owner)
+                        left = deadline - time.monotonic()
+                        if result.fence is not None or left <= 0:
+                            return result, sent
+                        pause = next_delay(retry_delay, result.retry_in, store.push_wakeups)
+                        try:
+                            async with asyncio.timeout(min(left, pause)):
+                                await woken.wait()
+                        except TimeoutError:
+                            pass
+                finally:
+                    store.wake_board.remove_callback(token)
 
     # -- holding --------------------------------------------------------------------------
     def release(self) -> bool:
