@@ -14,6 +14,7 @@ from django.test.utils import setup_databases, teardown_databases
 from django_keel_lock import Lock, get_lock_store, lock
 from django_keel_lock.conf import reset_stores
 from django_keel_lock.stores import LockStore
+from tests.settings import reachable
 
 # What a user's conftest.py does to get the keel_lock_memory_store fixture.
 pytest_plugins = ["django_keel_lock.testing"]
@@ -46,6 +47,29 @@ def store_params(aliases: list[str]) -> list[Any]:
 
 
 ALL_STORES = store_params(list(STORE_AVAILABILITY))
+
+
+def needs_store(alias: str) -> pytest.MarkDecorator:
+    """Skip loudly when `alias`'s server does not answer (never under CI: see tests.settings)."""
+    reason = STORE_AVAILABILITY[alias]
+    return pytest.mark.skipif(reason is not None, reason=f"SERVER UNAVAILABLE: {reason}")
+
+
+def needs(present: bool, what: str) -> pytest.MarkDecorator:
+    """Skip loudly when `what` is missing here; under CI=true the test runs, and fails."""
+    return pytest.mark.skipif(
+        not present and not settings.CI, reason=f"MISSING HERE (CI fails instead): {what}"
+    )
+
+
+def require_reachable(host: str, port: int, what: str) -> None:
+    """Inside a test or fixture: skip loudly when the server does not answer, fail under CI."""
+    if reachable(host, port):
+        return
+    message = f"SERVER UNAVAILABLE: {what} at {host}:{port} is not reachable"
+    if settings.CI:
+        pytest.fail(message)
+    pytest.skip(message)
 
 
 @pytest.fixture(scope="session")

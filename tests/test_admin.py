@@ -36,7 +36,7 @@ from django_keel_lock.models import Lock as LockRow
 from django_keel_lock.signals import lock_force_released
 from django_keel_lock.stores import LockInfo, MemoryLockStore
 
-from .conftest import STORE_AVAILABILITY, store_params
+from .conftest import STORE_AVAILABILITY, needs_store, store_params
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
@@ -337,9 +337,7 @@ def test_all_stores_page_lists_locks_of_every_store(
     memory.release()
 
 
-@pytest.mark.skipif(
-    STORE_AVAILABILITY["postgres"] is not None, reason="SERVER UNAVAILABLE: PostgreSQL"
-)
+@needs_store("postgres")
 def test_all_stores_page_lists_postgres_locks(
     admin_client: Client, hold_elsewhere: Callable[..., HeldElsewhere]
 ) -> None:
@@ -350,9 +348,7 @@ def test_all_stores_page_lists_postgres_locks(
     assert held.key in part and held.holder in part
 
 
-@pytest.mark.skipif(
-    STORE_AVAILABILITY["postgres"] is not None, reason="SERVER UNAVAILABLE: PostgreSQL"
-)
+@needs_store("postgres")
 def test_aliases_sharing_a_database_say_they_show_the_same_table(admin_client: Client) -> None:
     html = admin_client.get(STORES_PAGE).content.decode()
 

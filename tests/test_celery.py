@@ -29,7 +29,7 @@ from django_keel_lock import LockUnavailable, get_lock_store, lock
 from django_keel_lock.contrib.celery import current_lock, locked_task
 from tests import celery_tasks as tasks
 from tests.celery_app import BROKER_URL, QUEUE, RUN_ID, STORE
-from tests.settings import CI, reachable
+from tests.conftest import require_reachable
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -262,13 +262,7 @@ class Worker:
 
 def _require_redis() -> None:
     parts = urlsplit(BROKER_URL)
-    host, port = parts.hostname or "127.0.0.1", parts.port or 6379
-    if reachable(host, port):
-        return
-    message = f"SERVER UNAVAILABLE: Redis at {host}:{port} (Celery broker) is not reachable"
-    if CI:
-        pytest.fail(message)
-    pytest.skip(message)
+    require_reachable(parts.hostname or "127.0.0.1", parts.port or 6379, "Redis (Celery broker)")
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:

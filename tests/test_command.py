@@ -19,7 +19,7 @@ from django_keel_lock import get_lock_store, lock
 from django_keel_lock.conf import conf
 from django_keel_lock.management.commands.locks import list_lines
 from django_keel_lock.stores.database import PAGE_SIZE
-from tests.conftest import ALL_STORES, STORE_AVAILABILITY, store_params
+from tests.conftest import ALL_STORES, needs_store, store_params
 from tests.holders import held_elsewhere, manage
 
 DOWN_STORES = {"down": {"BACKEND": "django_keel_lock.stores.RedisLockStore",
@@ -265,7 +265,7 @@ def test_bad_key_is_a_usage_error(key: str) -> None:
     assert error.returncode == 2 and "at most 255" in str(error)
 
 
-@pytest.mark.skipif(STORE_AVAILABILITY["postgres"] is not None, reason="needs PostgreSQL")
+@needs_store("postgres")
 def test_exit_codes_from_the_command_line(key: str) -> None:
     with held_elsewhere("postgres", key, ttl=30):
         shown = manage("locks", "show", key, "--store", "postgres")

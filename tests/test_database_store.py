@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from django.conf import settings
 from django.contrib.auth.models import Group
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connections, transaction
@@ -23,7 +22,7 @@ from django.test import override_settings
 from django_keel_lock import LockStoreUnavailable, get_lock_store, lock
 from django_keel_lock.stores import DatabaseLockStore
 
-from .conftest import DATABASE_STORES, SERVER_DATABASES, store_params
+from .conftest import DATABASE_STORES, SERVER_DATABASES, needs, needs_store, store_params
 
 FAKETIME_LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -124,10 +123,7 @@ def test_callers_transaction_stays_usable_after_a_store_failure(
         assert Group.objects.using(database).filter(name=key[:150]).count() == 1
 
 
-@pytest.mark.skipif(
-    not os.path.exists(FAKETIME_LIB) and os.environ.get("CI") != "true",
-    reason="SKIPPED LOUDLY: libfaketime is not installed (apt-get install faketime)",
-)
+@needs(os.path.exists(FAKETIME_LIB), "libfaketime (apt-get install faketime)")
 @pytest.mark.parametrize("skew", ["+2h", "-2h"])
 def test_app_server_clock_skew_neither_steals_nor_keeps_locks(
     server_alias: str, key: str, skew: str
@@ -260,9 +256,8 @@ def _backend_id(wrapper: Any) -> int:
     return value
 
 
+@needs_store("postgres")
 def test_durable_false_store_locks_the_same_way(key: str) -> None:
-    if "postgres" not in settings.DATABASES:
-        pytest.skip("SERVER UNAVAILABLE: PostgreSQL is not reachable")
     fast, durable = lock(key, store="postgres-fast"), lock(key, store="postgres")
     assert fast.acquire()
     assert not durable.acquire()
@@ -289,9 +284,8 @@ def test_unknown_option_names_the_option() -> None:
         DatabaseLockStore("x", {"DURABEL": False})
 
 
+@needs_store("postgres")
 def test_closing_the_store_inside_an_event_loop_frees_its_connections(key: str) -> None:
-    if "postgres" not in settings.DATABASES:
-        pytest.skip("SERVER UNAVAILABLE: PostgreSQL is not reachable")
     store = DatabaseLockStore("closing", {"DATABASE": "postgres"})
     assert store.acquire(key, "owner", "holder", 30).acquired
     wrapper, _ = store._wrapper()
@@ -308,9 +302,8 @@ def test_closing_the_store_inside_an_event_loop_frees_its_connections(key: str) 
         assert cursor.fetchone()[0] == 0
 
 
+@needs_store("postgres")
 def test_postgres_waiter_in_another_process_wakes_on_release_not_on_its_poll(key: str) -> None:
-    if "postgres" not in settings.DATABASES:
-        pytest.skip("SERVER UNAVAILABLE: PostgreSQL is not reachable")
     holder = lock(key, ttl=30, store="postgres")
     assert holder.acquire()
     other = lock(f"{key}:other", ttl=30, store="postgres")
@@ -353,9 +346,8 @@ def _backends() -> int:
         return int(cursor.fetchone()[0])
 
 
+@needs_store("postgres")
 def test_threads_that_end_take_their_connection_with_them(key: str) -> None:
-    if "postgres" not in settings.DATABASES:
-        pytest.skip("SERVER UNAVAILABLE: PostgreSQL is not reachable")
     store = DatabaseLockStore("threads", {"DATABASE": "postgres"})
     before = _backends()
     for index in range(20):
@@ -371,9 +363,8 @@ def test_threads_that_end_take_their_connection_with_them(key: str) -> None:
     store.close()
 
 
+@needs_store("postgres")
 def test_a_forked_child_closing_the_store_leaves_the_parents_connection_alone(key: str) -> None:
-    if "postgres" not in settings.DATABASES:
-        pytest.skip("SERVER UNAVAILABLE: PostgreSQL is not reachable")
     store = DatabaseLockStore("forked", {"DATABASE": "postgres"})
     assert store.acquire(key, "parent", "h", 30).acquired
     wrapper, _ = store._wrapper()

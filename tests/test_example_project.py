@@ -10,7 +10,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from tests.settings import CI, REDIS_URL, reachable
+from tests.conftest import require_reachable
+from tests.settings import REDIS_URL
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "example_project"
@@ -37,11 +38,7 @@ def run_example(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedP
 
 def require_redis() -> None:
     parts = urlsplit(REDIS_URL)
-    if not reachable(parts.hostname or "127.0.0.1", parts.port or 6379):
-        message = f"SERVER UNAVAILABLE: Redis at {REDIS_URL} is not reachable"
-        if CI:
-            pytest.fail(message)
-        pytest.skip(message)
+    require_reachable(parts.hostname or "127.0.0.1", parts.port or 6379, "Redis")
 
 
 @pytest.mark.parametrize("store", ["database", "redis"])

@@ -6,6 +6,7 @@ Every test here runs its own redis-server on a free port (and a proxy where it n
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -16,11 +17,10 @@ import pytest
 from django_keel_lock import Lock, LockStoreUnavailable, lock, set_lock_store
 from django_keel_lock.stores import RedisLockStore
 
+from .conftest import needs
 from .redis_servers import REDIS_SERVER, FaultyProxy, RedisServer
 
-pytestmark = pytest.mark.skipif(
-    not __import__("os").path.exists(REDIS_SERVER), reason="redis-server binary not found"
-)
+pytestmark = needs(os.path.exists(REDIS_SERVER), "the redis-server binary")
 
 
 @pytest.fixture

@@ -22,13 +22,10 @@ from django_keel_lock import LockStoreUnavailable, get_lock_store, lock
 from django_keel_lock.stores import RedisLockStore
 from django_keel_lock.stores.redis import ACQUIRE, SCRIPTS
 
-from .conftest import STORE_AVAILABILITY
+from .conftest import needs_store
 from .redis_servers import read_event, spawn
 
-pytestmark = pytest.mark.skipif(
-    STORE_AVAILABILITY["redis"] is not None,
-    reason=f"SERVER UNAVAILABLE: {STORE_AVAILABILITY['redis']}",
-)
+pytestmark = needs_store("redis")
 
 URL = settings.REDIS_URL
 

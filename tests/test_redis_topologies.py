@@ -15,11 +15,10 @@ from django.test import override_settings
 from django_keel_lock import get_lock_store, lock, set_lock_store
 from django_keel_lock.stores import RedisLockStore
 
+from .conftest import needs
 from .redis_servers import REDIS_SERVER, RedisServer, redis_cluster, redis_sentinel
 
-pytestmark = pytest.mark.skipif(
-    not os.path.exists(REDIS_SERVER), reason="redis-server binary not found"
-)
+pytestmark = needs(os.path.exists(REDIS_SERVER), "the redis-server binary")
 
 
 @pytest.fixture(scope="module")
