@@ -6,7 +6,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import redis
@@ -43,6 +43,28 @@ def _wait_push(store: RedisLockStore, key: str) -> None:
         while not store.push_wakeups and time.monotonic() < deadline:
             time.sleep(0.02)
     assert store.push_wakeups, "the listener never subscribed"
+
+
+def _wake_after(alias: str, key: str, release: Callable[[], bool]) -> float:
+    """Seconds from `release()` to a thread waiting on `key` (through `alias`) getting it.
+
+    The waiter polls only every 10 s, so a quick wake-up can only come from pub/sub."""
+    woke: list[float] = []
+
+    def wait() -> None:
+        handle = lock(key, ttl=30, store=alias)
+        if handle.acquire(timeout=15, retry_delay=10):
+            woke.append(time.monotonic())
+            handle.release()
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    time.sleep(0.3)  # the waiter is waiting
+    released_at = time.monotonic()
+    assert release()
+    thread.join(20)
+    assert woke, "the waiter never got the lock"
+    return woke[0] - released_at
 
 
 def test_cluster_locks_keys_on_every_node_with_shared_hash_tags(
@@ -86,21 +108,7 @@ def test_cluster_release_on_one_node_wakes_a_waiter_subscribed_elsewhere(
         holder = lock(key, ttl=30, store=cluster_alias)
         assert holder.acquire()
         _wait_push(waiter_store, key)
-        woke: list[float] = []
-
-        def wait() -> None:
-            handle = lock(key, ttl=30, store=alias)
-            if handle.acquire(timeout=15, retry_delay=10):
-                woke.append(time.monotonic())
-                handle.release()
-
-        thread = threading.Thread(target=wait)
-        thread.start()
-        time.sleep(0.3)
-        released_at = time.monotonic()
-        assert holder.release()
-        thread.join(20)
-        assert woke and woke[0] - released_at < 0.5, woke
+        assert _wake_after(alias, key, holder.release) < 0.5
     finally:
         set_lock_store(None, alias)
         waiter_store.close()
@@ -161,26 +169,14 @@ def test_sentinel_client_is_reused_and_locks_land_on_the_master(
     store = get_lock_store(sentinel_alias)
     assert isinstance(store, RedisLockStore)
     _wait_push(store, key)
-    woke: list[float] = []
-
-    def wait() -> None:
-        other = lock(key, ttl=30, store=sentinel_alias)
-        if other.acquire(timeout=15, retry_delay=10):
-            woke.append(time.monotonic())
-            other.release()
-
-    thread = threading.Thread(target=wait)
-    thread.start()
-    time.sleep(0.3)
-    released_at = time.monotonic()
     # Released by a plain client on the master, as another server would: only pub/sub tells us.
     plain = RedisLockStore("plain", {"URL": master.url})
     try:
-        assert plain.release(key, handle.owner or "")
+        assert (
+            _wake_after(sentinel_alias, key, lambda: plain.release(key, handle.owner or "")) < 0.5
+        )
     finally:
         plain.close()
-    thread.join(20)
-    assert woke and woke[0] - released_at < 0.5, woke
 
 
 async def test_sentinel_async_methods_use_an_async_sentinel_client(
