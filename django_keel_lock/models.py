@@ -15,6 +15,10 @@ class Lock(models.Model):
     fence = models.BigIntegerField()
     acquired_at = models.DateTimeField()
     expires_at = models.DateTimeField()
+    #: PostgreSQL: someone failed to take this lock since its holder took it, so releasing it
+    #: must NOTIFY (a lock nobody waits for is released without one); NULL means no. Unused
+    #: elsewhere. Nullable so adding it is instant and code from before it can still insert.
+    waiting = models.BooleanField(null=True, default=None)
 
     class Meta:
         db_table = "django_keel_lock_lock"

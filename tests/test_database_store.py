@@ -256,6 +256,84 @@ def _backend_id(wrapper: Any) -> int:
     return value
 
 
+def _prepared_statements(store: DatabaseLockStore) -> list[str]:
+    """The prepared statements on the calling thread's lock connection (server-side view)."""
+    wrapper, _ = store._wrapper()
+    with wrapper.connection.cursor() as cursor:
+        cursor.execute("SELECT name FROM pg_prepared_statements ORDER BY name")
+        return [row[0] for row in cursor.fetchall()]
+
+
+@pytest.fixture
+def postgres_alias_with() -> Iterator[Callable[[dict[str, Any]], str]]:
+    """Register a copy of the `postgres` database alias with other driver OPTIONS; its name."""
+    added: list[str] = []
+
+    def add(options: dict[str, Any]) -> str:
+        alias = f"postgres-{len(added)}"
+        config = {**connections.settings["postgres"], "OPTIONS": options}
+        connections.settings[alias] = config
+        added.append(alias)
+        return alias
+
+    yield add
+    for alias in added:
+        connections[alias].close()
+        del connections.settings[alias]
+
+
+@needs_store("postgres")
+def test_postgres_hot_statements_are_prepared_once_per_connection(key: str) -> None:
+    store = DatabaseLockStore("prepared", {"DATABASE": "postgres"})
+    try:
+        for _ in range(3):
+            assert store.acquire(key, "owner", "holder", 30).acquired
+            assert store.extend(key, "owner", 30)
+            assert store.release(key, "owner")
+        names = _prepared_statements(store)
+        assert len([n for n in names if n.startswith("keel_lock_")]) == 3, names
+    finally:
+        store.close()
+
+
+@needs_store("postgres")
+def test_postgres_prepare_threshold_none_prepares_nothing_and_still_locks(
+    key: str, postgres_alias_with: Callable[[dict[str, Any]], str]
+) -> None:
+    """pgbouncer in transaction mode needs prepared statements off; the user's choice wins."""
+    database = postgres_alias_with({"prepare_threshold": None})
+    store = DatabaseLockStore("unprepared", {"DATABASE": database})
+    other = DatabaseLockStore("other", {"DATABASE": "postgres"})
+    try:
+        for _ in range(3):
+            first = store.acquire(key, "a", "holder", 30)
+            assert first.acquired
+            assert not other.acquire(key, "b", "holder", 30).acquired
+            assert store.extend(key, "a", 30)
+            assert store.release(key, "a")
+            assert not store.release(key, "a")
+        assert _prepared_statements(store) == []
+    finally:
+        store.close()
+        other.close()
+
+
+@needs_store("postgres")
+def test_postgres_prepared_statements_gone_from_the_session_are_recovered(key: str) -> None:
+    """DISCARD ALL (a pooler resetting the session) drops them: the next call reconnects."""
+    store = DatabaseLockStore("discarded", {"DATABASE": "postgres"})
+    try:
+        assert store.acquire(key, "owner", "holder", 30).acquired
+        wrapper, _ = store._wrapper()
+        with wrapper.connection.cursor() as cursor:
+            cursor.execute("DISCARD ALL")
+        assert store.release(key, "owner")
+        assert store.acquire(key, "owner2", "holder", 30).acquired
+        assert store.release(key, "owner2")
+    finally:
+        store.close()
+
+
 @needs_store("postgres")
 def test_durable_false_store_locks_the_same_way(key: str) -> None:
     fast, durable = lock(key, store="postgres-fast"), lock(key, store="postgres")
@@ -377,3 +455,73 @@ def test_a_forked_child_closing_the_store_leaves_the_parents_connection_alone(ke
     assert _backend_id(wrapper) == backend  # same session, not killed and reopened
     assert store.release(key, "parent")
     store.close()
+
+
+@pytest.fixture
+def postgres_notifications() -> Iterator[Callable[[str], Callable[[], int]]]:
+    """LISTEN on a key's release channel from a connection of our own; a counter of NOTIFYs."""
+    import psycopg
+
+    from django_keel_lock.stores.database import release_channel
+
+    settings = connections["postgres"].settings_dict
+    raw = psycopg.connect(
+        host=settings["HOST"],
+        port=settings["PORT"],
+        user=settings["USER"],
+        dbname=settings["NAME"],
+        autocommit=True,
+    )
+
+    def listen(key: str) -> Callable[[], int]:
+        raw.execute(f"LISTEN {release_channel(key)}")
+
+        def count() -> int:
+            return len(list(raw.notifies(timeout=0.3)))
+
+        return count
+
+    yield listen
+    raw.close()
+
+
+@needs_store("postgres")
+@pytest.mark.django_db(databases="__all__", transaction=True)
+def test_postgres_release_notifies_only_when_someone_failed_to_get_the_lock(
+    key: str, postgres_notifications: Callable[[str], Callable[[], int]]
+) -> None:
+    store = get_lock_store("postgres")
+    notifies = postgres_notifications(key)
+    assert store.acquire(key, "a", "h", 30).acquired
+    assert store.release(key, "a")
+    assert notifies() == 0  # nobody waited: no NOTIFY
+    assert store.acquire(key, "a2", "h", 30).acquired
+    assert not store.acquire(key, "b", "h", 30).acquired  # a waiter's failed attempt
+    assert not store.acquire(key, "c", "h", 30).acquired
+    assert store.acquire(key, "a2", "h", 30).acquired  # the holder's own retry keeps the flag
+    assert store.release(key, "a2")
+    assert notifies() == 1
+    assert store.acquire(key, "b", "h", 30).acquired  # a new holder lowers the flag...
+    assert not store.acquire(key, "c", "h", 30).acquired  # ...until the next waiter fails
+    assert store.release(key, "b")
+    assert notifies() == 1
+    assert store.acquire(key, "c", "h", 30).acquired
+    assert store.release(key, "c")
+    assert notifies() == 0
+
+
+def test_migrations_match_the_model() -> None:
+    from django.core.management import call_command
+
+    call_command("makemigrations", "django_keel_lock", "--check", "--dry-run", verbosity=0)
+
+
+@pytest.mark.django_db(databases="__all__", transaction=True)
+def test_sqlite_keeps_its_fence_index_through_the_migrations() -> None:
+    with connections["default"].cursor() as cursor:
+        cursor.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = %s",
+            ["django_keel_lock_lock"],
+        )
+        names = {row[0] for row in cursor.fetchall()}
+    assert "django_keel_lock_lock_fence" in names, names

@@ -4,7 +4,9 @@ Three rules shape this module:
 - The database's clock decides expiry; the app server's clock is never read.
 - Locks live outside the caller's transaction: each thread gets its own autocommit connection,
   so a lock taken inside `atomic()` is visible at once and survives the caller's rollback.
-- One statement per operation (MariaDB: two for acquire), talking to the driver directly.
+- One statement per operation (MariaDB: two for acquire), talking to the driver directly; on
+  PostgreSQL with psycopg 3, acquire, release and extend go straight to libpq as statements
+  prepared once per connection, skipping the cursor layer (about 40 µs a statement).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import threading
 import time
 import weakref
@@ -73,6 +76,12 @@ _INFO = "key, owner, holder, fence, acquired_at, {remaining}"
 class PostgresDialect(Dialect):
     vendor = "postgresql"
     _remaining = "EXTRACT(EPOCH FROM (expires_at - clock_timestamp()))::float8"
+    # A failed attempt also raises the row's `waiting` flag (`mark`, under the row lock the
+    # upsert took), and only a release that finds it raised NOTIFYs: a lock nobody waits for is
+    # released without one (NOTIFY serialises every notifying commit in the cluster). The flag
+    # is lowered when another owner takes the row; the waiters that then still wait were woken
+    # by the release before, fail again and raise it again. NULL (rows written before the
+    # column existed) counts as lowered.
     acquire_sql = (
         f"""
         WITH up AS (
@@ -82,9 +91,13 @@ class PostgresDialect(Dialect):
             ON CONFLICT (key) DO UPDATE SET
                 owner = EXCLUDED.owner, holder = EXCLUDED.holder,
                 fence = nextval('{SEQUENCE}'),
-                acquired_at = EXCLUDED.acquired_at, expires_at = EXCLUDED.expires_at
+                acquired_at = EXCLUDED.acquired_at, expires_at = EXCLUDED.expires_at,
+                waiting = l.waiting AND l.owner = EXCLUDED.owner
             WHERE l.expires_at <= clock_timestamp() OR l.owner = EXCLUDED.owner
             RETURNING fence
+        ), mark AS (
+            UPDATE {TABLE} SET waiting = true
+            WHERE key = %s AND waiting IS NOT TRUE AND NOT EXISTS (SELECT 1 FROM up)
         )
         SELECT fence, NULL::float8 FROM up
         UNION ALL
@@ -95,12 +108,9 @@ class PostgresDialect(Dialect):
     # Release marks the row expired rather than deleting it, so the next acquirer goes through
     # the UPDATE branch and draws its fence after it holds the row lock.
     release_sql = f"""
-        WITH r AS (
-            UPDATE {TABLE} SET expires_at = clock_timestamp()
-            WHERE key = %s AND owner = %s AND expires_at > clock_timestamp()
-            RETURNING key
-        )
-        SELECT pg_notify('{CHANNEL_PREFIX}' || md5(key), '') FROM r
+        UPDATE {TABLE} SET expires_at = clock_timestamp()
+        WHERE key = %s AND owner = %s AND expires_at > clock_timestamp()
+        RETURNING CASE WHEN waiting IS TRUE THEN pg_notify('{CHANNEL_PREFIX}' || md5(key), '') END
     """
     extend_sql = f"""
         UPDATE {TABLE}
@@ -119,7 +129,7 @@ class PostgresDialect(Dialect):
     prune_sql = f"DELETE FROM {TABLE} WHERE expires_at <= clock_timestamp()"
 
     def acquire_params(self, key: str, owner: str, holder: str, ttl: float) -> list[Sequence[Any]]:
-        return [(key, owner, holder, ttl, key)]
+        return [(key, owner, holder, ttl, key, key)]
 
 
 class MySQLDialect(Dialect):
@@ -276,6 +286,18 @@ class DatabaseLockStore(LockStore):
         settings["OPTIONS"] = options
         return settings
 
+    def _direct_possible(self, settings: Mapping[str, Any]) -> bool:
+        """Whether the hot statements may be prepared once per connection and run through
+        libpq itself: psycopg 3, and prepared statements not turned off (pgbouncer in
+        transaction mode needs `"prepare_threshold": None`)."""
+        base = connections[self.database]
+        options = settings.get("OPTIONS") or {}
+        return (
+            base.vendor == "postgresql"
+            and _is_psycopg3(base)
+            and options.get("prepare_threshold") is not None
+        )
+
     def _new_wrapper(self) -> Any:
         base = connections[self.database]
         wrapper = type(base)(self._connection_settings(), self.database)
@@ -296,7 +318,12 @@ class DatabaseLockStore(LockStore):
             return conn.wrapper, False
         # A forked child must never use (or close) its parent's socket.
         wrapper = self._new_wrapper()
-        conn = local.conn = _ThreadConnection(wrapper, wrapper.connection.cursor())
+        direct = (
+            _Direct(wrapper.connection.pgconn)
+            if self._direct_possible(wrapper.settings_dict)
+            else None
+        )
+        conn = local.conn = _ThreadConnection(wrapper, wrapper.connection.cursor(), direct)
         # When the thread ends its thread-local goes, and with it the connection.
         weakref.finalize(conn, _close_quietly, wrapper, conn.pid)
         with self._mutex:
@@ -324,8 +351,14 @@ class DatabaseLockStore(LockStore):
             dialect = self._dialect = DIALECTS[vendor]()
         return dialect
 
-    def _execute(self, statements: Sequence[tuple[str, Sequence[Any]]]) -> tuple[list[Row], int]:
+    def _execute(
+        self, statements: Sequence[tuple[str, Sequence[Any]]], hot: bool = False
+    ) -> tuple[list[Row], int]:
         """Run statements in autocommit; (rows of the last, its rowcount).
+
+        `hot` statements (acquire, release, extend: they return only numbers) take the
+        connection's direct libpq path where it has one; their values may then come back as
+        bytes, which int() and float() read alike.
 
         Every operation here is idempotent for the same owner, so a failure on a connection
         that had sat idle (the server restarted, a proxy dropped it) is retried once on a fresh
@@ -340,8 +373,11 @@ class DatabaseLockStore(LockStore):
                 raise LockStoreUnavailable(
                     f"lock store {self.alias!r} cannot connect to database {self.database!r}: {exc}"
                 ) from exc
-            cursor = self._local.conn.cursor
+            conn: _ThreadConnection = self._local.conn
             try:
+                if hot and conn.direct is not None:
+                    return conn.direct.execute(statements, wrapper.Database.OperationalError)
+                cursor = conn.cursor
                 for sql, params in statements:
                     cursor.execute(sql, params)
                 rows = cursor.fetchall() if cursor.description else []
@@ -358,7 +394,7 @@ class DatabaseLockStore(LockStore):
     def acquire(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
         dialect = self.dialect
         params = dialect.acquire_params(key, owner, holder, ttl)
-        rows, _ = self._execute(list(zip(dialect.acquire_sql, params, strict=True)))
+        rows, _ = self._execute(list(zip(dialect.acquire_sql, params, strict=True)), hot=True)
         if not rows:
             return AcquireResult(None)
         fence, retry_in = rows[0][0], rows[0][1]
@@ -367,7 +403,7 @@ class DatabaseLockStore(LockStore):
         return AcquireResult(None, None if retry_in is None else max(0.0, float(retry_in)))
 
     def release(self, key: str, owner: str) -> bool:
-        _, count = self._execute([(self.dialect.release_sql, (key, owner))])
+        _, count = self._execute([(self.dialect.release_sql, (key, owner))], hot=True)
         released = count > 0
         if released:
             self.wake_board.wake(key)
@@ -375,7 +411,9 @@ class DatabaseLockStore(LockStore):
 
     def extend(self, key: str, owner: str, ttl: float) -> bool:
         dialect = self.dialect
-        _, count = self._execute([(dialect.extend_sql, dialect.extend_params(key, owner, ttl))])
+        _, count = self._execute(
+            [(dialect.extend_sql, dialect.extend_params(key, owner, ttl))], hot=True
+        )
         return count > 0
 
     def get(self, key: str) -> LockInfo | None:
@@ -433,12 +471,82 @@ def _is_psycopg3(wrapper: Any) -> bool:
 
 
 class _ThreadConnection:
-    """One thread's connection and the cursor it reuses (a cursor per call costs ~10%)."""
+    """One thread's connection, the cursor it reuses (a cursor per call costs ~10%) and, on
+    PostgreSQL with psycopg 3, its direct libpq path."""
 
-    __slots__ = ("__weakref__", "cursor", "pid", "wrapper")
+    __slots__ = ("__weakref__", "cursor", "direct", "pid", "wrapper")
 
-    def __init__(self, wrapper: Any, cursor: Any) -> None:
-        self.wrapper, self.cursor, self.pid = wrapper, cursor, os.getpid()
+    def __init__(self, wrapper: Any, cursor: Any, direct: _Direct | None = None) -> None:
+        self.wrapper, self.cursor, self.direct, self.pid = wrapper, cursor, direct, os.getpid()
+
+
+_PLACEHOLDER = re.compile(r"%s")
+
+
+class _Direct:
+    """Statements prepared on one psycopg 3 connection and run by libpq itself.
+
+    psycopg's cursor spends about 40 µs a statement in Python (adapting, describing, building
+    rows); a lock statement needs none of it: its parameters are a few strings and numbers, and
+    what comes back is a number or NULL. The blocking libpq call releases the GIL like
+    psycopg's own wait does. Only the store's own thread uses this connection.
+    """
+
+    __slots__ = ("names", "pgconn")
+
+    def __init__(self, pgconn: Any) -> None:
+        self.pgconn = pgconn
+        self.names: dict[str, bytes] = {}  # SQL text -> its prepared statement's name
+
+    def _prepare(self, sql: str, error: type[Exception]) -> bytes:
+        name = f"keel_lock_{hashlib.md5(sql.encode()).hexdigest()[:16]}".encode()
+        numbered = _PLACEHOLDER.sub(_Numbering(), sql)
+        self._check(self.pgconn.prepare(name, numbered.encode()), error)
+        self.names[sql] = name
+        return name
+
+    def execute(
+        self, statements: Sequence[tuple[str, Sequence[Any]]], error: type[Exception]
+    ) -> tuple[list[Row], int]:
+        result: Any = None
+        for sql, params in statements:
+            name = self.names.get(sql) or self._prepare(sql, error)
+            values = [None if p is None else str(p).encode() for p in params]
+            result = self.pgconn.exec_prepared(name, values)
+            if result.status not in _RESULT_OK:
+                self._check(result, error)
+        if result is None:
+            return [], 0
+        fields = result.nfields
+        if fields == 0:  # UPDATE and the like: no rows, a count
+            return [], result.command_tuples or 0
+        get = result.get_value
+        rows: list[Row] = [
+            tuple(get(row, col) for col in range(fields)) for row in range(result.ntuples)
+        ]
+        return rows, len(rows)
+
+    @staticmethod
+    def _check(result: Any, error: type[Exception]) -> Any:
+        if result.status not in _RESULT_OK:
+            message = (result.error_message or b"").decode("utf-8", "replace").strip()
+            raise error(message or f"libpq status {result.status}")
+        return result
+
+
+# libpq's PGRES_COMMAND_OK and PGRES_TUPLES_OK (fixed by libpq's ABI).
+_RESULT_OK = frozenset({1, 2})
+
+
+class _Numbering:
+    """Turns the driver's %s placeholders into PostgreSQL's $1, $2, ... in order."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, match: re.Match[str]) -> str:
+        self.count += 1
+        return f"${self.count}"
 
 
 def _close_quietly(wrapper: Any, pid: int) -> None:
