@@ -233,7 +233,7 @@ def test_connection_killed_by_the_server_is_replaced_transparently(
     assert isinstance(store, DatabaseLockStore)
     handle = lock(key, store=server_alias)
     assert handle.acquire()
-    wrapper, _ = store._wrapper()
+    wrapper = store._connection()[0].wrapper
     with connections[store.database].cursor() as cursor:
         pid = _backend_id(wrapper)
         kill = (
@@ -258,7 +258,7 @@ def _backend_id(wrapper: Any) -> int:
 
 def _prepared_statements(store: DatabaseLockStore) -> list[str]:
     """The prepared statements on the calling thread's lock connection (server-side view)."""
-    wrapper, _ = store._wrapper()
+    wrapper = store._connection()[0].wrapper
     with wrapper.connection.cursor() as cursor:
         cursor.execute("SELECT name FROM pg_prepared_statements ORDER BY name")
         return [row[0] for row in cursor.fetchall()]
@@ -324,7 +324,7 @@ def test_postgres_prepared_statements_gone_from_the_session_are_recovered(key: s
     store = DatabaseLockStore("discarded", {"DATABASE": "postgres"})
     try:
         assert store.acquire(key, "owner", "holder", 30).acquired
-        wrapper, _ = store._wrapper()
+        wrapper = store._connection()[0].wrapper
         with wrapper.connection.cursor() as cursor:
             cursor.execute("DISCARD ALL")
         assert store.release(key, "owner")
@@ -366,7 +366,7 @@ def test_unknown_option_names_the_option() -> None:
 def test_closing_the_store_inside_an_event_loop_frees_its_connections(key: str) -> None:
     store = DatabaseLockStore("closing", {"DATABASE": "postgres"})
     assert store.acquire(key, "owner", "holder", 30).acquired
-    wrapper, _ = store._wrapper()
+    wrapper = store._connection()[0].wrapper
     backend = _backend_id(wrapper)
     assert store.release(key, "owner")
 
@@ -445,7 +445,7 @@ def test_threads_that_end_take_their_connection_with_them(key: str) -> None:
 def test_a_forked_child_closing_the_store_leaves_the_parents_connection_alone(key: str) -> None:
     store = DatabaseLockStore("forked", {"DATABASE": "postgres"})
     assert store.acquire(key, "parent", "h", 30).acquired
-    wrapper, _ = store._wrapper()
+    wrapper = store._connection()[0].wrapper
     backend = _backend_id(wrapper)
     pid = os.fork()
     if pid == 0:  # the child: close the inherited store, then leave without cleanup

@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import re
-import threading
 import time
-import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -26,7 +23,7 @@ from django.core.exceptions import ImproperlyConfigured, SynchronousOnlyOperatio
 from django.db import connections
 
 from ..exceptions import LockStoreUnavailable
-from .base import AcquireResult, LockInfo, LockStore, ReleaseListener
+from .base import AcquireResult, LockInfo, LockStore, PerThread, ReleaseListener
 
 logger = logging.getLogger("django_keel_lock")
 
@@ -261,9 +258,7 @@ class DatabaseLockStore(LockStore):
                 f"DATABASES (configured: {', '.join(connections.settings)})"
             )
         self.durable = bool(self.options.get("DURABLE", True))
-        self._local = threading.local()
-        self._mutex = threading.Lock()
-        self._connections: weakref.WeakSet[_ThreadConnection] = weakref.WeakSet()
+        self._threads: PerThread[_ThreadConnection] = PerThread(_close_connection)
         self.push_possible = True  # False once the driver turned out to have no LISTEN (psycopg2)
 
     # -- connections ----------------------------------------------------------------------
@@ -310,33 +305,18 @@ class DatabaseLockStore(LockStore):
                 cursor.execute("SET synchronous_commit TO OFF")
         return wrapper
 
-    def _wrapper(self) -> tuple[Any, bool]:
+    def _connection(self) -> tuple[_ThreadConnection, bool]:
         """This thread's own autocommit connection; True if it was opened just now."""
-        local = self._local
-        conn: _ThreadConnection | None = getattr(local, "conn", None)
-        if conn is not None and conn.pid == os.getpid():
-            return conn.wrapper, False
-        # A forked child must never use (or close) its parent's socket.
+        conn = self._threads.get()
+        if conn is not None:
+            return conn, False
         wrapper = self._new_wrapper()
         direct = (
             _Direct(wrapper.connection.pgconn)
             if self._direct_possible(wrapper.settings_dict)
             else None
         )
-        conn = local.conn = _ThreadConnection(wrapper, wrapper.connection.cursor(), direct)
-        # When the thread ends its thread-local goes, and with it the connection.
-        weakref.finalize(conn, _close_quietly, wrapper, conn.pid)
-        with self._mutex:
-            self._connections.add(conn)
-        return wrapper, True
-
-    def _drop(self, wrapper: Any) -> None:
-        conn = getattr(self._local, "conn", None)
-        self._local.conn = None
-        with self._mutex:
-            if conn is not None:
-                self._connections.discard(conn)
-        _close_quietly(wrapper, os.getpid())
+        return self._threads.put(_ThreadConnection(wrapper, direct)), True
 
     @property
     def dialect(self) -> Dialect:
@@ -366,24 +346,24 @@ class DatabaseLockStore(LockStore):
         """
         for attempt in (1, 2):
             try:
-                wrapper, fresh = self._wrapper()
+                conn, fresh = self._connection()
             except SynchronousOnlyOperation:
                 raise  # a programming error (sync call in async code), not an outage
             except Exception as exc:
                 raise LockStoreUnavailable(
                     f"lock store {self.alias!r} cannot connect to database {self.database!r}: {exc}"
                 ) from exc
-            conn: _ThreadConnection = self._local.conn
+            database = conn.wrapper.Database
             try:
                 if hot and conn.direct is not None:
-                    return conn.direct.execute(statements, wrapper.Database.OperationalError)
+                    return conn.direct.execute(statements, database.OperationalError)
                 cursor = conn.cursor
                 for sql, params in statements:
                     cursor.execute(sql, params)
                 rows = cursor.fetchall() if cursor.description else []
                 return rows, cursor.rowcount
-            except wrapper.Database.Error as exc:
-                self._drop(wrapper)
+            except database.Error as exc:
+                self._threads.drop()
                 if fresh or attempt == 2:
                     raise LockStoreUnavailable(
                         f"lock store {self.alias!r} (database {self.database!r}) failed: {exc}"
@@ -459,11 +439,7 @@ class DatabaseLockStore(LockStore):
 
     def close(self) -> None:
         self.stop_listener()
-        with self._mutex:
-            conns, self._connections = list(self._connections), weakref.WeakSet()
-        for conn in conns:
-            _close_quietly(conn.wrapper, conn.pid)
-        self._local = threading.local()
+        self._threads.close_all()
 
 
 def _is_psycopg3(wrapper: Any) -> bool:
@@ -474,10 +450,10 @@ class _ThreadConnection:
     """One thread's connection, the cursor it reuses (a cursor per call costs ~10%) and, on
     PostgreSQL with psycopg 3, its direct libpq path."""
 
-    __slots__ = ("__weakref__", "cursor", "direct", "pid", "wrapper")
+    __slots__ = ("cursor", "direct", "wrapper")
 
-    def __init__(self, wrapper: Any, cursor: Any, direct: _Direct | None = None) -> None:
-        self.wrapper, self.cursor, self.direct, self.pid = wrapper, cursor, direct, os.getpid()
+    def __init__(self, wrapper: Any, direct: _Direct | None = None) -> None:
+        self.wrapper, self.cursor, self.direct = wrapper, wrapper.connection.cursor(), direct
 
 
 _PLACEHOLDER = re.compile(r"%s")
@@ -549,19 +525,12 @@ class _Numbering:
         return f"${self.count}"
 
 
-def _close_quietly(wrapper: Any, pid: int) -> None:
-    """Close the driver connection itself, only in the process that opened it (a forked child
-    closing it would end its parent's session). Django's close() would refuse to run inside an
+def _close_connection(conn: _ThreadConnection) -> None:
+    """Close the driver connection itself: Django's close() would refuse to run inside an
     event loop (override_settings in an async test, an ASGI shutdown) and leak it."""
-    if pid != os.getpid():
-        return
-    raw = wrapper.connection
-    wrapper.connection = None
+    raw, conn.wrapper.connection = conn.wrapper.connection, None
     if raw is not None:
-        try:
-            raw.close()
-        except Exception:  # already broken: nothing more to free
-            pass
+        raw.close()
 
 
 def release_channel(key: str) -> str:
