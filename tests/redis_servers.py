@@ -215,8 +215,9 @@ def redis_sentinel(service: str = "keelmaster") -> Iterator[tuple[RedisServer, R
 class FaultyProxy:
     """A TCP proxy in front of a server whose behaviour the test switches at will:
     "pass" forwards both ways; "drop_replies" forwards requests but closes the client's
-    connection instead of passing a reply (the command ran, its answer is lost); "stall"
-    holds every byte in both directions without closing anything."""
+    connection instead of passing a reply (the command ran, its answer is lost);
+    "drop_one_reply" does that once, then passes again; "stall" holds every byte in both
+    directions without closing anything."""
 
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port
@@ -259,7 +260,9 @@ class FaultyProxy:
                     break
                 while self.mode == "stall" and not self._closing.is_set():
                     time.sleep(0.01)
-                if reply and self.mode == "drop_replies":
+                if reply and self.mode in ("drop_replies", "drop_one_reply"):
+                    if self.mode == "drop_one_reply":
+                        self.mode = "pass"
                     break
                 sink.sendall(data)
         except OSError:

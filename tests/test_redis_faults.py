@@ -13,6 +13,8 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+from django.conf import settings
+from django.test import override_settings
 
 from django_keel_lock import Lock, LockStoreUnavailable, lock, set_lock_store
 from django_keel_lock.stores import RedisLockStore
@@ -193,6 +195,44 @@ def test_lost_release_reply_keeps_the_owner_and_never_gives_two_owners(
     info = store.get(key)
     assert info is not None and info.owner == other.owner
     assert other.release()
+
+
+def test_a_lost_release_reply_is_not_retried_behind_our_back_by_the_cache_client(
+    proxy: FaultyProxy, key: str
+) -> None:
+    """A project may give its django-redis pool retries; a release retried after its reply was
+    lost finds its own release done and would report the lock lost. The scripts skip those
+    retries: the caller hears of the outage and Redis has released the lock once."""
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    caches = {
+        **settings.CACHES,
+        "faulty": {
+            "BACKEND": "django_redis.cache.RedisCache",
+            "LOCATION": proxy.url,
+            "OPTIONS": {
+                "SOCKET_TIMEOUT": 1,
+                "CONNECTION_POOL_KWARGS": {"retry": Retry(NoBackoff(), 3)},
+            },
+        },
+    }
+    with override_settings(CACHES=caches):
+        alias = f"fault-{uuid.uuid4().hex[:8]}"
+        store = RedisLockStore(alias, {"CONNECTION": "faulty"})
+        set_lock_store(store, alias)
+        try:
+            held = lock(key, ttl=30, store=alias)
+            assert held.acquire()
+            proxy.mode = "drop_one_reply"
+            with pytest.raises(LockStoreUnavailable):
+                held.release()
+            assert held.held and not held.lost  # not reported lost: Redis never answered
+            assert store.get(key) is None  # the one release that ran did release it
+            assert lock(key, store=alias).run(lambda: 1) == (True, 1)
+        finally:
+            set_lock_store(None, alias)
+            store.close()
 
 
 def test_stalled_connection_times_out_with_a_clear_error_and_no_double_owner(
