@@ -12,11 +12,11 @@ import pytest
 import redis
 from django.test import override_settings
 
-from django_keel_lock import get_lock_store, lock, set_lock_store
+from django_keel_lock import LockStoreUnavailable, get_lock_store, lock, set_lock_store
 from django_keel_lock.stores import RedisLockStore
 
 from .conftest import needs
-from .redis_servers import REDIS_SERVER, RedisServer, redis_cluster, redis_sentinel
+from .redis_servers import REDIS_SERVER, FaultyProxy, RedisServer, redis_cluster, redis_sentinel
 
 pytestmark = needs(os.path.exists(REDIS_SERVER), "the redis-server binary")
 
@@ -95,6 +95,49 @@ def test_cluster_locks_keys_on_every_node_with_shared_hash_tags(
         assert again.release()
     finally:
         client.close()
+
+
+def test_cluster_release_whose_reply_is_lost_is_an_error_not_a_retried_false(key: str) -> None:
+    """redis-py's cluster client retries a command whose connection dropped; a retried release
+    finds its own release done and would report the lock lost. The store's cluster client does
+    not retry: the caller hears LockStoreUnavailable, and Redis released the lock once."""
+    with redis_cluster(3) as nodes:
+        # Clients reach node 1 only through a proxy: it announces the proxy's port.
+        proxy = FaultyProxy(nodes[1].port)
+        nodes[1].cli("config", "set", "cluster-announce-bus-port", str(nodes[1].port + 10000))
+        nodes[1].cli("config", "set", "cluster-announce-port", str(proxy.port))
+        deadline = time.monotonic() + 20
+        while str(proxy.port) not in nodes[0].cli("cluster", "nodes"):
+            assert time.monotonic() < deadline, "node 1 never announced the proxy"
+            time.sleep(0.1)
+        store = RedisLockStore("cluster-lost", {"URL": nodes[0].url, "CLUSTER": True})
+        client: redis.RedisCluster[bytes] = redis.RedisCluster.from_url(nodes[0].url)
+        try:
+            name = next(
+                f"{key}:{index}"
+                for index in range(500)
+                if client.nodes_manager.get_node_from_slot(  # type: ignore[arg-type]
+                    client.keyslot(store._names(f"{key}:{index}")[0])
+                ).port
+                == proxy.port
+            )
+            held = lock(name, ttl=30, store=_alias_for(store))
+            assert held.acquire()
+            proxy.mode = "drop_one_reply"
+            with pytest.raises(LockStoreUnavailable):
+                held.release()
+            assert held.held and not held.lost  # not reported lost: Redis never answered
+            assert store.get(name) is None  # the one release that ran did release it
+        finally:
+            set_lock_store(None, "cluster-lost")
+            client.close()
+            store.close()
+            proxy.close()
+
+
+def _alias_for(store: RedisLockStore) -> str:
+    set_lock_store(store, store.alias)
+    return store.alias
 
 
 def test_cluster_release_on_one_node_wakes_a_waiter_subscribed_elsewhere(

@@ -301,7 +301,12 @@ class RedisLockStore(LockStore):
     def _build_client(self) -> Any:
         if self.url is not None:
             if self.cluster:
-                return redis.RedisCluster.from_url(self.url, **self._url_kwargs())
+                # No command retries here either; a node that fails still makes the client
+                # rediscover the cluster before the error reaches us, so the next call goes
+                # to the new master.
+                return redis.RedisCluster.from_url(
+                    self.url, retry=Retry(NoBackoff(), 0), **self._url_kwargs()
+                )
             return redis.Redis.from_url(self.url, retry=Retry(NoBackoff(), 0), **self._url_kwargs())
         from django_redis import get_redis_connection
 
@@ -486,7 +491,9 @@ class RedisLockStore(LockStore):
         if self.url is not None:
             url, kwargs = self.url, self._url_kwargs()
             if self.cluster:
-                factory = lambda: redis.asyncio.RedisCluster.from_url(url, **kwargs)  # noqa: E731
+                factory = lambda: redis.asyncio.RedisCluster.from_url(  # noqa: E731
+                    url, retry=Retry(NoBackoff(), 0), **kwargs
+                )
             else:
                 retry = AsyncRetry(NoBackoff(), 0)
                 factory = lambda: redis.asyncio.Redis(  # noqa: E731
