@@ -285,6 +285,25 @@ class FaultyProxy:
                     pass
 
 
+def check_lost_release_reply(proxy: FaultyProxy, store: Any, key: str) -> None:
+    """Take `key` through `store` (registered under its alias), then lose the release's reply
+    once: the caller hears LockStoreUnavailable, the handle still holds the lock (it is not
+    reported lost: Redis never answered), and Redis released it exactly once."""
+    from django_keel_lock import LockStoreUnavailable, lock
+
+    held = lock(key, ttl=30, store=store.alias)
+    assert held.acquire()
+    proxy.mode = "drop_one_reply"
+    try:
+        held.release()
+    except LockStoreUnavailable:
+        pass
+    else:
+        raise AssertionError("a release whose reply was lost did not raise LockStoreUnavailable")
+    assert held.held and not held.lost
+    assert store.get(key) is None
+
+
 # -- child-process workers ----------------------------------------------------------------
 
 
