@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import inspect
 import logging
 import os
 import re
@@ -304,8 +305,10 @@ class RedisLockStore(LockStore):
                 # No command retries here either; a node that fails still makes the client
                 # rediscover the cluster before the error reaches us, so the next call goes
                 # to the new master.
-                return redis.RedisCluster.from_url(
-                    self.url, retry=Retry(NoBackoff(), 0), **self._url_kwargs()
+                return _no_cluster_retries(
+                    redis.RedisCluster.from_url(
+                        self.url, retry=Retry(NoBackoff(), 0), **self._url_kwargs()
+                    )
                 )
             return redis.Redis.from_url(self.url, retry=Retry(NoBackoff(), 0), **self._url_kwargs())
         from django_redis import get_redis_connection
@@ -491,8 +494,12 @@ class RedisLockStore(LockStore):
         if self.url is not None:
             url, kwargs = self.url, self._url_kwargs()
             if self.cluster:
-                factory = lambda: redis.asyncio.RedisCluster.from_url(  # noqa: E731
-                    url, retry=Retry(NoBackoff(), 0), **kwargs
+                factory = lambda: _no_cluster_retries(  # noqa: E731
+                    redis.asyncio.RedisCluster.from_url(
+                        url,
+                        retry=AsyncRetry(NoBackoff(), 0),  # type: ignore[arg-type]  # old stubs
+                        **kwargs,
+                    )
                 )
             else:
                 retry = AsyncRetry(NoBackoff(), 0)
@@ -684,8 +691,12 @@ class _RedisListener(ReleaseListener):
     def listen(self) -> None:
         store = self.store
         pool = _pubsub_pool(store._client())
-        conn = pool.get_connection()
+        conn = _borrow(pool)
         prefix = store.channel + ":"
+        # RESP3 delivers messages as pushes, which read_response() returns only when asked to
+        # (older redis-py's Sentinel connections do not even take the argument).
+        resp3 = str(getattr(conn, "protocol", 2)) == "3"
+        read: dict[str, Any] = {"push_request": True} if resp3 else {}
 
         def subscribe(keys: list[str]) -> None:
             conn.send_packed_command([_pack(b"SUBSCRIBE", *map(store.release_channel, keys))])
@@ -718,7 +729,7 @@ class _RedisListener(ReleaseListener):
                     for key in single:
                         store.wake_board.wake(key)
                     while True:
-                        self._handle(conn.read_response(push_request=True), prefix)
+                        self._handle(conn.read_response(**read), prefix)
                         if not conn.can_read(timeout=0):
                             break
                 elif now - heard > LISTEN_DEAD:
@@ -751,6 +762,23 @@ class _RedisListener(ReleaseListener):
             else:
                 self.ready.set()
                 board.wake_all()  # a release may have happened while we were (re)connecting
+
+
+def _no_cluster_retries(client: Any) -> Any:
+    """`client` with no command retries: redis-py 6 and later count them in its `retry`
+    (given at construction); earlier versions in this attribute."""
+    if hasattr(client, "cluster_error_retry_attempts"):
+        client.cluster_error_retry_attempts = 0
+    return client
+
+
+def _borrow(pool: Any) -> Any:
+    """A connection from `pool` (redis-py before 5.3 asks for a command name; later versions
+    warn when given one)."""
+    parameter = inspect.signature(pool.get_connection).parameters.get("command_name")
+    if parameter is not None and parameter.default is inspect.Parameter.empty:
+        return pool.get_connection("SUBSCRIBE")
+    return pool.get_connection()
 
 
 def _pubsub_pool(client: Any) -> Any:
