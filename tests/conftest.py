@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -11,7 +12,7 @@ from django.conf import settings
 from django.db import connections
 from django.test.utils import setup_databases, teardown_databases
 
-from django_keel_lock import Lock, get_lock_store, lock
+from django_keel_lock import Lock, get_lock_store, lock, set_lock_store
 from django_keel_lock.conf import reset_stores
 from django_keel_lock.stores import LockStore
 from tests.settings import reachable
@@ -114,3 +115,15 @@ def make_lock(store_alias: str, key: str) -> Callable[..., Lock]:
         return lock(name or key, **kwargs)
 
     return make
+
+
+@contextmanager
+def serving(store: LockStore) -> Iterator[str]:
+    """`store` as the lock store of its own alias while the block runs (yields the alias);
+    then the alias is unset and the store closed."""
+    set_lock_store(store, store.alias)
+    try:
+        yield store.alias
+    finally:
+        set_lock_store(None, store.alias)
+        store.close()

@@ -16,10 +16,10 @@ import pytest
 from django.conf import settings
 from django.test import override_settings
 
-from django_keel_lock import Lock, LockStoreUnavailable, lock, set_lock_store
+from django_keel_lock import Lock, LockStoreUnavailable, lock
 from django_keel_lock.stores import RedisLockStore
 
-from .conftest import needs
+from .conftest import needs, serving
 from .redis_servers import REDIS_SERVER, FaultyProxy, RedisServer, check_lost_release_reply
 
 pytestmark = needs(os.path.exists(REDIS_SERVER), "the redis-server binary")
@@ -32,19 +32,15 @@ def server() -> Iterator[RedisServer]:
     server.stop()
 
 
-def _alias_for(url: str) -> tuple[str, RedisLockStore]:
-    alias = f"fault-{uuid.uuid4().hex[:8]}"
-    store = RedisLockStore(alias, {"URL": url})
-    set_lock_store(store, alias)
-    return alias, store
+def _store(url: str) -> RedisLockStore:
+    return RedisLockStore(f"fault-{uuid.uuid4().hex[:8]}", {"URL": url})
 
 
 @pytest.fixture
 def direct(server: RedisServer) -> Iterator[tuple[str, RedisLockStore]]:
-    alias, store = _alias_for(server.url + "?socket_timeout=1")
-    yield alias, store
-    set_lock_store(None, alias)
-    store.close()
+    store = _store(server.url + "?socket_timeout=1")
+    with serving(store) as alias:
+        yield alias, store
 
 
 @pytest.fixture
@@ -56,13 +52,12 @@ def proxy(server: RedisServer) -> Iterator[FaultyProxy]:
 
 @pytest.fixture
 def proxied(proxy: FaultyProxy) -> Iterator[tuple[str, RedisLockStore]]:
-    alias, store = _alias_for(proxy.url + "?socket_timeout=1")
-    # Warm up: the pooled connection is open and every script loaded, so the faults below
-    # hit the lock scripts themselves, not the handshake or a NOSCRIPT reply.
-    assert lock(f"warm-up:{uuid.uuid4().hex}", store=alias).run(lambda: None).acquired
-    yield alias, store
-    set_lock_store(None, alias)
-    store.close()
+    store = _store(proxy.url + "?socket_timeout=1")
+    with serving(store) as alias:
+        # Warm up: the pooled connection is open and every script loaded, so the faults
+        # below hit the lock scripts themselves, not the handshake or a NOSCRIPT reply.
+        assert lock(f"warm-up:{uuid.uuid4().hex}", store=alias).run(lambda: None).acquired
+        yield alias, store
 
 
 def test_killed_server_while_held_raises_everywhere_and_keeps_the_owner(
@@ -223,15 +218,10 @@ def test_a_lost_release_reply_is_not_retried_behind_our_back_by_the_cache_client
         },
     }
     with override_settings(CACHES=caches):
-        alias = f"fault-{uuid.uuid4().hex[:8]}"
-        store = RedisLockStore(alias, {"CONNECTION": "faulty"})
-        set_lock_store(store, alias)
-        try:
+        store = RedisLockStore(f"fault-{uuid.uuid4().hex[:8]}", {"CONNECTION": "faulty"})
+        with serving(store) as alias:
             check_lost_release_reply(proxy, store, key)
             assert lock(key, store=alias).run(lambda: 1) == (True, 1)
-        finally:
-            set_lock_store(None, alias)
-            store.close()
 
 
 def test_stalled_connection_times_out_with_a_clear_error_and_no_double_owner(
@@ -265,12 +255,8 @@ def test_stalled_connection_times_out_with_a_clear_error_and_no_double_owner(
 def test_connection_refused_from_the_start_is_store_unavailable(key: str) -> None:
     from .redis_servers import free_port
 
-    alias, store = _alias_for(f"redis://127.0.0.1:{free_port()}/0")
-    try:
+    with serving(_store(f"redis://127.0.0.1:{free_port()}/0")) as alias:
         started = time.monotonic()
         with pytest.raises(LockStoreUnavailable, match=r"Connection refused|Error 111"):
             lock(key, store=alias).acquire(timeout=5)
         assert time.monotonic() - started < 3  # an outage is not waited out like contention
-    finally:
-        set_lock_store(None, alias)
-        store.close()

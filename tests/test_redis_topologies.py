@@ -12,10 +12,10 @@ import pytest
 import redis
 from django.test import override_settings
 
-from django_keel_lock import get_lock_store, lock, set_lock_store
+from django_keel_lock import get_lock_store, lock
 from django_keel_lock.stores import RedisLockStore
 
-from .conftest import needs
+from .conftest import needs, serving
 from .redis_servers import (
     REDIS_SERVER,
     FaultyProxy,
@@ -36,12 +36,11 @@ def cluster() -> Iterator[list[RedisServer]]:
 
 @pytest.fixture
 def cluster_alias(cluster: list[RedisServer]) -> Iterator[str]:
-    alias = f"cluster-{uuid.uuid4().hex[:8]}"
-    store = RedisLockStore(alias, {"URL": cluster[0].url, "CLUSTER": True})
-    set_lock_store(store, alias)
-    yield alias
-    set_lock_store(None, alias)
-    store.close()
+    store = RedisLockStore(
+        f"cluster-{uuid.uuid4().hex[:8]}", {"URL": cluster[0].url, "CLUSTER": True}
+    )
+    with serving(store) as alias:
+        yield alias
 
 
 def _wait_push(store: RedisLockStore, key: str) -> None:
@@ -128,12 +127,10 @@ def test_cluster_release_whose_reply_is_lost_is_an_error_not_a_retried_false(key
                 ).port
                 == proxy.port
             )
-            set_lock_store(store, store.alias)
-            check_lost_release_reply(proxy, store, name)
+            with serving(store):
+                check_lost_release_reply(proxy, store, name)
         finally:
-            set_lock_store(None, "cluster-lost")
             client.close()
-            store.close()
             proxy.close()
 
 
@@ -141,17 +138,14 @@ def test_cluster_release_on_one_node_wakes_a_waiter_subscribed_elsewhere(
     cluster: list[RedisServer], cluster_alias: str, key: str
 ) -> None:
     # The waiter's store subscribes through another node than the one holding the key.
-    waiter_store = RedisLockStore("cluster-waiter", {"URL": cluster[2].url, "CLUSTER": True})
-    alias = f"cluster-waiter-{uuid.uuid4().hex[:8]}"
-    set_lock_store(waiter_store, alias)
-    try:
+    waiter_store = RedisLockStore(
+        f"cluster-waiter-{uuid.uuid4().hex[:8]}", {"URL": cluster[2].url, "CLUSTER": True}
+    )
+    with serving(waiter_store) as alias:
         holder = lock(key, ttl=30, store=cluster_alias)
         assert holder.acquire()
         _wait_push(waiter_store, key)
         assert _wake_after(alias, key, holder.release) < 0.5
-    finally:
-        set_lock_store(None, alias)
-        waiter_store.close()
 
 
 async def test_cluster_async_methods(cluster_alias: str, key: str) -> None:

@@ -12,6 +12,7 @@ Three rules shape this module:
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import re
 import time
@@ -476,8 +477,11 @@ class _Direct:
 
     def _prepare(self, sql: str, error: type[Exception]) -> bytes:
         name = f"keel_lock_{hashlib.md5(sql.encode()).hexdigest()[:16]}".encode()
-        numbered = _PLACEHOLDER.sub(_Numbering(), sql)
-        self._check(self.pgconn.prepare(name, numbered.encode()), error)
+        number = itertools.count(1)  # the driver's %s placeholders become $1, $2, ...
+        numbered = _PLACEHOLDER.sub(lambda _: f"${next(number)}", sql)
+        result = self.pgconn.prepare(name, numbered.encode())
+        if result.status not in _RESULT_OK:
+            raise _failure(result, error)
         self.names[sql] = name
         return name
 
@@ -490,7 +494,7 @@ class _Direct:
             values = [None if p is None else str(p).encode() for p in params]
             result = self.pgconn.exec_prepared(name, values)
             if result.status not in _RESULT_OK:
-                self._check(result, error)
+                raise _failure(result, error)
         if result is None:
             return [], 0
         fields = result.nfields
@@ -502,27 +506,15 @@ class _Direct:
         ]
         return rows, len(rows)
 
-    @staticmethod
-    def _check(result: Any, error: type[Exception]) -> Any:
-        if result.status not in _RESULT_OK:
-            message = (result.error_message or b"").decode("utf-8", "replace").strip()
-            raise error(message or f"libpq status {result.status}")
-        return result
+
+def _failure(result: Any, error: type[Exception]) -> Exception:
+    """The driver error for a libpq result that is not a success."""
+    message = (result.error_message or b"").decode("utf-8", "replace").strip()
+    return error(message or f"libpq status {result.status}")
 
 
 # libpq's PGRES_COMMAND_OK and PGRES_TUPLES_OK (fixed by libpq's ABI).
 _RESULT_OK = frozenset({1, 2})
-
-
-class _Numbering:
-    """Turns the driver's %s placeholders into PostgreSQL's $1, $2, ... in order."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def __call__(self, match: re.Match[str]) -> str:
-        self.count += 1
-        return f"${self.count}"
 
 
 def _close_connection(conn: _ThreadConnection) -> None:
