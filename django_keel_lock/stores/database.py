@@ -74,33 +74,31 @@ _INFO = "key, owner, holder, fence, acquired_at, {remaining}"
 class PostgresDialect(Dialect):
     vendor = "postgresql"
     _remaining = "EXTRACT(EPOCH FROM (expires_at - clock_timestamp()))::float8"
-    # A failed attempt also raises the row's `waiting` flag (`mark`, under the row lock the
-    # upsert took), and only a release that finds it raised NOTIFYs: a lock nobody waits for is
-    # released without one (NOTIFY serialises every notifying commit in the cluster). The flag
-    # is lowered when another owner takes the row; the waiters that then still wait were woken
-    # by the release before, fail again and raise it again. NULL (rows written before the
-    # column existed) counts as lowered.
+    # One upsert whose DO UPDATE branch always writes the row it locked: it either takes it (free:
+    # expired, or already ours) or raises its `waiting` flag. Only a release that finds the flag
+    # raised NOTIFYs, so a lock nobody waits for is released without one (NOTIFY serialises
+    # every notifying commit in the cluster). The flag is lowered when another owner takes the
+    # row; the waiters that then still wait were woken by the release before, fail again and
+    # raise it again. NULL (rows written before the column existed) counts as lowered.
+    # "Now" is read once, as EXCLUDED.acquired_at, so every CASE agrees on whether the row was
+    # free (a later clock read could disagree). The owner column then tells what happened: ours
+    # (the new fence) or someone else's (seconds left on their lock).
+    # No CTE, no second statement: the plan is as cheap as a plain UPDATE's.
+    _free = "(l.expires_at <= EXCLUDED.acquired_at OR l.owner = EXCLUDED.owner)"
     acquire_sql = (
         f"""
-        WITH up AS (
-            INSERT INTO {TABLE} AS l (key, owner, holder, fence, acquired_at, expires_at)
-            VALUES (%s, %s, %s, nextval('{SEQUENCE}'), clock_timestamp(),
-                    clock_timestamp() + make_interval(secs => %s))
-            ON CONFLICT (key) DO UPDATE SET
-                owner = EXCLUDED.owner, holder = EXCLUDED.holder,
-                fence = nextval('{SEQUENCE}'),
-                acquired_at = EXCLUDED.acquired_at, expires_at = EXCLUDED.expires_at,
-                waiting = l.waiting AND l.owner = EXCLUDED.owner
-            WHERE l.expires_at <= clock_timestamp() OR l.owner = EXCLUDED.owner
-            RETURNING fence
-        ), mark AS (
-            UPDATE {TABLE} SET waiting = true
-            WHERE key = %s AND waiting IS NOT TRUE AND NOT EXISTS (SELECT 1 FROM up)
-        )
-        SELECT fence, NULL::float8 FROM up
-        UNION ALL
-        SELECT NULL, {_remaining} FROM {TABLE}
-        WHERE key = %s AND NOT EXISTS (SELECT 1 FROM up)
+        INSERT INTO {TABLE} AS l (key, owner, holder, fence, acquired_at, expires_at)
+        VALUES (%s, %s, %s, nextval('{SEQUENCE}'), clock_timestamp(),
+                clock_timestamp() + make_interval(secs => %s))
+        ON CONFLICT (key) DO UPDATE SET
+            owner = CASE WHEN {_free} THEN EXCLUDED.owner ELSE l.owner END,
+            holder = CASE WHEN {_free} THEN EXCLUDED.holder ELSE l.holder END,
+            fence = CASE WHEN {_free} THEN nextval('{SEQUENCE}') ELSE l.fence END,
+            acquired_at = CASE WHEN {_free} THEN EXCLUDED.acquired_at ELSE l.acquired_at END,
+            expires_at = CASE WHEN {_free} THEN EXCLUDED.expires_at ELSE l.expires_at END,
+            waiting = CASE WHEN {_free} THEN l.waiting AND l.owner = EXCLUDED.owner ELSE true END
+        RETURNING CASE WHEN owner = %s THEN fence END,
+                  CASE WHEN owner <> %s THEN {_remaining} END
         """,
     )
     # Release marks the row expired rather than deleting it, so the next acquirer goes through
@@ -127,7 +125,7 @@ class PostgresDialect(Dialect):
     prune_sql = f"DELETE FROM {TABLE} WHERE expires_at <= clock_timestamp()"
 
     def acquire_params(self, key: str, owner: str, holder: str, ttl: float) -> list[Sequence[Any]]:
-        return [(key, owner, holder, ttl, key, key)]
+        return [(key, owner, holder, ttl, owner, owner)]
 
 
 class MySQLDialect(Dialect):
