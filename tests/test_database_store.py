@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -254,6 +255,87 @@ def _backend_id(wrapper: Any) -> int:
     value = int(cursor.fetchone()[0])
     cursor.close()
     return value
+
+
+@contextmanager
+def acquire_in_flight(store: DatabaseLockStore, key: str) -> Iterator[None]:
+    """Another connection runs the store's own acquire statement for `key` and has not yet
+    committed: an acquire caught between drawing its fence and finishing."""
+    wrapper = store._new_wrapper()
+    try:
+        wrapper.set_autocommit(False)
+        params = store.dialect.acquire_params(key, "in-flight", "test", 30)[0]
+        with wrapper.cursor() as cursor:
+            cursor.execute(store.dialect.acquire_sql[0], params)
+        yield
+        wrapper.commit()
+    finally:
+        wrapper.close()
+
+
+def _prune_in_thread(store: DatabaseLockStore) -> tuple[threading.Thread, list[object]]:
+    outcome: list[object] = []
+
+    def prune() -> None:
+        try:
+            outcome.append(store.prune())
+        except Exception as exc:
+            outcome.append(exc)
+        finally:
+            store._threads.drop()
+
+    thread = threading.Thread(target=prune)
+    thread.start()
+    return thread, outcome
+
+
+def test_prune_waits_for_acquires_in_flight(server_alias: str, key: str) -> None:
+    # An acquire draws the fence it would insert before it looks for the key's row; had prune
+    # deleted that row in between, the insert would carry a fence below the deleted row's.
+    store = get_lock_store(server_alias)
+    assert isinstance(store, DatabaseLockStore)
+    assert lock(f"{key}:dead", ttl=0.1, store=server_alias).acquire()
+    time.sleep(0.2)
+    with acquire_in_flight(store, f"{key}:in-flight"):
+        thread, outcome = _prune_in_thread(store)
+        thread.join(0.5)
+        assert thread.is_alive() and outcome == []  # held off until the acquire commits
+    thread.join(10)
+    assert outcome and isinstance(outcome[0], int) and outcome[0] >= 1, outcome
+    assert store.get(f"{key}:dead") is None
+    assert store.get(f"{key}:in-flight") is not None
+
+
+def test_prune_gives_up_rather_than_stall_acquires(server_alias: str, key: str) -> None:
+    store = get_lock_store(server_alias)
+    assert isinstance(store, DatabaseLockStore)
+    with acquire_in_flight(store, f"{key}:in-flight"):
+        thread, outcome = _prune_in_thread(store)
+        thread.join(10)
+        assert not thread.is_alive()
+        assert len(outcome) == 1 and isinstance(outcome[0], LockStoreUnavailable), outcome
+    # Nothing of the attempt stays behind: locking and pruning work as before.
+    handle = lock(key, store=server_alias)
+    assert handle.acquire() and handle.release()
+    assert store.prune() >= 1
+
+
+def test_prune_deletes_in_batches_until_none_are_left(
+    db_alias: str, key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = get_lock_store(db_alias)
+    store.prune()
+    monkeypatch.setattr("django_keel_lock.stores.database.PRUNE_BATCH", 2)
+    for n in range(5):
+        assert lock(f"{key}:{n}", ttl=0.1, store=db_alias).acquire()
+    keeper = lock(f"{key}:live", ttl=30, store=db_alias)
+    assert keeper.acquire()
+    time.sleep(0.2)
+    # SQLite keeps the row with the highest fence (its fence counter), here the keeper's; the
+    # row it kept before may be pruned now too.
+    assert store.prune() >= 5
+    assert [info.key for info in store.iter_locks(prefix=key)] == [keeper.key]
+    assert keeper.release()
 
 
 def _prepared_statements(store: DatabaseLockStore) -> list[str]:

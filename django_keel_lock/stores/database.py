@@ -34,6 +34,7 @@ SEQUENCE = "django_keel_lock_fence"
 # whatever the key, so a process LISTENs only to the keys it waits for.
 CHANNEL_PREFIX = "keel_lock_"
 PAGE_SIZE = 1000
+PRUNE_BATCH = 1000
 # The listener checks its connection after this many quiet seconds.
 LISTEN_PING = 5.0
 
@@ -49,7 +50,11 @@ class Dialect:
     extend_sql = ""
     get_sql = ""
     page_sql = ""
-    prune_sql = ""
+    prune_sql = ""  # deletes at most %s expired rows
+    # Run before and after each prune batch: they hold off every acquire in flight (see
+    # DatabaseLockStore.prune), and give up after a second rather than stall acquires longer.
+    prune_guard: Sequence[str] = ()
+    prune_unguard: Sequence[str] = ()
 
     def acquire_params(self, key: str, owner: str, holder: str, ttl: float) -> list[Sequence[Any]]:
         raise NotImplementedError
@@ -122,7 +127,18 @@ class PostgresDialect(Dialect):
         "WHERE key > %s AND left(key, %s) = %s AND expires_at > clock_timestamp() "
         "ORDER BY key LIMIT %s"
     )
-    prune_sql = f"DELETE FROM {TABLE} WHERE expires_at <= clock_timestamp()"
+    prune_sql = (
+        f"DELETE FROM {TABLE} WHERE key IN "
+        f"(SELECT key FROM {TABLE} WHERE expires_at <= clock_timestamp() LIMIT %s)"
+    )
+    # SHARE ROW EXCLUSIVE conflicts with the ROW EXCLUSIVE lock every acquire holds from before
+    # it draws its fence until it commits, and with another prune's.
+    prune_guard = (
+        "BEGIN",
+        "SET LOCAL lock_timeout = '1s'",
+        f"LOCK TABLE {TABLE} IN SHARE ROW EXCLUSIVE MODE",
+    )
+    prune_unguard = ("COMMIT",)
 
     def acquire_params(self, key: str, owner: str, holder: str, ttl: float) -> list[Sequence[Any]]:
         return [(key, owner, holder, ttl, owner, owner)]
@@ -169,7 +185,11 @@ class MySQLDialect(Dialect):
         f"WHERE `key` > %s AND LEFT(`key`, %s) = %s AND expires_at > {_now} "
         "ORDER BY `key` LIMIT %s"
     )
-    prune_sql = f"DELETE FROM {TABLE} WHERE expires_at <= {_now}"
+    prune_sql = f"DELETE FROM {TABLE} WHERE expires_at <= {_now} LIMIT %s"
+    # A WRITE table lock waits for the metadata lock every acquire holds from before it draws
+    # its fence until it commits (LOCK TABLES needs that privilege; ALL PRIVILEGES has it).
+    prune_guard = ("SET SESSION lock_wait_timeout = 1", f"LOCK TABLES {TABLE} WRITE")
+    prune_unguard = ("UNLOCK TABLES", "SET SESSION lock_wait_timeout = DEFAULT")
 
     def acquire_params(self, key: str, owner: str, holder: str, ttl: float) -> list[Sequence[Any]]:
         return [(key, owner, holder, round(ttl * 1_000_000)), (owner, owner, key)]
@@ -214,10 +234,11 @@ class SQLiteDialect(Dialect):
         f"SELECT {_INFO.format(remaining=_remaining)} FROM {TABLE} "
         f"WHERE key > ? AND substr(key, 1, ?) = ? AND expires_at > {_now} ORDER BY key LIMIT ?"
     )
-    # The row with the highest fence stays: MAX(fence) + 1 must never go back.
+    # The row with the highest fence stays: MAX(fence) + 1 must never go back. No guard: an
+    # acquire computes its fence inside its own write, and SQLite runs one write at a time.
     prune_sql = (
-        f"DELETE FROM {TABLE} WHERE expires_at <= {_now} "
-        f"AND fence < (SELECT MAX(fence) FROM {TABLE})"
+        f"DELETE FROM {TABLE} WHERE key IN (SELECT key FROM {TABLE} WHERE expires_at <= {_now} "
+        f"AND fence < (SELECT MAX(fence) FROM {TABLE}) LIMIT ?)"
     )
 
     @staticmethod
@@ -331,9 +352,12 @@ class DatabaseLockStore(LockStore):
         return dialect
 
     def _execute(
-        self, statements: Sequence[tuple[str, Sequence[Any]]], hot: bool = False
+        self,
+        statements: Sequence[tuple[str, Sequence[Any]]],
+        hot: bool = False,
+        result_of: int = -1,
     ) -> tuple[list[Row], int]:
-        """Run statements in autocommit; (rows of the last, its rowcount).
+        """Run statements in autocommit; (rows, rowcount) of the last (or of `result_of`).
 
         `hot` statements (acquire, release, extend: they return only numbers) take the
         connection's direct libpq path where it has one; their values may then come back as
@@ -357,10 +381,12 @@ class DatabaseLockStore(LockStore):
                 if hot and conn.direct is not None:
                     return conn.direct.execute(statements, database.OperationalError)
                 cursor = conn.cursor
-                for sql, params in statements:
+                wanted = range(len(statements))[result_of]
+                for index, (sql, params) in enumerate(statements):
                     cursor.execute(sql, params)
-                rows = cursor.fetchall() if cursor.description else []
-                return rows, cursor.rowcount
+                    if index == wanted:
+                        result = (cursor.fetchall() if cursor.description else []), cursor.rowcount
+                return result
             except database.Error as exc:
                 self._threads.drop()
                 if fresh or attempt == 2:
@@ -412,8 +438,25 @@ class DatabaseLockStore(LockStore):
             last = rows[-1][0]
 
     def prune(self) -> int:
-        _, count = self._execute([(self.dialect.prune_sql, ())])
-        return max(count, 0)
+        """Delete expired rows, PRUNE_BATCH at a time; how many.
+
+        An acquire draws the fence it would insert before it looks for the key's row. Were that
+        row deleted in between, the insert would carry a fence lower than the deleted row's; so
+        each batch first waits for the acquires in flight to commit (new ones wait for the
+        batch), and raises LockStoreUnavailable if that takes more than a second.
+        """
+        dialect = self.dialect
+        statements = [
+            *((sql, ()) for sql in dialect.prune_guard),
+            (dialect.prune_sql, (PRUNE_BATCH,)),
+            *((sql, ()) for sql in dialect.prune_unguard),
+        ]
+        pruned = 0
+        while True:
+            _, count = self._execute(statements, result_of=len(dialect.prune_guard))
+            pruned += max(count, 0)
+            if count < PRUNE_BATCH:
+                return pruned
 
     def _info(self, row: Row) -> LockInfo:
         key, owner, holder, fence, acquired_at, remaining = row[:6]
