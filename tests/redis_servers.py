@@ -13,6 +13,7 @@ Workers run lock operations in another Python process and print one JSON line pe
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -24,10 +25,10 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
@@ -180,36 +181,74 @@ def redis_cluster(size: int = 3) -> Iterator[list[RedisServer]]:
             node.stop()
 
 
+class SentinelSetup(NamedTuple):
+    master: RedisServer
+    sentinel: RedisServer
+    replicas: list[RedisServer]
+
+
 @contextmanager
-def redis_sentinel(service: str = "keelmaster") -> Iterator[tuple[RedisServer, RedisServer]]:
-    """A master and one sentinel monitoring it (quorum 1): (master, sentinel)."""
+def redis_sentinel(
+    service: str = "keelmaster",
+    monitor_port: int | None = None,
+    down_after_ms: int = 2000,
+    replicas: int = 0,
+) -> Iterator[SentinelSetup]:
+    """A master, `replicas` replicas of it and one sentinel monitoring it (quorum 1). The
+    sentinel tells clients the master is at `monitor_port` (a proxy in front of it) if given."""
     master = RedisServer().start()
+    copies = [RedisServer("--replicaof", "127.0.0.1", str(master.port)) for _ in range(replicas)]
     sentinel = RedisServer()
+    announced = monitor_port or master.port
     conf = os.path.join(sentinel.dir, "sentinel.conf")
     with open(conf, "w") as handle:
         handle.write(
             f"port {sentinel.port}\n"
             f"bind 127.0.0.1\n"
             f"dir {sentinel.dir}\n"
-            f"sentinel monitor {service} 127.0.0.1 {master.port} 1\n"
-            f"sentinel down-after-milliseconds {service} 2000\n"
+            f"sentinel monitor {service} 127.0.0.1 {announced} 1\n"
+            f"sentinel down-after-milliseconds {service} {down_after_ms}\n"
         )
     try:
+        for copy in copies:  # in sync before the sentinel starts, so it finds them at once
+            copy.start()
+            wait_for(lambda c=copy: "master_link_status:up" in c.cli("info", "replication"))
         sentinel.process = subprocess.Popen(
             [REDIS_SERVER, conf, "--sentinel"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
         wait_port(sentinel.port)
-        deadline = time.monotonic() + 20
-        while str(master.port) not in sentinel.cli("sentinel", "get-master-addr-by-name", service):
-            if time.monotonic() > deadline:
-                raise RuntimeError("sentinel does not know the master")
-            time.sleep(0.1)
-        yield master, sentinel
+        wait_for(lambda: master_of(sentinel, service) == announced)
+        wait_for(
+            lambda: sentinel.cli("sentinel", "replicas", service).split().count("name") >= replicas
+        )
+        yield SentinelSetup(master, sentinel, copies)
     finally:
         sentinel.stop()
+        for copy in copies:
+            copy.stop()
         master.stop()
+
+
+def master_of(sentinel: RedisServer, service: str) -> int | None:
+    """The port `sentinel` currently names as `service`'s master."""
+    reply = sentinel.cli("sentinel", "get-master-addr-by-name", service).split()
+    return int(reply[1]) if len(reply) == 2 else None
+
+
+def replicas_of(sentinel: RedisServer, service: str) -> list[str]:
+    """The names ("host:port") of the replicas `sentinel` knows for `service`."""
+    lines = sentinel.cli("sentinel", "replicas", service).split()
+    return [value for field, value in itertools.pairwise(lines) if field == "name"]
+
+
+def wait_for(condition: Callable[[], object], seconds: float = 30, what: str = "") -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"gave up waiting for {what or condition}")
+        time.sleep(0.05)
 
 
 class FaultyProxy:

@@ -7,12 +7,16 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 import redis
 from django.test import override_settings
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
-from django_keel_lock import get_lock_store, lock
+from django_keel_lock import LockStoreUnavailable, get_lock_store, lock
 from django_keel_lock.stores import RedisLockStore
 
 from .conftest import needs, serving
@@ -20,9 +24,12 @@ from .redis_servers import (
     REDIS_SERVER,
     FaultyProxy,
     RedisServer,
+    SentinelSetup,
     check_lost_release_reply,
+    master_of,
     redis_cluster,
     redis_sentinel,
+    wait_for,
 )
 
 pytestmark = needs(os.path.exists(REDIS_SERVER), "the redis-server binary")
@@ -161,24 +168,27 @@ async def test_cluster_async_methods(cluster_alias: str, key: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def sentinel() -> Iterator[tuple[RedisServer, RedisServer]]:
-    with redis_sentinel("keelmaster") as servers:
-        yield servers
+def sentinel() -> Iterator[SentinelSetup]:
+    with redis_sentinel("keelmaster") as setup:
+        yield setup
 
 
-@pytest.fixture
-def sentinel_alias(sentinel: tuple[RedisServer, RedisServer]) -> Iterator[str]:
-    """django-redis' SentinelClient as the project would configure it; the store reuses it."""
-    _, sentinel_server = sentinel
+@contextmanager
+def via_sentinel(
+    sentinel_port: int, service: str = "keelmaster", **pool_kwargs: Any
+) -> Iterator[str]:
+    """django-redis' SentinelClient as the project would configure it, and a store reusing it;
+    the store's alias."""
     caches = {
         "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
         "sentinel": {
             "BACKEND": "django_redis.cache.RedisCache",
-            "LOCATION": "redis://keelmaster/0",
+            "LOCATION": f"redis://{service}/0",
             "OPTIONS": {
                 "CLIENT_CLASS": "django_redis.client.SentinelClient",
                 "CONNECTION_FACTORY": "django_redis.pool.SentinelConnectionFactory",
-                "SENTINELS": [("127.0.0.1", sentinel_server.port)],
+                "SENTINELS": [("127.0.0.1", sentinel_port)],
+                "CONNECTION_POOL_KWARGS": pool_kwargs,
             },
         },
     }
@@ -192,10 +202,31 @@ def sentinel_alias(sentinel: tuple[RedisServer, RedisServer]) -> Iterator[str]:
         yield "via-sentinel"
 
 
+@pytest.fixture
+def sentinel_alias(sentinel: SentinelSetup) -> Iterator[str]:
+    with via_sentinel(sentinel.sentinel.port) as alias:
+        yield alias
+
+
+def test_sentinel_release_whose_reply_is_lost_is_an_error_not_a_retried_false(key: str) -> None:
+    """The same for the client django-redis builds for Sentinel, given retries by the project:
+    the sentinel hands out a proxy in front of the master."""
+    proxy = FaultyProxy(0)
+    try:
+        with redis_sentinel("keellost", monitor_port=proxy.port) as setup:
+            proxy.target_port = setup.master.port
+            retry = Retry(NoBackoff(), 3)
+            with via_sentinel(setup.sentinel.port, "keellost", retry=retry) as alias:
+                store = get_lock_store(alias)
+                check_lost_release_reply(proxy, store, key)
+    finally:
+        proxy.close()
+
+
 def test_sentinel_client_is_reused_and_locks_land_on_the_master(
-    sentinel: tuple[RedisServer, RedisServer], sentinel_alias: str, key: str
+    sentinel: SentinelSetup, sentinel_alias: str, key: str
 ) -> None:
-    master, _ = sentinel
+    master = sentinel.master
     handle = lock(key, ttl=30, store=sentinel_alias, holder="via-sentinel")
     assert handle.acquire()
     assert "via-sentinel" in master.cli("hget", f"keel-lock:{{{key}}}", "h")
@@ -224,3 +255,31 @@ async def test_sentinel_async_methods_use_an_async_sentinel_client(
     info = await store.aget(key)
     assert info is not None and info.owner == "a" * 32
     assert await store.arelease(key, "a" * 32)
+
+
+def test_sentinel_failover_is_an_outage_then_the_lock_lives_on_the_new_master(key: str) -> None:
+    with redis_sentinel("keelfail", down_after_ms=1000, replicas=1) as setup:
+        replica = setup.replicas[0]
+        with via_sentinel(setup.sentinel.port, "keelfail") as alias:
+            held = lock(key, ttl=60, store=alias)
+            assert held.acquire()
+            assert setup.master.cli("wait", "1", "5000").strip() == "1"  # replicated
+            setup.master.kill()
+            # No master: an error, never "someone else holds it".
+            with pytest.raises(LockStoreUnavailable):
+                lock(key, store=alias).acquire()
+            wait_for(lambda: master_of(setup.sentinel, "keelfail") == replica.port, what="failover")
+            other = lock(key, store=alias)
+
+            def answered() -> bool:
+                try:
+                    assert other.acquire() is False  # the replicated lock is still held
+                except LockStoreUnavailable:
+                    return False  # the promoted replica may still refuse writes a moment
+                return True
+
+            wait_for(answered, seconds=10, what="the new master to answer")
+            assert held.release()
+            assert other.acquire() and (other.fence or 0) > (held.fence or 0)
+            assert (other.owner or "?") in replica.cli("hget", f"keel-lock:{{{key}}}", "o")
+            assert other.release()

@@ -4,10 +4,10 @@ Three rules shape this module:
 - Redis decides expiry (PX / PTTL, milliseconds); the app server's clock is never read.
 - Each operation is one Lua script, loaded once and called by SHA: one round trip, atomic.
 - Every key of one lock shares the lock key's hash tag, so the scripts run on Redis Cluster.
-- On a plain (non-Sentinel, non-Cluster) server, each thread runs the scripts on a connection
-  of its own, without redis-py's client and pool layers (about 50 µs a call in Python), and
-  without redis-py's command retries (a retried release whose first reply was lost would
-  report the lock lost).
+- On a plain server or behind Sentinel (not Cluster), each thread runs the scripts on a
+  connection of its own, without redis-py's client and pool layers (about 50 µs a call in
+  Python), and without redis-py's command retries (a retried release whose first reply was
+  lost would report the lock lost). The Cluster client is built without retries instead.
 
 Layout of one lock on `key` under the default prefix:
     keel-lock:{key}        hash: o = owner, h = holder, f = fence, t = acquired (ms), with PX
@@ -45,6 +45,11 @@ try:
     from redis.backoff import NoBackoff
     from redis.exceptions import NoScriptError, RedisClusterException, RedisError
     from redis.retry import Retry
+    from redis.sentinel import (
+        SentinelConnectionPool,
+        SentinelManagedConnection,
+        SentinelManagedSSLConnection,
+    )
 except ImportError as exc:  # pragma: no cover - depends on the installation
     raise ImproperlyConfigured(
         "RedisLockStore needs redis-py: pip install 'django-keel-lock[redis]'"
@@ -354,10 +359,19 @@ class RedisLockStore(LockStore):
             return direct
         client = self._client()
         pool: Any = getattr(client, "connection_pool", None)
-        self._direct_possible = (
-            type(client) is redis.Redis
-            and type(pool) in (redis.ConnectionPool, redis.BlockingConnectionPool)
-            and getattr(pool, "connection_class", None) in _DIRECT_CONNECTIONS
+        connection_class = getattr(pool, "connection_class", None)
+        self._direct_possible = type(client) is redis.Redis and (
+            (
+                type(pool) in (redis.ConnectionPool, redis.BlockingConnectionPool)
+                and connection_class in _DIRECT_CONNECTIONS
+            )
+            or (
+                # Its connections find the master through the pool (in connection_kwargs),
+                # asking the sentinels again whenever they reconnect.
+                isinstance(pool, SentinelConnectionPool)
+                and pool.is_master
+                and connection_class in _SENTINEL_CONNECTIONS
+            )
         )
         if not self._direct_possible:
             return None
@@ -557,12 +571,13 @@ class RedisLockStore(LockStore):
 
 
 # Connection classes a thread's own script connection may be made of: their settings are all
-# in the pool's connection_kwargs (Sentinel's need the pool to find the master).
+# in the pool's connection_kwargs (for Sentinel's, that includes the pool, to find the master).
 _DIRECT_CONNECTIONS = (
     redis.connection.Connection,
     redis.connection.SSLConnection,
     redis.connection.UnixDomainSocketConnection,
 )
+_SENTINEL_CONNECTIONS = (SentinelManagedConnection, SentinelManagedSSLConnection)
 
 
 def _pack(*args: str | bytes | int) -> bytes:
@@ -601,21 +616,25 @@ class _Direct:
 
     def _ready(self) -> None:
         """Before sending: a connection with something to read is stale (the server closed it,
-        or restarted): reconnect now, while nothing of this call has been sent."""
+        or restarted): reconnect now, while nothing of this call has been sent. Connecting
+        goes through connect(), where a Sentinel connection asks where the master is."""
         sock = getattr(self.connection, "_sock", None)
-        if sock is None:
-            return  # not connected: sending connects
-        if isinstance(sock, ssl.SSLSocket):  # TLS records are not replies: ask redis-py
-            stale = self._stale_by_redis_py()
-        else:  # one poll() (redis-py's can_read() costs three system calls)
-            fileno = sock.fileno()
-            if fileno != self.polled:
-                self.poller = select.poll()
-                self.poller.register(fileno, select.POLLIN)
-                self.polled = fileno
-            stale = bool(self.poller.poll(0))
-        if stale:
+        if sock is not None and self._stale(sock):
             self.connection.disconnect()
+            sock = None
+        if sock is None:
+            self.connection.connect()
+
+    def _stale(self, sock: Any) -> bool:
+        if isinstance(sock, ssl.SSLSocket):  # TLS records are not replies: ask redis-py
+            return self._stale_by_redis_py()
+        # One poll() (redis-py's can_read() costs three system calls).
+        fileno = sock.fileno()
+        if fileno != self.polled:
+            self.poller = select.poll()
+            self.poller.register(fileno, select.POLLIN)
+            self.polled = fileno
+        return bool(self.poller.poll(0))
 
     def _stale_by_redis_py(self) -> bool:
         try:
@@ -624,7 +643,7 @@ class _Direct:
             return True
 
     def _call(self, packed: bytes) -> Any:
-        self.connection.send_packed_command([packed])  # connects first if need be
+        self.connection.send_packed_command([packed])
         return self.connection.read_response()
 
     def close(self) -> None:
@@ -636,7 +655,6 @@ def _async_twin(client: Any) -> Callable[[], Any] | None:
     Sentinel pools), or None for pools we cannot reproduce."""
     from redis.asyncio import connection as aconn
     from redis.asyncio import sentinel as asentinel
-    from redis.sentinel import SentinelConnectionPool
 
     pool = client.connection_pool
     kwargs = {k: v for k, v in pool.connection_kwargs.items() if k in _PORTABLE_KWARGS}
