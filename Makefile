@@ -7,7 +7,7 @@ PROCS ?= 8
 STAMP_BASE := $(VENV)/.installed-base
 STAMP_TEST := $(VENV)/.installed-test
 
-.PHONY: demo test lint typecheck serve bench clean
+.PHONY: demo test lint typecheck serve bench tox clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,11 @@ bench: $(STAMP_TEST)
 	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/python -m bench.bench_db
 	$(BIN)/python -m bench.bench_redis
+
+# Every tox env (Django 4.2 and 5.2; the Redis tests on redis-py 5.0), or TOXENV's.
+tox: $(BIN)/python
+	$(BIN)/pip install -q 'tox>=4'
+	$(BIN)/tox $(if $(TOXENV),-e $(TOXENV))
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info
