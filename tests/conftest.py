@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -127,3 +128,23 @@ def serving(store: LockStore) -> Iterator[str]:
     finally:
         set_lock_store(None, store.alias)
         store.close()
+
+
+class TimeLimit(BaseException):
+    """What `interrupted_after` raises: like a task's time limit, not an Exception."""
+
+
+@contextmanager
+def interrupted_after(seconds: float) -> Iterator[None]:
+    """Raise TimeLimit in the main thread after `seconds`, wherever it is then (a signal)."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise TimeLimit
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -23,7 +24,17 @@ from django.test import override_settings
 from django_keel_lock import LockStoreUnavailable, get_lock_store, lock
 from django_keel_lock.stores import DatabaseLockStore
 
-from .conftest import DATABASE_STORES, SERVER_DATABASES, needs, needs_store, store_params
+from .conftest import (
+    DATABASE_STORES,
+    SERVER_DATABASES,
+    TimeLimit,
+    interrupted_after,
+    needs,
+    needs_store,
+    serving,
+    store_params,
+)
+from .redis_servers import FaultyProxy, check_lost_release_reply
 
 FAKETIME_LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -338,6 +349,52 @@ def test_prune_deletes_in_batches_until_none_are_left(
     assert keeper.release()
 
 
+@contextmanager
+def proxied(alias: str) -> Iterator[tuple[DatabaseLockStore, FaultyProxy]]:
+    """A store on the same database as the store `alias`, reached through a FaultyProxy."""
+    database = _database_of(alias)
+    proxy = FaultyProxy(int(connections.settings[database]["PORT"]))
+    connections.settings[f"{database}-proxied"] = {
+        **connections.settings[database],
+        "PORT": proxy.port,
+    }
+    store = DatabaseLockStore(f"{alias}-proxied", {"DATABASE": f"{database}-proxied"})
+    try:
+        with serving(store):
+            yield store, proxy
+    finally:
+        proxy.close()
+        del connections.settings[f"{database}-proxied"]
+
+
+def test_release_whose_reply_is_lost_is_an_error_not_a_retried_false(
+    server_alias: str, key: str
+) -> None:
+    """The release committed, its reply never came. Retried, it would find the lock gone and
+    report it lost; instead the caller hears of the outage, and the lock was released once."""
+    with proxied(server_alias) as (store, proxy):
+        warm_up = lock(f"{key}:warm-up", store=store.alias)  # PostgreSQL prepares on first use
+        assert warm_up.acquire() and warm_up.release()
+        check_lost_release_reply(proxy, store, key)
+
+
+@needs_store("postgres")
+def test_prune_interrupted_while_waiting_leaves_no_table_lock_behind(key: str) -> None:
+    """A task's time limit (here a signal) interrupts prune while it waits for the table lock:
+    its connection goes, rather than get the lock later and keep every acquire waiting."""
+    store = get_lock_store("postgres")
+    assert isinstance(store, DatabaseLockStore)
+    with acquire_in_flight(store, f"{key}:in-flight"):
+        with pytest.raises(TimeLimit), interrupted_after(0.3):
+            store.prune()
+    done: list[bool] = []
+    thread = threading.Thread(target=lambda: done.append(lock(key, store="postgres").acquire()))
+    thread.start()
+    thread.join(5)
+    assert done == [True], "an acquire still waits behind the interrupted prune"
+    assert lock(key, store="postgres").acquire() is False
+
+
 def _prepared_statements(store: DatabaseLockStore) -> list[str]:
     """The prepared statements on the calling thread's lock connection (server-side view)."""
     wrapper = store._connection()[0].wrapper
@@ -361,6 +418,7 @@ def postgres_alias_with() -> Iterator[Callable[[dict[str, Any]], str]]:
     yield add
     for alias in added:
         connections[alias].close()
+        del connections[alias]  # the handler caches the wrapper, settings and all
         del connections.settings[alias]
 
 
@@ -376,6 +434,68 @@ def test_postgres_hot_statements_are_prepared_once_per_connection(key: str) -> N
         assert len([n for n in names if n.startswith("keel_lock_")]) == 3, names
     finally:
         store.close()
+
+
+@needs_store("mariadb")
+def test_mariadb_project_options_neither_break_extend_nor_lose_their_session_settings(
+    key: str,
+) -> None:
+    """A project's client_flag replaces the FOUND_ROWS flag Django asks for (an extend that
+    leaves the expiry as it was would then count no row), and its init_command's session
+    settings outlive a prune (which shortens lock_wait_timeout while it runs)."""
+    options = {"client_flag": 0, "init_command": "SET SESSION lock_wait_timeout = 77"}
+    connections.settings["mariadb-options"] = {
+        **connections.settings["mariadb"],
+        "OPTIONS": options,
+    }
+    store = DatabaseLockStore("mariadb-options", {"DATABASE": "mariadb-options"})
+    try:
+        assert store.acquire(key, "a" * 32, "h", 30).acquired
+        assert store.extend(key, "a" * 32, 1)  # GREATEST keeps the later expiry: no change
+        store.prune()
+        wrapper = store._connection()[0].wrapper
+        with wrapper.connection.cursor() as cursor:
+            cursor.execute("SELECT @@SESSION.lock_wait_timeout")
+            assert int(cursor.fetchone()[0]) == 77
+        assert store.release(key, "a" * 32)
+    finally:
+        store.close()
+        if "mariadb-options" in connections:
+            del connections["mariadb-options"]
+        del connections.settings["mariadb-options"]
+
+
+@needs_store("postgres")
+def test_postgres_server_default_isolation_does_not_turn_contention_into_errors(
+    key: str, postgres_alias_with: Callable[[dict[str, Any]], str]
+) -> None:
+    """With SERIALIZABLE as the session default, concurrent writes to one row fail to
+    serialise; the store's connections run READ COMMITTED whatever the default."""
+    database = postgres_alias_with({"options": "-c default_transaction_isolation=serializable"})
+    store = DatabaseLockStore("serializable", {"DATABASE": database})
+    errors: list[BaseException] = []
+    acquired: list[int] = []
+
+    def hammer() -> None:
+        owner = uuid.uuid4().hex
+        deadline = time.monotonic() + 1.5
+        try:
+            while time.monotonic() < deadline:
+                if store.acquire(key, owner, "h", 30).acquired:
+                    acquired.append(1)
+                    assert store.release(key, owner)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=hammer) for _ in range(6)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+    finally:
+        store.close()
+    assert errors == [] and len(acquired) > 10
 
 
 @needs_store("postgres")

@@ -15,6 +15,7 @@ import hashlib
 import itertools
 import logging
 import re
+import select
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import UTC, datetime
@@ -188,8 +189,11 @@ class MySQLDialect(Dialect):
     prune_sql = f"DELETE FROM {TABLE} WHERE expires_at <= {_now} LIMIT %s"
     # A WRITE table lock waits for the metadata lock every acquire holds from before it draws
     # its fence until it commits (LOCK TABLES needs that privilege; ALL PRIVILEGES has it).
-    prune_guard = ("SET SESSION lock_wait_timeout = 1", f"LOCK TABLES {TABLE} WRITE")
-    prune_unguard = ("UNLOCK TABLES", "SET SESSION lock_wait_timeout = DEFAULT")
+    prune_guard = (
+        "SET @keel_lock_wait = @@SESSION.lock_wait_timeout, SESSION lock_wait_timeout = 1",
+        f"LOCK TABLES {TABLE} WRITE",
+    )
+    prune_unguard = ("UNLOCK TABLES", "SET SESSION lock_wait_timeout = @keel_lock_wait")
 
     def acquire_params(self, key: str, owner: str, holder: str, ttl: float) -> list[Sequence[Any]]:
         return [(key, owner, holder, round(ttl * 1_000_000)), (owner, owner, key)]
@@ -296,8 +300,13 @@ class DatabaseLockStore(LockStore):
             options.setdefault("server_side_binding", True)
             options.setdefault("prepare_threshold", 2)
         if base.vendor == "mysql":
+            from MySQLdb.constants.CLIENT import FOUND_ROWS
+
             # Keys may hold any Unicode character: talk utf8mb4 whatever the project's charset.
             options["charset"] = "utf8mb4"
+            # Rows matched, not rows changed: an extend that leaves expires_at as it was still
+            # counts (Django asks for this flag, but a client_flag in OPTIONS replaces it).
+            options["client_flag"] = int(options.get("client_flag", 0)) | FOUND_ROWS
         settings["OPTIONS"] = options
         return settings
 
@@ -320,9 +329,16 @@ class DatabaseLockStore(LockStore):
         # the end of a thread can shut it from another thread.
         wrapper.inc_thread_sharing()
         wrapper.ensure_connection()
-        if wrapper.vendor == "postgresql" and not self.durable:
+        if wrapper.vendor == "postgresql":
             with wrapper.connection.cursor() as cursor:
-                cursor.execute("SET synchronous_commit TO OFF")
+                # Our statements rely on READ COMMITTED (an upsert locks and rereads the
+                # row's latest version). Autocommit statements run at the session default,
+                # which a server or role may set to SERIALIZABLE: contention would then fail.
+                cursor.execute(
+                    "SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL READ COMMITTED"
+                )
+                if not self.durable:
+                    cursor.execute("SET synchronous_commit TO OFF")
         return wrapper
 
     def _connection(self) -> tuple[_ThreadConnection, bool]:
@@ -356,6 +372,7 @@ class DatabaseLockStore(LockStore):
         statements: Sequence[tuple[str, Sequence[Any]]],
         hot: bool = False,
         result_of: int = -1,
+        idempotent: bool = True,
     ) -> tuple[list[Row], int]:
         """Run statements in autocommit; (rows, rowcount) of the last (or of `result_of`).
 
@@ -363,19 +380,20 @@ class DatabaseLockStore(LockStore):
         connection's direct libpq path where it has one; their values may then come back as
         bytes, which int() and float() read alike.
 
-        Every operation here is idempotent for the same owner, so a failure on a connection
-        that had sat idle (the server restarted, a proxy dropped it) is retried once on a fresh
-        one. Any other failure is LockStoreUnavailable.
+        A statement that failed after it was sent may still have run. Idempotent operations
+        (all but release, for the same owner) are then retried once on a fresh connection: the
+        server restarted, or a proxy dropped an idle one. A release retried after its commit
+        would find the lock gone and report it lost, so it is never retried; it goes out only
+        on a connection with nothing unread (one the server closed has an error or EOF
+        waiting), replaced first if need be. Any other failure is LockStoreUnavailable. Any
+        other exception (a task's time limit, Ctrl-C) drops the connection, and with it
+        whatever it was in the middle of, such as a prune's open transaction.
         """
         for attempt in (1, 2):
-            try:
-                conn, fresh = self._connection()
-            except SynchronousOnlyOperation:
-                raise  # a programming error (sync call in async code), not an outage
-            except Exception as exc:
-                raise LockStoreUnavailable(
-                    f"lock store {self.alias!r} cannot connect to database {self.database!r}: {exc}"
-                ) from exc
+            conn, fresh = self._open()
+            if not idempotent and not fresh and conn.stale():
+                self._threads.drop()
+                conn, fresh = self._open()
             database = conn.wrapper.Database
             try:
                 if hot and conn.direct is not None:
@@ -389,11 +407,25 @@ class DatabaseLockStore(LockStore):
                 return result
             except database.Error as exc:
                 self._threads.drop()
-                if fresh or attempt == 2:
+                if fresh or attempt == 2 or not idempotent:
                     raise LockStoreUnavailable(
                         f"lock store {self.alias!r} (database {self.database!r}) failed: {exc}"
                     ) from exc
+            except BaseException:
+                self._threads.drop()
+                raise
         raise AssertionError("unreachable")
+
+    def _open(self) -> tuple[_ThreadConnection, bool]:
+        """`_connection()`, a failure to connect being LockStoreUnavailable."""
+        try:
+            return self._connection()
+        except SynchronousOnlyOperation:
+            raise  # a programming error (sync call in async code), not an outage
+        except Exception as exc:
+            raise LockStoreUnavailable(
+                f"lock store {self.alias!r} cannot connect to database {self.database!r}: {exc}"
+            ) from exc
 
     # -- the protocol ---------------------------------------------------------------------
     def acquire(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
@@ -408,7 +440,9 @@ class DatabaseLockStore(LockStore):
         return AcquireResult(None, None if retry_in is None else max(0.0, float(retry_in)))
 
     def release(self, key: str, owner: str) -> bool:
-        _, count = self._execute([(self.dialect.release_sql, (key, owner))], hot=True)
+        _, count = self._execute(
+            [(self.dialect.release_sql, (key, owner))], hot=True, idempotent=False
+        )
         released = count > 0
         if released:
             self.wake_board.wake(key)
@@ -496,6 +530,19 @@ class _ThreadConnection:
 
     def __init__(self, wrapper: Any, direct: _Direct | None = None) -> None:
         self.wrapper, self.cursor, self.direct = wrapper, wrapper.connection.cursor(), direct
+
+    def stale(self) -> bool:
+        """Whether this idle connection has something to read: the server closed it (an error
+        message or EOF waits). SQLite has no socket and is never stale."""
+        fileno = getattr(self.wrapper.connection, "fileno", None)
+        if fileno is None:
+            return False
+        try:
+            poller = select.poll()
+            poller.register(fileno(), select.POLLIN)
+            return bool(poller.poll(0))
+        except (OSError, ValueError, self.wrapper.Database.Error):
+            return True  # closed already
 
 
 _PLACEHOLDER = re.compile(r"%s")
