@@ -19,7 +19,7 @@ from redis.retry import Retry
 from django_keel_lock import LockStoreUnavailable, get_lock_store, lock
 from django_keel_lock.stores import RedisLockStore
 
-from .conftest import needs, serving
+from .conftest import TimeLimit, interrupted_after, needs, serving
 from .redis_servers import (
     REDIS_SERVER,
     FaultyProxy,
@@ -208,19 +208,43 @@ def sentinel_alias(sentinel: SentinelSetup) -> Iterator[str]:
         yield alias
 
 
+@contextmanager
+def sentinel_behind_proxy(service: str, **pool_kwargs: Any) -> Iterator[tuple[str, FaultyProxy]]:
+    """A store through Sentinel whose master is reached through a FaultyProxy: (alias, proxy)."""
+    proxy = FaultyProxy(0)
+    try:
+        with redis_sentinel(service, monitor_port=proxy.port) as setup:
+            proxy.target_port = setup.master.port
+            with via_sentinel(setup.sentinel.port, service, **pool_kwargs) as alias:
+                yield alias, proxy
+    finally:
+        proxy.close()
+
+
 def test_sentinel_release_whose_reply_is_lost_is_an_error_not_a_retried_false(key: str) -> None:
     """The same for the client django-redis builds for Sentinel, given retries by the project:
     the sentinel hands out a proxy in front of the master."""
-    proxy = FaultyProxy(0)
-    try:
-        with redis_sentinel("keellost", monitor_port=proxy.port) as setup:
-            proxy.target_port = setup.master.port
-            retry = Retry(NoBackoff(), 3)
-            with via_sentinel(setup.sentinel.port, "keellost", retry=retry) as alias:
-                store = get_lock_store(alias)
-                check_lost_release_reply(proxy, store, key)
-    finally:
-        proxy.close()
+    with sentinel_behind_proxy("keellost", retry=Retry(NoBackoff(), 3)) as (alias, proxy):
+        check_lost_release_reply(proxy, get_lock_store(alias), key)
+
+
+def test_sentinel_call_interrupted_mid_reply_leaves_no_reply_for_the_next_call(key: str) -> None:
+    """A task's time limit (here a signal) interrupts a release waiting for its reply. Had the
+    connection stayed, the next call would read that reply ("1") as its own: a lock "acquired"
+    with fence 1."""
+    with sentinel_behind_proxy("keelstop") as (alias, proxy):
+        store = get_lock_store(alias)
+        held = lock(key, ttl=30, store=alias)
+        assert held.acquire()
+        proxy.mode = "stall"
+        with pytest.raises(TimeLimit), interrupted_after(0.3):
+            held.release()
+        # The next call on this thread's connection goes out while the proxy still holds the
+        # release; then both pass.
+        threading.Timer(0.3, lambda: setattr(proxy, "mode", "pass")).start()
+        fence = store.acquire(f"{key}:other", "b" * 32, "h", 30).fence
+        info = store.get(f"{key}:other")
+        assert info is not None and info.owner == "b" * 32 and info.fence == fence
 
 
 def test_sentinel_client_is_reused_and_locks_land_on_the_master(

@@ -610,8 +610,10 @@ class _Direct:
                 for each in SCRIPTS:  # a new or restarted server, as in RedisLockStore._run
                     self._call(_pack(b"SCRIPT", b"LOAD", each.text))
                 return self._call(_pack(b"EVALSHA", script.sha, len(keys), *keys, *args))
-        except (*STORE_ERRORS, OSError):
-            conn.disconnect()  # whatever it was in the middle of, it is not to be continued
+        except BaseException:
+            # Whatever it was in the middle of is not to be continued: after an interruption
+            # (a task's time limit, Ctrl-C) an unread reply would answer the next call.
+            conn.disconnect()
             raise
 
     def _ready(self) -> None:
