@@ -550,7 +550,11 @@ class Lock:
             if self.lost or (owner is not None and (owner != self.owner or not self._held)):
                 return
             self.lost, self._held = True, False
-        self._stop_renewal()
+            # Taken under the mutex: once it is released the handle may acquire again, and
+            # that acquisition's watchdog is not ours to stop.
+            renewal, self._renewal = self._renewal, None
+        if renewal is not None:
+            renewal.stop()
         logger.warning("lock %r (fence %s) was lost: %s", self.key, self.fence, reason)
         announce(signals.lock_lost, lock=self, reason=reason)
 
