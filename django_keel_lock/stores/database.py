@@ -526,21 +526,23 @@ class _ThreadConnection:
     """One thread's connection, the cursor it reuses (a cursor per call costs ~10%) and, on
     PostgreSQL with psycopg 3, its direct libpq path."""
 
-    __slots__ = ("cursor", "direct", "wrapper")
+    __slots__ = ("cursor", "direct", "poller", "wrapper")
 
     def __init__(self, wrapper: Any, direct: _Direct | None = None) -> None:
         self.wrapper, self.cursor, self.direct = wrapper, wrapper.connection.cursor(), direct
+        self.poller: Any = None  # watches the socket, from the first stale() on
 
     def stale(self) -> bool:
         """Whether this idle connection has something to read: the server closed it (an error
         message or EOF waits). SQLite has no socket and is never stale."""
-        fileno = getattr(self.wrapper.connection, "fileno", None)
-        if fileno is None:
-            return False
         try:
-            poller = select.poll()
-            poller.register(fileno(), select.POLLIN)
-            return bool(poller.poll(0))
+            if self.poller is None:
+                fileno = getattr(self.wrapper.connection, "fileno", None)
+                if fileno is None:
+                    return False
+                self.poller = select.poll()
+                self.poller.register(fileno(), select.POLLIN)
+            return bool(self.poller.poll(0))
         except (OSError, ValueError, self.wrapper.Database.Error):
             return True  # closed already
 
@@ -588,9 +590,9 @@ class _Direct:
         fields = result.nfields
         if fields == 0:  # UPDATE and the like: no rows, a count
             return [], result.command_tuples or 0
-        get = result.get_value
+        get, columns = result.get_value, range(fields)
         rows: list[Row] = [
-            tuple(get(row, col) for col in range(fields)) for row in range(result.ntuples)
+            tuple([get(row, col) for col in columns]) for row in range(result.ntuples)
         ]
         return rows, len(rows)
 
