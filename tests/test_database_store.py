@@ -583,6 +583,30 @@ def test_closing_the_store_inside_an_event_loop_frees_its_connections(key: str) 
 
 
 @needs_store("postgres")
+def test_postgres_listener_connection_gives_up_on_a_dead_link_within_seconds(key: str) -> None:
+    """Its socket carries TCP keepalives and a TCP user timeout (ten seconds), so a link that
+    died silently fails the listener (waiters fall back to polling) instead of leaving it
+    "ready" for TCP's ~15 minutes of retransmissions."""
+    store = get_lock_store("postgres")
+    assert isinstance(store, DatabaseLockStore)
+    with store.watch(key):
+        deadline = time.monotonic() + 10
+        while not store.push_wakeups and time.monotonic() < deadline:
+            time.sleep(0.02)
+        listener = store._listener
+        assert store.push_wakeups and listener is not None
+        fileno = getattr(listener, "fileno", None)
+        assert fileno is not None
+        sock = socket.socket(fileno=os.dup(fileno))
+        try:
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 5
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 10_000
+        finally:
+            sock.close()
+
+
+@needs_store("postgres")
 def test_postgres_waiter_in_another_process_wakes_on_release_not_on_its_poll(key: str) -> None:
     holder = lock(key, ttl=30, store="postgres")
     assert holder.acquire()

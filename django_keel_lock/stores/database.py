@@ -38,6 +38,16 @@ PAGE_SIZE = 1000
 PRUNE_BATCH = 1000
 # The listener checks its connection after this many quiet seconds.
 LISTEN_PING = 5.0
+# libpq settings of the listener's connection (the project's own win): its ping, or keepalives
+# while quiet, fail within about ten seconds on a link that died silently, not after TCP's
+# ~15 minutes of retransmissions, in which waiters would trust wake-ups that never come.
+LISTEN_TCP = {
+    "keepalives": 1,
+    "keepalives_idle": 5,
+    "keepalives_interval": 2,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 10_000,
+}
 
 Row = Sequence[Any]
 
@@ -625,11 +635,14 @@ class _PostgresListener(ReleaseListener):
     waits for: turns other processes' releases into wake-ups."""
 
     store: DatabaseLockStore
+    fileno: int | None = None
 
     def listen(self) -> None:
         base = connections[self.store.database]
         wrapper = type(base)(self.store._connection_settings(), self.store.database)
-        raw = wrapper.get_new_connection(wrapper.get_connection_params())
+        params = {**LISTEN_TCP, **wrapper.get_connection_params()}
+        raw = wrapper.get_new_connection(params)
+        self.fileno = raw.fileno()  # for inspection: the connection is this thread's alone
         if not hasattr(raw, "notifies"):  # psycopg2: no push wake-ups, waiters poll
             raw.close()
             self.store.push_possible = False
