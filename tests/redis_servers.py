@@ -219,10 +219,8 @@ def redis_sentinel(
             stderr=subprocess.DEVNULL,
         )
         wait_port(sentinel.port)
-        wait_for(lambda: master_of(sentinel, service) == announced)
-        wait_for(
-            lambda: sentinel.cli("sentinel", "replicas", service).split().count("name") >= replicas
-        )
+        wait_for(lambda: master_of(sentinel, service) == announced, what="the master")
+        wait_for(lambda: len(replicas_of(sentinel, service)) >= replicas, what="the replicas")
         yield SentinelSetup(master, sentinel, copies)
     finally:
         sentinel.stop()
