@@ -583,7 +583,7 @@ def test_closing_the_store_inside_an_event_loop_frees_its_connections(key: str) 
 
 
 @needs_store("postgres")
-def test_postgres_listener_connection_gives_up_on_a_dead_link_within_seconds(key: str) -> None:
+def test_postgres_listener_socket_has_keepalives_and_a_tcp_user_timeout(key: str) -> None:
     """Its socket carries TCP keepalives and a TCP user timeout (ten seconds), so a link that
     died silently fails the listener (waiters fall back to polling) instead of leaving it
     "ready" for TCP's ~15 minutes of retransmissions."""
