@@ -12,7 +12,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import pytest
@@ -350,21 +350,30 @@ def test_prune_deletes_in_batches_until_none_are_left(
 
 
 @contextmanager
+def database_like(based_on: str, name: str, **changes: Any) -> Iterator[str]:
+    """The Django database alias `name`, a copy of `based_on` with `changes` (OPTIONS, PORT)
+    while the block runs; then it is forgotten, with the connection the handler kept for it."""
+    connections.settings[name] = {**connections.settings[based_on], **changes}
+    try:
+        yield name
+    finally:
+        connections[name].close()
+        del connections[name]  # the handler caches the wrapper, settings and all
+        del connections.settings[name]
+
+
+@contextmanager
 def proxied(alias: str) -> Iterator[tuple[DatabaseLockStore, FaultyProxy]]:
     """A store on the same database as the store `alias`, reached through a FaultyProxy."""
     database = _database_of(alias)
     proxy = FaultyProxy(int(connections.settings[database]["PORT"]))
-    connections.settings[f"{database}-proxied"] = {
-        **connections.settings[database],
-        "PORT": proxy.port,
-    }
-    store = DatabaseLockStore(f"{alias}-proxied", {"DATABASE": f"{database}-proxied"})
     try:
-        with serving(store):
-            yield store, proxy
+        with database_like(database, f"{database}-proxied", PORT=proxy.port) as through:
+            store = DatabaseLockStore(f"{alias}-proxied", {"DATABASE": through})
+            with serving(store):
+                yield store, proxy
     finally:
         proxy.close()
-        del connections.settings[f"{database}-proxied"]
 
 
 def test_release_whose_reply_is_lost_is_an_error_not_a_retried_false(
@@ -406,20 +415,13 @@ def _prepared_statements(store: DatabaseLockStore) -> list[str]:
 @pytest.fixture
 def postgres_alias_with() -> Iterator[Callable[[dict[str, Any]], str]]:
     """Register a copy of the `postgres` database alias with other driver OPTIONS; its name."""
-    added: list[str] = []
+    with ExitStack() as stack:
 
-    def add(options: dict[str, Any]) -> str:
-        alias = f"postgres-{len(added)}"
-        config = {**connections.settings["postgres"], "OPTIONS": options}
-        connections.settings[alias] = config
-        added.append(alias)
-        return alias
+        def add(options: dict[str, Any]) -> str:
+            name = f"postgres-{uuid.uuid4().hex[:8]}"
+            return stack.enter_context(database_like("postgres", name, OPTIONS=options))
 
-    yield add
-    for alias in added:
-        connections[alias].close()
-        del connections[alias]  # the handler caches the wrapper, settings and all
-        del connections.settings[alias]
+        yield add
 
 
 @needs_store("postgres")
@@ -444,25 +446,19 @@ def test_mariadb_project_options_neither_break_extend_nor_lose_their_session_set
     leaves the expiry as it was would then count no row), and its init_command's session
     settings outlive a prune (which shortens lock_wait_timeout while it runs)."""
     options = {"client_flag": 0, "init_command": "SET SESSION lock_wait_timeout = 77"}
-    connections.settings["mariadb-options"] = {
-        **connections.settings["mariadb"],
-        "OPTIONS": options,
-    }
-    store = DatabaseLockStore("mariadb-options", {"DATABASE": "mariadb-options"})
-    try:
-        assert store.acquire(key, "a" * 32, "h", 30).acquired
-        assert store.extend(key, "a" * 32, 1)  # GREATEST keeps the later expiry: no change
-        store.prune()
-        wrapper = store._connection()[0].wrapper
-        with wrapper.connection.cursor() as cursor:
-            cursor.execute("SELECT @@SESSION.lock_wait_timeout")
-            assert int(cursor.fetchone()[0]) == 77
-        assert store.release(key, "a" * 32)
-    finally:
-        store.close()
-        if "mariadb-options" in connections:
-            del connections["mariadb-options"]
-        del connections.settings["mariadb-options"]
+    with database_like("mariadb", "mariadb-options", OPTIONS=options) as database:
+        store = DatabaseLockStore("mariadb-options", {"DATABASE": database})
+        try:
+            assert store.acquire(key, "a" * 32, "h", 30).acquired
+            assert store.extend(key, "a" * 32, 1)  # GREATEST keeps the later expiry: no change
+            store.prune()
+            wrapper = store._connection()[0].wrapper
+            with wrapper.connection.cursor() as cursor:
+                cursor.execute("SELECT @@SESSION.lock_wait_timeout")
+                assert int(cursor.fetchone()[0]) == 77
+            assert store.release(key, "a" * 32)
+        finally:
+            store.close()
 
 
 @needs_store("postgres")

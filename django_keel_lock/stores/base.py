@@ -234,6 +234,26 @@ def _close_in(close: Callable[[T], None], value: T, pid: int) -> None:
         pass
 
 
+class SocketCheck:
+    """Whether a socket has something to read, in one poll() (redis-py's can_read() costs
+    three system calls). Before a call on an idle connection, something to read means the
+    server closed it (an error message or EOF waits): reconnect while nothing has been sent.
+    Keeps its poll object while the descriptor stays the same."""
+
+    __slots__ = ("fileno", "poller")
+
+    def __init__(self) -> None:
+        self.fileno = -1
+        self.poller = select.poll()
+
+    def readable(self, fileno: int) -> bool:
+        if fileno != self.fileno:
+            self.poller = select.poll()
+            self.poller.register(fileno, select.POLLIN)
+            self.fileno = fileno
+        return bool(self.poller.poll(0))
+
+
 class ReleaseListener(threading.Thread):
     """One connection per process and store that hears other processes' releases and turns
     them into wake-ups on the store's WakeBoard.

@@ -15,7 +15,6 @@ import hashlib
 import itertools
 import logging
 import re
-import select
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import UTC, datetime
@@ -25,7 +24,7 @@ from django.core.exceptions import ImproperlyConfigured, SynchronousOnlyOperatio
 from django.db import connections
 
 from ..exceptions import LockStoreUnavailable
-from .base import AcquireResult, LockInfo, LockStore, PerThread, ReleaseListener
+from .base import AcquireResult, LockInfo, LockStore, PerThread, ReleaseListener, SocketCheck
 
 logger = logging.getLogger("django_keel_lock")
 
@@ -536,23 +535,20 @@ class _ThreadConnection:
     """One thread's connection, the cursor it reuses (a cursor per call costs ~10%) and, on
     PostgreSQL with psycopg 3, its direct libpq path."""
 
-    __slots__ = ("cursor", "direct", "poller", "wrapper")
+    __slots__ = ("check", "cursor", "direct", "wrapper")
 
     def __init__(self, wrapper: Any, direct: _Direct | None = None) -> None:
         self.wrapper, self.cursor, self.direct = wrapper, wrapper.connection.cursor(), direct
-        self.poller: Any = None  # watches the socket, from the first stale() on
+        self.check = SocketCheck()
 
     def stale(self) -> bool:
-        """Whether this idle connection has something to read: the server closed it (an error
-        message or EOF waits). SQLite has no socket and is never stale."""
+        """Whether the server closed this idle connection (see SocketCheck). SQLite has no
+        socket and is never stale."""
+        fileno = getattr(self.wrapper.connection, "fileno", None)
+        if fileno is None:
+            return False
         try:
-            if self.poller is None:
-                fileno = getattr(self.wrapper.connection, "fileno", None)
-                if fileno is None:
-                    return False
-                self.poller = select.poll()
-                self.poller.register(fileno(), select.POLLIN)
-            return bool(self.poller.poll(0))
+            return self.check.readable(fileno())
         except (OSError, ValueError, self.wrapper.Database.Error):
             return True  # closed already
 

@@ -24,7 +24,6 @@ import inspect
 import logging
 import os
 import re
-import select
 import ssl
 import threading
 import time
@@ -36,7 +35,7 @@ from typing import Any, NamedTuple
 from django.core.exceptions import ImproperlyConfigured
 
 from ..exceptions import LockStoreUnavailable
-from .base import AcquireResult, LockInfo, LockStore, PerThread, ReleaseListener
+from .base import AcquireResult, LockInfo, LockStore, PerThread, ReleaseListener, SocketCheck
 
 try:
     import redis
@@ -593,12 +592,11 @@ class _Direct:
     """One thread's own connection, on which the scripts run with nothing in between: no pool
     to check a connection out of and back in, no command retries, no response callbacks."""
 
-    __slots__ = ("connection", "polled", "poller")
+    __slots__ = ("check", "connection")
 
     def __init__(self, connection: Any) -> None:
         self.connection = connection
-        self.poller = select.poll()
-        self.polled = -1  # the descriptor `poller` watches
+        self.check = SocketCheck()
 
     def evalsha(self, script: _Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
         conn = self.connection
@@ -630,13 +628,7 @@ class _Direct:
     def _stale(self, sock: Any) -> bool:
         if isinstance(sock, ssl.SSLSocket):  # TLS records are not replies: ask redis-py
             return self._stale_by_redis_py()
-        # One poll() (redis-py's can_read() costs three system calls).
-        fileno = sock.fileno()
-        if fileno != self.polled:
-            self.poller = select.poll()
-            self.poller.register(fileno, select.POLLIN)
-            self.polled = fileno
-        return bool(self.poller.poll(0))
+        return self.check.readable(sock.fileno())
 
     def _stale_by_redis_py(self) -> bool:
         try:
