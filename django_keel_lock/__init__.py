@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+__version__ = "0.1.0"  # setup.cfg reads it from here
+
 from .conf import get_lock_store, set_lock_store
 from .core import Lock, LockOutcome, force_release, lock, restore_lock
 from .decorators import locked
@@ -15,6 +17,7 @@ from .exceptions import (
 from .views import LockViewMixin, lock_view
 
 __all__ = [
+    "__version__",
     "InvalidLockToken",
     "Lock",
     "LockError",

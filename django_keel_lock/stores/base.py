@@ -254,18 +254,23 @@ class SocketCheck:
         return bool(self.poller.poll(0))
 
 
-class ReleaseListener(threading.Thread):
+class ReleaseListener:
     """One connection per process and store that hears other processes' releases and turns
     them into wake-ups on the store's WakeBoard.
 
     It listens only to the keys some thread or task of this process waits for: waiters ask
-    through `want()`, which pokes the thread through a pipe so it (un)subscribes at once. Only
-    this thread touches its connection. Subclasses implement `listen()`, using `wait()`,
+    through `want()`, which pokes its thread through a pipe so it (un)subscribes at once. Only
+    that thread touches its connection. Subclasses implement `listen()`, using `wait()`,
     `take_changes()` and `settle()`.
+
+    It has a thread rather than being one: `threading.Thread` keeps private attributes whose
+    names change between Python versions (3.13's `_handle` hid a subclass's method).
     """
 
     def __init__(self, store: LockStore) -> None:
-        super().__init__(name=f"keel-lock-listen-{store.alias}", daemon=True)
+        self.thread = threading.Thread(
+            target=self.run, name=f"keel-lock-listen-{store.alias}", daemon=True
+        )
         self.store = store
         self.pid = os.getpid()
         self.ready = threading.Event()  # set while connected: releases reach us
@@ -300,14 +305,21 @@ class ReleaseListener(threading.Thread):
             except OSError:
                 pass  # the pipe is full of pokes already
 
+    def start(self) -> None:
+        self.thread.start()
+
     def stop(self) -> None:
         self.stopping.set()
         self.interrupt()
-        self.join(timeout=3)
+        if self.thread.ident is not None and self.thread is not threading.current_thread():
+            self.thread.join(timeout=3)
+
+    def is_alive(self) -> bool:
+        return self.thread.is_alive()
 
     @property
     def usable_here(self) -> bool:
-        return self.pid == os.getpid() and self.is_alive()
+        return self.pid == os.getpid() and self.thread.is_alive()
 
     # -- for listen() -----------------------------------------------------------------------
     def wait(self, fileno: int, timeout: float) -> tuple[bool, bool]:
