@@ -16,13 +16,13 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
-from celery import Celery, Task
+from celery import Celery, Task, shared_task
 from celery.exceptions import Retry
 
 from django_keel_lock import LockUnavailable, get_lock_store, lock
@@ -188,6 +188,44 @@ def test_celery_checks_call_arguments_against_the_task_signature() -> None:
 def test_bad_options_fail_when_the_task_is_defined(options: dict[str, Any], error: str) -> None:
     with pytest.raises(ValueError, match=error):
         locked_task("k", **options)
+
+
+lazy_app = Celery("keel-lock-order-lazy", set_as_current=False, broker="memory://")
+finalized_app = Celery("keel-lock-order-finalized", set_as_current=False, broker="memory://")
+finalized_app.finalize()
+MISORDERED = "locked_task must be applied below @shared_task/@app.task, not above"
+
+
+@pytest.mark.parametrize(
+    "task_decorator",
+    [
+        shared_task(name="keel-lock-order.shared"),  # a Proxy
+        lazy_app.task(bind=True),  # a PromiseProxy: the app is not finalized yet
+        finalized_app.task(bind=True),  # a Task instance
+    ],
+    ids=["shared_task", "app.task-lazy", "app.task"],
+)
+def test_locked_task_above_the_task_decorator_is_a_type_error_naming_the_order(
+    task_decorator: Callable[[Callable[..., str]], Any],
+) -> None:
+    with pytest.raises(TypeError, match=MISORDERED) as info:
+
+        @locked_task("job:order", store="memory")
+        @task_decorator
+        def misordered(self: Task) -> str:
+            return "ran"
+
+    assert "put @locked_task(...) on the line after @shared_task(...)" in str(info.value)
+
+
+def test_locked_task_above_a_lazy_task_leaves_it_lazy() -> None:
+    def body() -> str:
+        return "ran"
+
+    task = lazy_app.task(body)
+    with pytest.raises(TypeError, match=MISORDERED):
+        locked_task("job:order", store="memory")(task)
+    assert not task.__evaluated__()  # the check looked at the proxy, not through it
 
 
 def test_auto_extend_keeps_the_lock_of_a_long_task_alive() -> None:

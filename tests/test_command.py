@@ -19,7 +19,7 @@ from django_keel_lock import get_lock_store, lock
 from django_keel_lock.conf import conf
 from django_keel_lock.management.commands.locks import list_lines
 from django_keel_lock.stores.database import PAGE_SIZE
-from tests.conftest import ALL_STORES, needs_store, store_params
+from tests.conftest import ALL_STORES, STORE_AVAILABILITY, needs_store, store_params
 from tests.holders import held_elsewhere, manage
 
 DOWN_STORES = {"down": {"BACKEND": "django_keel_lock.stores.RedisLockStore",
@@ -173,20 +173,36 @@ def test_list_memory_stays_bounded(many_locks: tuple[str, str, str], as_json: bo
 
 # -- show -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("store_alias", ALL_STORES)
-def test_show_one_lock(store_alias: str, key: str) -> None:
+def test_show_one_lock_without_its_owner_token(store_alias: str, key: str) -> None:
     with held_elsewhere(store_alias, key, ttl=30) as held:
+        owner = get_lock_store(store_alias).get(key).owner  # type: ignore[union-attr]
         text = run("show", key, "--store", store_alias)
         data = json.loads(run("show", key, "--store", store_alias, "--json"))
+        listed = run("list", "--store", store_alias, "--prefix", key)
+        listed += run("list", "--store", store_alias, "--prefix", key, "--json")
     fields = dict(line.split(":", 1) for line in text.splitlines())
     assert fields["key"].strip() == key
     assert fields["store"].strip() == store_alias
     assert int(fields["fence"]) == held["fence"]
-    assert len(fields["owner"].strip()) == 32
     assert data["key"] == key and data["store"] == store_alias and data["fence"] == held["fence"]
-    assert data["owner"] == fields["owner"].strip()
+    assert "owner" not in fields and "owner" not in data
+    for output in (text, json.dumps(data), listed):
+        assert owner not in output
     error = fails("show", key, "--store", store_alias)
     assert error.returncode == 1
     assert "not held" in str(error)
+
+
+def test_show_owner_prints_the_owner_token_when_asked(key: str) -> None:
+    handle = lock(key, store="memory")
+    assert handle.acquire()
+    text = run("show", key, "--store", "memory", "--show-owner")
+    data = json.loads(run("show", key, "--store", "memory", "--json", "--show-owner"))
+    fields = {name: value.strip() for name, value in (line.split(":", 1) for line in
+                                                       text.splitlines())}  # fmt: skip
+    assert fields["owner"] == handle.owner
+    assert data["owner"] == handle.owner
+    assert handle.release()
 
 
 # -- release --------------------------------------------------------------------------------
@@ -219,7 +235,12 @@ def test_release_asks_first(key: str, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # -- prune ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("store_alias", ALL_STORES)
+REDIS_STORES = [alias for alias in STORE_AVAILABILITY if alias.startswith("redis")]
+
+
+@pytest.mark.parametrize(
+    "store_alias", store_params([a for a in STORE_AVAILABILITY if a not in REDIS_STORES])
+)
 def test_prune_deletes_expired_entries_and_says_how_many(store_alias: str, key: str) -> None:
     store = get_lock_store(store_alias)
     store.prune()
@@ -230,13 +251,26 @@ def test_prune_deletes_expired_entries_and_says_how_many(store_alias: str, key: 
     time.sleep(0.4)
     out = run("prune", "--store", store_alias)
     count = int(out.split()[1])
-    if store_alias.startswith("redis"):
-        assert count == 0  # Redis expires keys itself
-    else:
-        # SQLite keeps the row with the highest fence (it is the fence counter).
-        assert count >= 2
-        assert out == f"Pruned {count} expired locks from store {store_alias!r}.\n"
-        assert store.prune() == 0
+    # SQLite keeps the row with the highest fence (it is the fence counter).
+    assert count >= 2
+    assert out == f"Pruned {count} expired locks from store {store_alias!r}.\n"
+    assert store.prune() == 0
+    assert keeper.is_locked()
+    assert keeper.release()
+
+
+@pytest.mark.parametrize("store_alias", store_params(REDIS_STORES))
+def test_prune_on_redis_says_the_store_expires_locks_itself(store_alias: str, key: str) -> None:
+    assert lock(f"{key}:short", store=store_alias, ttl=0.2).acquire()
+    keeper = lock(f"{key}:live", store=store_alias, ttl=60)
+    assert keeper.acquire()
+    time.sleep(0.4)
+    out = run("prune", "--store", store_alias)
+    assert out == (
+        f"Store {store_alias!r} (RedisLockStore) deletes expired locks by itself: "
+        "nothing to prune.\n"
+    )
+    assert get_lock_store(store_alias).get(f"{key}:short") is None
     assert keeper.is_locked()
     assert keeper.release()
 
@@ -258,6 +292,17 @@ def test_store_outage_is_exit_code_3(args: list[str]) -> None:
     error = fails(*args, "--store", "down")
     assert error.returncode == 3
     assert "store 'down' is unavailable" in str(error)
+
+
+@override_settings(KEEL_LOCK_STORES={**conf.STORES, **DOWN_STORES})
+@pytest.mark.parametrize("as_json", [False, True], ids=["table", "json"])
+def test_list_on_a_store_that_is_down_prints_nothing_before_failing(as_json: bool) -> None:
+    out = io.StringIO()
+    with pytest.raises(CommandError) as info:
+        call_command("locks", "list", "--store", "down", *(["--json"] if as_json else []),
+                     stdout=out, stderr=io.StringIO())  # fmt: skip
+    assert info.value.returncode == 3
+    assert out.getvalue() == ""  # not a table header that reads as "no locks"
 
 
 def test_bad_key_is_a_usage_error(key: str) -> None:

@@ -27,6 +27,7 @@ from typing import Any, Literal, ParamSpec, TypeVar
 
 try:
     from celery import Task, current_task
+    from celery.local import Proxy
 except ImportError as exc:  # pragma: no cover - exercised by a subprocess test
     raise ImportError(
         "django_keel_lock.contrib.celery needs Celery: pip install 'django-keel-lock[celery]'"
@@ -110,6 +111,16 @@ def locked_task(
     )
 
     def decorate(fn: Callable[P, R]) -> Callable[P, R | None]:
+        # Above the task decorator, the lock would wrap the task object in a plain function:
+        # workers would run the registered task without the lock, and the name would lose
+        # .delay(). The type, not isinstance(): isinstance() on shared_task's Proxy would
+        # evaluate it (make the task) here, at import time.
+        if issubclass(type(fn), (Task, Proxy)):
+            raise TypeError(
+                "locked_task must be applied below @shared_task/@app.task, not above: put "
+                "@locked_task(...) on the line after @shared_task(...) or @app.task(...)"
+            )
+
         @functools.wraps(fn)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> R | None:
             task = _running_task(args)

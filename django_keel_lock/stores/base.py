@@ -401,6 +401,9 @@ class LockStore(ABC):
     max_key_length: int | None = None
     #: Known options (upper-case names in KEEL_LOCK_STORES[alias]["OPTIONS"]).
     option_names: frozenset[str] = frozenset()
+    #: True when the server itself deletes a lock once it expires (Redis key TTLs): `prune()`
+    #: then has nothing to do, and `locks prune` says so rather than "pruned 0".
+    expires_by_itself: bool = False
 
     def __init__(self, alias: str = "default", options: Mapping[str, Any] | None = None) -> None:
         self.alias = alias
@@ -454,7 +457,7 @@ class LockStore(ABC):
 
     def prune(self) -> int:
         """Delete expired entries the store keeps; how many. Stores that expire by themselves
-        return 0."""
+        (`expires_by_itself`) return 0."""
         return 0
 
     # -- waiting --------------------------------------------------------------------------

@@ -224,6 +224,7 @@ class RedisLockStore(LockStore):
     """
 
     option_names = frozenset({"CONNECTION", "URL", "KEY_PREFIX", "CLUSTER"})
+    expires_by_itself = True  # each lock is a key with a PEXPIRE: Redis deletes it at its ttl
 
     def __init__(self, alias: str = "default", options: Mapping[str, Any] | None = None) -> None:
         super().__init__(alias, options)

@@ -1,7 +1,7 @@
 """`manage.py locks`: list, show, force-release and prune the locks of a store.
 
     manage.py locks list [--store ALIAS] [--prefix P] [--json]
-    manage.py locks show KEY [--store ALIAS] [--json]
+    manage.py locks show KEY [--store ALIAS] [--json] [--show-owner]
     manage.py locks release KEY [--store ALIAS] [--yes]
     manage.py locks prune [--store ALIAS]
 
@@ -11,10 +11,15 @@ misconfigured store alias; 3 the store could not be reached (the state of the lo
 
 `list` streams: rows are printed as the store yields them (page by page for the database store),
 with fixed column widths so the table never needs every row in memory.
+
+Owner tokens are never printed unless `show --show-owner` asks: the token is what a store checks
+before it releases or extends a lock for its holder, so it stays out of terminals, logs and
+pasted output by default.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
 from datetime import UTC
@@ -74,7 +79,13 @@ def table_row(info: LockInfo) -> str:
 
 
 def list_lines(store: LockStore, prefix: str = "", as_json: bool = False) -> Iterator[str]:
-    """The lines `locks list` prints, produced one store row at a time."""
+    """The lines `locks list` prints, produced one store row at a time.
+
+    The first row is read before anything is produced: a store that cannot be reached fails
+    the command with nothing printed, not under a table header that looks like an empty table.
+    """
+    rows = iter(store.iter_locks(prefix))
+    first = next(rows, None)
     count = 0
     if not as_json:
         yield ROW.format(
@@ -84,9 +95,10 @@ def list_lines(store: LockStore, prefix: str = "", as_json: bool = False) -> Ite
             holder="HOLDER",
             key="KEY",
         )
-    for info in store.iter_locks(prefix):
-        count += 1
-        yield json.dumps(info_dict(info), ensure_ascii=False) if as_json else table_row(info)
+    if first is not None:
+        for info in itertools.chain([first], rows):
+            count += 1
+            yield json.dumps(info_dict(info), ensure_ascii=False) if as_json else table_row(info)
     if not as_json:
         what = f" with prefix {prefix!r}" if prefix else ""
         yield f"{count} lock{'' if count == 1 else 's'} held in store {store.alias!r}{what}."
@@ -114,10 +126,15 @@ class Command(BaseCommand):
         show = add("show", "Show one lock in detail.")
         show.add_argument("key")
         show.add_argument("--json", action="store_true", help="print a JSON object")
+        show.add_argument(
+            "--show-owner",
+            action="store_true",
+            help="also print the owner token (hidden by default: release and extend check it)",
+        )
         release = add("release", "Force-release a lock, whoever holds it.")
         release.add_argument("key")
         release.add_argument("--yes", action="store_true", help="do not ask for confirmation")
-        add("prune", "Delete expired lock rows (database store); print how many.")
+        add("prune", "Delete expired locks the store keeps (Redis deletes its own); say how many.")
 
     def handle(self, *args: Any, **options: Any) -> None:
         alias: str = options["store"]
@@ -152,15 +169,17 @@ class Command(BaseCommand):
 
     def do_show(self, store: LockStore, options: dict[str, Any]) -> None:
         info = self.read(store, self.checked_key(store, options["key"]))
+        show_owner: bool = options["show_owner"]
         if options["json"]:
-            self.stdout.write(json.dumps({"store": store.alias, **info_dict(info, owner=True)}))
+            data = {"store": store.alias, **info_dict(info, owner=show_owner)}
+            self.stdout.write(json.dumps(data))
             return
         rows = [
             ("key", info.key),
             ("store", store.alias),
             ("holder", info.holder),
             ("fence", str(info.fence)),
-            ("owner", info.owner),
+            *([("owner", info.owner)] if show_owner else []),
             ("acquired", f"{format_acquired(info)} UTC"),
             ("expires in", format_expires(info.expires_in)),
         ]
@@ -202,6 +221,13 @@ class Command(BaseCommand):
         )
 
     def do_prune(self, store: LockStore, options: dict[str, Any]) -> None:
+        if store.expires_by_itself:
+            # Not "Pruned 0": that reads as "nothing had expired yet", or as a prune that failed.
+            self.stdout.write(
+                f"Store {store.alias!r} ({type(store).__name__}) deletes expired locks by "
+                "itself: nothing to prune."
+            )
+            return
         count = store.prune()
         self.stdout.write(
             f"Pruned {count} expired lock{'' if count == 1 else 's'} from store {store.alias!r}."
