@@ -1,24 +1,28 @@
 # Two commands for a newcomer: `make demo` and `make test`. Everything else is a helper.
+# PYTHON picks the interpreter, VENV its virtualenv, DJANGO a requirement to pin Django with
+# (default: the newest the interpreter allows), e.g.
+#   make test PYTHON="$$(PYENV_VERSION=3.13.0 pyenv which python3.13)" VENV=.venv313 DJANGO='django>=6.1,<6.2'
 PYTHON ?= python3
 VENV ?= .venv
+DJANGO ?=
 BIN := $(VENV)/bin
 STORE ?= database
 PROCS ?= 8
 STAMP_BASE := $(VENV)/.installed-base
 STAMP_TEST := $(VENV)/.installed-test
 
-.PHONY: demo test lint typecheck serve bench tox clean
+.PHONY: demo test lint typecheck serve bench tox dist clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
 $(STAMP_BASE): $(BIN)/python setup.cfg
-	$(BIN)/pip install -q -e '.[redis,celery]'
+	$(BIN)/pip install -q -e '.[redis,celery]' $(if $(DJANGO),'$(DJANGO)')
 	touch $@
 
 $(STAMP_TEST): $(BIN)/python setup.cfg
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test]' $(if $(DJANGO),'$(DJANGO)')
 	touch $@ $(STAMP_BASE)
 
 # The race: PROCS processes charge the same invoices through the lock (STORE=database|redis).
@@ -46,10 +50,20 @@ bench: $(STAMP_TEST)
 	$(BIN)/python -m bench.bench_db
 	$(BIN)/python -m bench.bench_redis
 
-# Every tox env (Django 4.2 and 5.2; the Redis tests on redis-py 5.0), or TOXENV's.
+# Every tox env (each supported Python x Django pair; the Redis tests on redis-py 5.0), or
+# TOXENV's. PYENV_VERSION makes pyenv's python3.11/3.12/3.13 shims all answer.
+PYENV_ALL ?= 3.11.7:3.12.1:3.13.0
 tox: $(BIN)/python
 	$(BIN)/pip install -q 'tox>=4'
-	$(BIN)/tox $(if $(TOXENV),-e $(TOXENV))
+	PYENV_VERSION=$(PYENV_ALL) $(BIN)/tox $(if $(TOXENV),-e $(TOXENV))
+
+# The sdist (with everything the test suite needs) and the wheel (the package only), checked.
+dist: $(BIN)/python
+	$(BIN)/pip install -q build twine
+	rm -rf dist
+	$(BIN)/python -m build --outdir dist .
+	$(BIN)/twine check --strict dist/*
+	$(BIN)/python .ci/check_dist.py dist
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

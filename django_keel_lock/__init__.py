@@ -17,7 +17,6 @@ from .exceptions import (
 from .views import LockViewMixin, lock_view
 
 __all__ = [
-    "__version__",
     "InvalidLockToken",
     "Lock",
     "LockError",
@@ -26,6 +25,7 @@ __all__ = [
     "LockStoreUnavailable",
     "LockUnavailable",
     "LockViewMixin",
+    "__version__",
     "force_release",
     "get_lock_store",
     "lock",
