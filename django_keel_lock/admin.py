@@ -213,7 +213,9 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
     # -- the changelist -------------------------------------------------------------------
     def get_queryset(self, request: HttpRequest) -> models.QuerySet[Lock]:
-        queryset = super().get_queryset(request)
+        # The store's own database, not the router's choice: without a router for this app,
+        # that is "default", which has no rows (or no table) when the store lives elsewhere.
+        queryset = super().get_queryset(request).using(_model_database())
         return cast(
             "models.QuerySet[Lock]", queryset.annotate(remaining=RemainingSeconds("expires_at"))
         )
@@ -505,8 +507,19 @@ def _row_from_model(obj: Lock) -> LockRow:
 
 
 def _model_database() -> str:
+    """The database whose lock table the changelist shows: the "default" store's if that is a
+    DatabaseLockStore, else the first one configured; with none, the router's choice."""
     from django.db import router
 
+    from .stores.database import DatabaseLockStore
+
+    for alias in sorted(conf.STORES, key=lambda alias: alias != "default"):
+        try:
+            store = get_lock_store(alias)
+        except Exception:  # a broken alias elsewhere must not hide this one
+            continue
+        if isinstance(store, DatabaseLockStore):
+            return store.database
     return router.db_for_read(Lock) or "default"
 
 

@@ -1,4 +1,9 @@
-"""System checks for the django-keel-lock settings. They read settings only: never connect.
+"""System checks for the django-keel-lock settings.
+
+The settings checks read settings only: they never connect. The database check (W003, W004)
+follows Django's convention for checks tagged `database`: it runs only for the databases a
+command asks for (`check --database locks`, and `migrate`, which checks the database it
+migrates), and it looks at the schema only, taking no lock.
 
 Errors
   django_keel_lock.E001  KEEL_LOCK_STORES is not a dict, or an alias's config is not a dict with
@@ -19,6 +24,10 @@ Warnings
   django_keel_lock.W001  MemoryLockStore is the "default" store while DEBUG is False: it does not
                          coordinate processes, so two workers can hold the same lock.
   django_keel_lock.W002  KEEL_LOCK_STORES has no "default" alias: lock() without store= fails.
+  django_keel_lock.W003  A DatabaseLockStore's database has no lock table (not migrated there):
+                         every lock on that store fails with LockStoreUnavailable.
+  django_keel_lock.W004  A DatabaseLockStore's database could not be inspected for W003
+                         (unreachable, or a missing driver).
 """
 
 from __future__ import annotations
@@ -29,8 +38,9 @@ from importlib import import_module
 from typing import Any
 
 from django.conf import settings
-from django.core.checks import CheckMessage, Error, Warning, register
+from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.core.exceptions import ImproperlyConfigured
+from django.db import connections
 from django.utils.module_loading import import_string
 
 from .durations import to_seconds
@@ -50,6 +60,7 @@ REDIS_BACKENDS = {
     "django_keel_lock.stores.redis.RedisLockStore",
 }
 SUPPORTED_VENDORS = {"postgresql", "mysql", "sqlite"}
+LOCK_TABLE = "django_keel_lock_lock"  # models.Lock's db_table (models are not imported here)
 
 
 def installed(module: str) -> bool:
@@ -72,10 +83,7 @@ def check_stores(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> lis
     """Every mistake in KEEL_LOCK_STORES / KEEL_LOCK_DEFAULT_TTL that can be seen offline."""
     messages: list[CheckMessage] = []
     messages.extend(_check_default_ttl())
-    stores = getattr(settings, "KEEL_LOCK_STORES", None)
-    if stores is None:
-        # The built-in default: DatabaseLockStore on the "default" database.
-        stores = {"default": {"BACKEND": "django_keel_lock.stores.DatabaseLockStore"}}
+    stores = _stores_setting()
     if not isinstance(stores, dict):
         return [
             *messages,
@@ -98,6 +106,14 @@ def check_stores(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> lis
     for alias, config in stores.items():
         messages.extend(_check_alias(alias, config))
     return messages
+
+
+def _stores_setting() -> object:
+    stores = getattr(settings, "KEEL_LOCK_STORES", None)
+    if stores is None:
+        # The built-in default: DatabaseLockStore on the "default" database.
+        return {"default": {"BACKEND": "django_keel_lock.stores.DatabaseLockStore"}}
+    return stores
 
 
 def _check_default_ttl() -> list[CheckMessage]:
@@ -277,3 +293,80 @@ def _is_django_redis_cache(path: str) -> bool:
     except ImportError:
         return False
     return isinstance(backend, type) and issubclass(backend, RedisCache)
+
+
+@register(Tags.database)
+def check_store_tables(
+    app_configs: Sequence[Any] | None = None,
+    databases: Sequence[str] | None = None,
+    **kwargs: Any,
+) -> list[CheckMessage]:
+    """Each database store's table exists, on the databases the command asked to check.
+
+    Warnings, not errors, although every lock on such a store fails: `migrate` runs the
+    database checks of the database it migrates before migrating, and an error would stop the
+    very command that creates the table.
+    """
+    if not databases:
+        return []
+    messages: list[CheckMessage] = []
+    for database, aliases in _database_stores().items():
+        if database not in databases:
+            continue
+        named = ", ".join(repr(alias) for alias in aliases)
+        stores = f"Lock stores {named} keep" if len(aliases) > 1 else f"Lock store {named} keeps"
+        try:
+            tables = connections[database].introspection.table_names()
+        except Exception as exc:  # unreachable server, missing driver: a check never crashes
+            messages.append(
+                Warning(
+                    f"{stores} locks in database {database!r}, which could not be "
+                    f"inspected for the {LOCK_TABLE} table: {type(exc).__name__}: {exc}",
+                    hint=f"Check that database {database!r} is reachable with the "
+                    "DATABASES settings, then run this check again.",
+                    id=ID.format("W004"),
+                )
+            )
+            continue
+        if LOCK_TABLE not in tables:
+            messages.append(
+                Warning(
+                    f"{stores} locks in table {LOCK_TABLE} of database {database!r}, "
+                    "which does not have that table: every lock taken there fails with "
+                    "LockStoreUnavailable.",
+                    hint=f"Run: python manage.py migrate django_keel_lock --database {database}",
+                    id=ID.format("W003"),
+                )
+            )
+    return messages
+
+
+def _database_stores() -> dict[str, list[str]]:
+    """Database alias -> the KEEL_LOCK_STORES aliases of the database stores on it. Configs
+    that check_stores reports as broken are left to it."""
+    stores = _stores_setting()
+    if not isinstance(stores, dict):
+        return {}
+    found: dict[str, list[str]] = {}
+    for alias, config in stores.items():
+        if not isinstance(config, dict) or not isinstance(config.get("BACKEND"), str):
+            continue
+        path: str = config["BACKEND"]
+        options = config.get("OPTIONS") or {}
+        if not isinstance(options, dict):
+            continue
+        backend: type[LockStore] | None = None
+        if path not in DATABASE_BACKENDS:
+            try:
+                imported = import_string(path)
+            except (ImportError, ImproperlyConfigured):
+                continue
+            if not (isinstance(imported, type) and issubclass(imported, LockStore)):
+                continue
+            backend = imported
+        if not _is(backend, path, DATABASE_BACKENDS, "DatabaseLockStore"):
+            continue
+        database = options.get("DATABASE", "default")
+        if database in connections.settings:
+            found.setdefault(database, []).append(str(alias))
+    return found

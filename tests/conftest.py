@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import gc
+import os
 import signal
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -144,6 +146,43 @@ def serving(store: LockStore) -> Iterator[str]:
     finally:
         set_lock_store(None, store.alias)
         store.close()
+
+
+@contextmanager
+def database_like(based_on: str, name: str, **changes: Any) -> Iterator[str]:
+    """The Django database alias `name`, a copy of `based_on` with `changes` (OPTIONS, PORT)
+    while the block runs; then it is forgotten, with the connection the handler kept for it."""
+    connections.settings[name] = {**connections.settings[based_on], **changes}
+    try:
+        yield name
+    finally:
+        connections[name].close()
+        del connections[name]  # the handler caches the wrapper, settings and all
+        del connections.settings[name]
+
+
+@contextmanager
+def empty_database(based_on: str, name: str) -> Iterator[str]:
+    """The alias `name` for a new, empty database on `based_on`'s server (nothing migrated),
+    while the block runs; then the database is dropped. Close stores opened on it first."""
+    vendor = connections[based_on].vendor
+    if vendor == "sqlite":
+        with tempfile.TemporaryDirectory() as directory:
+            with database_like(based_on, name, NAME=os.path.join(directory, "empty.sqlite3")):
+                yield name
+        return
+    database = f"{connections[based_on].settings_dict['NAME']}_{uuid.uuid4().hex[:8]}"
+    quoted = connections[based_on].ops.quote_name(database)
+    # The charset the test databases get (utf8mb4 on MariaDB), whatever the server's default.
+    suffix = connections[based_on].creation.sql_table_creation_suffix()
+    with connections[based_on].cursor() as cursor:
+        cursor.execute(f"CREATE DATABASE {quoted} {suffix}")
+    try:
+        with database_like(based_on, name, NAME=database):
+            yield name
+    finally:
+        with connections[based_on].cursor() as cursor:
+            cursor.execute(f"DROP DATABASE {quoted}")
 
 
 class TimeLimit(BaseException):

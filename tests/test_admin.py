@@ -249,6 +249,34 @@ def test_search_finds_locks_by_key(admin_client: Client) -> None:
     assert needle in html and other not in html
 
 
+@needs_store("postgres")
+def test_changelist_reads_the_database_of_the_store_not_the_routers_default(
+    admin_client: Client,
+) -> None:
+    """No router sends the app elsewhere, so the router's choice is "default", which has a lock
+    table too, but not these rows."""
+    on_postgres = {
+        "default": {
+            "BACKEND": "django_keel_lock.stores.DatabaseLockStore",
+            "OPTIONS": {"DATABASE": "postgres"},
+        }
+    }
+    with override_settings(KEEL_LOCK_STORES=on_postgres):
+        handle = lock(key_of("own-database"), store="default", ttl=120)
+        assert handle.acquire()
+        changelist = admin_client.get(CHANGELIST, {"q": handle.key}).content.decode()
+        change = admin_client.get(f"{CHANGELIST}{handle.key}/change/")
+        in_default = LockRow.objects.using("default").filter(key=handle.key).exists()
+        handle.release()
+
+    assert not in_default
+    assert handle.key in changelist and handle.holder in changelist
+    assert '<td class="field-state_display">held</td>' in changelist
+    assert change.status_code == 200
+    assert handle.holder in change.content.decode()
+    assert "keel-force-release" in change.content.decode()
+
+
 @pytest.mark.parametrize("database", store_params(["sqlite", "postgres", "mariadb"]))
 def test_remaining_expression_agrees_with_the_store_on_every_database(database: str) -> None:
     store = get_lock_store(database)

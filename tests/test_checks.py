@@ -1,7 +1,9 @@
-"""System checks for KEEL_LOCK_STORES and KEEL_LOCK_DEFAULT_TTL: one test per id, no servers."""
+"""System checks for KEEL_LOCK_STORES and KEEL_LOCK_DEFAULT_TTL: one test per id. The settings
+checks need no server; the database checks look at real databases, empty ones included."""
 
 from __future__ import annotations
 
+import io
 import re
 import sys
 import time
@@ -13,8 +15,10 @@ from django.core.management import call_command
 from django.core.management.base import SystemCheckError
 from django.test import override_settings
 
-from django_keel_lock import checks
-from django_keel_lock.checks import check_stores
+from django_keel_lock import LockStoreUnavailable, checks, get_lock_store, lock
+from django_keel_lock.checks import check_store_tables, check_stores
+
+from .conftest import DATABASE_STORES, database_like, empty_database, needs_store, store_params
 
 DB = "django_keel_lock.stores.DatabaseLockStore"
 MEMORY = "django_keel_lock.stores.MemoryLockStore"
@@ -145,6 +149,67 @@ def test_w001_memory_store_as_default_in_production() -> None:
 
 def test_w002_no_default_alias() -> None:
     assert ids(KEEL_LOCK_STORES={"main": {"BACKEND": DB}}) == ["django_keel_lock.W002"]
+
+
+def database_of(store_alias: str) -> str:
+    return str(get_lock_store(store_alias).database)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("server", store_params(DATABASE_STORES))
+def test_w003_store_database_without_the_lock_table_until_the_hinted_migrate(server: str) -> None:
+    on_locks = stores(locks={"BACKEND": DB, "OPTIONS": {"DATABASE": "locks"}})
+    with (
+        empty_database(database_of(server), "locks"),
+        override_settings(KEEL_LOCK_STORES=on_locks),
+    ):
+        with pytest.raises(LockStoreUnavailable):  # what the warning is about
+            lock("checks:w003", store="locks").acquire()
+        found = check_store_tables(databases=["locks"])
+        unasked = check_store_tables()  # plain `manage.py check`: no database is touched
+        other_database = check_store_tables(databases=["default"])
+        command_output = io.StringIO()
+        call_command("check", databases=["locks"], stdout=io.StringIO(), stderr=command_output)
+        hint = found[0].hint or ""
+        # The hint, run as written and with its checks, as manage.py runs it: the warning shows
+        # and does not stop it (an error would).
+        migrate_output = io.StringIO()
+        command = hint.removeprefix("Run: python manage.py ").split()
+        call_command(*command, skip_checks=False, stdout=io.StringIO(), stderr=migrate_output)
+        after = check_store_tables(databases=["locks"])
+        handle = lock("checks:w003", store="locks")
+        acquired = handle.acquire() and handle.release()
+
+    assert [m.id for m in found] == ["django_keel_lock.W003"]
+    assert found[0].msg.startswith("Lock store 'locks' keeps locks in table django_keel_lock_lock")
+    assert "database 'locks'" in found[0].msg
+    assert "LockStoreUnavailable" in found[0].msg
+    assert hint == "Run: python manage.py migrate django_keel_lock --database locks"
+    assert unasked == [] and other_database == []
+    assert "django_keel_lock.W003" in command_output.getvalue()
+    assert "django_keel_lock.W003" in migrate_output.getvalue()
+    assert after == [] and acquired
+
+
+def test_w003_names_every_store_sharing_the_database_once() -> None:
+    two = stores(a={"BACKEND": DB, "OPTIONS": {"DATABASE": "locks"}},
+                 b={"BACKEND": DB, "OPTIONS": {"DATABASE": "locks"}})  # fmt: skip
+    with empty_database("default", "locks"), override_settings(KEEL_LOCK_STORES=two):
+        found = check_store_tables(databases=["default", "locks"])
+
+    assert [m.id for m in found] == ["django_keel_lock.W003"]
+    assert "Lock stores 'a', 'b' keep locks" in found[0].msg
+
+
+@needs_store("postgres")
+def test_w004_unreachable_store_database_is_reported_not_raised() -> None:
+    down = stores(locks={"BACKEND": DB, "OPTIONS": {"DATABASE": "locks"}})
+    # Nothing listens on port 1: the connection is refused at once.
+    with database_like("postgres", "locks", PORT=1), override_settings(KEEL_LOCK_STORES=down):
+        found = check_store_tables(databases=["locks"])
+
+    assert [m.id for m in found] == ["django_keel_lock.W004"]
+    assert "database 'locks', which could not be inspected" in found[0].msg
+    assert "OperationalError" in found[0].msg
 
 
 def test_checks_do_not_connect_to_servers() -> None:

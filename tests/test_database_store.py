@@ -28,6 +28,7 @@ from .conftest import (
     DATABASE_STORES,
     SERVER_DATABASES,
     TimeLimit,
+    database_like,
     interrupted_after,
     needs,
     needs_store,
@@ -347,19 +348,6 @@ def test_prune_deletes_in_batches_until_none_are_left(
     assert store.prune() >= 5
     assert [info.key for info in store.iter_locks(prefix=key)] == [keeper.key]
     assert keeper.release()
-
-
-@contextmanager
-def database_like(based_on: str, name: str, **changes: Any) -> Iterator[str]:
-    """The Django database alias `name`, a copy of `based_on` with `changes` (OPTIONS, PORT)
-    while the block runs; then it is forgotten, with the connection the handler kept for it."""
-    connections.settings[name] = {**connections.settings[based_on], **changes}
-    try:
-        yield name
-    finally:
-        connections[name].close()
-        del connections[name]  # the handler caches the wrapper, settings and all
-        del connections.settings[name]
 
 
 @contextmanager

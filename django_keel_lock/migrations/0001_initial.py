@@ -1,41 +1,10 @@
 from __future__ import annotations
 
-from typing import Any
-
 from django.db import migrations, models
 
+from django_keel_lock.migrations._operations import VendorSQL
+
 SEQUENCE = "django_keel_lock_fence"
-
-
-def create_vendor_parts(apps: Any, schema_editor: Any) -> None:
-    """What the database store needs beyond the table, per database.
-
-    PostgreSQL and MariaDB hand out fences from one sequence (strictly increasing for every
-    key, and nothing to lose when rows are pruned). SQLite serialises writers, so it takes
-    MAX(fence) + 1 and needs an index for that. MariaDB compares keys byte for byte.
-    """
-    connection = schema_editor.connection
-    quote = connection.ops.quote_name
-    if connection.vendor == "postgresql":
-        schema_editor.execute(f"CREATE SEQUENCE IF NOT EXISTS {SEQUENCE}")
-    elif connection.vendor == "mysql":
-        schema_editor.execute(f"CREATE SEQUENCE IF NOT EXISTS {SEQUENCE}")
-        schema_editor.execute(
-            f"ALTER TABLE django_keel_lock_lock MODIFY {quote('key')} VARCHAR(255) "
-            "CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin NOT NULL, "
-            "MODIFY holder VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL"
-        )
-    elif connection.vendor == "sqlite":
-        schema_editor.execute(
-            "CREATE INDEX IF NOT EXISTS django_keel_lock_lock_fence "
-            "ON django_keel_lock_lock (fence)"
-        )
-
-
-def drop_vendor_parts(apps: Any, schema_editor: Any) -> None:
-    connection = schema_editor.connection
-    if connection.vendor in {"postgresql", "mysql"}:
-        schema_editor.execute(f"DROP SEQUENCE IF EXISTS {SEQUENCE}")
 
 
 class Migration(migrations.Migration):
@@ -62,5 +31,33 @@ class Migration(migrations.Migration):
                 "permissions": (("force_release_lock", "Can force-release a lock held by anyone"),),
             },
         ),
-        migrations.RunPython(create_vendor_parts, drop_vendor_parts, atomic=False),
+        # What the database store needs beyond the table, per database. PostgreSQL and MariaDB
+        # hand out fences from one sequence (strictly increasing for every key, and nothing to
+        # lose when rows are pruned). SQLite serialises writers, so it takes MAX(fence) + 1 and
+        # needs an index for that. MariaDB compares keys byte for byte. Plain SQL through the
+        # schema editor, so `sqlmigrate` prints all of it.
+        VendorSQL(
+            forwards={
+                "postgresql": [f"CREATE SEQUENCE IF NOT EXISTS {SEQUENCE}"],
+                "mysql": [
+                    f"CREATE SEQUENCE IF NOT EXISTS {SEQUENCE}",
+                    "ALTER TABLE django_keel_lock_lock MODIFY `key` VARCHAR(255) "
+                    "CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin NOT NULL, "
+                    "MODIFY holder VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin "
+                    "NOT NULL",
+                ],
+                "sqlite": [
+                    "CREATE INDEX IF NOT EXISTS django_keel_lock_lock_fence "
+                    "ON django_keel_lock_lock (fence)"
+                ],
+            },
+            # The collations and SQLite's index go with the table, which unapplying the
+            # CreateModel above drops next.
+            backwards={
+                "postgresql": [f"DROP SEQUENCE IF EXISTS {SEQUENCE}"],
+                "mysql": [f"DROP SEQUENCE IF EXISTS {SEQUENCE}"],
+            },
+            description="Fence sequence (PostgreSQL, MariaDB), byte-wise key and holder "
+            "collations (MariaDB), fence index (SQLite)",
+        ),
     ]

@@ -1,0 +1,195 @@
+"""The app's migrations on real databases: what `sqlmigrate` prints is all they do, and the
+router the README documents for a store on its own database."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import pytest
+from django.core.management import call_command
+from django.db import connections
+from django.db.migrations.loader import MigrationLoader
+from django.test import override_settings
+
+from django_keel_lock import get_lock_store, lock
+from django_keel_lock.checks import check_store_tables
+from django_keel_lock.models import Lock as LockRow
+
+from .conftest import DATABASE_STORES, empty_database, store_params
+
+APP = "django_keel_lock"
+
+# What the first migration does beyond creating the table, as `sqlmigrate` must print it.
+VENDOR_PARTS = {
+    "sqlite": ["CREATE INDEX IF NOT EXISTS django_keel_lock_lock_fence"],
+    "postgresql": ["CREATE SEQUENCE IF NOT EXISTS django_keel_lock_fence;"],
+    "mysql": [
+        "CREATE SEQUENCE IF NOT EXISTS django_keel_lock_fence;",
+        "MODIFY `key` VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin NOT NULL",
+        "MODIFY holder VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL",
+    ],
+}
+
+
+def migration_names(database: str) -> list[str]:
+    """Every migration of the app, in the order they apply."""
+    graph = MigrationLoader(connections[database]).graph
+    (leaf,) = graph.leaf_nodes(APP)
+    return [name for app, name in graph.forwards_plan(leaf) if app == APP]
+
+
+def sqlmigrate(database: str, name: str, *, backwards: bool = False) -> str:
+    out = io.StringIO()
+    call_command("sqlmigrate", APP, name, database=database, backwards=backwards, stdout=out)
+    return out.getvalue()
+
+
+def apply_by_hand(database: str, sql: str) -> None:
+    """Run `sqlmigrate` output like a DBA would: each statement as printed (one per line)."""
+    with connections[database].cursor() as cursor:
+        for line in sql.splitlines():
+            if line and not line.startswith("--") and line not in {"BEGIN;", "COMMIT;"}:
+                cursor.execute(line.removesuffix(";"))
+
+
+def schema(database: str) -> dict[str, Any]:
+    """Everything of the app's in `database`: its tables' columns (with collations), indexes and
+    constraints, and the sequences on the server."""
+    connection = connections[database]
+    introspection = connection.introspection
+    with connection.cursor() as cursor:
+        tables = [name for name in introspection.table_names(cursor) if name.startswith(APP)]
+        found: dict[str, Any] = {
+            table: {
+                "columns": [
+                    (column.name, column.null_ok, column.collation)
+                    for column in introspection.get_table_description(cursor, table)
+                ],
+                "constraints": introspection.get_constraints(cursor, table),
+            }
+            for table in tables
+        }
+        sequences: list[str] = []  # SQLite has none
+        if connection.vendor == "postgresql":
+            cursor.execute(
+                "SELECT sequence_name FROM information_schema.sequences "
+                "WHERE sequence_schema = current_schema()"
+            )
+            sequences = [row[0] for row in cursor.fetchall()]
+        elif connection.vendor == "mysql":
+            cursor.execute(
+                "SELECT table_name FROM information_schema.tables "
+                "WHERE table_schema = DATABASE() AND table_type = 'SEQUENCE'"
+            )
+            sequences = [row[0] for row in cursor.fetchall()]
+        found["sequences"] = sorted(sequences)
+    return found
+
+
+def database_of(store_alias: str) -> str:
+    return str(get_lock_store(store_alias).database)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("server", store_params(DATABASE_STORES))
+def test_sqlmigrate_prints_every_operation_of_every_migration_both_ways(server: str) -> None:
+    database = database_of(server)
+    names = migration_names(database)
+    forwards = {name: sqlmigrate(database, name) for name in names}
+    backwards = {name: sqlmigrate(database, name, backwards=True) for name in names}
+
+    assert names[:2] == ["0001_initial", "0002_lock_waiting"]
+    for name in names:
+        assert "CANNOT BE WRITTEN AS SQL" not in forwards[name], name
+        assert "CANNOT BE WRITTEN AS SQL" not in backwards[name], name
+    for statement in VENDOR_PARTS[connections[database].vendor]:
+        assert statement in forwards["0001_initial"]
+    if connections[database].vendor != "sqlite":
+        assert "DROP SEQUENCE IF EXISTS django_keel_lock_fence;" in backwards["0001_initial"]
+    assert "waiting" in forwards["0002_lock_waiting"]
+
+
+@pytest.mark.parametrize("server", store_params(DATABASE_STORES))
+def test_sqlmigrate_output_applied_by_hand_builds_and_removes_what_migrate_does(
+    server: str,
+) -> None:
+    based_on = database_of(server)
+    vendor = connections[based_on].vendor
+    with (
+        empty_database(based_on, "by-migrate") as migrated,
+        empty_database(based_on, "by-hand") as by_hand,
+    ):
+        names = migration_names(migrated)
+        call_command("migrate", APP, database=migrated, verbosity=0)
+        for name in names:
+            apply_by_hand(by_hand, sqlmigrate(by_hand, name))
+        built, built_by_hand = schema(migrated), schema(by_hand)
+        call_command("migrate", APP, "zero", database=migrated, verbosity=0)
+        for name in reversed(names):
+            apply_by_hand(by_hand, sqlmigrate(by_hand, name, backwards=True))
+        removed, removed_by_hand = schema(migrated), schema(by_hand)
+
+    assert built_by_hand == built
+    assert removed_by_hand == removed == {"sequences": []}
+    # What the vendor SQL adds really is there (so the comparison above covers it).
+    table = built["django_keel_lock_lock"]
+    if vendor == "sqlite":
+        assert "django_keel_lock_lock_fence" in table["constraints"]
+    else:
+        assert built["sequences"] == ["django_keel_lock_fence"]
+    if vendor == "mysql":
+        collations = {name: collation for name, _, collation in table["columns"]}
+        assert collations["key"] == "utf8mb4_nopad_bin"
+        assert collations["holder"] == "utf8mb4_bin"
+
+
+class LockRouter:
+    """The lock table lives in the "locks" database, and nothing else does."""
+
+    app_label = "django_keel_lock"
+    database = "locks"
+
+    def db_for_read(self, model: type[Any], **hints: Any) -> str | None:
+        return self.database if model._meta.app_label == self.app_label else None
+
+    db_for_write = db_for_read
+
+    def allow_migrate(
+        self, db: str, app_label: str, model_name: str | None = None, **hints: Any
+    ) -> bool | None:
+        if app_label == self.app_label:
+            return db == self.database
+        if db == self.database:
+            return False
+        return None
+
+
+def test_the_documented_router_puts_the_lock_table_in_its_database_only() -> None:
+    on_locks = {
+        "default": {
+            "BACKEND": "django_keel_lock.stores.DatabaseLockStore",
+            "OPTIONS": {"DATABASE": "locks"},
+        }
+    }
+    with (
+        empty_database("default", "locks"),
+        empty_database("default", "elsewhere"),
+        override_settings(
+            DATABASE_ROUTERS=["tests.test_migrations.LockRouter"], KEEL_LOCK_STORES=on_locks
+        ),
+    ):
+        # Every app, on both databases, as a deploy's plain `migrate --database X` does.
+        call_command("migrate", database="locks", verbosity=0)
+        call_command("migrate", database="elsewhere", verbosity=0)
+        in_locks = set(connections["locks"].introspection.table_names())
+        in_elsewhere = set(connections["elsewhere"].introspection.table_names())
+        problems = check_store_tables(databases=["locks"])
+        handle = lock("migrations:router", ttl=60)
+        acquired = handle.acquire()
+        row = LockRow.objects.get(key=handle.key)  # the ORM reads it where the store wrote it
+        handle.release()
+
+    assert in_locks - {"django_migrations"} == {"django_keel_lock_lock"}
+    assert "django_keel_lock_lock" not in in_elsewhere and "auth_user" in in_elsewhere
+    assert problems == []
+    assert acquired and row.holder == handle.holder and row._state.db == "locks"
