@@ -8,6 +8,7 @@ Workers run lock operations in another Python process and print one JSON line pe
     python -m tests.redis_servers count --url U --key K --iterations N --counter FILE
     python -m tests.redis_servers wait --url U --key K --timeout T --retry-delay D
     python -m tests.redis_servers stale --alias A --key K --ttl T --work W
+    python -m tests.redis_servers requests --alias A --key K --iterations N
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -241,6 +242,12 @@ def replicas_of(sentinel: RedisServer, service: str) -> list[str]:
     return [value for field, value in itertools.pairwise(lines) if field == "name"]
 
 
+def own_connections(client: Any, name: str) -> int:
+    """How many connections named `name` (CLIENT SETNAME) `client`'s server has open: one
+    process's own, whatever else is connected to the same server."""
+    return sum(1 for entry in client.client_list() if entry.get("name") == name)
+
+
 def wait_for(condition: Callable[[], object], seconds: float = 30, what: str = "") -> None:
     deadline = time.monotonic() + seconds
     while not condition():
@@ -344,11 +351,11 @@ def check_lost_release_reply(proxy: FaultyProxy, store: Any, key: str) -> None:
 # -- child-process workers ----------------------------------------------------------------
 
 
-def spawn(*args: str) -> subprocess.Popen[str]:
-    """Start `python -m tests.redis_servers <args>` with the test settings."""
+def spawn(*args: str, flags: Sequence[str] = ()) -> subprocess.Popen[str]:
+    """Start `python <flags> -m tests.redis_servers <args>` with the test settings."""
     env = dict(os.environ, DJANGO_SETTINGS_MODULE="tests.settings", PYTHONPATH=str(ROOT))
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.redis_servers", *args],
+        [sys.executable, *flags, "-m", "tests.redis_servers", *args],
         cwd=ROOT,
         env=env,
         stdin=subprocess.PIPE,
@@ -446,10 +453,45 @@ def _stale(args: argparse.Namespace) -> None:
     _emit(event="after", extend=extended, release=released, fence=handle.fence)
 
 
+def _requests(args: argparse.Namespace) -> None:
+    """`args.iterations` requests to an async lock_view on `args.alias` through Django's test
+    Client, which runs each in an event loop of its own (async_to_sync), as a WSGI server does;
+    then how many of this process's connections are open."""
+    import gc
+
+    import django
+
+    django.setup()
+    import redis
+    from django.conf import settings
+    from django.test import Client
+
+    raw = redis.Redis.from_url(settings.REDIS_URL)  # unnamed: not counted
+    browser = Client()
+
+    def request(index: int) -> None:
+        response = browser.get(f"/views/astore/{args.alias}/{args.key}-{index}/")
+        assert response.status_code == 200, response.content
+
+    request(-1)  # the first may connect the store's sync client, kept for the process
+    before = own_connections(raw, settings.REDIS_CLIENT_NAME)
+    gc.disable()  # what the loops left open, not what the collector would close later
+    for index in range(args.iterations):
+        request(index)
+    deadline = time.monotonic() + 5  # the server takes a moment to see a close
+    while own_connections(raw, settings.REDIS_CLIENT_NAME) > before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    after = own_connections(raw, settings.REDIS_CLIENT_NAME)
+    gc.enable()
+    gc.collect()  # anything unclosed warns now, on stderr
+    raw.close()
+    _emit(event="done", before=before, after=after)
+
+
 def main(argv: list[str]) -> int:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
     parser = argparse.ArgumentParser()
-    parser.add_argument("command", choices=["count", "wait", "stale"])
+    parser.add_argument("command", choices=["count", "wait", "stale", "requests"])
     parser.add_argument("--url", default="")
     parser.add_argument("--alias", default="redis-url")
     parser.add_argument("--key", required=True)
@@ -460,7 +502,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--ttl", type=float, default=30)
     parser.add_argument("--work", type=float, default=1)
     args = parser.parse_args(argv)
-    {"count": _count, "wait": _wait, "stale": _stale}[args.command](args)
+    {"count": _count, "wait": _wait, "stale": _stale, "requests": _requests}[args.command](args)
     return 0
 
 

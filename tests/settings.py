@@ -23,6 +23,9 @@ MYSQL_PORT = int(os.environ.get("MYSQL_PORT", "3306"))
 MYSQL_USER = os.environ.get("MYSQL_USER", "root")
 MYSQL_DATABASE = os.environ.get("MYSQL_DATABASE", "test")
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+# The name of this process's connections to REDIS_URL (CLIENT SETNAME), so a test counts its own
+# connections in CLIENT LIST, never the server's: other programs may use the same Redis.
+REDIS_CLIENT_NAME = f"keel-lock-test-{RUN_ID}-{os.getpid()}"
 
 
 def reachable(host: str, port: int) -> bool:
@@ -137,7 +140,10 @@ KEEL_LOCK_STORES = {
     # Its own redis-py client from a URL, another prefix on the same server.
     "redis-url": {
         "BACKEND": "django_keel_lock.stores.RedisLockStore",
-        "OPTIONS": {"URL": REDIS_URL, "KEY_PREFIX": f"keel-lock-test-{RUN_ID}:"},
+        "OPTIONS": {
+            "URL": f"{REDIS_URL}{'&' if '?' in REDIS_URL else '?'}client_name={REDIS_CLIENT_NAME}",
+            "KEY_PREFIX": f"keel-lock-test-{RUN_ID}:",
+        },
     },
 }
 
@@ -151,6 +157,9 @@ CACHES = {
     "default": {
         "BACKEND": "django_redis.cache.RedisCache",
         "LOCATION": REDIS_URL,
-        "OPTIONS": {"CLIENT_CLASS": "django_redis.client.DefaultClient"},
+        "OPTIONS": {
+            "CLIENT_CLASS": "django_redis.client.DefaultClient",
+            "CONNECTION_POOL_KWARGS": {"client_name": REDIS_CLIENT_NAME},
+        },
     }
 }

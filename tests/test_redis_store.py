@@ -4,13 +4,16 @@ several processes, a paused holder, and the native async methods."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import os
 import signal
+import sys
 import threading
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -20,10 +23,10 @@ from django.core.exceptions import ImproperlyConfigured
 
 from django_keel_lock import LockStoreUnavailable, get_lock_store, lock
 from django_keel_lock.stores import RedisLockStore
-from django_keel_lock.stores.redis import ACQUIRE, SCRIPTS
+from django_keel_lock.stores.redis import ACQUIRE, SCRIPTS, _text
 
 from .conftest import needs_store
-from .redis_servers import read_event, spawn
+from .redis_servers import own_connections, read_event, spawn
 
 pytestmark = needs_store("redis")
 
@@ -162,6 +165,37 @@ def test_prefixes_keep_stores_apart(raw: redis.Redis[bytes], key: str) -> None:
         two.release(key, "b" * 32)
         one.close()
         two.close()
+
+
+@pytest.mark.parametrize("given", ["keel-sep-{run}", "keel-sep-{run}:"])
+def test_key_prefix_is_joined_with_a_colon_unless_it_ends_with_one(
+    raw: redis.Redis[bytes], key: str, given: str
+) -> None:
+    run = uuid.uuid4().hex[:12]
+    store = RedisLockStore("sep", {"URL": URL, "KEY_PREFIX": given.format(run=run)})
+    try:
+        assert store.acquire(key, "a" * 32, "h", 5).acquired
+        names = sorted(_text(name) for name in raw.scan_iter(match=f"keel-sep-{run}*"))
+        assert names == [f"keel-sep-{run}:{{{key}}}", f"keel-sep-{run}:{{{key}}}:fence"]
+        assert store.release_channel(key) == f"keel-sep-{run}:released:{key}"
+        assert [info.key for info in store.iter_locks(prefix=key)] == [key]
+    finally:
+        store.release(key, "a" * 32)
+        raw.delete(f"keel-sep-{run}:{{{key}}}:fence")
+        store.close()
+
+
+def test_key_prefix_with_and_without_its_colon_names_the_same_locks(key: str) -> None:
+    run = uuid.uuid4().hex[:12]
+    bare = RedisLockStore("bare", {"URL": URL, "KEY_PREFIX": f"keel-same-{run}"})
+    joined = RedisLockStore("joined", {"URL": URL, "KEY_PREFIX": f"keel-same-{run}:"})
+    try:
+        assert bare.acquire(key, "a" * 32, "h", 5).acquired
+        assert not joined.acquire(key, "b" * 32, "h", 5).acquired
+        assert joined.release(key, "a" * 32)
+    finally:
+        bare.close()
+        joined.close()
 
 
 def test_force_release_frees_and_reports_the_holder(url_store: RedisLockStore, key: str) -> None:
@@ -418,23 +452,107 @@ def test_a_process_subscribes_only_to_the_keys_it_waits_for(
     assert settles(waited, 0)  # the last waiter left: unsubscribed
 
 
-def test_event_loops_that_finish_take_their_redis_connections_with_them(
+def _own(raw: redis.Redis[bytes], at_most: int) -> int:
+    """This process's connections to Redis (see REDIS_CLIENT_NAME), once at most `at_most` or
+    after 5 s: the server takes a moment to see a close."""
+    deadline = time.monotonic() + 5
+    while (count := own_connections(raw, settings.REDIS_CLIENT_NAME)) > at_most:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    return count
+
+
+@contextmanager
+def _collector_off() -> Iterator[None]:
+    """Without the garbage collector: what is left open, not what it would close later."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def test_event_loops_that_finish_close_their_redis_connections(
     alias: str, raw: redis.Redis[bytes], key: str
 ) -> None:
-    import gc
-
-    def connected() -> int:
-        return int(raw.info("clients")["connected_clients"])
-
     async def use(index: int) -> None:
         async with lock(f"{key}:{index}", store=alias, ttl=30):
             pass
 
     asyncio.run(use(-1))  # first use of the alias may connect its own sync client: not counted
-    gc.collect()
-    before = connected()
-    for index in range(15):
-        asyncio.run(use(index))  # a new event loop each time, as asyncio.run / async_to_sync
-    gc.collect()
-    time.sleep(0.2)
-    assert connected() <= before + 2, "finished event loops kept their connections open"
+    before = _own(raw, at_most=0)
+    with _collector_off():
+        for index in range(15):
+            asyncio.run(use(index))  # a new event loop each time, as asyncio.run / async_to_sync
+        assert _own(raw, at_most=before) <= before, "finished event loops left connections open"
+
+
+def test_one_long_lived_event_loop_keeps_one_client_and_its_connection(
+    alias: str, raw: redis.Redis[bytes], key: str
+) -> None:
+    store = get_lock_store(alias)
+    assert isinstance(store, RedisLockStore)
+    asyncio.run(store.aget(key))  # the sync client and its connections: not counted
+    before = _own(raw, at_most=0)
+
+    async def serve() -> int:
+        clients = set()
+        for index in range(50):  # one request after another, as on one ASGI server's loop
+            async with lock(f"{key}:{index}", store=alias, ttl=30):
+                clients.add(id(store._loop_client()))
+        assert len(clients) == 1, "a client was made for a call instead of once for the loop"
+        return own_connections(raw, settings.REDIS_CLIENT_NAME)
+
+    with _collector_off():
+        assert asyncio.run(serve()) <= before + 1  # the loop's pool: one connection, reused
+        assert _own(raw, at_most=before) <= before  # and closed with the loop
+
+
+def test_a_loop_that_would_not_close_the_client_gets_one_closed_after_each_call(
+    alias: str, raw: redis.Redis[bytes], key: str
+) -> None:
+    store = get_lock_store(alias)
+    assert isinstance(store, RedisLockStore)
+    asyncio.run(store.aget(key))
+    before = _own(raw, at_most=0)
+
+    async def without_the_loop_s_hooks() -> None:
+        # As on a loop that does not track async generators: shutdown_asyncgens() would not
+        # know of the one that closes the clients.
+        sys.set_asyncgen_hooks(firstiter=None, finalizer=None)  # run_forever restores them
+        for index in range(5):
+            async with lock(f"{key}:{index}", store=alias, ttl=30):
+                pass
+            assert store._loop_client() is None
+            assert _own(raw, at_most=before) <= before
+
+    with _collector_off():
+        asyncio.run(without_the_loop_s_hooks())
+
+
+@pytest.mark.parametrize("alias", ["redis", "redis-url"])
+def test_async_views_served_a_loop_per_request_leave_no_connection_open(
+    alias: str, key: str
+) -> None:
+    """Under WSGI (runserver, gunicorn sync workers) Django runs each async view in an event loop
+    of its own. Under `python -X dev` an unclosed socket is a ResourceWarning, and as an error it
+    is reported on stderr ("Exception ignored in ...")."""
+    child = spawn(
+        "requests",
+        "--alias",
+        alias,
+        "--key",
+        key,
+        "--iterations",
+        "20",
+        flags=("-X", "dev", "-W", "error::ResourceWarning"),
+    )
+    try:
+        done = read_event(child, timeout=60)
+    finally:
+        _, stderr = child.communicate(timeout=30)
+    assert child.returncode == 0, stderr
+    assert "unclosed" not in stderr and "ResourceWarning" not in stderr, stderr
+    assert done["after"] <= done["before"], done

@@ -9,7 +9,8 @@ Three rules shape this module:
   Python), and without redis-py's command retries (a retried release whose first reply was
   lost would report the lock lost). The Cluster client is built without retries instead.
 
-Layout of one lock on `key` under the default prefix:
+Layout of one lock on `key` under the default KEY_PREFIX, "keel-lock:" (a prefix that does not
+end with ":" gets one, so "keel-lock" gives the same names):
     keel-lock:{key}        hash: o = owner, h = holder, f = fence, t = acquired (ms), with PX
     keel-lock:{key}:fence  the key's last fence, kept a day after its last acquisition
     keel-lock:released:key pub/sub channel a release publishes on; a process subscribes to it
@@ -25,10 +26,10 @@ import logging
 import os
 import re
 import ssl
+import sys
 import threading
 import time
-import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
@@ -218,6 +219,10 @@ _PORTABLE_KWARGS = frozenset(
 class RedisLockStore(LockStore):
     """Locks in Redis (OPTIONS: CONNECTION or URL, KEY_PREFIX, CLUSTER).
 
+    KEY_PREFIX (default "keel-lock:") starts every key and channel name; a ":" is added to a
+    prefix that does not end with one, so "locks" and "locks:" both give locks:{invoice:42}
+    ("" is no prefix at all).
+
     CONNECTION names a django-redis cache alias whose client and pool are reused (Sentinel
     included); URL is a plain redis-py URL (`?socket_timeout=1` etc. honoured), and CLUSTER=True
     makes it a RedisCluster.
@@ -255,6 +260,10 @@ class RedisLockStore(LockStore):
             raise ImproperlyConfigured(
                 f"KEEL_LOCK_STORES[{alias!r}] OPTIONS CLUSTER needs URL (a node of the cluster)"
             )
+        # Joined to the rest of the key by ":", as Django's cache joins its KEY_PREFIX: "locks"
+        # and "locks:" name the same keys (locks:{invoice:42}).
+        if prefix and not prefix.endswith(":"):
+            prefix += ":"
         self.prefix = prefix
         self.channel = f"{prefix}released"
         self._mutex = threading.Lock()
@@ -476,28 +485,45 @@ class RedisLockStore(LockStore):
 
     # -- async ----------------------------------------------------------------------------
     # redis.asyncio clients are bound to the event loop that first used them: one per loop and
-    # store, kept on the loop itself. A client refers to its loop, so a registry of ours would
-    # keep every finished loop (asyncio.run, async_to_sync) and its sockets alive; kept on the
-    # loop, both go together.
-    def _aclient(self) -> Any:
-        loop = asyncio.get_running_loop()
-        clients: weakref.WeakKeyDictionary[RedisLockStore, tuple[int, Any]] | None
-        clients = getattr(loop, LOOP_CLIENTS, None)
-        if clients is None:
-            clients = weakref.WeakKeyDictionary()
-            setattr(loop, LOOP_CLIENTS, clients)
-        made = clients.get(self)
-        if made is not None and made[0] == self._generation:
-            return made[1]
+    # store, kept on the loop itself (a client refers to its loop, so a registry of ours would
+    # keep every finished loop alive). Nothing tells when a loop closes, but the loop's
+    # shutdown_asyncgens() tells when it is about to: asyncio.run, async_to_sync (a loop per
+    # call under WSGI) and ASGI servers run it, and it closes an async generator we start on
+    # the loop, whose `finally` closes the loop's clients while the loop still runs. A loop
+    # closed without it leaves its clients, like its own async generators, to the garbage
+    # collector.
+    def _loop_client(self) -> Any:
+        """This loop's client for this store, or None when it has to be made (the fast path:
+        one lookup, no await)."""
+        clients: _LoopClients | None = getattr(asyncio.get_running_loop(), LOOP_CLIENTS, None)
+        if clients is not None:
+            made = clients.made.get(self)
+            if made is not None and made[0] == self._generation:
+                return made[1]
+        return None
+
+    async def _new_loop_client(self) -> tuple[Any, bool]:
+        """A new client for this loop and store, and whether the loop keeps it (False: the
+        loop would never close it, so the caller closes it after its call)."""
         factory = self._async_client_factory()
-        if factory is None:
-            return None
+        assert factory is not None  # only called when _native_async()
+        loop = asyncio.get_running_loop()
+        clients: _LoopClients | None = getattr(loop, LOOP_CLIENTS, None)
+        if clients is None:
+            clients = _LoopClients()
+            if await clients.close_at_shutdown_of(loop):
+                setattr(loop, LOOP_CLIENTS, clients)
         try:
             client = factory()
         except Exception as exc:
             raise self._unavailable(exc) from exc
-        clients[self] = (self._generation, client)
-        return client
+        if clients.closer is None:
+            return client, False
+        stale = clients.made.get(self)  # made before close(): not to be used again
+        clients.made[self] = (self._generation, client)
+        if stale is not None:
+            await _aclose(stale[1])
+        return client, True
 
     def _async_client_factory(self) -> Callable[[], Any] | None:
         """How to make an async client talking to the same server, or None when only the
@@ -528,7 +554,9 @@ class RedisLockStore(LockStore):
         return factory
 
     async def _arun(self, script: _Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        client = self._aclient()
+        client, kept = self._loop_client(), True
+        if client is None:
+            client, kept = await self._new_loop_client()
         try:
             try:
                 return await client.evalsha(script.sha, len(keys), *keys, *args)
@@ -540,6 +568,9 @@ class RedisLockStore(LockStore):
             raise self._unavailable(exc) from exc
         except OSError as exc:  # asyncio can surface raw socket errors on connect
             raise self._unavailable(exc) from exc
+        finally:
+            if not kept:
+                await _aclose(client)
 
     def _native_async(self) -> bool:
         return self._async_client_factory() is not None
@@ -643,6 +674,51 @@ class _Direct:
 
     def close(self) -> None:
         self.connection.disconnect()
+
+
+class _LoopClients:
+    """The async clients one event loop made (store -> (generation, client)), and the async
+    generator that closes them when the loop shuts down."""
+
+    __slots__ = ("closer", "made")
+
+    def __init__(self) -> None:
+        self.made: dict[RedisLockStore, tuple[int, Any]] = {}
+        self.closer: AsyncGenerator[None, None] | None = None
+
+    async def close_at_shutdown_of(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """Start the closer on `loop`; False if the loop would not close it (it tracks only
+        the async generators started while its own hooks are installed)."""
+        firstiter = sys.get_asyncgen_hooks().firstiter
+        if getattr(firstiter, "__self__", None) is not loop:
+            return False
+        self.closer = self._close_all()  # referenced here: the loop's own set of them is weak
+        await anext(self.closer)
+        return True
+
+    async def _close_all(self) -> AsyncGenerator[None, None]:
+        try:
+            yield
+        finally:
+            while self.made:
+                _, (_, client) = self.made.popitem()
+                await _aclose(client)
+
+
+async def _aclose(client: Any) -> None:
+    """Close an async client and its pool (a pool given to a client is not closed with it
+    otherwise), and for Sentinel the connections to the sentinels too."""
+    manager = getattr(getattr(client, "connection_pool", None), "sentinel_manager", None)
+    closers = [client, *getattr(manager, "sentinels", ())]
+    for each in closers:
+        try:
+            close = getattr(each, "aclose", None) or each.close  # redis-py 5.0.0: close()
+            if isinstance(each, redis.asyncio.RedisCluster):
+                await close()
+            else:
+                await close(close_connection_pool=True)
+        except Exception as exc:  # closing: an unreachable server has nothing left to close
+            logger.debug("closing an async Redis client failed: %r", exc)
 
 
 def _async_twin(client: Any) -> Callable[[], Any] | None:
