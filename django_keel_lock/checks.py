@@ -13,7 +13,7 @@ Errors
   django_keel_lock.E004  OPTIONS names options the backend does not know.
   django_keel_lock.E005  DatabaseLockStore OPTIONS DATABASE names no DATABASES alias.
   django_keel_lock.E006  DatabaseLockStore on a database it does not support (PostgreSQL,
-                         MariaDB/MySQL and SQLite only).
+                         MariaDB and SQLite only; MySQL has no sequences).
   django_keel_lock.E007  RedisLockStore without redis-py installed, or with CONNECTION and
                          without django-redis installed (pip install django-keel-lock[redis]).
   django_keel_lock.E008  RedisLockStore OPTIONS CONNECTION names no CACHES alias, or a cache
@@ -234,7 +234,10 @@ def _check_database(where: str, options: dict[str, Any]) -> list[CheckMessage]:
             Error(
                 f"{where} uses database {database!r} ({engine}), which DatabaseLockStore does "
                 "not support.",
-                hint="Use a PostgreSQL, MariaDB/MySQL or SQLite database, or RedisLockStore.",
+                hint=(
+                    "Use a PostgreSQL, MariaDB or SQLite database (MySQL has no sequences for "
+                    "fences), or RedisLockStore."
+                ),
                 id=ID.format("E006"),
             )
         ]

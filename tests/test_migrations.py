@@ -4,6 +4,8 @@ router the README documents for a store on its own database."""
 from __future__ import annotations
 
 import io
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -143,25 +145,14 @@ def test_sqlmigrate_output_applied_by_hand_builds_and_removes_what_migrate_does(
         assert collations["holder"] == "utf8mb4_bin"
 
 
-class LockRouter:
-    """The lock table lives in the "locks" database, and nothing else does."""
-
-    app_label = "django_keel_lock"
-    database = "locks"
-
-    def db_for_read(self, model: type[Any], **hints: Any) -> str | None:
-        return self.database if model._meta.app_label == self.app_label else None
-
-    db_for_write = db_for_read
-
-    def allow_migrate(
-        self, db: str, app_label: str, model_name: str | None = None, **hints: Any
-    ) -> bool | None:
-        if app_label == self.app_label:
-            return db == self.database
-        if db == self.database:
-            return False
-        return None
+def readme_router() -> Any:
+    """The `LockRouter` class exactly as README.md shows it (its one block defining it)."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+    (source,) = [block for block in blocks if "class LockRouter" in block]
+    namespace: dict[str, Any] = {}
+    exec(compile(source, "README.md", "exec"), namespace)
+    return namespace["LockRouter"]()
 
 
 def test_the_documented_router_puts_the_lock_table_in_its_database_only() -> None:
@@ -174,9 +165,7 @@ def test_the_documented_router_puts_the_lock_table_in_its_database_only() -> Non
     with (
         empty_database("default", "locks"),
         empty_database("default", "elsewhere"),
-        override_settings(
-            DATABASE_ROUTERS=["tests.test_migrations.LockRouter"], KEEL_LOCK_STORES=on_locks
-        ),
+        override_settings(DATABASE_ROUTERS=[readme_router()], KEEL_LOCK_STORES=on_locks),
     ):
         # Every app, on both databases, as a deploy's plain `migrate --database X` does.
         call_command("migrate", database="locks", verbosity=0)
