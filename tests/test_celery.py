@@ -200,8 +200,9 @@ MISORDERED = "locked_task must be applied below @shared_task/@app.task, not abov
     "task_decorator",
     [
         shared_task(name="keel-lock-order.shared"),  # a Proxy
-        lazy_app.task(bind=True),  # a PromiseProxy: the app is not finalized yet
-        finalized_app.task(bind=True),  # a Task instance
+        # A PromiseProxy: the app is not finalized yet.
+        lazy_app.task(bind=True, name="keel-lock-order.lazy"),
+        finalized_app.task(bind=True, name="keel-lock-order.app"),  # a Task instance
     ],
     ids=["shared_task", "app.task-lazy", "app.task"],
 )
