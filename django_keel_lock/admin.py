@@ -495,15 +495,16 @@ def _remaining(obj: Lock) -> float:
 
 
 def _row_from_model(obj: Lock) -> LockRow:
-    seconds = _remaining(obj)
-    return LockRow(
+    """The row of a changelist object, as the store would have read it."""
+    info = LockInfo(
         key=obj.key,
+        owner=obj.owner,
         holder=obj.holder,
         fence=obj.fence,
         acquired_at=obj.acquired_at,
-        expires_in=seconds,
-        remaining=format_remaining(seconds),
+        expires_in=_remaining(obj),
     )
+    return LockRow.from_info(info)
 
 
 def _model_database() -> str:

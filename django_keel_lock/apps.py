@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from django.apps import AppConfig
+from django.core.checks import Tags, register
 
 
 class KeelLockConfig(AppConfig):
@@ -10,4 +11,7 @@ class KeelLockConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from . import checks  # noqa: F401  (registers the system checks)
+        from . import checks
+
+        register(checks.check_stores)
+        register(checks.check_store_tables, Tags.database)

@@ -3,7 +3,8 @@
 The settings checks read settings only: they never connect. The database check (W003, W004)
 follows Django's convention for checks tagged `database`: it runs only for the databases a
 command asks for (`check --database locks`, and `migrate`, which checks the database it
-migrates), and it looks at the schema only, taking no lock.
+migrates), and it looks at the schema only, taking no lock. Both are registered in
+`KeelLockConfig.ready()`.
 
 Errors
   django_keel_lock.E001  KEEL_LOCK_STORES is not a dict, or an alias's config is not a dict with
@@ -33,28 +34,24 @@ Warnings
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from importlib import import_module
 from typing import Any
 
 from django.conf import settings
-from django.core.checks import CheckMessage, Error, Tags, Warning, register
+from django.core.checks import CheckMessage, Error, Warning
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 from django.utils.module_loading import import_string
 
+from .conf import UnknownStoreOptions, conf, is_store_config, store_options, validate_store_options
 from .durations import to_seconds
+from .registry import NotALockStore, import_backend
 from .stores.base import LockStore
 
 ID = "django_keel_lock.{}"
-MEMORY_BACKENDS = {
-    "django_keel_lock.stores.MemoryLockStore",
-    "django_keel_lock.stores.memory.MemoryLockStore",
-}
-DATABASE_BACKENDS = {
-    "django_keel_lock.stores.DatabaseLockStore",
-    "django_keel_lock.stores.database.DatabaseLockStore",
-}
+#: Where RedisLockStore is found: named without importing it, which fails without redis-py.
 REDIS_BACKENDS = {
     "django_keel_lock.stores.RedisLockStore",
     "django_keel_lock.stores.redis.RedisLockStore",
@@ -70,20 +67,11 @@ def installed(module: str) -> bool:
         return False
 
 
-def _is(backend: type[LockStore] | None, path: str, known_paths: set[str], name: str) -> bool:
-    """Whether `path`/`backend` is one of our stores (or a subclass of it), without importing
-    a store module that may need a driver."""
-    if path in known_paths:
-        return True
-    return backend is not None and any(cls.__name__ == name for cls in backend.__mro__)
-
-
-@register()
 def check_stores(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> list[CheckMessage]:
     """Every mistake in KEEL_LOCK_STORES / KEEL_LOCK_DEFAULT_TTL that can be seen offline."""
     messages: list[CheckMessage] = []
     messages.extend(_check_default_ttl())
-    stores = _stores_setting()
+    stores = conf.raw_stores()
     if not isinstance(stores, dict):
         return [
             *messages,
@@ -108,18 +96,9 @@ def check_stores(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> lis
     return messages
 
 
-def _stores_setting() -> object:
-    stores = getattr(settings, "KEEL_LOCK_STORES", None)
-    if stores is None:
-        # The built-in default: DatabaseLockStore on the "default" database.
-        return {"default": {"BACKEND": "django_keel_lock.stores.DatabaseLockStore"}}
-    return stores
-
-
 def _check_default_ttl() -> list[CheckMessage]:
-    value = getattr(settings, "KEEL_LOCK_DEFAULT_TTL", 30)
     try:
-        to_seconds("KEEL_LOCK_DEFAULT_TTL", value)
+        to_seconds("KEEL_LOCK_DEFAULT_TTL", conf.raw_default_ttl())
     except (TypeError, ValueError) as exc:
         return [
             Error(
@@ -131,9 +110,14 @@ def _check_default_ttl() -> list[CheckMessage]:
     return []
 
 
+def _where(alias: str) -> str:
+    return f"KEEL_LOCK_STORES[{alias!r}]"
+
+
 def _check_alias(alias: str, config: object) -> list[CheckMessage]:
-    where = f"KEEL_LOCK_STORES[{alias!r}]"
-    if not isinstance(config, dict) or not isinstance(config.get("BACKEND"), str):
+    """The checks every entry gets, then those of each of our stores its BACKEND is."""
+    where = _where(alias)
+    if not is_store_config(config):
         return [
             Error(
                 f"{where} must be a dict with a BACKEND (a dotted path), got {config!r:.80}.",
@@ -141,79 +125,115 @@ def _check_alias(alias: str, config: object) -> list[CheckMessage]:
                 id=ID.format("E001"),
             )
         ]
-    path: str = config["BACKEND"]
-    options = config.get("OPTIONS") or {}
     messages: list[CheckMessage] = []
-    if not isinstance(options, dict):
+    options = store_options(config)
+    if options is None:
         messages.append(
             Error(
-                f"{where} OPTIONS must be a dict, got {type(options).__name__}.",
+                f"{where} OPTIONS must be a dict, got {type(config['OPTIONS']).__name__}.",
                 id=ID.format("E003"),
             )
         )
         options = {}
-
-    redis_path = path in REDIS_BACKENDS
-    if redis_path:
-        messages.extend(_check_redis(where, options))
-    backend: type[LockStore] | None = None
+    path: str = config["BACKEND"]
     try:
-        imported = import_string(path)
+        backend = import_backend(path)
     except (ImportError, ImproperlyConfigured) as exc:  # a store missing its driver says so
-        missing_driver = redis_path and any(m.id == ID.format("E007") for m in messages)
-        if not missing_driver:
-            messages.append(
-                Error(
-                    f"{where} BACKEND {path!r} cannot be imported: {exc}",
-                    hint="Use django_keel_lock.stores.DatabaseLockStore, RedisLockStore, "
-                    "MemoryLockStore or your own LockStore subclass.",
-                    id=ID.format("E002"),
-                )
-            )
-        return messages
-    if not (isinstance(imported, type) and issubclass(imported, LockStore)):
-        messages.append(
-            Error(
-                f"{where} BACKEND {path!r} is not a LockStore subclass.",
-                id=ID.format("E002"),
-            )
-        )
-        return messages
-    backend = imported
-
-    unknown = sorted(str(name) for name in set(options) - backend.option_names)
-    if unknown:
-        known = ", ".join(sorted(backend.option_names)) or "none"
-        messages.append(
-            Error(
-                f"{where} OPTIONS has unknown option(s) {', '.join(unknown)} for "
-                f"{backend.__name__}.",
-                hint=f"Known options: {known}.",
-                id=ID.format("E004"),
-            )
-        )
-    if not redis_path and _is(backend, path, REDIS_BACKENDS, "RedisLockStore"):
-        messages.extend(_check_redis(where, options))
-    if _is(backend, path, DATABASE_BACKENDS, "DatabaseLockStore"):
-        messages.extend(_check_database(where, options))
-    if (
-        alias == "default"
-        and not settings.DEBUG
-        and _is(backend, path, MEMORY_BACKENDS, "MemoryLockStore")
-    ):
-        messages.append(
-            Warning(
-                'MemoryLockStore is the "default" lock store while DEBUG is False: it only '
-                "coordinates threads of one process, so two workers can hold the same lock.",
-                hint="Use DatabaseLockStore or RedisLockStore in production.",
-                id=ID.format("W001"),
-            )
-        )
+        return [*messages, *_check_unimportable(alias, path, options, exc)]
+    except NotALockStore:
+        return [
+            *messages,
+            Error(f"{where} BACKEND {path!r} is not a LockStore subclass.", id=ID.format("E002")),
+        ]
+    messages.extend(_check_option_names(alias, backend, options))
+    for check in _backend_checks(backend):
+        messages.extend(check(alias, options))
     return messages
 
 
-def _check_database(where: str, options: dict[str, Any]) -> list[CheckMessage]:
-    database = options.get("DATABASE", "default")
+def _check_unimportable(
+    alias: str, path: str, options: Mapping[str, Any], exc: Exception
+) -> list[CheckMessage]:
+    """E002 for a BACKEND that cannot be imported; for RedisLockStore, its own checks, and E002
+    only when no package is missing (E007 then says what to install)."""
+    cannot = Error(
+        f"{_where(alias)} BACKEND {path!r} cannot be imported: {exc}",
+        hint="Use django_keel_lock.stores.DatabaseLockStore, RedisLockStore, "
+        "MemoryLockStore or your own LockStore subclass.",
+        id=ID.format("E002"),
+    )
+    if path not in REDIS_BACKENDS:
+        return [cannot]
+    messages = _check_redis(alias, options)
+    return messages if _missing_redis_packages(options) else [*messages, cannot]
+
+
+def _check_option_names(
+    alias: str, backend: type[LockStore], options: Mapping[str, Any]
+) -> list[CheckMessage]:
+    try:
+        validate_store_options(alias, backend, options)
+    except UnknownStoreOptions as exc:
+        return [
+            Error(
+                f"{_where(alias)} OPTIONS has unknown option(s) {', '.join(exc.names)} for "
+                f"{backend.__name__}.",
+                hint=f"Known options: {exc.known}.",
+                id=ID.format("E004"),
+            )
+        ]
+    return []
+
+
+#: The checks of one store's OPTIONS: (alias, OPTIONS) -> messages. The signature of the
+#: `check_config(alias, options)` classmethod these can become on the store classes.
+BackendCheck = Callable[[str, Mapping[str, Any]], list[CheckMessage]]
+
+
+def _backend_checks(backend: type[LockStore]) -> Iterator[BackendCheck]:
+    """The checks of each of our stores that `backend` is or subclasses."""
+    ours: list[tuple[str, BackendCheck]] = [
+        ("redis.RedisLockStore", _check_redis),
+        ("database.DatabaseLockStore", _check_database),
+        ("memory.MemoryLockStore", _check_memory),
+    ]
+    for store, check in ours:
+        if _is_store(backend, store):
+            yield check
+
+
+def _is_store(backend: type[LockStore], store: str) -> bool:
+    """Whether `backend` is or subclasses `django_keel_lock.stores.<store>` ("module.Class").
+
+    Only a loaded module is looked in: a class can subclass a store only once that store's
+    module is loaded, so this never imports a store (or its driver) a project does not use.
+    """
+    module, name = store.split(".")
+    cls = getattr(sys.modules.get(f"django_keel_lock.stores.{module}"), name, None)
+    return isinstance(cls, type) and issubclass(backend, cls)
+
+
+def _check_memory(alias: str, options: Mapping[str, Any]) -> list[CheckMessage]:
+    if alias != "default" or settings.DEBUG:
+        return []
+    return [
+        Warning(
+            'MemoryLockStore is the "default" lock store while DEBUG is False: it only '
+            "coordinates threads of one process, so two workers can hold the same lock.",
+            hint="Use DatabaseLockStore or RedisLockStore in production.",
+            id=ID.format("W001"),
+        )
+    ]
+
+
+def _database_option(options: Mapping[str, Any]) -> Any:
+    """The DATABASES alias a DatabaseLockStore's OPTIONS name."""
+    return options.get("DATABASE", "default")
+
+
+def _check_database(alias: str, options: Mapping[str, Any]) -> list[CheckMessage]:
+    where = _where(alias)
+    database = _database_option(options)
     if database not in settings.DATABASES:
         known = ", ".join(sorted(settings.DATABASES)) or "none"
         return [
@@ -244,12 +264,18 @@ def _check_database(where: str, options: dict[str, Any]) -> list[CheckMessage]:
     return []
 
 
-def _check_redis(where: str, options: dict[str, Any]) -> list[CheckMessage]:
-    messages: list[CheckMessage] = []
-    connection = options.get("CONNECTION")
+def _missing_redis_packages(options: Mapping[str, Any]) -> list[str]:
+    """What RedisLockStore with these OPTIONS needs and is not installed."""
     missing = [m for m in ("redis",) if not installed(m)]
-    if connection is not None and not installed("django_redis"):
+    if options.get("CONNECTION") is not None and not installed("django_redis"):
         missing.append("django_redis")
+    return missing
+
+
+def _check_redis(alias: str, options: Mapping[str, Any]) -> list[CheckMessage]:
+    where = _where(alias)
+    messages: list[CheckMessage] = []
+    missing = _missing_redis_packages(options)
     if missing:
         messages.append(
             Error(
@@ -259,31 +285,35 @@ def _check_redis(where: str, options: dict[str, Any]) -> list[CheckMessage]:
                 id=ID.format("E007"),
             )
         )
-    if connection is None:
-        return messages
+    connection = options.get("CONNECTION")
+    if connection is not None:
+        messages.extend(_check_redis_connection(where, connection))
+    return messages
+
+
+def _check_redis_connection(where: str, connection: Any) -> list[CheckMessage]:
     caches = getattr(settings, "CACHES", {})
     if connection not in caches:
         known = ", ".join(sorted(caches)) or "none"
-        messages.append(
+        return [
             Error(
                 f"{where} OPTIONS CONNECTION {connection!r} is not a CACHES alias.",
                 hint=f"Name a django-redis cache (CACHES has: {known}) or use URL instead.",
                 id=ID.format("E008"),
             )
-        )
-        return messages
+        ]
     cache_backend = str(caches[connection].get("BACKEND", ""))
-    if not _is_django_redis_cache(cache_backend):
-        messages.append(
-            Error(
-                f"{where} OPTIONS CONNECTION {connection!r} is a {cache_backend} cache, not a "
-                "django-redis one.",
-                hint='Point it at a cache with BACKEND "django_redis.cache.RedisCache", or use '
-                "URL instead.",
-                id=ID.format("E008"),
-            )
+    if _is_django_redis_cache(cache_backend):
+        return []
+    return [
+        Error(
+            f"{where} OPTIONS CONNECTION {connection!r} is a {cache_backend} cache, not a "
+            "django-redis one.",
+            hint='Point it at a cache with BACKEND "django_redis.cache.RedisCache", or use '
+            "URL instead.",
+            id=ID.format("E008"),
         )
-    return messages
+    ]
 
 
 def _is_django_redis_cache(path: str) -> bool:
@@ -298,7 +328,6 @@ def _is_django_redis_cache(path: str) -> bool:
     return isinstance(backend, type) and issubclass(backend, RedisCache)
 
 
-@register(Tags.database)
 def check_store_tables(
     app_configs: Sequence[Any] | None = None,
     databases: Sequence[str] | None = None,
@@ -347,29 +376,26 @@ def check_store_tables(
 def _database_stores() -> dict[str, list[str]]:
     """Database alias -> the KEEL_LOCK_STORES aliases of the database stores on it. Configs
     that check_stores reports as broken are left to it."""
-    stores = _stores_setting()
+    stores = conf.raw_stores()
     if not isinstance(stores, dict):
         return {}
     found: dict[str, list[str]] = {}
     for alias, config in stores.items():
-        if not isinstance(config, dict) or not isinstance(config.get("BACKEND"), str):
-            continue
-        path: str = config["BACKEND"]
-        options = config.get("OPTIONS") or {}
-        if not isinstance(options, dict):
-            continue
-        backend: type[LockStore] | None = None
-        if path not in DATABASE_BACKENDS:
-            try:
-                imported = import_string(path)
-            except (ImportError, ImproperlyConfigured):
-                continue
-            if not (isinstance(imported, type) and issubclass(imported, LockStore)):
-                continue
-            backend = imported
-        if not _is(backend, path, DATABASE_BACKENDS, "DatabaseLockStore"):
-            continue
-        database = options.get("DATABASE", "default")
+        database = _database_of(config)
         if database in connections.settings:
             found.setdefault(database, []).append(str(alias))
     return found
+
+
+def _database_of(config: object) -> Any:
+    """The DATABASES alias of a DatabaseLockStore entry; None for other or broken entries."""
+    if not is_store_config(config):
+        return None
+    options = store_options(config)
+    if options is None:
+        return None
+    try:
+        backend = import_backend(config["BACKEND"])
+    except (ImportError, ImproperlyConfigured, NotALockStore):
+        return None
+    return _database_option(options) if _is_store(backend, "database.DatabaseLockStore") else None

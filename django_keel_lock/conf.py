@@ -1,22 +1,32 @@
-"""Settings, read on every access (so override_settings just works), and the store registry."""
+"""The `KEEL_LOCK_*` settings, read on every access so `override_settings` just works.
+
+The defaults are defined here once; the system checks (checks.py) read the same values. What a
+valid `KEEL_LOCK_STORES` entry is is decided here too, for the registry that builds stores, the
+checks that report on them and the stores that check their own OPTIONS.
+"""
 
 from __future__ import annotations
 
-import threading
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
-from django.core.signals import setting_changed
-from django.dispatch import receiver
-from django.utils.module_loading import import_string
 
 from .durations import to_seconds
-from .stores.base import LockStore
 
+if TYPE_CHECKING:
+    from .registry import build_store as build_store
+    from .registry import get_lock_store as get_lock_store
+    from .registry import reset_stores as reset_stores
+    from .registry import set_lock_store as set_lock_store
+    from .stores.base import LockStore
+
+#: KEEL_LOCK_STORES when it is unset (or None): a DatabaseLockStore on the "default" database.
 DEFAULT_STORES: dict[str, dict[str, Any]] = {
     "default": {"BACKEND": "django_keel_lock.stores.DatabaseLockStore"},
 }
+#: KEEL_LOCK_DEFAULT_TTL when it is unset: the ttl of a lock that names none.
 DEFAULT_TTL = 30.0
 
 
@@ -25,9 +35,7 @@ class Settings:
 
     @property
     def STORES(self) -> dict[str, dict[str, Any]]:
-        value = getattr(settings, "KEEL_LOCK_STORES", None)
-        if value is None:
-            return DEFAULT_STORES
+        value = self.raw_stores()
         if not isinstance(value, dict):
             raise ImproperlyConfigured(
                 f"KEEL_LOCK_STORES must be a dict of alias -> store config, "
@@ -37,76 +45,64 @@ class Settings:
 
     @property
     def DEFAULT_TTL(self) -> float:
-        return to_seconds("KEEL_LOCK_DEFAULT_TTL", getattr(settings, "KEEL_LOCK_DEFAULT_TTL", 30))
+        return to_seconds("KEEL_LOCK_DEFAULT_TTL", self.raw_default_ttl())
+
+    @staticmethod
+    def raw_stores() -> object:
+        """KEEL_LOCK_STORES as set, not validated (the system checks report what is wrong)."""
+        value = getattr(settings, "KEEL_LOCK_STORES", None)
+        return DEFAULT_STORES if value is None else value
+
+    @staticmethod
+    def raw_default_ttl() -> object:
+        """KEEL_LOCK_DEFAULT_TTL as set, not validated (None is a mistake, not the default)."""
+        return getattr(settings, "KEEL_LOCK_DEFAULT_TTL", DEFAULT_TTL)
 
 
 conf = Settings()
 
-_mutex = threading.Lock()
-_built: dict[str, LockStore] = {}
-_overrides: dict[str, LockStore] = {}
+
+def is_store_config(config: object) -> TypeGuard[dict[str, Any]]:
+    """Whether a KEEL_LOCK_STORES entry has the shape of one: a dict with a BACKEND dotted path."""
+    return isinstance(config, dict) and isinstance(config.get("BACKEND"), str)
 
 
-def build_store(alias: str) -> LockStore:
-    """Construct the store configured for `alias` (not cached)."""
-    stores = conf.STORES
-    if alias not in stores:
-        known = ", ".join(repr(a) for a in stores) or "none"
-        raise ImproperlyConfigured(
-            f"store {alias!r} is not in KEEL_LOCK_STORES (configured aliases: {known})"
-        )
-    config = stores[alias]
-    if not isinstance(config, dict) or "BACKEND" not in config:
-        raise ImproperlyConfigured(f"KEEL_LOCK_STORES[{alias!r}] must be a dict with a BACKEND")
-    try:
-        backend = import_string(config["BACKEND"])
-    except ImportError as exc:
-        raise ImproperlyConfigured(
-            f"KEEL_LOCK_STORES[{alias!r}] BACKEND {config['BACKEND']!r} cannot be imported: {exc}"
-        ) from exc
-    if not (isinstance(backend, type) and issubclass(backend, LockStore)):
-        raise ImproperlyConfigured(
-            f"KEEL_LOCK_STORES[{alias!r}] BACKEND {config['BACKEND']!r} is not a LockStore"
-        )
+def store_options(config: Mapping[str, Any]) -> dict[str, Any] | None:
+    """An entry's OPTIONS ({} when it has none), or None when they are not a dict."""
     options = config.get("OPTIONS") or {}
-    if not isinstance(options, dict):
-        raise ImproperlyConfigured(f"KEEL_LOCK_STORES[{alias!r}] OPTIONS must be a dict")
-    return backend(alias=alias, options=options)
+    return options if isinstance(options, dict) else None
 
 
-def get_lock_store(alias: str = "default") -> LockStore:
-    """The store for `alias`: one set with `set_lock_store`, else built once from settings."""
-    store = _overrides.get(alias) or _built.get(alias)
-    if store is not None:
-        return store
-    with _mutex:
-        store = _overrides.get(alias) or _built.get(alias)
-        if store is None:
-            store = _built[alias] = build_store(alias)
-        return store
+class UnknownStoreOptions(ImproperlyConfigured):
+    """A store's OPTIONS name options the store does not know."""
+
+    def __init__(self, alias: str, store: type[LockStore], names: list[str]) -> None:
+        self.names = names
+        self.known = ", ".join(sorted(store.option_names)) or "none"
+        super().__init__(
+            f"KEEL_LOCK_STORES[{alias!r}] OPTIONS has unknown option(s) {', '.join(names)} "
+            f"for {store.__name__} (known: {self.known})"
+        )
 
 
-def set_lock_store(store: LockStore | None, alias: str = "default") -> None:
-    """Use `store` for `alias` (whatever the settings say); None goes back to the settings."""
-    if store is not None and not isinstance(store, LockStore):
-        raise TypeError(f"store must be a LockStore, got {type(store).__name__}")
-    with _mutex:
-        if store is None:
-            _overrides.pop(alias, None)
-        else:
-            _overrides[alias] = store
+def validate_store_options(alias: str, store: type[LockStore], options: Mapping[str, Any]) -> None:
+    """Raise UnknownStoreOptions when `options` name any that `store.option_names` lacks."""
+    names = sorted(str(name) for name in set(options) - store.option_names)
+    if names:
+        raise UnknownStoreOptions(alias, store, names)
 
 
-def reset_stores() -> None:
-    """Close and forget every store built from settings (set_lock_store overrides stay)."""
-    with _mutex:
-        built = list(_built.values())
-        _built.clear()
-    for store in built:
-        store.close()
+_REGISTRY_NAMES = frozenset({"build_store", "get_lock_store", "reset_stores", "set_lock_store"})
 
 
-@receiver(setting_changed)
-def _on_setting_changed(setting: str, **kwargs: Any) -> None:
-    if setting in {"KEEL_LOCK_STORES", "DATABASES", "CACHES"}:
-        reset_stores()
+def __getattr__(name: str) -> Any:
+    """The store registry's functions, importable from here as well as from registry.py.
+
+    Looked up on first use, not imported at the top: registry.py imports this module, and
+    either may be imported first.
+    """
+    if name in _REGISTRY_NAMES:
+        from . import registry
+
+        return getattr(registry, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,7 +17,8 @@ class Lock(models.Model):
     expires_at = models.DateTimeField()
     #: PostgreSQL: someone failed to take this lock since its holder took it, so releasing it
     #: must NOTIFY (a lock nobody waits for is released without one); NULL means no. Unused
-    #: elsewhere. Nullable so adding it is instant and code from before it can still insert.
+    #: elsewhere. Nullable, so adding the column is instant and a process still running a
+    #: release without it can go on inserting rows.
     waiting = models.BooleanField(null=True, default=None)
 
     class Meta:

@@ -18,7 +18,7 @@ from contextlib import ContextDecorator
 from types import TracebackType
 from typing import Any, TypeVar, cast
 
-from .conf import _overrides, get_lock_store, set_lock_store
+from .registry import get_lock_store, lock_store_override, set_lock_store
 from .stores.base import LockStore
 from .stores.memory import MemoryLockStore
 
@@ -36,7 +36,7 @@ class memory_lock_store(ContextDecorator):  # lower case: used like a function
         self._saved: list[dict[str, LockStore | None]] = []
 
     def __enter__(self) -> MemoryLockStore:
-        self._saved.append({alias: _overrides.get(alias) for alias in self.aliases})
+        self._saved.append({alias: lock_store_override(alias) for alias in self.aliases})
         stores = [MemoryLockStore(alias=alias) for alias in self.aliases]
         for store in stores:
             set_lock_store(store, store.alias)

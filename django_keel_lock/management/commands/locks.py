@@ -28,9 +28,10 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from ...conf import conf, get_lock_store
+from ...conf import conf
 from ...core import force_release, validate_key
 from ...exceptions import LockStoreUnavailable
+from ...registry import get_lock_store
 from ...stores.base import LockInfo, LockStore
 
 EXIT_NOT_HELD = 1
