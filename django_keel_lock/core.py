@@ -1,12 +1,13 @@
-"""The Lock handle: the one place that knows how waiting, ownership and fencing work.
+"""The Lock handle: how waiting, ownership, loss and fencing work.
 
 Every surface (context manager, view decorator, management command, admin, Celery) goes
 through `Lock`; stores below only answer atomic questions (see `stores.base.LockStore`).
 
 The sync and async methods share every decision (`_wait_args`, `_begin`, `_finish`,
-`_released`, `_extend_args`, `_extended`, `next_delay`); they differ only in how they wait and
-call the store. The async ones are cancellation-safe: a store call they start always runs to
-its end (`_to_the_end`), so a cancellation never strands a lock nor skips a release.
+`_released`, `_extend_args`, `_extended`, `waiting.next_delay`); they differ only in how they
+wait and call the store. The async ones are cancellation-safe: a store call they start always
+runs to its end (`waiting.to_the_end`), so a cancellation never strands a lock nor skips a
+release.
 """
 
 from __future__ import annotations
@@ -15,288 +16,35 @@ import asyncio
 import inspect
 import logging
 import math
-import os
-import random
 import secrets
-import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Any, Generic, NamedTuple, TypeVar, overload
 
 from asgiref.sync import iscoroutinefunction, sync_to_async
-from django.core import signing
 from django.dispatch import Signal
 
-from . import signals, watchdog
+from . import signals, tokens, watchdog
 from .conf import conf, get_lock_store
 from .durations import Duration, to_seconds
-from .exceptions import InvalidLockToken, LockError, LockNotHeldError, LockUnavailable
+from .exceptions import LockError, LockNotHeldError, LockUnavailable
+from .options import (
+    DEFAULT_RETRY_DELAY,
+    LockSpec,
+    check_store,
+    ttl_seconds,
+    validate_key,
+)
 from .stores.base import AcquireResult, LockInfo, LockStore
+from .waiting import Turn, next_delay, to_the_end
+
+__all__ = ["Lock", "LockOutcome", "force_release", "lock", "restore_lock", "validate_key"]
 
 logger = logging.getLogger("django_keel_lock")
 
 T = TypeVar("T")
-
-DEFAULT_RETRY_DELAY = 0.05
-TOKEN_SALT = "django_keel_lock.token"
-MAX_HOLDER_LENGTH = 255
-# Longer ttls would overflow some stores' interval arithmetic; a lock that must outlive a
-# year wants a human, not a ttl.
-MAX_TTL = 365 * 86400.0
-_HOSTNAME = socket.gethostname()
-
-
-class LockOutcome(NamedTuple, Generic[T]):
-    """What `Lock.run` did: `acquired` is False when fn was not called (then `value` is None)."""
-
-    acquired: bool
-    value: T | None
-
-
-def default_holder() -> str:
-    """`<hostname>:<pid>`, computed now so a forked child names itself."""
-    return f"{_HOSTNAME}:{os.getpid()}"
-
-
-def validate_key(key: object, store: LockStore | None = None) -> str:
-    """Return `key` if it is a usable lock key, else raise naming the argument."""
-    if not isinstance(key, str):
-        raise TypeError(f"key must be a str, got {type(key).__name__}")
-    if not key:
-        raise ValueError("key must be a non-empty string")
-    if "\x00" in key:
-        raise ValueError("key must not contain NUL characters")
-    try:
-        key.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"key must be encodable as UTF-8 ({exc.reason})") from None
-    limit = store.max_key_length if store is not None else None
-    if limit is not None and len(key) > limit:
-        raise ValueError(
-            f"key is {len(key)} characters long; store {store.alias!r} "  # type: ignore[union-attr]
-            f"accepts at most {limit}"
-        )
-    return key
-
-
-KeyTemplate = str | Callable[..., str]
-
-
-def format_key(
-    template: KeyTemplate, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> str:
-    """The key for one call of `fn`: `template` formatted with the call's bound arguments
-    ("report:{date}", "{self.pk}" works too), or `template(*args, **kwargs)` if callable.
-
-    The one key formatter every decorator (locked, locked_task) uses.
-    """
-    if callable(template):
-        return validate_key(template(*args, **kwargs))
-    if not isinstance(template, str):
-        raise TypeError(f"key must be a str template or a callable, got {type(template).__name__}")
-    try:
-        bound = inspect.signature(fn).bind(*args, **kwargs)
-    except TypeError as exc:
-        raise TypeError(
-            f"cannot bind arguments of {fn.__qualname__} for key {template!r}: {exc}"
-        ) from None
-    bound.apply_defaults()
-    try:
-        return validate_key(template.format(**bound.arguments))
-    except (KeyError, AttributeError, IndexError) as exc:
-        names = ", ".join(bound.arguments) or "none"
-        raise ValueError(
-            f"key template {template!r} names {exc} which {fn.__qualname__} does not have "
-            f"(its arguments: {names})"
-        ) from None
-
-
-def ttl_seconds(ttl: object) -> float:
-    """`ttl` as seconds: a duration > 0 and at most a year, else an error naming "ttl"."""
-    seconds = to_seconds("ttl", ttl)
-    if seconds > MAX_TTL:
-        raise ValueError(f"ttl must be at most {MAX_TTL:g} seconds (a year), got {ttl!r}")
-    return seconds
-
-
-class LockOptions(NamedTuple):
-    """The checked, parsed options of one lock (seconds; ttl None when left to the default)."""
-
-    ttl: float | None
-    timeout: float
-    retry_delay: float
-    max_hold: float | None
-
-
-def check_options(
-    *,
-    ttl: Duration | None,
-    timeout: Duration,
-    retry_delay: Duration,
-    store: object,
-    auto_extend: object = False,
-    max_hold: Duration | None = None,
-) -> LockOptions:
-    """Parse what lock() takes besides key and holder; a bad value raises naming it.
-
-    `Lock` uses it, and so do the decorators, so a mistake fails when a function is decorated
-    rather than on its first call (ttl None: the default, not looked at here)."""
-    if not isinstance(store, str):
-        raise TypeError(f"store must be an alias (str), got {type(store).__name__}")
-    if not isinstance(auto_extend, bool):
-        raise TypeError(f"auto_extend must be True or False, got {auto_extend!r}")
-    hold = None if max_hold is None else to_seconds("max_hold", max_hold)
-    if hold is not None and not auto_extend:
-        raise ValueError(
-            "max_hold caps how long auto_extend keeps a lock alive; pass auto_extend=True "
-            "with it, or drop max_hold"
-        )
-    return LockOptions(
-        ttl=None if ttl is None else ttl_seconds(ttl),
-        timeout=to_seconds("timeout", timeout, allow_zero=True),
-        retry_delay=to_seconds("retry_delay", retry_delay, allow_zero=True),
-        max_hold=hold,
-    )
-
-
-def _validate_holder(holder: object) -> str:
-    if not isinstance(holder, str):
-        raise TypeError(f"holder must be a str, got {type(holder).__name__}")
-    if not holder or len(holder) > MAX_HOLDER_LENGTH or "\x00" in holder:
-        raise ValueError(
-            f"holder must be 1 to {MAX_HOLDER_LENGTH} characters without NUL, got {holder!r:.80}"
-        )
-    try:
-        holder.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"holder must be encodable as UTF-8 ({exc.reason})") from None
-    return holder
-
-
-async def _to_the_end(
-    operation: Awaitable[T],
-) -> tuple[asyncio.Future[T], asyncio.CancelledError | None]:
-    """Run `operation` to its end even if the calling task is cancelled meanwhile.
-
-    Returns the finished future (read its result or error) and the cancellation that arrived
-    while waiting, if any: the caller settles what the operation did, then re-raises it.
-    """
-    future = asyncio.ensure_future(operation)
-    cancelled: asyncio.CancelledError | None = None
-    while not future.done():
-        try:
-            await asyncio.shield(future)
-        except asyncio.CancelledError as exc:
-            if not future.cancelled():  # we were cancelled, the operation goes on
-                cancelled = exc
-        except Exception:
-            pass  # the operation's own error: the caller reads it from the future
-    return future, cancelled
-
-
-class _Turn:
-    """Waiters for one key take turns: only the one whose turn it is tries the store and
-    listens for releases (tasks in the order they came; threads as the OS wakes them). One turn
-    per key for the threads of the process, and one per key for the tasks of each event loop.
-
-    Without it every release would wake every waiter into a store round trip at once (200
-    waiters: 200 calls per release, a pool's worth of connections at a time).
-    """
-
-    _mutex = threading.Lock()  # the registry is shared by every thread and loop of the process
-    _registry: dict[tuple[asyncio.AbstractEventLoop | None, LockStore, str], _Turn] = {}
-
-    def __init__(self, name: tuple[asyncio.AbstractEventLoop | None, LockStore, str]) -> None:
-        self.name = name
-        self.lock: Any = threading.Lock() if name[0] is None else asyncio.Lock()
-        self.members = 0
-
-    @classmethod
-    def _join(cls, loop: asyncio.AbstractEventLoop | None, store: LockStore, key: str) -> _Turn:
-        with cls._mutex:
-            turn = cls._registry.get((loop, store, key))
-            if turn is None:
-                turn = cls._registry[loop, store, key] = cls((loop, store, key))
-            turn.members += 1
-            return turn
-
-    def _leave(self) -> None:
-        with self._mutex:
-            self.members -= 1
-            if self.members == 0:
-                del self._registry[self.name]
-
-    @classmethod
-    @contextmanager
-    def wait_for(cls, store: LockStore, key: str, deadline: float) -> Iterator[bool]:
-        """A thread's turn at `key`: True once it is ours (until the block ends), False if it
-        did not come by `deadline` (monotonic)."""
-        turn = cls._join(None, store, key)
-        try:
-            mine = turn.lock.acquire(timeout=max(0.0, deadline - time.monotonic()))
-            try:
-                yield bool(mine)
-            finally:
-                if mine:
-                    turn.lock.release()
-        finally:
-            turn._leave()
-
-    @classmethod
-    @asynccontextmanager
-    async def await_for(cls, store: LockStore, key: str, deadline: float) -> AsyncIterator[bool]:
-        """`wait_for` for the tasks of the running event loop."""
-        turn = cls._join(asyncio.get_running_loop(), store, key)
-        try:
-            try:
-                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                    await turn.lock.acquire()
-                mine = True
-            except TimeoutError:
-                mine = False
-            try:
-                yield mine
-            finally:
-                if mine:
-                    turn.lock.release()
-        finally:
-            turn._leave()
-
-
-def _forget_turns_in_child() -> None:
-    # A forked child inherits the turns of threads that do not exist in it (their locks held
-    # for ever): start afresh.
-    _Turn._mutex = threading.Lock()
-    _Turn._registry = {}
-
-
-os.register_at_fork(after_in_child=_forget_turns_in_child)
-
-
-def announce(signal: Signal, **kwargs: Any) -> None:
-    """Send one of our signals. A receiver that raises is logged (by Django, logger
-    "django.dispatch"), not propagated: it must not strand an acquired lock nor cut a release
-    short."""
-    if signal.receivers:
-        signal.send_robust(sender=Lock, **kwargs)
-
-
-def next_delay(retry_delay: float, retry_in: float | None, push: bool) -> float:
-    """How long a waiter sleeps before its next attempt.
-
-    With push wake-ups a release wakes the waiter at once, so it only needs to look again when
-    the holder's lock would expire on its own. Without them it polls every `retry_delay` (with
-    jitter so waiters spread out), and never sleeps past the holder's expiry.
-    """
-    if push and retry_in is not None:
-        return retry_in * random.uniform(1.0, 1.1) + 0.001
-    delay = retry_delay * random.uniform(0.5, 1.5)
-    if retry_in is not None:
-        delay = min(delay, retry_in + 0.001)
-    return delay
 
 
 class Lock:
@@ -318,28 +66,39 @@ class Lock:
         auto_extend: bool = False,
         max_hold: Duration | None = None,
     ) -> None:
-        options = check_options(
+        spec = LockSpec.parse(
             ttl=conf.DEFAULT_TTL if ttl is None else ttl,
             timeout=timeout,
             retry_delay=retry_delay,
             store=store,
+            holder=holder,
             auto_extend=auto_extend,
             max_hold=max_hold,
         )
-        self._store = get_lock_store(store)
+        self._setup(key, spec, label=None)
+
+    @classmethod
+    def from_spec(cls, key: str, spec: LockSpec, *, label: str | None = None) -> Lock:
+        """A handle on `key` taken as `spec` says (what `LockSpec.lock` returns); `label`
+        names the caller in the holder when the spec has none."""
+        handle = cls.__new__(cls)
+        handle._setup(key, spec, label=label)
+        return handle
+
+    def _setup(self, key: str, spec: LockSpec, *, label: str | None) -> None:
+        self._store = get_lock_store(spec.store)
         self.key = validate_key(key, self._store)
-        self.ttl = options.ttl or 0.0  # never None here: a ttl was given
-        self.timeout, self.retry_delay = options.timeout, options.retry_delay
-        self.holder = default_holder() if holder is None else _validate_holder(holder)
-        self.auto_extend, self.max_hold = auto_extend, options.max_hold
-        self.store_alias = store
+        self.ttl = spec.resolved_ttl()
+        self.timeout, self.retry_delay = spec.timeout, spec.retry_delay
+        self.holder = spec.holder_for(label)
+        self.auto_extend, self.max_hold = spec.auto_extend, spec.max_hold
+        self.store_alias = spec.store
         self.owner: str | None = None
         self._next_owner: str | None = None
         self.fence: int | None = None
         #: True once this acquisition is known lost (expired, taken over, store unreachable).
         self.lost = False
         self._held = False
-        self._acquired_at = 0.0  # monotonic, when the acquiring call was sent
         self._valid_until = math.inf  # monotonic, the last expiry the store confirmed
         self._renewal: watchdog.Renewal | None = None
         self._mutex = threading.Lock()  # state shared with the watchdog
@@ -360,7 +119,8 @@ class Lock:
         if not self._finish(owner, result, sent):
             return False
         if self.auto_extend:
-            self._renewal = watchdog.start_thread(self)
+            self._renewal = watchdog.Renewal(self, owner, sent)
+            self._renewal.start_thread()
         return True
 
     def _wait_args(
@@ -395,14 +155,14 @@ class Lock:
             self.owner, self.fence, self._held, self.lost = owner, result.fence, True, False
             self._next_owner = None
             # The store started the ttl after we sent the call: counting from `sent` errs early.
-            self._acquired_at, self._valid_until = sent, sent + self.ttl
-        announce(signals.lock_acquired, lock=self)
+            self._valid_until = sent + self.ttl
+        _announce(signals.lock_acquired, lock=self)
         return True
 
     def _wait(self, owner: str, timeout: float, retry_delay: float) -> tuple[AcquireResult, float]:
         store = self._store
         deadline = time.monotonic() + timeout
-        with _Turn.wait_for(store, self.key, deadline) as mine:
+        with Turn.wait_for(store, self.key, deadline) as mine:
             if not mine:
                 return AcquireResult(None), time.monotonic()
             with store.watch(self.key) as waiter:
@@ -431,19 +191,18 @@ class Lock:
         if not self._finish(owner, result, sent):
             return False
         if self.auto_extend:
-            self._renewal = watchdog.start_task(self)
+            self._renewal = watchdog.Renewal(self, owner, sent)
+            self._renewal.start_task()
         return True
 
     async def _aattempt(self, owner: str) -> tuple[AcquireResult, float]:
         """One acquire attempt; if cancelled meanwhile, give back what it took, then re-raise."""
         store = self._store
         sent = time.monotonic()
-        future, cancelled = await _to_the_end(
-            store.aacquire(self.key, owner, self.holder, self.ttl)
-        )
+        future, cancelled = await to_the_end(store.aacquire(self.key, owner, self.holder, self.ttl))
         if cancelled is not None:
             if not future.cancelled() and future.exception() is None and future.result().acquired:
-                undo, _ = await _to_the_end(store.arelease(self.key, owner))
+                undo, _ = await to_the_end(store.arelease(self.key, owner))
                 if undo.cancelled() or undo.exception() is not None:
                     logger.warning(
                         "lock %r was acquired as its waiter was cancelled and could not be given "
@@ -468,7 +227,7 @@ class Lock:
                 pass
 
         deadline = time.monotonic() + timeout
-        async with _Turn.await_for(store, self.key, deadline) as mine:
+        async with Turn.await_for(store, self.key, deadline) as mine:
             if not mine:
                 return AcquireResult(None), time.monotonic()
             # watch() starts the store's cross-process listener; the callback is how an
@@ -506,7 +265,7 @@ class Lock:
     def _released(self, released: bool) -> bool:
         self._held = False
         if released:
-            announce(signals.lock_released, lock=self)
+            _announce(signals.lock_released, lock=self)
         else:
             self._lost("release found the lock expired or taken over")
         return released
@@ -536,11 +295,20 @@ class Lock:
             f"cannot extend {self.key!r}: the lock expired or was taken over (fence {self.fence})"
         )
 
-    def _confirmed(self, owner: str, until: float) -> None:
+    # -- what the watchdog sees (watchdog.Renewable) -------------------------------------
+    def confirmed_until(self) -> float:
+        """Monotonic time of the last expiry the store confirmed (inf before any acquisition)."""
+        return self._valid_until
+
+    def renewed(self, owner: str, until: float) -> None:
         """The watchdog's extend for `owner` landed: the lock lives at least until `until`."""
         with self._mutex:
             if self._held and self.owner == owner:
                 self._valid_until = max(self._valid_until, until)
+
+    def renewal_lost(self, owner: str, reason: str) -> None:
+        """The watchdog found the acquisition of `owner` gone; ignored if it is not current."""
+        self._lost(reason, owner=owner)
 
     def _lost(self, reason: str, owner: str | None = None) -> None:
         """Mark the current acquisition lost, once: `lost`, a WARNING and `lock_lost`.
@@ -556,7 +324,7 @@ class Lock:
         if renewal is not None:
             renewal.stop()
         logger.warning("lock %r (fence %s) was lost: %s", self.key, self.fence, reason)
-        announce(signals.lock_lost, lock=self, reason=reason)
+        _announce(signals.lock_lost, lock=self, reason=reason)
 
     def _stop_renewal(self) -> None:
         renewal, self._renewal = self._renewal, None
@@ -581,7 +349,7 @@ class Lock:
         if not self._held or self.owner is None:
             return False
         self._stop_renewal()
-        future, cancelled = await _to_the_end(self._store.arelease(self.key, self.owner))
+        future, cancelled = await to_the_end(self._store.arelease(self.key, self.owner))
         if cancelled is not None:
             if future.cancelled() or future.exception() is not None:
                 logger.warning(
@@ -601,7 +369,7 @@ class Lock:
         Cancelled meanwhile, it still records what the store did, then re-raises."""
         seconds, owner = self._extend_args(ttl)
         sent = time.monotonic()
-        future, cancelled = await _to_the_end(self._store.aextend(self.key, owner, seconds))
+        future, cancelled = await to_the_end(self._store.aextend(self.key, owner, seconds))
         if cancelled is not None:
             if not future.cancelled() and future.exception() is None:
                 try:
@@ -755,21 +523,27 @@ class Lock:
     # -- handing over ---------------------------------------------------------------------
     def serialize(self) -> str:
         """A signed token another process can pass to `restore_lock` to extend or release."""
-        if self.owner is None or not self._held:
+        if self.owner is None or self.fence is None or not self._held:
             raise LockNotHeldError(f"cannot serialize {self.key!r}: this handle does not hold it")
-        payload = {
-            "k": self.key,
-            "t": self.ttl,
-            "o": self.owner,
-            "f": self.fence,
-            "h": self.holder,
-            "s": self.store_alias,
-        }
-        return signing.dumps(payload, salt=TOKEN_SALT, compress=True)
+        token = tokens.Token(
+            self.key, self.ttl, self.owner, self.fence, self.holder, self.store_alias
+        )
+        return tokens.dumps(token)
 
     def __repr__(self) -> str:
         state = f"held fence={self.fence}" if self._held else "not held"
         return f"<Lock {self.key!r} store={self.store_alias!r} {state}>"
+
+
+class LockOutcome(NamedTuple, Generic[T]):
+    """What `Lock.run` did: `acquired` is False when fn was not called (then `value` is None)."""
+
+    acquired: bool
+    value: T | None
+
+
+def _announce(signal: Signal, **kwargs: Any) -> None:
+    signals.announce(signal, Lock, **kwargs)
 
 
 def lock(
@@ -805,7 +579,7 @@ async def _call(fn: Callable[[], Any]) -> Any:
     A thread cannot be interrupted: if cancelled meanwhile, wait for it, then re-raise."""
     if iscoroutinefunction(fn):
         return await fn()
-    future, cancelled = await _to_the_end(sync_to_async(fn, thread_sensitive=False)())
+    future, cancelled = await to_the_end(sync_to_async(fn, thread_sensitive=False)())
     if cancelled is not None:
         raise cancelled
     value = future.result()
@@ -819,33 +593,10 @@ def restore_lock(token: str) -> Lock:
 
     Raises InvalidLockToken for garbage, truncated, tampered or foreign tokens.
     """
-    if not isinstance(token, str):
-        raise InvalidLockToken(f"lock token must be a str, got {type(token).__name__}")
-    try:
-        data = signing.loads(token, salt=TOKEN_SALT)
-    except signing.BadSignature as exc:
-        raise InvalidLockToken(
-            "lock token is not valid: it was altered, truncated, or signed with another SECRET_KEY"
-        ) from exc
-    except Exception as exc:  # undecodable payload behind a valid signature cannot happen,
-        raise InvalidLockToken(f"lock token could not be decoded: {exc}") from exc  # but be sure
-    if not isinstance(data, dict) or not _token_shape_ok(data):
-        raise InvalidLockToken("lock token is signed but does not describe a lock")
-    handle = Lock(data["k"], ttl=data["t"], store=data["s"], holder=data["h"])
-    handle.owner, handle.fence, handle._held = data["o"], data["f"], True
+    data = tokens.loads(token)
+    handle = Lock(data.key, ttl=data.ttl, store=data.store, holder=data.holder)
+    handle.owner, handle.fence, handle._held = data.owner, data.fence, True
     return handle
-
-
-def _token_shape_ok(data: dict[str, Any]) -> bool:
-    types: dict[str, type | tuple[type, ...]] = {
-        "k": str,
-        "t": (int, float),
-        "o": str,
-        "f": int,
-        "h": str,
-        "s": str,
-    }
-    return all(isinstance(data.get(name), kind) for name, kind in types.items())
 
 
 def force_release(
@@ -855,12 +606,10 @@ def force_release(
     With `fence`, only that acquisition: one taken over since (say, while a person was asked
     to confirm) is left alone.
 
-    The one force release behind `manage.py locks release` and the admin: it logs a WARNING when
+    `manage.py locks release` and the admin both release through here: it logs a WARNING when
     it frees a lock and always sends `lock_force_released` (info=None: nothing was held).
     """
-    if not isinstance(store, str):
-        raise TypeError(f"store must be an alias (str), got {type(store).__name__}")
-    lock_store = get_lock_store(store)
+    lock_store = get_lock_store(check_store(store))
     validate_key(key, lock_store)
     info = lock_store.force_release(key, fence)
     if info is not None:
@@ -872,5 +621,5 @@ def force_release(
             info.fence,
             user if user is not None else "a script",
         )
-    announce(signals.lock_force_released, key=key, store=store, info=info, user=user)
+    _announce(signals.lock_force_released, key=key, store=store, info=info, user=user)
     return info

@@ -6,7 +6,8 @@
     @locked("sync:{account.pk}", on_locked="skip")      # another caller gets None (logged at INFO)
     async def sync_account(account): ...
 
-The key comes from `core.format_key`, the one formatter every decorator shares.
+The key comes from `options.format_key`, which `locked_task` uses too, so both read key
+templates alike. `on_locked` takes the markers of `options`: RAISE (the default) or SKIP.
 """
 
 from __future__ import annotations
@@ -18,17 +19,19 @@ from typing import Any, Literal, ParamSpec, Protocol, TypeVar, cast, overload
 
 from asgiref.sync import iscoroutinefunction
 
-from .core import (
-    DEFAULT_RETRY_DELAY,
-    KeyTemplate,
-    Lock,
-    check_options,
-    default_holder,
-    format_key,
-)
-from .core import lock as make_lock
+from .core import Lock
 from .durations import Duration
 from .exceptions import LockUnavailable
+from .options import (
+    DEFAULT_RETRY_DELAY,
+    RAISE,
+    SKIP,
+    KeyTemplate,
+    LockSpec,
+    check_key_template,
+    check_on_locked,
+    format_key,
+)
 
 logger = logging.getLogger("django_keel_lock")
 
@@ -36,12 +39,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 OnLocked = Literal["raise", "skip"]
-ON_LOCKED_CHOICES: tuple[OnLocked, ...] = ("raise", "skip")
-
-
-def labelled_holder(label: str) -> str:
-    """`<hostname>:<pid> <label>`, cut to what a store keeps: tells people what holds a lock."""
-    return f"{default_holder()} {label}".replace("\x00", "")[:255]
+ON_LOCKED_CHOICES: tuple[OnLocked, ...] = (RAISE, SKIP)
 
 
 class _Skipping(Protocol):
@@ -96,60 +94,61 @@ def locked(
     """Hold the lock `key` (a "{name}" template over the call's arguments, or a callable taking
     them) while the function runs; waits up to `timeout` seconds for it.
 
-    When someone else holds it for the whole wait, `on_locked="raise"` raises LockUnavailable and
-    `on_locked="skip"` returns None without calling the function (logged at INFO). A store that
-    cannot be reached raises LockStoreUnavailable either way. Works on `async def` functions.
+    When someone else holds it for the whole wait, `on_locked="raise"` (`options.RAISE`)
+    raises LockUnavailable and `on_locked="skip"` (`options.SKIP`) returns None without calling
+    the function (logged at INFO). A store that cannot be reached raises LockStoreUnavailable
+    either way. Works on `async def` functions.
     """
-    if on_locked not in ON_LOCKED_CHOICES:
-        raise ValueError(f'on_locked must be "raise" or "skip", got {on_locked!r}')
-    if not (isinstance(key, str) or callable(key)):
-        raise TypeError(f"key must be a str template or a callable, got {type(key).__name__}")
-    check_options(ttl=ttl, timeout=timeout, retry_delay=retry_delay, store=store)
+    check_on_locked(on_locked, ON_LOCKED_CHOICES)
+    check_key_template(key)
+    spec = LockSpec.parse(
+        ttl=ttl, timeout=timeout, retry_delay=retry_delay, store=store, holder=holder
+    )
 
     def decorate(fn: Callable[P, R]) -> Callable[P, Any]:
-        name = f"{fn.__module__}.{fn.__qualname__}"
-
-        def handle_for(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Lock:
-            return make_lock(
-                format_key(key, fn, args, kwargs),
-                ttl=ttl,
-                timeout=timeout,
-                retry_delay=retry_delay,
-                store=store,
-                # Made per call: a forked worker names its own pid.
-                holder=holder if holder is not None else labelled_holder(name),
-            )
-
-        def not_acquired(handle: Lock) -> None:
-            if on_locked == "skip":
-                logger.info("skipped %s: lock %r is held by someone else", name, handle.key)
-                return None
-            raise LockUnavailable(
-                handle.key,
-                f"{name} not run: lock {handle.key!r} is held by someone else "
-                f"(waited {handle.timeout:g}s)",
-            )
-
-        if iscoroutinefunction(fn):
-
-            @functools.wraps(fn)
-            async def async_wrapper(*args: P.args, **kwargs: P.kwargs) -> Any:
-                handle = handle_for(args, kwargs)
-
-                async def call() -> Any:
-                    return await cast(Callable[..., Awaitable[Any]], fn)(*args, **kwargs)
-
-                outcome = await handle.arun(call)
-                return outcome.value if outcome.acquired else not_acquired(handle)
-
-            return async_wrapper
-
-        @functools.wraps(fn)
-        def wrapper(*args: P.args, **kwargs: P.kwargs) -> Any:
-            handle = handle_for(args, kwargs)
-            outcome = handle.run(lambda: fn(*args, **kwargs))
-            return outcome.value if outcome.acquired else not_acquired(handle)
-
-        return wrapper
+        return _wrap(fn, key, spec, on_locked)
 
     return decorate
+
+
+def _wrap(
+    fn: Callable[P, R], key: KeyTemplate, spec: LockSpec, on_locked: OnLocked
+) -> Callable[P, Any]:
+    """`fn` run under a lock on `key` made from `spec` for each call (sync or async)."""
+    name = f"{fn.__module__}.{fn.__qualname__}"
+
+    def handle_for(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Lock:
+        # Made per call: a forked worker names its own pid in the holder.
+        return spec.lock(format_key(key, fn, args, kwargs), label=name)
+
+    def not_acquired(handle: Lock) -> None:
+        if on_locked == SKIP:
+            logger.info("skipped %s: lock %r is held by someone else", name, handle.key)
+            return None
+        raise LockUnavailable(
+            handle.key,
+            f"{name} not run: lock {handle.key!r} is held by someone else "
+            f"(waited {handle.timeout:g}s)",
+        )
+
+    if iscoroutinefunction(fn):
+
+        @functools.wraps(fn)
+        async def async_wrapper(*args: P.args, **kwargs: P.kwargs) -> Any:
+            handle = handle_for(args, kwargs)
+
+            async def call() -> Any:
+                return await cast(Callable[..., Awaitable[Any]], fn)(*args, **kwargs)
+
+            outcome = await handle.arun(call)
+            return outcome.value if outcome.acquired else not_acquired(handle)
+
+        return async_wrapper
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> Any:
+        handle = handle_for(args, kwargs)
+        outcome = handle.run(lambda: fn(*args, **kwargs))
+        return outcome.value if outcome.acquired else not_acquired(handle)
+
+    return wrapper

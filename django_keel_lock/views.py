@@ -26,10 +26,9 @@ from asgiref.sync import iscoroutinefunction, sync_to_async
 from django.core.exceptions import ImproperlyConfigured
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
 
-from .core import DEFAULT_RETRY_DELAY, Lock, check_options
-from .core import lock as make_lock
-from .decorators import labelled_holder
+from .core import Lock
 from .durations import Duration
+from .options import DEFAULT_RETRY_DELAY, LockSpec
 
 if TYPE_CHECKING:
     from django.views import View
@@ -131,49 +130,24 @@ def conflict_response(request: HttpRequest, key: str, retry_after: float | None)
 
 @dataclass(frozen=True)
 class ViewLock:
-    """How one view takes its lock; shared by `lock_view` and `LockViewMixin`."""
+    """How one view takes its lock, checked (`_view_lock` builds it); shared by `lock_view`
+    and `LockViewMixin`.
+
+    `on_locked` is the views' form of the option every surface has (see `options`): a view
+    answers a request, so instead of a marker it takes a callable `(request, key) -> response`
+    that answers in place of the default 409 (None).
+    """
 
     key: ViewKey
-    ttl: Duration | None = None
-    timeout: Duration = 0
-    retry_delay: Duration = DEFAULT_RETRY_DELAY
-    store: str = "default"
-    holder: str | None = None
+    spec: LockSpec
     on_locked: OnLockedView | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.key, str):
-            parse_key_template(self.key)
-        elif not callable(self.key):
-            raise TypeError(
-                f"lock key must be a str template or a callable (request, *args, **kwargs) -> "
-                f"str, got {type(self.key).__name__}"
-            )
-        if self.on_locked is not None and not callable(self.on_locked):
-            raise TypeError(
-                f"on_locked must be a callable (request, key) -> HttpResponse, "
-                f"got {type(self.on_locked).__name__}"
-            )
-        check_options(
-            ttl=self.ttl, timeout=self.timeout, retry_delay=self.retry_delay, store=self.store
-        )
 
     def handle(self, request: HttpRequest, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Lock:
         if isinstance(self.key, str):
             key = render_key_template(self.key, kwargs)
         else:
             key = self.key(request, *args, **kwargs)
-        holder = self.holder
-        if holder is None:
-            holder = labelled_holder(f"{request.method} {request.path}")
-        return make_lock(
-            key,
-            ttl=self.ttl,
-            timeout=self.timeout,
-            retry_delay=self.retry_delay,
-            store=self.store,
-            holder=holder,
-        )
+        return self.spec.lock(key, label=f"{request.method} {request.path}")
 
     def refused(self, request: HttpRequest, handle: Lock) -> HttpResponseBase:
         if self.on_locked is None:
@@ -218,6 +192,34 @@ class ViewLock:
         return outcome.value if outcome.acquired else await self.arefused(request, handle)
 
 
+def _view_lock(
+    key: ViewKey,
+    ttl: Duration | None,
+    timeout: Duration,
+    retry_delay: Duration,
+    store: str,
+    holder: str | None,
+    on_locked: OnLockedView | None,
+) -> ViewLock:
+    """`ViewLock` from what `lock_view` and `LockViewMixin` take; a bad value raises naming it."""
+    if isinstance(key, str):
+        parse_key_template(key)
+    elif not callable(key):
+        raise TypeError(
+            f"lock key must be a str template or a callable (request, *args, **kwargs) -> "
+            f"str, got {type(key).__name__}"
+        )
+    if on_locked is not None and not callable(on_locked):
+        raise TypeError(
+            f"on_locked must be a callable (request, key) -> HttpResponse, "
+            f"got {type(on_locked).__name__}"
+        )
+    spec = LockSpec.parse(
+        ttl=ttl, timeout=timeout, retry_delay=retry_delay, store=store, holder=holder
+    )
+    return ViewLock(key, spec, on_locked)
+
+
 def _in_event_loop() -> bool:
     import asyncio
 
@@ -246,7 +248,7 @@ def lock_view(
     go to `lock()`. Works on sync and `async def` views and (via method_decorator on
     "dispatch") on class-based views.
     """
-    config = ViewLock(key, ttl, timeout, retry_delay, store, holder, on_locked)
+    config = _view_lock(key, ttl, timeout, retry_delay, store, holder, on_locked)
 
     def decorate(view: ViewFunc) -> ViewFunc:
         if iscoroutinefunction(view):
@@ -295,14 +297,14 @@ class LockViewMixin(_MixinBase):
         return template(request, *args, **kwargs)
 
     def _view_lock(self) -> ViewLock:
-        return ViewLock(
-            key=self.get_lock_key,
-            ttl=self.lock_ttl,
-            timeout=self.lock_timeout,
-            retry_delay=self.lock_retry_delay,
-            store=self.lock_store,
-            holder=self.lock_holder,
-            on_locked=self.lock_on_locked,
+        return _view_lock(
+            self.get_lock_key,
+            self.lock_ttl,
+            self.lock_timeout,
+            self.lock_retry_delay,
+            self.lock_store,
+            self.lock_holder,
+            self.lock_on_locked,
         )
 
     def dispatch(self, request: HttpRequest, *args: Any, **kwargs: Any) -> Any:

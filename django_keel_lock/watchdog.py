@@ -19,10 +19,10 @@ import logging
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from .core import Lock
+    from .stores.base import LockStore
 
 logger = logging.getLogger("django_keel_lock")
 
@@ -36,24 +36,69 @@ def _forget(task: asyncio.Future[bool]) -> None:
         task.exception()  # read it, so asyncio does not log "exception was never retrieved"
 
 
-class Renewal:
-    """The renewal plan of one acquisition, shared by the sync thread and the async task."""
+class Renewable(Protocol):
+    """What a `Renewal` needs of the handle it keeps alive (`core.Lock` implements it)."""
 
-    def __init__(self, handle: Lock) -> None:
-        assert handle.owner is not None
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def ttl(self) -> float: ...
+
+    @property
+    def max_hold(self) -> float | None: ...
+
+    @property
+    def store(self) -> LockStore: ...
+
+    def confirmed_until(self) -> float:
+        """Monotonic time of the last expiry the store confirmed for the current acquisition."""
+        ...
+
+    def renewed(self, owner: str, until: float) -> None:
+        """An extend for `owner` landed: the lock lives at least until `until` (monotonic)."""
+        ...
+
+    def renewal_lost(self, owner: str, reason: str) -> None:
+        """The acquisition of `owner` is gone, for `reason` (ignored if no longer current)."""
+        ...
+
+
+class Renewal:
+    """The renewal plan of one acquisition, shared by the sync thread and the async task.
+
+    `owner` is the acquisition's owner token, `started` the monotonic time its acquire was
+    sent (what `max_hold` counts from). Start it with `start_thread` or `start_task`.
+    """
+
+    def __init__(self, handle: Renewable, owner: str, started: float) -> None:
         self._handle = weakref.ref(handle)
         self.store = handle.store
-        self.key, self.owner, self.ttl = handle.key, handle.owner, handle.ttl
+        self.key, self.owner, self.ttl = handle.key, owner, handle.ttl
         self.max_hold = handle.max_hold
         self.interval = handle.ttl / 3
         # While the store fails: try again soon, but not in a tight loop.
         self.retry = max(0.05, min(handle.ttl / 10, 1.0))
-        self.cap = None if self.max_hold is None else handle._acquired_at + self.max_hold
+        self.cap = None if self.max_hold is None else started + self.max_hold
         self.stopped = False
         self._kick = threading.Event()
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._finalizer = weakref.finalize(handle, self.stop)
+
+    def start_thread(self) -> None:
+        """Renew from a daemon thread (sync holders)."""
+        thread = threading.Thread(
+            target=self._run_thread, name=f"keel-lock-watchdog:{self.key[:40]}", daemon=True
+        )
+        thread.start()
+
+    def start_task(self) -> None:
+        """Renew from a task on the running event loop (async holders)."""
+        self._loop = asyncio.get_running_loop()
+        self._task = self._loop.create_task(
+            self._run_task(), name=f"keel-lock-watchdog:{self.key[:40]}"
+        )
 
     def stop(self) -> None:
         """Stop renewing now (release, loss, or the handle was garbage-collected).
@@ -73,7 +118,7 @@ class Renewal:
     def time_left(self) -> float:
         """Seconds until the last expiry the store confirmed (0 when the handle is gone)."""
         handle = self._handle()
-        return 0.0 if handle is None else max(0.0, handle._valid_until - time.monotonic())
+        return 0.0 if handle is None else max(0.0, handle.confirmed_until() - time.monotonic())
 
     def extension(self) -> float | None:
         """How many seconds to extend by now; None when `max_hold` allows no more."""
@@ -82,7 +127,7 @@ class Renewal:
         now = time.monotonic()
         seconds = min(self.ttl, self.cap - now)
         handle = self._handle()
-        if handle is None or now + seconds <= handle._valid_until:
+        if handle is None or now + seconds <= handle.confirmed_until():
             return None  # an extend would not push the expiry out any more
         return seconds
 
@@ -103,7 +148,7 @@ class Renewal:
         if handle is None or self.stopped:
             return None
         if outcome is True:
-            handle._confirmed(self.owner, sent + seconds)
+            handle.renewed(self.owner, sent + seconds)
             return self.interval
         if outcome is False:
             self._report_lost("the watchdog's extend found the lock expired or taken over")
@@ -119,7 +164,7 @@ class Renewal:
     def _report_lost(self, reason: str) -> None:
         handle = self._handle()
         if handle is not None and not self.stopped:
-            handle._lost(reason, owner=self.owner)
+            handle.renewal_lost(self.owner, reason)
 
     # -- sync -----------------------------------------------------------------------------
     def _wait(self, timeout: float) -> bool:
@@ -171,23 +216,3 @@ class Renewal:
                     return
                 outcome = task.exception() or task.result()
             pause = self.settle(outcome, seconds, sent)
-
-
-def start_thread(handle: Lock) -> Renewal:
-    """Keep `handle`'s current acquisition alive from a daemon thread (sync holders)."""
-    renewal = Renewal(handle)
-    thread = threading.Thread(
-        target=renewal._run_thread, name=f"keel-lock-watchdog:{handle.key[:40]}", daemon=True
-    )
-    thread.start()
-    return renewal
-
-
-def start_task(handle: Lock) -> Renewal:
-    """Keep `handle`'s current acquisition alive from a task on the running loop (async)."""
-    renewal = Renewal(handle)
-    renewal._loop = asyncio.get_running_loop()
-    renewal._task = renewal._loop.create_task(
-        renewal._run_task(), name=f"keel-lock-watchdog:{handle.key[:40]}"
-    )
-    return renewal

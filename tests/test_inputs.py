@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from django_keel_lock import InvalidLockToken, lock, restore_lock
-from django_keel_lock.core import TOKEN_SALT
 from django_keel_lock.durations import to_seconds
 from django_keel_lock.testing import memory_lock_store
+from django_keel_lock.tokens import TOKEN_SALT
 
 from .conftest import ALL_STORES, store_params
 

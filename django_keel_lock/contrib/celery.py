@@ -23,7 +23,7 @@ import inspect
 import logging
 import math
 from collections.abc import Callable
-from typing import Any, Literal, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 try:
     from celery import Task, current_task
@@ -33,18 +33,20 @@ except ImportError as exc:  # pragma: no cover - exercised by a subprocess test
         "django_keel_lock.contrib.celery needs Celery: pip install 'django-keel-lock[celery]'"
     ) from exc
 
-from ..core import (
-    DEFAULT_RETRY_DELAY,
-    KeyTemplate,
-    Lock,
-    check_options,
-    default_holder,
-    format_key,
-    lock,
-)
-from ..decorators import labelled_holder
+from ..core import Lock
 from ..durations import Duration, to_seconds
 from ..exceptions import LockUnavailable
+from ..options import (
+    DEFAULT_RETRY_DELAY,
+    RAISE,
+    RETRY,
+    SKIP,
+    KeyTemplate,
+    LockSpec,
+    OnLocked,
+    check_on_locked,
+    format_key,
+)
 
 __all__ = ["DEFAULT_RETRY_COUNTDOWN", "current_lock", "locked_task"]
 
@@ -52,11 +54,10 @@ logger = logging.getLogger("django_keel_lock.celery")
 
 P = ParamSpec("P")
 R = TypeVar("R")
-OnLocked = Literal["skip", "raise", "retry"]
 
 #: Seconds before a retry when the holder's remaining time is unknown (it just released).
 DEFAULT_RETRY_COUNTDOWN = 1.0
-_ON_LOCKED = ("skip", "raise", "retry")
+_ON_LOCKED: tuple[OnLocked, ...] = (SKIP, RAISE, RETRY)
 
 _current: contextvars.ContextVar[Lock | None] = contextvars.ContextVar(
     "django_keel_lock_task_lock", default=None
@@ -84,75 +85,78 @@ def locked_task(
     """Run the task body only while holding the lock `key` (formatted from the task's
     arguments, `self` included for bound tasks); put it *under* `@shared_task`.
 
-    When the lock stays held for `timeout` seconds (default 0: don't wait), `on_locked` decides:
-    "skip" returns None and logs at INFO; "raise" raises `LockUnavailable`; "retry" calls the
-    task's `retry()` after `countdown` seconds (default: the holder's remaining time, rounded
-    up) and raises `LockUnavailable` once the task's `max_retries` are used up. A store that
-    cannot be reached raises `LockStoreUnavailable` whatever `on_locked` says.
+    When the lock stays held for `timeout` seconds (default 0: don't wait), `on_locked` (the
+    markers of `options`) decides: "skip" (SKIP) returns None and logs at INFO; "raise" (RAISE)
+    raises `LockUnavailable`; "retry" (RETRY) calls the task's `retry()` after `countdown`
+    seconds (default: the holder's remaining time, rounded up) and raises `LockUnavailable`
+    once the task's `max_retries` are used up. A store that cannot be reached raises
+    `LockStoreUnavailable` whatever `on_locked` says.
 
     `auto_extend=True` keeps the lock alive while the task runs (the lock watchdog), for at
     most `max_hold` in all if given; ttl then only bounds how long a crashed worker blocks.
     """
-    if on_locked not in _ON_LOCKED:
-        raise ValueError(f"on_locked must be one of {', '.join(_ON_LOCKED)}; got {on_locked!r}")
+    check_on_locked(on_locked, _ON_LOCKED)
     # Fail where the task is defined, not in the worker on its first run.
-    check_options(
+    spec = LockSpec.parse(
         ttl=ttl,
         timeout=timeout,
         retry_delay=retry_delay,
         store=store,
+        holder=holder,
         auto_extend=auto_extend,
         max_hold=max_hold,
     )
-    if countdown is not None and on_locked != "retry":
+    if countdown is not None and on_locked != RETRY:
         raise ValueError('countdown= only applies to on_locked="retry"')
     fixed_countdown = (
         None if countdown is None else to_seconds("countdown", countdown, allow_zero=True)
     )
 
     def decorate(fn: Callable[P, R]) -> Callable[P, R | None]:
-        # Above the task decorator, the lock would wrap the task object in a plain function:
-        # workers would run the registered task without the lock, and the name would lose
-        # .delay(). The type, not isinstance(): isinstance() on shared_task's Proxy would
-        # evaluate it (make the task) here, at import time.
-        if issubclass(type(fn), (Task, Proxy)):
-            raise TypeError(
-                "locked_task must be applied below @shared_task/@app.task, not above: put "
-                "@locked_task(...) on the line after @shared_task(...) or @app.task(...)"
-            )
-
-        @functools.wraps(fn)
-        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R | None:
-            task = _running_task(args)
-            handle = lock(
-                format_key(key, fn, args, kwargs),
-                ttl=ttl,
-                timeout=timeout,
-                retry_delay=retry_delay,
-                store=store,
-                holder=holder if holder is not None else _task_holder(task),
-                auto_extend=auto_extend,
-                max_hold=max_hold,
-            )
-
-            def body() -> R:
-                token = _current.set(handle)
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    _current.reset(token)
-
-            outcome = handle.run(body)
-            if outcome.acquired:
-                return outcome.value
-            _refused(handle, task, on_locked, fixed_countdown)
-            return None
-
-        # Celery checks call arguments against the signature it reads here (no __wrapped__).
-        wrapper.__signature__ = inspect.signature(fn)  # type: ignore[attr-defined]
-        return wrapper
+        return _wrap(fn, key, spec, on_locked, fixed_countdown)
 
     return decorate
+
+
+def _wrap(
+    fn: Callable[P, R],
+    key: KeyTemplate,
+    spec: LockSpec,
+    on_locked: OnLocked,
+    countdown: float | None,
+) -> Callable[P, R | None]:
+    """The task body `fn` run under a lock on `key` made from `spec` for each run."""
+    # Above the task decorator, the lock would wrap the task object in a plain function:
+    # workers would run the registered task without the lock, and the name would lose
+    # .delay(). The type, not isinstance(): isinstance() on shared_task's Proxy would
+    # evaluate it (make the task) here, at import time.
+    if issubclass(type(fn), (Task, Proxy)):
+        raise TypeError(
+            "locked_task must be applied below @shared_task/@app.task, not above: put "
+            "@locked_task(...) on the line after @shared_task(...) or @app.task(...)"
+        )
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R | None:
+        task = _running_task(args)
+        handle = spec.lock(format_key(key, fn, args, kwargs), label=_task_label(task))
+
+        def body() -> R:
+            token = _current.set(handle)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _current.reset(token)
+
+        outcome = handle.run(body)
+        if outcome.acquired:
+            return outcome.value
+        _refused(handle, task, on_locked, countdown)
+        return None
+
+    # Celery checks call arguments against the signature it reads here (no __wrapped__).
+    wrapper.__signature__ = inspect.signature(fn)  # type: ignore[attr-defined]
+    return wrapper
 
 
 def _running_task(args: tuple[Any, ...]) -> Task | None:
@@ -163,17 +167,17 @@ def _running_task(args: tuple[Any, ...]) -> Task | None:
     return task if isinstance(task, Task) else None
 
 
-def _task_holder(task: Task | None) -> str:
-    """`<hostname>:<pid> <task name>[<task id>]`, so `locks list` says which run holds a key."""
+def _task_label(task: Task | None) -> str | None:
+    """`<task name>[<task id>]` for the holder, so `locks list` says which run holds a key."""
     if task is None:
-        return default_holder()
-    return labelled_holder(f"{task.name}[{getattr(task.request, 'id', None) or '?'}]")
+        return None
+    return f"{task.name}[{getattr(task.request, 'id', None) or '?'}]"
 
 
 def _refused(handle: Lock, task: Task | None, on_locked: OnLocked, countdown: float | None) -> None:
     name = task.name if task is not None else "task"
     task_id = getattr(task.request, "id", None) if task is not None else None
-    if on_locked == "skip":
+    if on_locked == SKIP:
         info = handle.info()
         logger.info(
             "skipped %s[%s]: lock %r is held by %s",
@@ -184,7 +188,7 @@ def _refused(handle: Lock, task: Task | None, on_locked: OnLocked, countdown: fl
         )
         return None
     error = LockUnavailable(handle.key, f"{name}: lock {handle.key!r} is held by someone else")
-    if on_locked == "raise" or task is None:
+    if on_locked == RAISE or task is None:
         raise error
     if countdown is None:
         remaining = handle.remaining_time()

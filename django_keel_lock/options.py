@@ -1,0 +1,226 @@
+"""What every surface takes besides the key: parsed and checked once, into a `LockSpec`.
+
+A surface (`lock()`, `@locked`, `@lock_view`, `LockViewMixin`, `locked_task`) turns its
+arguments into a `LockSpec` where it is declared, so a mistake fails at decoration time rather
+than on the first call, then asks the spec for a `Lock` per call. The rules for keys and
+holders, and the key formatter the decorators share, live here too.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, Literal
+
+from .conf import conf
+from .durations import Duration, to_seconds
+
+if TYPE_CHECKING:
+    from .core import Lock
+    from .stores.base import LockStore
+
+DEFAULT_RETRY_DELAY = 0.05
+#: What a store keeps of a holder (the `holder` column of the database store is this wide).
+MAX_HOLDER_LENGTH = 255
+# Longer ttls would overflow some stores' interval arithmetic; a lock that must outlive a
+# year wants a human, not a ttl.
+MAX_TTL = 365 * 86400.0
+_HOSTNAME = socket.gethostname()
+
+# -- on_locked: what a surface does when someone else holds the lock for the whole wait ----
+#: Raise `LockUnavailable` (`@locked`'s default; `locked_task` too, when asked).
+RAISE: Final = "raise"
+#: Do not run; return None, logged at INFO (`locked_task`'s default; `@locked`, when asked).
+SKIP: Final = "skip"
+#: Retry the task later (`locked_task` only: only a task queue can run it again).
+RETRY: Final = "retry"
+# `@lock_view` and `LockViewMixin` answer a request: their on_locked is a callable
+# `(request, key) -> response` that answers instead of the default 409.
+
+OnLocked = Literal["raise", "skip", "retry"]
+
+
+def check_on_locked(value: object, allowed: tuple[OnLocked, ...]) -> OnLocked:
+    """`value` if it is one of the markers this surface takes (`allowed`), else a ValueError."""
+    for marker in allowed:
+        if value == marker:
+            return marker
+    if len(allowed) == 2:
+        expected = f'"{allowed[0]}" or "{allowed[1]}",'
+    else:
+        expected = f"one of {', '.join(allowed)};"
+    raise ValueError(f"on_locked must be {expected} got {value!r}")
+
+
+# -- keys -----------------------------------------------------------------------------------
+def validate_key(key: object, store: LockStore | None = None) -> str:
+    """Return `key` if it is a usable lock key, else raise naming the argument."""
+    if not isinstance(key, str):
+        raise TypeError(f"key must be a str, got {type(key).__name__}")
+    if not key:
+        raise ValueError("key must be a non-empty string")
+    if "\x00" in key:
+        raise ValueError("key must not contain NUL characters")
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"key must be encodable as UTF-8 ({exc.reason})") from None
+    limit = store.max_key_length if store is not None else None
+    if limit is not None and len(key) > limit:
+        raise ValueError(
+            f"key is {len(key)} characters long; store {store.alias!r} "  # type: ignore[union-attr]
+            f"accepts at most {limit}"
+        )
+    return key
+
+
+KeyTemplate = str | Callable[..., str]
+
+
+def check_key_template(template: object) -> None:
+    """Raise unless `template` is something `format_key` can use."""
+    if not (isinstance(template, str) or callable(template)):
+        raise TypeError(f"key must be a str template or a callable, got {type(template).__name__}")
+
+
+def format_key(
+    template: KeyTemplate, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> str:
+    """The key for one call of `fn`: `template` formatted with the call's bound arguments
+    ("report:{date}", "{self.pk}" works too), or `template(*args, **kwargs)` if callable.
+
+    `@locked` and `locked_task` name their keys with it, so both read templates alike.
+    """
+    if callable(template):
+        return validate_key(template(*args, **kwargs))
+    check_key_template(template)
+    try:
+        bound = inspect.signature(fn).bind(*args, **kwargs)
+    except TypeError as exc:
+        raise TypeError(
+            f"cannot bind arguments of {fn.__qualname__} for key {template!r}: {exc}"
+        ) from None
+    bound.apply_defaults()
+    try:
+        return validate_key(template.format(**bound.arguments))
+    except (KeyError, AttributeError, IndexError) as exc:
+        names = ", ".join(bound.arguments) or "none"
+        raise ValueError(
+            f"key template {template!r} names {exc} which {fn.__qualname__} does not have "
+            f"(its arguments: {names})"
+        ) from None
+
+
+# -- holders --------------------------------------------------------------------------------
+def default_holder() -> str:
+    """`<hostname>:<pid>`, computed now so a forked child names itself."""
+    return f"{_HOSTNAME}:{os.getpid()}"
+
+
+def labelled_holder(label: str) -> str:
+    """`<hostname>:<pid> <label>`, cut to what a store keeps: tells people what holds a lock."""
+    return f"{default_holder()} {label}".replace("\x00", "")[:MAX_HOLDER_LENGTH]
+
+
+def validate_holder(holder: object) -> str:
+    """Return `holder` if a store can keep it as given, else raise naming the argument."""
+    if not isinstance(holder, str):
+        raise TypeError(f"holder must be a str, got {type(holder).__name__}")
+    if not holder or len(holder) > MAX_HOLDER_LENGTH or "\x00" in holder:
+        raise ValueError(
+            f"holder must be 1 to {MAX_HOLDER_LENGTH} characters without NUL, got {holder!r:.80}"
+        )
+    try:
+        holder.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"holder must be encodable as UTF-8 ({exc.reason})") from None
+    return holder
+
+
+# -- durations ------------------------------------------------------------------------------
+def ttl_seconds(ttl: object) -> float:
+    """`ttl` as seconds: a duration > 0 and at most a year, else an error naming "ttl"."""
+    seconds = to_seconds("ttl", ttl)
+    if seconds > MAX_TTL:
+        raise ValueError(f"ttl must be at most {MAX_TTL:g} seconds (a year), got {ttl!r}")
+    return seconds
+
+
+def check_store(store: object) -> str:
+    """`store` if it is an alias, else a TypeError (the alias itself is looked up later)."""
+    if not isinstance(store, str):
+        raise TypeError(f"store must be an alias (str), got {type(store).__name__}")
+    return store
+
+
+# -- the spec -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LockSpec:
+    """How to take a lock, checked: durations in seconds, the store alias, the holder.
+
+    Build one with `LockSpec.parse`; `spec.lock(key)` makes a handle. `ttl` None means
+    KEEL_LOCK_DEFAULT_TTL, read each time a handle is made. The holder is checked when a
+    handle is made, as `lock()` checks it; the store alias is looked up then too.
+    """
+
+    ttl: float | None = None
+    timeout: float = 0.0
+    retry_delay: float = DEFAULT_RETRY_DELAY
+    store: str = "default"
+    holder: str | None = None
+    auto_extend: bool = False
+    max_hold: float | None = None
+
+    @classmethod
+    def parse(
+        cls,
+        *,
+        ttl: Duration | None = None,
+        timeout: Duration = 0,
+        retry_delay: Duration = DEFAULT_RETRY_DELAY,
+        store: object = "default",
+        holder: str | None = None,
+        auto_extend: object = False,
+        max_hold: Duration | None = None,
+    ) -> LockSpec:
+        """Check and convert what a surface was given; a bad value raises naming it."""
+        alias = check_store(store)
+        if not isinstance(auto_extend, bool):
+            raise TypeError(f"auto_extend must be True or False, got {auto_extend!r}")
+        hold = None if max_hold is None else to_seconds("max_hold", max_hold)
+        if hold is not None and not auto_extend:
+            raise ValueError(
+                "max_hold caps how long auto_extend keeps a lock alive; pass auto_extend=True "
+                "with it, or drop max_hold"
+            )
+        return cls(
+            ttl=None if ttl is None else ttl_seconds(ttl),
+            timeout=to_seconds("timeout", timeout, allow_zero=True),
+            retry_delay=to_seconds("retry_delay", retry_delay, allow_zero=True),
+            store=alias,
+            holder=holder,
+            auto_extend=auto_extend,
+            max_hold=hold,
+        )
+
+    def resolved_ttl(self) -> float:
+        """The ttl in seconds: the spec's own, else KEEL_LOCK_DEFAULT_TTL as it is now."""
+        return ttl_seconds(conf.DEFAULT_TTL) if self.ttl is None else self.ttl
+
+    def holder_for(self, label: str | None = None) -> str:
+        """The holder a handle gets: the spec's, else `<hostname>:<pid>` and `label` if any."""
+        if self.holder is not None:
+            return validate_holder(self.holder)
+        if label is None:
+            return default_holder()
+        return validate_holder(labelled_holder(label))
+
+    def lock(self, key: str, *, label: str | None = None) -> Lock:
+        """A handle on `key` taken as this spec says; `label` names the caller in its holder
+        when the spec has no holder of its own."""
+        from .core import Lock  # core builds on this module
+
+        return Lock.from_spec(key, self, label=label)

@@ -1,0 +1,64 @@
+"""The signed token `Lock.serialize` hands to another process and `restore_lock` reads back.
+
+The token is signed with SECRET_KEY (`django.core.signing`), so a holder can pass it through
+a task queue or a client without letting anyone forge an acquisition.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from django.core import signing
+
+from .exceptions import InvalidLockToken
+
+TOKEN_SALT = "django_keel_lock.token"
+
+
+class Token(NamedTuple):
+    """What a token says: enough to act as the holder of one acquisition."""
+
+    key: str
+    ttl: float
+    owner: str
+    fence: int
+    holder: str
+    store: str
+
+
+# Short payload names keep tokens small; they are part of the token format.
+_FIELDS: dict[str, tuple[str, type | tuple[type, ...]]] = {
+    "k": ("key", str),
+    "t": ("ttl", (int, float)),
+    "o": ("owner", str),
+    "f": ("fence", int),
+    "h": ("holder", str),
+    "s": ("store", str),
+}
+
+
+def dumps(token: Token) -> str:
+    """`token` signed and compressed, as a URL-safe string."""
+    payload = {name: getattr(token, field) for name, (field, _) in _FIELDS.items()}
+    return signing.dumps(payload, salt=TOKEN_SALT, compress=True)
+
+
+def loads(text: object) -> Token:
+    """The `Token` `text` carries; InvalidLockToken for garbage, tampered or foreign tokens."""
+    if not isinstance(text, str):
+        raise InvalidLockToken(f"lock token must be a str, got {type(text).__name__}")
+    try:
+        data = signing.loads(text, salt=TOKEN_SALT)
+    except signing.BadSignature as exc:
+        raise InvalidLockToken(
+            "lock token is not valid: it was altered, truncated, or signed with another SECRET_KEY"
+        ) from exc
+    except Exception as exc:  # undecodable payload behind a valid signature cannot happen,
+        raise InvalidLockToken(f"lock token could not be decoded: {exc}") from exc  # but be sure
+    if not isinstance(data, dict) or not _shape_ok(data):
+        raise InvalidLockToken("lock token is signed but does not describe a lock")
+    return Token(*(data[name] for name in _FIELDS))
+
+
+def _shape_ok(data: dict[str, Any]) -> bool:
+    return all(isinstance(data.get(name), kind) for name, (_, kind) in _FIELDS.items())
