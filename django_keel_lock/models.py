@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from django.db import models
 
+from .options import MAX_HOLDER_LENGTH
+
 
 class Lock(models.Model):
     """One key's lock. A released or expired row stays until `locks prune` (or the next
@@ -11,7 +13,7 @@ class Lock(models.Model):
 
     key = models.CharField(max_length=255, primary_key=True)
     owner = models.CharField(max_length=64)
-    holder = models.CharField(max_length=255)
+    holder = models.CharField(max_length=MAX_HOLDER_LENGTH)
     fence = models.BigIntegerField()
     acquired_at = models.DateTimeField()
     expires_at = models.DateTimeField()
