@@ -35,8 +35,8 @@ from typing import Any, NamedTuple
 
 from django.core.exceptions import ImproperlyConfigured
 
-from ..exceptions import LockStoreUnavailable
-from .base import AcquireResult, LockInfo, LockStore, PerThread, ReleaseListener, SocketCheck
+from ...exceptions import LockStoreUnavailable
+from ..base import AcquireResult, LockInfo, LockStore, PerThread, ReleaseListener, SocketCheck
 
 try:
     import redis

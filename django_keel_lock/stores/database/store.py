@@ -23,8 +23,8 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured, SynchronousOnlyOperation
 from django.db import connections
 
-from ..exceptions import LockStoreUnavailable
-from .base import AcquireResult, LockInfo, LockStore, PerThread, ReleaseListener, SocketCheck
+from ...exceptions import LockStoreUnavailable
+from ..base import AcquireResult, LockInfo, LockStore, PerThread, ReleaseListener, SocketCheck
 
 logger = logging.getLogger("django_keel_lock")
 
