@@ -45,6 +45,7 @@ from django.utils.module_loading import import_string
 
 from .durations import to_seconds
 from .stores.base import LockStore
+from .stores.database.dialects import DIALECTS
 
 ID = "django_keel_lock.{}"
 MEMORY_BACKENDS = {
@@ -59,7 +60,7 @@ REDIS_BACKENDS = {
     "django_keel_lock.stores.RedisLockStore",
     "django_keel_lock.stores.redis.RedisLockStore",
 }
-SUPPORTED_VENDORS = {"postgresql", "mysql", "sqlite"}
+SUPPORTED_VENDORS = frozenset(DIALECTS)  # the database store supports what it has dialects for
 LOCK_TABLE = "django_keel_lock_lock"  # models.Lock's db_table (models are not imported here)
 
 

@@ -1,5 +1,8 @@
-"""The database store (moved here from stores/database.py)."""
+"""The database store: `store` (DatabaseLockStore), `dialects` (each vendor's SQL), `libpq`
+(PostgreSQL's fast path) and `listener` (PostgreSQL's LISTEN)."""
 
-from .store import PAGE_SIZE, PRUNE_BATCH, DatabaseLockStore, release_channel
+from __future__ import annotations
 
-__all__ = ["PAGE_SIZE", "PRUNE_BATCH", "DatabaseLockStore", "release_channel"]
+from .store import PAGE_SIZE, PRUNE_BATCH, DatabaseLockStore
+
+__all__ = ["PAGE_SIZE", "PRUNE_BATCH", "DatabaseLockStore"]

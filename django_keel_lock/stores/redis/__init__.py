@@ -1,5 +1,8 @@
-"""The Redis store (moved here from stores/redis.py)."""
+"""The Redis store: `store` (RedisLockStore), `scripts` (the Lua and the key layout), `clients`
+(redis-py: sync, async, a thread's own connection, version shims) and `listener` (pub/sub)."""
 
-from .store import ACQUIRE, SCRIPTS, RedisLockStore, _text
+from __future__ import annotations
 
-__all__ = ["ACQUIRE", "SCRIPTS", "RedisLockStore", "_text"]
+from .store import RedisLockStore
+
+__all__ = ["RedisLockStore"]
