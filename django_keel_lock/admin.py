@@ -41,6 +41,7 @@ from .conf import conf, get_lock_store
 from .core import force_release
 from .models import Lock
 from .stores.base import LockInfo, LockStore
+from .stores.database.dialects import DIALECTS
 
 logger = logging.getLogger("django_keel_lock")
 
@@ -51,28 +52,12 @@ STORE_PAGE_SIZE = 100
 class RemainingSeconds(models.Func):
     """Seconds until a lock row expires, by the database's own clock (<= 0 once expired).
 
-    The same clock expressions as `stores.database` uses for `expires_in`, so the changelist and
-    the store never disagree about whether a lock is held.
+    The dialect's own clock expression, as the database store uses for `expires_in`, so the
+    changelist and the store never disagree about whether a lock is held.
     """
 
     arity = 1
     output_field = models.FloatField()
-
-    def as_postgresql(
-        self, compiler: SQLCompiler, connection: BaseDatabaseWrapper, **extra: Any
-    ) -> Any:
-        template = "EXTRACT(EPOCH FROM (%(expressions)s - clock_timestamp()))::float8"
-        return super().as_sql(compiler, connection, template=template, **extra)
-
-    def as_mysql(self, compiler: SQLCompiler, connection: BaseDatabaseWrapper, **extra: Any) -> Any:
-        template = "TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), %(expressions)s) / 1000000.0"
-        return super().as_sql(compiler, connection, template=template, **extra)
-
-    def as_sqlite(
-        self, compiler: SQLCompiler, connection: BaseDatabaseWrapper, **extra: Any
-    ) -> Any:
-        template = "((julianday(%(expressions)s) - julianday('now')) * 86400.0)"
-        return super().as_sql(compiler, connection, template=template, **extra)
 
     def as_sql(
         self,
@@ -83,10 +68,14 @@ class RemainingSeconds(models.Func):
         arg_joiner: str | None = None,
         **extra: Any,
     ) -> Any:
-        raise NotSupportedError(
-            f"the lock admin reads the clock of PostgreSQL, MariaDB and SQLite only, "
-            f"not {connection.vendor!r}"
-        )
+        dialect = DIALECTS.get(connection.vendor)
+        if dialect is None:
+            raise NotSupportedError(
+                f"the lock admin reads the clock of PostgreSQL, MariaDB and SQLite only, "
+                f"not {connection.vendor!r}"
+            )
+        template = f"({dialect().remaining('%(expressions)s')})"
+        return super().as_sql(compiler, connection, function, template, arg_joiner, **extra)
 
 
 def format_remaining(seconds: float) -> str:

@@ -49,6 +49,7 @@ from .conf import UnknownStoreOptions, conf, is_store_config, store_options, val
 from .durations import to_seconds
 from .registry import NotALockStore, import_backend
 from .stores.base import LockStore
+from .stores.database.dialects import DIALECTS
 
 ID = "django_keel_lock.{}"
 #: Where RedisLockStore is found: named without importing it, which fails without redis-py.
@@ -56,7 +57,7 @@ REDIS_BACKENDS = {
     "django_keel_lock.stores.RedisLockStore",
     "django_keel_lock.stores.redis.RedisLockStore",
 }
-SUPPORTED_VENDORS = {"postgresql", "mysql", "sqlite"}
+SUPPORTED_VENDORS = frozenset(DIALECTS)  # the database store supports what it has dialects for
 LOCK_TABLE = "django_keel_lock_lock"  # models.Lock's db_table (models are not imported here)
 
 

@@ -337,7 +337,7 @@ def test_prune_deletes_in_batches_until_none_are_left(
 ) -> None:
     store = get_lock_store(db_alias)
     store.prune()
-    monkeypatch.setattr("django_keel_lock.stores.database.PRUNE_BATCH", 2)
+    monkeypatch.setattr("django_keel_lock.stores.database.store.PRUNE_BATCH", 2)
     for n in range(5):
         assert lock(f"{key}:{n}", ttl=0.1, store=db_alias).acquire()
     keeper = lock(f"{key}:live", ttl=30, store=db_alias)
@@ -672,7 +672,7 @@ def postgres_notifications() -> Iterator[Callable[[str], Callable[[], int]]]:
     """LISTEN on a key's release channel from a connection of our own; a counter of NOTIFYs."""
     import psycopg
 
-    from django_keel_lock.stores.database import release_channel
+    from django_keel_lock.stores.database.dialects.postgresql import notify_channel
 
     settings = connections["postgres"].settings_dict
     raw = psycopg.connect(
@@ -684,7 +684,7 @@ def postgres_notifications() -> Iterator[Callable[[str], Callable[[], int]]]:
     )
 
     def listen(key: str) -> Callable[[], int]:
-        raw.execute(f"LISTEN {release_channel(key)}")
+        raw.execute(f"LISTEN {notify_channel(key)}")
 
         def count() -> int:
             return len(list(raw.notifies(timeout=0.3)))

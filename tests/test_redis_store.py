@@ -23,7 +23,8 @@ from django.core.exceptions import ImproperlyConfigured
 
 from django_keel_lock import LockStoreUnavailable, get_lock_store, lock
 from django_keel_lock.stores import RedisLockStore
-from django_keel_lock.stores.redis import ACQUIRE, SCRIPTS, _text
+from django_keel_lock.stores.redis.clients import _text
+from django_keel_lock.stores.redis.scripts import ACQUIRE, SCRIPTS
 
 from .conftest import needs_store
 from .redis_servers import own_connections, read_event, spawn

@@ -1,0 +1,59 @@
+"""What a database dialect provides; one module per vendor fills it in."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+TABLE = "django_keel_lock_lock"
+SEQUENCE = "django_keel_lock_fence"
+
+
+class Dialect:
+    """The SQL one database speaks. Placeholders are the driver's own (%s, or ? for SQLite)."""
+
+    vendor = ""
+    acquire_sql: Sequence[str] = ()  # run in order; the last one's first row is (fence, retry_in)
+    release_sql = ""
+    extend_sql = ""
+    get_sql = ""
+    page_sql = ""
+    prune_sql = ""  # deletes at most %s expired rows
+    # Run before and after each prune batch: they hold off every acquire in flight (see
+    # DatabaseLockStore.prune), and give up after a second rather than stall acquires longer.
+    prune_guard: Sequence[str] = ()
+    prune_unguard: Sequence[str] = ()
+
+    #: Seconds until `{column}` (a timestamp) passes, by the database's clock; the admin's
+    #: changelist uses it too, so the two never disagree about whether a lock is held.
+    remaining_template = ""
+
+    def remaining(self, column: str) -> str:
+        return self.remaining_template.format(column=column)
+
+    def connection_options(self, options: dict[str, Any], wrapper: Any) -> None:
+        """Adjust the OPTIONS of the store's own connections to `wrapper`'s database."""
+
+    def session_sql(self, durable: bool) -> Sequence[str]:
+        """Statements run once on each new connection of the store."""
+        return ()
+
+    def acquire_params(self, key: str, owner: str, holder: str, ttl: float) -> list[Sequence[Any]]:
+        raise NotImplementedError
+
+    def extend_params(self, key: str, owner: str, ttl: float) -> Sequence[Any]:
+        return (ttl, key, owner)
+
+    def datetime(self, value: Any) -> datetime | None:
+        if value is None:
+            return None
+        if isinstance(value, str):
+            value = datetime.fromisoformat(value)
+        if isinstance(value, datetime) and value.tzinfo is None:
+            value = value.replace(tzinfo=UTC)
+        return value  # type: ignore[no-any-return]
+
+
+# Columns every reading query returns, in this order.
+INFO = "key, owner, holder, fence, acquired_at, {remaining}"

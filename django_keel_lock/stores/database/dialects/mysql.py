@@ -1,0 +1,75 @@
+"""MariaDB: an upsert plus a read of the row per acquire."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .base import SEQUENCE, TABLE, Dialect
+
+
+class MySQLDialect(Dialect):
+    """MariaDB (10.3+: sequences). Acquire is an upsert plus a read of the row."""
+
+    vendor = "mysql"
+    _now = "UTC_TIMESTAMP(6)"
+    remaining_template = "TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), {column}) / 1000000.0"
+    _remaining = remaining_template.format(column="expires_at")
+    _free = f"(expires_at <= {_now} OR owner = VALUES(owner))"
+    # MySQL applies SET assignments left to right, so `owner` and `expires_at` (which the
+    # condition reads) come last and `expires_at` sees the already-updated owner.
+    acquire_sql = (
+        f"""
+        INSERT INTO {TABLE} (`key`, owner, holder, fence, acquired_at, expires_at)
+        VALUES (%s, %s, %s, NEXTVAL({SEQUENCE}), {_now}, {_now} + INTERVAL %s MICROSECOND)
+        ON DUPLICATE KEY UPDATE
+            holder = IF({_free}, VALUES(holder), holder),
+            fence = IF({_free}, NEXTVAL({SEQUENCE}), fence),
+            acquired_at = IF({_free}, VALUES(acquired_at), acquired_at),
+            owner = IF({_free}, VALUES(owner), owner),
+            expires_at = IF(owner = VALUES(owner), VALUES(expires_at), expires_at)
+        """,
+        f"SELECT IF(owner = %s, fence, NULL), IF(owner = %s, NULL, {_remaining}) "
+        f"FROM {TABLE} WHERE `key` = %s",
+    )
+    release_sql = (
+        f"UPDATE {TABLE} SET expires_at = {_now} "
+        f"WHERE `key` = %s AND owner = %s AND expires_at > {_now}"
+    )
+    extend_sql = f"""
+        UPDATE {TABLE}
+        SET expires_at = GREATEST(expires_at, {_now} + INTERVAL %s MICROSECOND)
+        WHERE `key` = %s AND owner = %s AND expires_at > {_now}
+    """
+    get_sql = (
+        f"SELECT `key`, owner, holder, fence, acquired_at, {_remaining} FROM {TABLE} "
+        f"WHERE `key` = %s AND expires_at > {_now}"
+    )
+    page_sql = (
+        f"SELECT `key`, owner, holder, fence, acquired_at, {_remaining} FROM {TABLE} "
+        f"WHERE `key` > %s AND LEFT(`key`, %s) = %s AND expires_at > {_now} "
+        "ORDER BY `key` LIMIT %s"
+    )
+    prune_sql = f"DELETE FROM {TABLE} WHERE expires_at <= {_now} LIMIT %s"
+    # A WRITE table lock waits for the metadata lock every acquire holds from before it draws
+    # its fence until it commits (LOCK TABLES needs that privilege; ALL PRIVILEGES has it).
+    prune_guard = (
+        "SET @keel_lock_wait = @@SESSION.lock_wait_timeout, SESSION lock_wait_timeout = 1",
+        f"LOCK TABLES {TABLE} WRITE",
+    )
+    prune_unguard = ("UNLOCK TABLES", "SET SESSION lock_wait_timeout = @keel_lock_wait")
+
+    def acquire_params(self, key: str, owner: str, holder: str, ttl: float) -> list[Sequence[Any]]:
+        return [(key, owner, holder, round(ttl * 1_000_000)), (owner, owner, key)]
+
+    def extend_params(self, key: str, owner: str, ttl: float) -> Sequence[Any]:
+        return (round(ttl * 1_000_000), key, owner)
+
+    def connection_options(self, options: dict[str, Any], wrapper: Any) -> None:
+        from MySQLdb.constants.CLIENT import FOUND_ROWS
+
+        # Keys may hold any Unicode character: talk utf8mb4 whatever the project's charset.
+        options["charset"] = "utf8mb4"
+        # Rows matched, not rows changed: an extend that leaves expires_at as it was still
+        # counts (Django asks for this flag, but a client_flag in OPTIONS replaces it).
+        options["client_flag"] = int(options.get("client_flag", 0)) | FOUND_ROWS

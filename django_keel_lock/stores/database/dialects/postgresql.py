@@ -1,0 +1,105 @@
+"""PostgreSQL: one upsert per acquire; a release NOTIFYs the waiters of other processes."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+from .base import INFO, SEQUENCE, TABLE, Dialect
+
+# A release NOTIFYs on its key's own channel: CHANNEL_PREFIX + md5(key), a valid identifier
+# whatever the key, so a process LISTENs only to the keys it waits for.
+CHANNEL_PREFIX = "keel_lock_"
+
+
+class PostgresDialect(Dialect):
+    vendor = "postgresql"
+    remaining_template = "EXTRACT(EPOCH FROM ({column} - clock_timestamp()))::float8"
+    _remaining = remaining_template.format(column="expires_at")
+    # One upsert whose DO UPDATE branch always writes the row it locked: it either takes it (free:
+    # expired, or already ours) or raises its `waiting` flag. Only a release that finds the flag
+    # raised NOTIFYs, so a lock nobody waits for is released without one (NOTIFY serialises
+    # every notifying commit in the cluster). The flag is lowered when another owner takes the
+    # row; the waiters that then still wait were woken by the release before, fail again and
+    # raise it again. NULL (rows written before the column existed) counts as lowered.
+    # "Now" is read once, as EXCLUDED.acquired_at, so every CASE agrees on whether the row was
+    # free (a later clock read could disagree). The owner column then tells what happened: ours
+    # (the new fence) or someone else's (seconds left on their lock).
+    # No CTE, no second statement: the plan is as cheap as a plain UPDATE's.
+    _free = "(l.expires_at <= EXCLUDED.acquired_at OR l.owner = EXCLUDED.owner)"
+    acquire_sql = (
+        f"""
+        INSERT INTO {TABLE} AS l (key, owner, holder, fence, acquired_at, expires_at)
+        VALUES (%s, %s, %s, nextval('{SEQUENCE}'), clock_timestamp(),
+                clock_timestamp() + make_interval(secs => %s))
+        ON CONFLICT (key) DO UPDATE SET
+            owner = CASE WHEN {_free} THEN EXCLUDED.owner ELSE l.owner END,
+            holder = CASE WHEN {_free} THEN EXCLUDED.holder ELSE l.holder END,
+            fence = CASE WHEN {_free} THEN nextval('{SEQUENCE}') ELSE l.fence END,
+            acquired_at = CASE WHEN {_free} THEN EXCLUDED.acquired_at ELSE l.acquired_at END,
+            expires_at = CASE WHEN {_free} THEN EXCLUDED.expires_at ELSE l.expires_at END,
+            waiting = CASE WHEN {_free} THEN l.waiting AND l.owner = EXCLUDED.owner ELSE true END
+        RETURNING CASE WHEN owner = %s THEN fence END,
+                  CASE WHEN owner <> %s THEN {_remaining} END
+        """,
+    )
+    # Release marks the row expired rather than deleting it, so the next acquirer goes through
+    # the UPDATE branch and draws its fence after it holds the row lock.
+    release_sql = f"""
+        UPDATE {TABLE} SET expires_at = clock_timestamp()
+        WHERE key = %s AND owner = %s AND expires_at > clock_timestamp()
+        RETURNING CASE WHEN waiting IS TRUE THEN pg_notify('{CHANNEL_PREFIX}' || md5(key), '') END
+    """
+    extend_sql = f"""
+        UPDATE {TABLE}
+        SET expires_at = GREATEST(expires_at, clock_timestamp() + make_interval(secs => %s))
+        WHERE key = %s AND owner = %s AND expires_at > clock_timestamp()
+    """
+    get_sql = (
+        f"SELECT {INFO.format(remaining=_remaining)} FROM {TABLE} "
+        "WHERE key = %s AND expires_at > clock_timestamp()"
+    )
+    page_sql = (
+        f"SELECT {INFO.format(remaining=_remaining)} FROM {TABLE} "
+        "WHERE key > %s AND left(key, %s) = %s AND expires_at > clock_timestamp() "
+        "ORDER BY key LIMIT %s"
+    )
+    prune_sql = (
+        f"DELETE FROM {TABLE} WHERE key IN "
+        f"(SELECT key FROM {TABLE} WHERE expires_at <= clock_timestamp() LIMIT %s)"
+    )
+    # SHARE ROW EXCLUSIVE conflicts with the ROW EXCLUSIVE lock every acquire holds from before
+    # it draws its fence until it commits, and with another prune's.
+    prune_guard = (
+        "BEGIN",
+        "SET LOCAL lock_timeout = '1s'",
+        f"LOCK TABLE {TABLE} IN SHARE ROW EXCLUSIVE MODE",
+    )
+    prune_unguard = ("COMMIT",)
+
+    def acquire_params(self, key: str, owner: str, holder: str, ttl: float) -> list[Sequence[Any]]:
+        return [(key, owner, holder, ttl, owner, owner)]
+
+    def connection_options(self, options: dict[str, Any], wrapper: Any) -> None:
+        if is_psycopg3(wrapper):
+            # Server-side binding lets psycopg prepare our statements once per connection, so
+            # the server stops re-planning them; a user's own choice (pgbouncer) wins.
+            options.setdefault("server_side_binding", True)
+            options.setdefault("prepare_threshold", 2)
+
+    def session_sql(self, durable: bool) -> Sequence[str]:
+        # Our statements rely on READ COMMITTED (an upsert locks and rereads the row's latest
+        # version). Autocommit statements run at the session default, which a server or role
+        # may set to SERIALIZABLE: contention would then fail.
+        isolation = "SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL READ COMMITTED"
+        return (isolation,) if durable else (isolation, "SET synchronous_commit TO OFF")
+
+
+def is_psycopg3(wrapper: Any) -> bool:
+    return bool(getattr(wrapper.Database, "__name__", "") == "psycopg")
+
+
+def notify_channel(key: str) -> str:
+    """The channel a release of `key` is NOTIFYed on (md5 as PostgreSQL computes it)."""
+    return CHANNEL_PREFIX + hashlib.md5(key.encode("utf-8")).hexdigest()

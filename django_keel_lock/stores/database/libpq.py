@@ -1,0 +1,72 @@
+"""The hot statements on PostgreSQL with psycopg 3: prepared once per connection, run by libpq."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import re
+from collections.abc import Sequence
+from typing import Any
+
+Row = Sequence[Any]
+Statement = tuple[str, Sequence[Any]]
+
+
+_PLACEHOLDER = re.compile(r"%s")
+
+
+class PreparedStatements:
+    """Statements prepared on one psycopg 3 connection and run by libpq itself.
+
+    psycopg's cursor adapts parameters, describes results and builds rows in Python; a lock
+    statement needs none of it: its parameters are a few strings and numbers, and
+    what comes back is a number or NULL. The blocking libpq call releases the GIL like
+    psycopg's own wait does. Only the store's own thread uses this connection.
+    """
+
+    __slots__ = ("names", "pgconn")
+
+    def __init__(self, pgconn: Any) -> None:
+        self.pgconn = pgconn
+        self.names: dict[str, bytes] = {}  # SQL text -> its prepared statement's name
+
+    def _prepare(self, sql: str, error: type[Exception]) -> bytes:
+        name = f"keel_lock_{hashlib.md5(sql.encode()).hexdigest()[:16]}".encode()
+        number = itertools.count(1)  # the driver's %s placeholders become $1, $2, ...
+        numbered = _PLACEHOLDER.sub(lambda _: f"${next(number)}", sql)
+        result = self.pgconn.prepare(name, numbered.encode())
+        if result.status not in _RESULT_OK:
+            raise _failure(result, error)
+        self.names[sql] = name
+        return name
+
+    def execute(
+        self, statements: Sequence[Statement], error: type[Exception]
+    ) -> tuple[list[Row], int]:
+        result: Any = None
+        for sql, params in statements:
+            name = self.names.get(sql) or self._prepare(sql, error)
+            values = [None if p is None else str(p).encode() for p in params]
+            result = self.pgconn.exec_prepared(name, values)
+            if result.status not in _RESULT_OK:
+                raise _failure(result, error)
+        if result is None:
+            return [], 0
+        fields = result.nfields
+        if fields == 0:  # UPDATE and the like: no rows, a count
+            return [], result.command_tuples or 0
+        get, columns = result.get_value, range(fields)
+        rows: list[Row] = [
+            tuple([get(row, col) for col in columns]) for row in range(result.ntuples)
+        ]
+        return rows, len(rows)
+
+
+def _failure(result: Any, error: type[Exception]) -> Exception:
+    """The driver error for a libpq result that is not a success."""
+    message = (result.error_message or b"").decode("utf-8", "replace").strip()
+    return error(message or f"libpq status {result.status}")
+
+
+# libpq's PGRES_COMMAND_OK and PGRES_TUPLES_OK (fixed by libpq's ABI).
+_RESULT_OK = frozenset({1, 2})

@@ -1,0 +1,296 @@
+"""Locks in the `Lock` table, shared by every process and server that shares the database.
+
+- The database's clock decides expiry; the app server's clock is never read.
+- Locks live outside the caller's transaction: each thread gets its own autocommit connection,
+  so a lock taken inside `atomic()` is visible at once and survives the caller's rollback.
+- One statement per operation (MariaDB: two for acquire), talking to the driver directly; on
+  PostgreSQL with psycopg 3, acquire, release and extend go straight to libpq as statements
+  prepared once per connection, skipping the cursor layer (see `libpq`).
+- The SQL itself is each vendor's dialect (`dialects`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured, SynchronousOnlyOperation
+from django.db import connections
+
+from ...exceptions import LockStoreUnavailable
+from ..base import AcquireResult, LockInfo, LockStore
+from ..connections import PerThread, SocketCheck
+from ..wakeups import ListeningStore
+from .dialects import DIALECTS, Dialect
+from .dialects.postgresql import is_psycopg3
+from .libpq import PreparedStatements, Row, Statement
+from .listener import PostgresListener
+
+PAGE_SIZE = 1000
+PRUNE_BATCH = 1000
+
+
+class DatabaseLockStore(ListeningStore, LockStore):
+    """The default store: the `Lock` table in a Django database (OPTIONS: DATABASE, DURABLE).
+
+    DURABLE=False (PostgreSQL) skips the commit flush for lock writes: faster, but a database
+    crash can forget locks taken in the last moments before it, so two holders may then overlap.
+    """
+
+    max_key_length = 255
+    option_names = frozenset({"DATABASE", "DURABLE"})
+    listener_class = PostgresListener
+
+    def __init__(self, alias: str = "default", options: Mapping[str, Any] | None = None) -> None:
+        super().__init__(alias, options)
+        self.database: str = self.options.get("DATABASE", "default")
+        if self.database not in connections.settings:
+            raise ImproperlyConfigured(
+                f"KEEL_LOCK_STORES[{alias!r}] OPTIONS DATABASE {self.database!r} is not in "
+                f"DATABASES (configured: {', '.join(connections.settings)})"
+            )
+        self.durable = bool(self.options.get("DURABLE", True))
+        self._threads: PerThread[_ThreadConnection] = PerThread(_close_connection)
+        self.push_possible = True  # False once the driver turned out to have no LISTEN (psycopg2)
+
+    # -- connections ----------------------------------------------------------------------
+    def _connection_settings(self) -> dict[str, Any]:
+        """The database's settings for a connection of our own: never from Django's pool
+        (we would drain it and never give connections back), psycopg 3 tuned for our few
+        statements, MariaDB in utf8mb4."""
+        base = connections[self.database]
+        settings = dict(base.settings_dict)
+        options = dict(settings.get("OPTIONS") or {})
+        options.pop("pool", None)
+        if base.vendor in DIALECTS:
+            self.dialect.connection_options(options, base)
+        settings["OPTIONS"] = options
+        return settings
+
+    def _libpq_possible(self, settings: Mapping[str, Any]) -> bool:
+        """Whether the hot statements may be prepared once per connection and run through
+        libpq itself: psycopg 3, and prepared statements not turned off (pgbouncer in
+        transaction mode needs `"prepare_threshold": None`)."""
+        base = connections[self.database]
+        options = settings.get("OPTIONS") or {}
+        return (
+            base.vendor == "postgresql"
+            and is_psycopg3(base)
+            and options.get("prepare_threshold") is not None
+        )
+
+    def _new_wrapper(self) -> Any:
+        base = connections[self.database]
+        wrapper = type(base)(self._connection_settings(), self.database)
+        # We keep one connection per thread ourselves; sharing is allowed only so close() and
+        # the end of a thread can shut it from another thread.
+        wrapper.inc_thread_sharing()
+        wrapper.ensure_connection()
+        session = self.dialect.session_sql(self.durable) if wrapper.vendor in DIALECTS else ()
+        if session:
+            with wrapper.connection.cursor() as cursor:
+                for sql in session:
+                    cursor.execute(sql)
+        return wrapper
+
+    def _connection(self) -> tuple[_ThreadConnection, bool]:
+        """This thread's own autocommit connection; True if it was opened just now."""
+        conn = self._threads.get()
+        if conn is not None:
+            return conn, False
+        wrapper = self._new_wrapper()
+        libpq = (
+            PreparedStatements(wrapper.connection.pgconn)
+            if self._libpq_possible(wrapper.settings_dict)
+            else None
+        )
+        return self._threads.put(_ThreadConnection(wrapper, libpq)), True
+
+    @property
+    def dialect(self) -> Dialect:
+        dialect: Dialect | None = getattr(self, "_dialect", None)
+        if dialect is None:
+            vendor = connections[self.database].vendor
+            if vendor not in DIALECTS:
+                raise LockStoreUnavailable(
+                    f"DatabaseLockStore supports PostgreSQL, MariaDB and SQLite, "
+                    f"not {vendor!r} (database {self.database!r})"
+                )
+            dialect = self._dialect = DIALECTS[vendor]()
+        return dialect
+
+    def _execute(
+        self,
+        statements: Sequence[Statement],
+        *,
+        hot: bool = False,
+        idempotent: bool = True,
+        after: Sequence[Statement] = (),
+    ) -> tuple[list[Row], int]:
+        """Run `statements` in autocommit, then `after` on the same connection (what closes
+        prune's guard); (rows, rowcount) of the last of `statements`.
+
+        `hot` statements (acquire, release, extend: they return only numbers) take the
+        connection's libpq path where it has one; their values may then come back as bytes,
+        which int() and float() read alike.
+
+        A statement that failed after it was sent may still have run. Idempotent operations
+        (all but release, for the same owner) are then retried once on a fresh connection: the
+        server restarted, or a proxy dropped an idle one. A release retried after its commit
+        would find the lock gone and report it lost, so it is never retried; it goes out only
+        on a connection with nothing unread (one the server closed has an error or EOF
+        waiting), replaced first if need be. Any other failure is LockStoreUnavailable. Any
+        other exception (a task's time limit, Ctrl-C) drops the connection, and with it
+        whatever it was in the middle of, such as a prune's open transaction.
+        """
+        for attempt in (1, 2):
+            conn, fresh = self._open()
+            if not idempotent and not fresh and conn.stale():
+                self._threads.drop()
+                conn, fresh = self._open()
+            database = conn.wrapper.Database
+            try:
+                if hot and conn.libpq is not None:
+                    return conn.libpq.execute(statements, database.OperationalError)
+                cursor = conn.cursor
+                for sql, params in statements:
+                    cursor.execute(sql, params)
+                result = (cursor.fetchall() if cursor.description else []), cursor.rowcount
+                for sql, params in after:
+                    cursor.execute(sql, params)
+                return result
+            except database.Error as exc:
+                self._threads.drop()
+                if fresh or attempt == 2 or not idempotent:
+                    raise LockStoreUnavailable(
+                        f"lock store {self.alias!r} (database {self.database!r}) failed: {exc}"
+                    ) from exc
+            except BaseException:
+                self._threads.drop()
+                raise
+        raise AssertionError("unreachable")
+
+    def _open(self) -> tuple[_ThreadConnection, bool]:
+        """`_connection()`, a failure to connect being LockStoreUnavailable."""
+        try:
+            return self._connection()
+        except SynchronousOnlyOperation:
+            raise  # a programming error (sync call in async code), not an outage
+        except Exception as exc:
+            raise LockStoreUnavailable(
+                f"lock store {self.alias!r} cannot connect to database {self.database!r}: {exc}"
+            ) from exc
+
+    # -- the protocol ---------------------------------------------------------------------
+    def acquire(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
+        dialect = self.dialect
+        params = dialect.acquire_params(key, owner, holder, ttl)
+        rows, _ = self._execute(list(zip(dialect.acquire_sql, params, strict=True)), hot=True)
+        if not rows:
+            return AcquireResult(None)
+        fence, retry_in = rows[0][0], rows[0][1]
+        if fence is not None:
+            return AcquireResult(int(fence))
+        return AcquireResult(None, None if retry_in is None else max(0.0, float(retry_in)))
+
+    def release(self, key: str, owner: str) -> bool:
+        _, count = self._execute(
+            [(self.dialect.release_sql, (key, owner))], hot=True, idempotent=False
+        )
+        released = count > 0
+        if released:
+            self.wake_board.wake(key)
+        return released
+
+    def extend(self, key: str, owner: str, ttl: float) -> bool:
+        dialect = self.dialect
+        _, count = self._execute(
+            [(dialect.extend_sql, dialect.extend_params(key, owner, ttl))], hot=True
+        )
+        return count > 0
+
+    def get(self, key: str) -> LockInfo | None:
+        rows, _ = self._execute([(self.dialect.get_sql, (key,))])
+        return self._info(rows[0]) if rows else None
+
+    def iter_locks(self, prefix: str = "") -> Iterator[LockInfo]:
+        last = ""
+        while True:
+            rows, _ = self._execute(
+                [(self.dialect.page_sql, (last, len(prefix), prefix, PAGE_SIZE))]
+            )
+            for row in rows:
+                yield self._info(row)
+            if len(rows) < PAGE_SIZE:
+                return
+            last = rows[-1][0]
+
+    def prune(self) -> int:
+        """Delete expired rows, PRUNE_BATCH at a time; how many.
+
+        An acquire draws the fence it would insert before it looks for the key's row. Were that
+        row deleted in between, the insert would carry a fence lower than the deleted row's; so
+        each batch first waits for the acquires in flight to commit (new ones wait for the
+        batch), and raises LockStoreUnavailable if that takes more than a second.
+        """
+        dialect = self.dialect
+        statements: list[Statement] = [
+            *((sql, ()) for sql in dialect.prune_guard),
+            (dialect.prune_sql, (PRUNE_BATCH,)),
+        ]
+        unguard: list[Statement] = [(sql, ()) for sql in dialect.prune_unguard]
+        pruned = 0
+        while True:
+            _, count = self._execute(statements, after=unguard)
+            pruned += max(count, 0)
+            if count < PRUNE_BATCH:
+                return pruned
+
+    def _info(self, row: Row) -> LockInfo:
+        key, owner, holder, fence, acquired_at, remaining = row[:6]
+        return LockInfo(
+            key=key,
+            owner=owner,
+            holder=holder,
+            fence=int(fence),
+            acquired_at=self.dialect.datetime(acquired_at),
+            expires_in=max(0.0, float(remaining or 0.0)),
+        )
+
+    # -- wake-ups -------------------------------------------------------------------------
+    def _listens(self) -> bool:
+        return self.push_possible and self.dialect.vendor == "postgresql"
+
+    def close(self) -> None:
+        self.stop_listener()
+        self._threads.close_all()
+
+
+class _ThreadConnection:
+    """One thread's connection, the cursor it reuses (not a cursor per call: cheaper) and, on
+    PostgreSQL with psycopg 3, its libpq path."""
+
+    __slots__ = ("check", "cursor", "libpq", "wrapper")
+
+    def __init__(self, wrapper: Any, libpq: PreparedStatements | None = None) -> None:
+        self.wrapper, self.cursor, self.libpq = wrapper, wrapper.connection.cursor(), libpq
+        self.check = SocketCheck()
+
+    def stale(self) -> bool:
+        """Whether the server closed this idle connection (see SocketCheck). SQLite has no
+        socket and is never stale."""
+        fileno = getattr(self.wrapper.connection, "fileno", None)
+        if fileno is None:
+            return False
+        try:
+            return self.check.readable(fileno())
+        except (OSError, ValueError, self.wrapper.Database.Error):
+            return True  # closed already
+
+
+def _close_connection(conn: _ThreadConnection) -> None:
+    """Close the driver connection itself: Django's close() would refuse to run inside an
+    event loop (override_settings in an async test, an ASGI shutdown) and leak it."""
+    raw, conn.wrapper.connection = conn.wrapper.connection, None
+    if raw is not None:
+        raw.close()

@@ -1,0 +1,300 @@
+"""redis-py as the store uses it: the import, the error classes, a thread's own script
+connection, async clients per event loop, and the shims for redis-py versions."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import ssl
+import sys
+from collections.abc import AsyncGenerator, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from django.core.exceptions import ImproperlyConfigured
+
+from ..connections import SocketCheck
+from .scripts import SCRIPTS, Script
+
+try:
+    import redis
+    import redis.asyncio
+    from redis.asyncio.retry import Retry as AsyncRetry
+    from redis.backoff import NoBackoff
+    from redis.exceptions import NoScriptError, RedisClusterException, RedisError
+    from redis.retry import Retry
+    from redis.sentinel import (
+        SentinelConnectionPool,
+        SentinelManagedConnection,
+        SentinelManagedSSLConnection,
+    )
+except ImportError as exc:  # pragma: no cover - depends on the installation
+    raise ImproperlyConfigured(
+        "RedisLockStore needs redis-py: pip install 'django-keel-lock[redis]'"
+    ) from exc
+
+if TYPE_CHECKING:
+    from .store import RedisLockStore
+
+# redis-py's names the store uses come from here, after the import above had its chance to
+# say what to install.
+__all__ = [
+    "CONNECT_TIMEOUT",
+    "LOOP_CLIENTS",
+    "POOL_WAIT",
+    "SCRIPT_CONNECTIONS",
+    "SENTINEL_CONNECTIONS",
+    "SOCKET_TIMEOUT",
+    "STORE_ERRORS",
+    "AsyncRetry",
+    "LoopClients",
+    "NoBackoff",
+    "NoScriptError",
+    "Retry",
+    "ScriptConnection",
+    "SentinelConnectionPool",
+    "_aclose",
+    "_async_twin",
+    "_borrow",
+    "_no_cluster_retries",
+    "_pack",
+    "_pubsub_pool",
+    "_text",
+    "redis",
+]
+
+logger = logging.getLogger("django_keel_lock")
+
+# Plain URL connections: fail fast instead of hanging a request on a dead server.
+SOCKET_TIMEOUT = 5.0
+CONNECT_TIMEOUT = 2.0
+# Async pools: many concurrent tasks queue for a connection (up to this many seconds) instead of
+# failing with "too many connections", which would look like an outage.
+POOL_WAIT = 5
+LOOP_CLIENTS = "_django_keel_lock_redis_clients"
+# What a failing server raises; a cluster rediscovering its nodes raises a plain
+# RedisClusterException (not a RedisError) that is an outage too.
+STORE_ERRORS = (RedisError, RedisClusterException)
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+# Connection settings an async pool can take over from a sync pool unchanged.
+_PORTABLE_KWARGS = frozenset(
+    {
+        "host",
+        "port",
+        "path",
+        "db",
+        "username",
+        "password",
+        "socket_timeout",
+        "socket_connect_timeout",
+        "socket_keepalive",
+        "socket_keepalive_options",
+        "client_name",
+        "encoding",
+        "encoding_errors",
+        "decode_responses",
+        "health_check_interval",
+        "ssl_keyfile",
+        "ssl_certfile",
+        "ssl_cert_reqs",
+        "ssl_ca_certs",
+        "ssl_ca_data",
+        "ssl_check_hostname",
+    }
+)
+
+
+# Connection classes a thread's own script connection may be made of: their settings are all
+# in the pool's connection_kwargs (for Sentinel's, that includes the pool, to find the master).
+SCRIPT_CONNECTIONS = (
+    redis.connection.Connection,
+    redis.connection.SSLConnection,
+    redis.connection.UnixDomainSocketConnection,
+)
+SENTINEL_CONNECTIONS = (SentinelManagedConnection, SentinelManagedSSLConnection)
+
+
+def _pack(*args: str | bytes | int) -> bytes:
+    """One command in RESP: an array of bulk strings (str as UTF-8, as redis-py sends it)."""
+    parts = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        data = arg if isinstance(arg, bytes) else str(arg).encode()
+        parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(parts)
+
+
+class ScriptConnection:
+    """One thread's own connection, on which the scripts run with nothing in between: no pool
+    to check a connection out of and back in, no command retries, no response callbacks."""
+
+    __slots__ = ("check", "connection")
+
+    def __init__(self, connection: Any) -> None:
+        self.connection = connection
+        self.check = SocketCheck()
+
+    def evalsha(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        conn = self.connection
+        try:
+            self._ready()
+            try:
+                return self._call(_pack(b"EVALSHA", script.sha, len(keys), *keys, *args))
+            except NoScriptError:
+                for each in SCRIPTS:  # a new or restarted server, as in RedisLockStore._run
+                    self._call(_pack(b"SCRIPT", b"LOAD", each.text))
+                return self._call(_pack(b"EVALSHA", script.sha, len(keys), *keys, *args))
+        except BaseException:
+            # Whatever it was in the middle of is not to be continued: after an interruption
+            # (a task's time limit, Ctrl-C) an unread reply would answer the next call.
+            conn.disconnect()
+            raise
+
+    def _ready(self) -> None:
+        """Before sending: a connection with something to read is stale (the server closed it,
+        or restarted): reconnect now, while nothing of this call has been sent. Connecting
+        goes through connect(), where a Sentinel connection asks where the master is."""
+        sock = getattr(self.connection, "_sock", None)
+        if sock is not None and self._stale(sock):
+            self.connection.disconnect()
+            sock = None
+        if sock is None:
+            self.connection.connect()
+
+    def _stale(self, sock: Any) -> bool:
+        if isinstance(sock, ssl.SSLSocket):  # TLS records are not replies: ask redis-py
+            return self._stale_by_redis_py()
+        return self.check.readable(sock.fileno())
+
+    def _stale_by_redis_py(self) -> bool:
+        try:
+            return bool(self.connection.can_read())
+        except (*STORE_ERRORS, OSError):
+            return True
+
+    def _call(self, packed: bytes) -> Any:
+        self.connection.send_packed_command([packed])
+        return self.connection.read_response()
+
+    def close(self) -> None:
+        self.connection.disconnect()
+
+
+class LoopClients:
+    """The async clients one event loop made (store -> (generation, client)), and the async
+    generator that closes them when the loop shuts down."""
+
+    __slots__ = ("closer", "made")
+
+    def __init__(self) -> None:
+        self.made: dict[RedisLockStore, tuple[int, Any]] = {}
+        self.closer: AsyncGenerator[None, None] | None = None
+
+    async def close_at_shutdown_of(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """Start the closer on `loop`; False if the loop would not close it (it tracks only
+        the async generators started while its own hooks are installed)."""
+        firstiter = sys.get_asyncgen_hooks().firstiter
+        if getattr(firstiter, "__self__", None) is not loop:
+            return False
+        self.closer = self._close_all()  # referenced here: the loop's own set of them is weak
+        await anext(self.closer)
+        return True
+
+    async def _close_all(self) -> AsyncGenerator[None, None]:
+        try:
+            yield
+        finally:
+            while self.made:
+                _, (_, client) = self.made.popitem()
+                await _aclose(client)
+
+
+async def _aclose(client: Any) -> None:
+    """Close an async client and its pool (a pool given to a client is not closed with it
+    otherwise), and for Sentinel the connections to the sentinels too."""
+    manager = getattr(getattr(client, "connection_pool", None), "sentinel_manager", None)
+    closers = [client, *getattr(manager, "sentinels", ())]
+    for each in closers:
+        try:
+            close = getattr(each, "aclose", None) or each.close  # redis-py 5.0.0: close()
+            if isinstance(each, redis.asyncio.RedisCluster):
+                await close()
+            else:
+                await close(close_connection_pool=True)
+        except Exception as exc:  # closing: an unreachable server has nothing left to close
+            logger.debug("closing an async Redis client failed: %r", exc)
+
+
+def _async_twin(client: Any) -> Callable[[], Any] | None:
+    """A factory for an async client on the same server as the sync `client` (plain pools and
+    Sentinel pools), or None for pools we cannot reproduce."""
+    from redis.asyncio import connection as aconn
+    from redis.asyncio import sentinel as asentinel
+
+    pool = client.connection_pool
+    kwargs = {k: v for k, v in pool.connection_kwargs.items() if k in _PORTABLE_KWARGS}
+    retry = AsyncRetry(NoBackoff(), 0)
+    if isinstance(pool, SentinelConnectionPool):
+        sentinels = [
+            (
+                s.connection_pool.connection_kwargs["host"],
+                s.connection_pool.connection_kwargs["port"],
+            )
+            for s in pool.sentinel_manager.sentinels
+        ]
+        service = pool.service_name
+        kwargs.pop("host", None)
+        kwargs.pop("port", None)
+
+        def sentinel_client() -> Any:
+            manager = asentinel.Sentinel(sentinels, socket_timeout=kwargs.get("socket_timeout"))
+            return manager.master_for(service, retry=retry, **kwargs)
+
+        return sentinel_client
+    classes: dict[type, type] = {
+        redis.connection.Connection: aconn.Connection,
+        redis.connection.SSLConnection: aconn.SSLConnection,
+        redis.connection.UnixDomainSocketConnection: aconn.UnixDomainSocketConnection,
+    }
+    connection_class = classes.get(pool.connection_class)
+    if type(pool) is not redis.ConnectionPool or connection_class is None:
+        return None
+
+    def plain_client() -> Any:
+        apool = aconn.BlockingConnectionPool(
+            connection_class=connection_class, retry=retry, timeout=POOL_WAIT, **kwargs
+        )
+        return redis.asyncio.Redis(connection_pool=apool)
+
+    return plain_client
+
+
+def _no_cluster_retries(client: Any) -> Any:
+    """`client` with no command retries: redis-py 6 and later count them in its `retry`
+    (given at construction); earlier versions in this attribute."""
+    if hasattr(client, "cluster_error_retry_attempts"):
+        client.cluster_error_retry_attempts = 0
+    return client
+
+
+def _borrow(pool: Any) -> Any:
+    """A connection from `pool` (redis-py before 5.3 asks for a command name; later versions
+    warn when given one)."""
+    parameter = inspect.signature(pool.get_connection).parameters.get("command_name")
+    if parameter is not None and parameter.default is inspect.Parameter.empty:
+        return pool.get_connection("SUBSCRIBE")
+    return pool.get_connection()
+
+
+def _pubsub_pool(client: Any) -> Any:
+    """The pool to borrow the listener's connection from: the client's own (a Sentinel pool
+    hands out a master connection), or for a cluster its default node's. A release PUBLISHes
+    to every node of a cluster, so any node hears it."""
+    if isinstance(client, redis.RedisCluster):
+        node: Any = client.get_default_node()
+        return node.redis_connection.connection_pool
+    return client.connection_pool

@@ -1,0 +1,98 @@
+"""Redis's release listener: SUBSCRIBE to the release channels of the keys this process waits
+for, on a connection read with redis-py's parser but without its PubSub object (whose
+per-message bookkeeping — retries, handlers, dicts — would sit between a release arriving and
+its waiter being woken)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ..wakeups import ReleaseListener
+from .clients import _borrow, _pack, _pubsub_pool, _text
+
+if TYPE_CHECKING:
+    from .store import RedisLockStore
+
+
+class RedisListener(ReleaseListener):
+    """One pub/sub connection per process, subscribed to the release channel of each key this
+    process waits for, and to the store's base channel, which keeps the connection up and
+    tells when it is. Commands go out without waiting for their replies: the connection counts
+    as alive while something arrives, pinged after `ping_after` quiet seconds and given up after
+    `dead_after`."""
+
+    store: RedisLockStore
+    ping_after = 5.0
+    dead_after = 15.0
+
+    def connect(self) -> bool:
+        self._pool = _pubsub_pool(self.store._client())
+        conn = self._conn = _borrow(self._pool)
+        self._prefix = self.store.channel + ":"
+        # RESP3 delivers messages as pushes, which read_response() returns only when asked to
+        # (older redis-py's Sentinel connections do not even take the argument).
+        resp3 = str(getattr(conn, "protocol", 2)) == "3"
+        self._read: dict[str, Any] = {"push_request": True} if resp3 else {}
+        return True
+
+    def prepare(self) -> bool:
+        self._conn.send_packed_command([_pack(b"SUBSCRIBE", self.store.channel)])
+        return False  # ready once Redis confirms the base channel (see _handle)
+
+    def socket(self) -> int:
+        sock = getattr(self._conn, "_sock", None)
+        if sock is None:
+            raise ConnectionError("the pub/sub connection is closed")
+        # Everything read so far was handled (dispatch drains redis-py's buffer), so anything
+        # new shows up on the socket.
+        return int(sock.fileno())
+
+    def subscribe(self, keys: list[str]) -> None:
+        channels = map(self.store.release_channel, keys)
+        self._conn.send_packed_command([_pack(b"SUBSCRIBE", *channels)])
+
+    def unsubscribe(self, keys: list[str]) -> None:
+        channels = map(self.store.release_channel, keys)
+        self._conn.send_packed_command([_pack(b"UNSUBSCRIBE", *channels)])
+
+    def ping(self) -> None:
+        self._conn.send_packed_command([_pack(b"PING")])
+
+    def dispatch(self, data: bool) -> None:
+        if not data:
+            return
+        # Waiting for a single key, whatever arrived is almost surely its release: wake its
+        # waiters before parsing (they re-check the lock either way; a PONG costs one needless
+        # attempt every `ping_after` seconds).
+        single = self.subscribed if len(self.subscribed) == 1 else ()
+        for key in single:
+            self.store.wake_board.wake(key)
+        conn = self._conn
+        while True:
+            self._handle(conn.read_response(**self._read))
+            if not conn.can_read(timeout=0):
+                break
+
+    def disconnect(self) -> None:
+        try:
+            self._conn.disconnect()  # subscribed: unusable for anything else
+            self._pool.release(self._conn)
+        except Exception:
+            pass
+
+    def _handle(self, reply: Any) -> None:
+        """One pub/sub reply: [kind, channel, payload or count]; anything else (a PONG) only
+        proves the connection alive."""
+        if not isinstance(reply, list) or len(reply) < 2:
+            return
+        board, prefix = self.store.wake_board, self._prefix
+        kind, channel = _text(reply[0]), _text(reply[1])
+        if kind == "message" and channel.startswith(prefix):
+            board.wake(channel[len(prefix) :])
+        elif kind == "subscribe":
+            if channel.startswith(prefix):
+                # Redis confirms: from now on the key's releases reach us. One may have come
+                # just before, on another connection: its waiters look again.
+                board.wake(channel[len(prefix) :])
+            else:
+                self.connected()

@@ -1,0 +1,440 @@
+"""Locks in Redis, shared by every process and server that talks to the same Redis.
+
+- Redis decides expiry (PX / PTTL, milliseconds); the app server's clock is never read.
+- Each operation is one Lua script (`scripts`, which also shows the key layout).
+- On a plain server or behind Sentinel (not Cluster), each thread runs the scripts on a
+  connection of its own (`clients.ScriptConnection`), without redis-py's client and pool
+  layers and without redis-py's command retries (a retried release whose first reply was lost
+  would report the lock lost). The Cluster client is built without retries instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+
+from ...exceptions import LockStoreUnavailable
+from ..base import AcquireResult, LockInfo, LockStore
+from ..connections import PerThread
+from ..wakeups import ListeningStore
+from .clients import (
+    CONNECT_TIMEOUT,
+    LOOP_CLIENTS,
+    POOL_WAIT,
+    SCRIPT_CONNECTIONS,
+    SENTINEL_CONNECTIONS,
+    SOCKET_TIMEOUT,
+    STORE_ERRORS,
+    AsyncRetry,
+    LoopClients,
+    NoBackoff,
+    NoScriptError,
+    Retry,
+    ScriptConnection,
+    SentinelConnectionPool,
+    _aclose,
+    _async_twin,
+    _no_cluster_retries,
+    _text,
+    redis,
+)
+from .listener import RedisListener
+from .scripts import _GLOB_RE, ACQUIRE, EXTEND, GET, RELEASE, SCRIPTS, Script, _escape, _unescape
+
+DEFAULT_PREFIX = "keel-lock:"
+PAGE_SIZE = 500
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
+
+
+def _seconds(pttl: Any) -> float | None:
+    millis = int(pttl)
+    return None if millis < 0 else millis / 1000.0
+
+
+class RedisLockStore(ListeningStore, LockStore):
+    """Locks in Redis (OPTIONS: CONNECTION or URL, KEY_PREFIX, CLUSTER).
+
+    KEY_PREFIX (default "keel-lock:") starts every key and channel name; a ":" is added to a
+    prefix that does not end with one, so "locks" and "locks:" both give locks:{invoice:42}
+    ("" is no prefix at all).
+
+    CONNECTION names a django-redis cache alias whose client and pool are reused (Sentinel
+    included); URL is a plain redis-py URL (`?socket_timeout=1` etc. honoured), and CLUSTER=True
+    makes it a RedisCluster.
+    """
+
+    option_names = frozenset({"CONNECTION", "URL", "KEY_PREFIX", "CLUSTER"})
+    listener_class = RedisListener
+    expires_by_itself = True  # each lock is a key with a PEXPIRE: Redis deletes it at its ttl
+
+    def __init__(self, alias: str = "default", options: Mapping[str, Any] | None = None) -> None:
+        super().__init__(alias, options)
+        connection = self.options.get("CONNECTION")
+        url = self.options.get("URL")
+        if (connection is None) == (url is None):
+            raise ImproperlyConfigured(
+                f"KEEL_LOCK_STORES[{alias!r}] OPTIONS needs exactly one of CONNECTION (a "
+                f"django-redis CACHES alias) or URL (redis://host:port/db)"
+            )
+        if connection is not None and not isinstance(connection, str):
+            raise ImproperlyConfigured(
+                f"KEEL_LOCK_STORES[{alias!r}] OPTIONS CONNECTION must be a CACHES alias (str)"
+            )
+        if url is not None and not isinstance(url, str):
+            raise ImproperlyConfigured(f"KEEL_LOCK_STORES[{alias!r}] OPTIONS URL must be a str")
+        prefix = self.options.get("KEY_PREFIX", DEFAULT_PREFIX)
+        if not isinstance(prefix, str) or "{" in prefix or "}" in prefix:
+            # The prefix sits outside the hash tag; a brace in it would move the tag.
+            raise ImproperlyConfigured(
+                f"KEEL_LOCK_STORES[{alias!r}] OPTIONS KEY_PREFIX must be a str without "
+                f"braces, got {prefix!r}"
+            )
+        self.connection_alias: str | None = connection
+        self.url: str | None = url
+        self.cluster = bool(self.options.get("CLUSTER", False))
+        if self.cluster and url is None:
+            raise ImproperlyConfigured(
+                f"KEEL_LOCK_STORES[{alias!r}] OPTIONS CLUSTER needs URL (a node of the cluster)"
+            )
+        # Joined to the rest of the key by ":", as Django's cache joins its KEY_PREFIX: "locks"
+        # and "locks:" name the same keys (locks:{invoice:42}).
+        if prefix and not prefix.endswith(":"):
+            prefix += ":"
+        self.prefix = prefix
+        self.channel = f"{prefix}released"
+        self._mutex = threading.Lock()
+        self._client_obj: Any = None
+        self._client_pid = 0
+        self._owns_client = url is not None
+        self._generation = 0  # bumped by close(): async clients made before are not reused
+        self._async_factory: Callable[[], Any] | None = None
+        self._async_checked = False
+        self._threads: PerThread[ScriptConnection] = PerThread(ScriptConnection.close)
+        # Whether threads may have a ScriptConnection of their own: decided on first use, per
+        # client.
+        self._own_connections: bool | None = None
+
+    # -- connections ----------------------------------------------------------------------
+    def _where(self) -> str:
+        if self.url is not None:
+            return f"URL {redis.connection.parse_url(self.url).get('host', '?')}"
+        return f"CACHES[{self.connection_alias!r}]"
+
+    def _unavailable(self, exc: Exception) -> LockStoreUnavailable:
+        return LockStoreUnavailable(
+            f"lock store {self.alias!r} cannot use Redis ({self._where()}): "
+            f"{type(exc).__name__}: {exc}"
+        )
+
+    def _client(self) -> Any:
+        """The sync client: built once per process (redis-py pools are not fork-safe to share
+        in flight, and a child must not reuse its parent's sockets)."""
+        client = self._client_obj
+        if client is not None and self._client_pid == os.getpid():
+            return client
+        with self._mutex:
+            if self._client_obj is None or self._client_pid != os.getpid():
+                try:
+                    self._client_obj = self._build_client()
+                except (ImproperlyConfigured, LockStoreUnavailable):
+                    raise
+                except Exception as exc:
+                    raise self._unavailable(exc) from exc
+                self._client_pid = os.getpid()
+            return self._client_obj
+
+    def _url_kwargs(self) -> dict[str, Any]:
+        # No redis-py retries: a retried script whose first reply was lost could report a
+        # release as failed. Stale pooled sockets are reconnected by the pool before use.
+        return {
+            "socket_timeout": SOCKET_TIMEOUT,
+            "socket_connect_timeout": CONNECT_TIMEOUT,
+        }
+
+    def _build_client(self) -> Any:
+        if self.url is not None:
+            if self.cluster:
+                # No command retries here either; a node that fails still makes the client
+                # rediscover the cluster before the error reaches us, so the next call goes
+                # to the new master.
+                return _no_cluster_retries(
+                    redis.RedisCluster.from_url(
+                        self.url, retry=Retry(NoBackoff(), 0), **self._url_kwargs()
+                    )
+                )
+            return redis.Redis.from_url(self.url, retry=Retry(NoBackoff(), 0), **self._url_kwargs())
+        from django_redis import get_redis_connection
+
+        try:
+            return get_redis_connection(self.connection_alias or "default", write=True)
+        except NotImplementedError:
+            raise ImproperlyConfigured(
+                f"KEEL_LOCK_STORES[{self.alias!r}] CONNECTION {self.connection_alias!r} is not "
+                f"a django-redis cache (BACKEND django_redis.cache.RedisCache)"
+            ) from None
+
+    def release_channel(self, key: str) -> str:
+        """Where a release of `key` is announced: one channel per key, so a process hears only
+        about the keys it waits for, not every release in the whole Redis."""
+        return f"{self.channel}:{key}"
+
+    def _names(self, key: str) -> tuple[str, str]:
+        lock_name = f"{self.prefix}{{{_escape(key)}}}"
+        return lock_name, lock_name + ":fence"
+
+    def _run(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        try:
+            own = self._script_connection()
+            if own is not None:
+                return own.evalsha(script, keys, args)
+            client = self._client()
+            try:
+                return client.evalsha(script.sha, len(keys), *keys, *args)
+            except NoScriptError:
+                # A new or restarted server: load every script now, so no later call of
+                # another script meets NOSCRIPT (an extra round trip in a critical moment).
+                for each in SCRIPTS:
+                    client.script_load(each.text)
+                return client.evalsha(script.sha, len(keys), *keys, *args)
+        except (*STORE_ERRORS, OSError) as exc:
+            raise self._unavailable(exc) from exc
+
+    def _script_connection(self) -> ScriptConnection | None:
+        """This thread's own connection for the scripts, when the client is a plain one."""
+        own = self._threads.get()
+        if own is not None or self._own_connections is False:
+            return own
+        client = self._client()
+        pool: Any = getattr(client, "connection_pool", None)
+        connection_class = getattr(pool, "connection_class", None)
+        self._own_connections = type(client) is redis.Redis and (
+            (
+                type(pool) in (redis.ConnectionPool, redis.BlockingConnectionPool)
+                and connection_class in SCRIPT_CONNECTIONS
+            )
+            or (
+                # Its connections find the master through the pool (in connection_kwargs),
+                # asking the sentinels again whenever they reconnect.
+                isinstance(pool, SentinelConnectionPool)
+                and pool.is_master
+                and connection_class in SENTINEL_CONNECTIONS
+            )
+        )
+        if not self._own_connections:
+            return None
+        return self._threads.put(ScriptConnection(pool.connection_class(**pool.connection_kwargs)))
+
+    # -- the protocol ---------------------------------------------------------------------
+    def acquire(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
+        reply = self._run(ACQUIRE, self._names(key), (owner, holder, _ms(ttl)))
+        return self._acquired(reply)
+
+    def release(self, key: str, owner: str) -> bool:
+        names = self._names(key)
+        released = bool(self._run(RELEASE, names[:1], (owner, self.release_channel(key))))
+        if released:
+            self.wake_board.wake(key)  # our own waiters need not wait for the pub/sub echo
+        return released
+
+    def extend(self, key: str, owner: str, ttl: float) -> bool:
+        return bool(self._run(EXTEND, self._names(key)[:1], (owner, _ms(ttl))))
+
+    def get(self, key: str) -> LockInfo | None:
+        reply = self._run(GET, self._names(key)[:1], ())
+        return None if reply is None else self._info(key, *reply)
+
+    def iter_locks(self, prefix: str = "") -> Iterator[LockInfo]:
+        """Live locks under `prefix`, in key order. SCAN collects only the key names (sorting
+        needs them all); the locks themselves are read a page at a time."""
+        start = f"{self.prefix}{{"
+        pattern = _GLOB_RE.sub(r"\\\1", start + _escape(prefix)) + "*"
+        client = self._client()
+        try:
+            keys = sorted(
+                _unescape(name[len(start) : -1])
+                for name in map(_text, client.scan_iter(match=pattern, count=PAGE_SIZE))
+                if name.endswith("}") and name.startswith(start)
+            )
+        except STORE_ERRORS as exc:
+            raise self._unavailable(exc) from exc
+        for first in range(0, len(keys), PAGE_SIZE):
+            page = keys[first : first + PAGE_SIZE]
+            try:
+                pipe = client.pipeline(transaction=False)
+                for key in page:
+                    name = self._names(key)[0]
+                    pipe.hmget(name, "o", "h", "f", "t")
+                    pipe.pttl(name)
+                replies = pipe.execute()
+            except STORE_ERRORS as exc:
+                raise self._unavailable(exc) from exc
+            for index, key in enumerate(page):
+                fields, pttl = replies[2 * index], replies[2 * index + 1]
+                # Released or expired between SCAN and now, or caught mid-change: skip.
+                if fields[0] is None or fields[2] is None or int(pttl) <= 0:
+                    continue
+                owner, holder, fence, acquired = fields
+                yield self._info(key, owner, holder, fence, acquired, pttl)
+
+    @staticmethod
+    def _acquired(reply: Any) -> AcquireResult:
+        value = int(reply)
+        if value > 0:
+            return AcquireResult(value)
+        return AcquireResult(None, None if value == 0 else (-value - 1) / 1000.0)
+
+    @staticmethod
+    def _info(key: str, owner: Any, holder: Any, fence: Any, acquired: Any, pttl: Any) -> LockInfo:
+        acquired_at = (
+            None if acquired is None else datetime.fromtimestamp(int(acquired) / 1000.0, tz=UTC)
+        )
+        return LockInfo(
+            key=key,
+            owner=_text(owner),
+            holder=_text(holder) if holder is not None else "",
+            fence=int(fence),
+            acquired_at=acquired_at,
+            expires_in=max(0.0, _seconds(pttl) or 0.0),
+        )
+
+    # -- wake-ups -------------------------------------------------------------------------
+    def close(self) -> None:
+        self.stop_listener()
+        self._threads.close_all()
+        with self._mutex:
+            self._own_connections = None
+            client, self._client_obj = self._client_obj, None
+            pid, self._client_pid = self._client_pid, 0
+            self._generation += 1
+        # A django-redis client belongs to the cache; only a client we built is ours to close.
+        if client is not None and self._owns_client and pid == os.getpid():
+            try:
+                client.close()
+            except Exception:
+                pass
+
+    # -- async ----------------------------------------------------------------------------
+    # redis.asyncio clients are bound to the event loop that first used them: one per loop and
+    # store, kept on the loop itself (a client refers to its loop, so a registry of ours would
+    # keep every finished loop alive). Nothing tells when a loop closes, but the loop's
+    # shutdown_asyncgens() tells when it is about to: asyncio.run, async_to_sync (a loop per
+    # call under WSGI) and ASGI servers run it, and it closes an async generator we start on
+    # the loop, whose `finally` closes the loop's clients while the loop still runs. A loop
+    # closed without it leaves its clients, like its own async generators, to the garbage
+    # collector.
+    def _loop_client(self) -> Any:
+        """This loop's client for this store, or None when it has to be made (the fast path:
+        one lookup, no await)."""
+        clients: LoopClients | None = getattr(asyncio.get_running_loop(), LOOP_CLIENTS, None)
+        if clients is not None:
+            made = clients.made.get(self)
+            if made is not None and made[0] == self._generation:
+                return made[1]
+        return None
+
+    async def _new_loop_client(self) -> tuple[Any, bool]:
+        """A new client for this loop and store, and whether the loop keeps it (False: the
+        loop would never close it, so the caller closes it after its call)."""
+        factory = self._async_client_factory()
+        assert factory is not None  # only called when _native_async()
+        loop = asyncio.get_running_loop()
+        clients: LoopClients | None = getattr(loop, LOOP_CLIENTS, None)
+        if clients is None:
+            clients = LoopClients()
+            if await clients.close_at_shutdown_of(loop):
+                setattr(loop, LOOP_CLIENTS, clients)
+        try:
+            client = factory()
+        except Exception as exc:
+            raise self._unavailable(exc) from exc
+        if clients.closer is None:
+            return client, False
+        stale = clients.made.get(self)  # made before close(): not to be used again
+        clients.made[self] = (self._generation, client)
+        if stale is not None:
+            await _aclose(stale[1])
+        return client, True
+
+    def _async_client_factory(self) -> Callable[[], Any] | None:
+        """How to make an async client talking to the same server, or None when only the
+        sync client knows how (then the async methods run it in a thread)."""
+        if self._async_checked:
+            return self._async_factory
+        factory: Callable[[], Any] | None = None
+        if self.url is not None:
+            url, kwargs = self.url, self._url_kwargs()
+            if self.cluster:
+                factory = lambda: _no_cluster_retries(  # noqa: E731
+                    redis.asyncio.RedisCluster.from_url(
+                        url,
+                        retry=AsyncRetry(NoBackoff(), 0),  # type: ignore[arg-type]  # old stubs
+                        **kwargs,
+                    )
+                )
+            else:
+                retry = AsyncRetry(NoBackoff(), 0)
+                factory = lambda: redis.asyncio.Redis(  # noqa: E731
+                    connection_pool=redis.asyncio.BlockingConnectionPool.from_url(
+                        url, retry=retry, timeout=POOL_WAIT, **kwargs
+                    )
+                )
+        else:
+            factory = _async_twin(self._client())
+        self._async_factory, self._async_checked = factory, True
+        return factory
+
+    async def _arun(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        client, kept = self._loop_client(), True
+        if client is None:
+            client, kept = await self._new_loop_client()
+        try:
+            try:
+                return await client.evalsha(script.sha, len(keys), *keys, *args)
+            except NoScriptError:
+                for each in SCRIPTS:
+                    await client.script_load(each.text)
+                return await client.evalsha(script.sha, len(keys), *keys, *args)
+        except STORE_ERRORS as exc:
+            raise self._unavailable(exc) from exc
+        except OSError as exc:  # asyncio can surface raw socket errors on connect
+            raise self._unavailable(exc) from exc
+        finally:
+            if not kept:
+                await _aclose(client)
+
+    def _native_async(self) -> bool:
+        return self._async_client_factory() is not None
+
+    async def aacquire(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
+        if not self._native_async():
+            return await super().aacquire(key, owner, holder, ttl)
+        reply = await self._arun(ACQUIRE, self._names(key), (owner, holder, _ms(ttl)))
+        return self._acquired(reply)
+
+    async def arelease(self, key: str, owner: str) -> bool:
+        if not self._native_async():
+            return await super().arelease(key, owner)
+        reply = await self._arun(RELEASE, self._names(key)[:1], (owner, self.release_channel(key)))
+        if reply:
+            self.wake_board.wake(key)
+        return bool(reply)
+
+    async def aextend(self, key: str, owner: str, ttl: float) -> bool:
+        if not self._native_async():
+            return await super().aextend(key, owner, ttl)
+        return bool(await self._arun(EXTEND, self._names(key)[:1], (owner, _ms(ttl))))
+
+    async def aget(self, key: str) -> LockInfo | None:
+        if not self._native_async():
+            return await super().aget(key)
+        reply = await self._arun(GET, self._names(key)[:1], ())
+        return None if reply is None else self._info(key, *reply)

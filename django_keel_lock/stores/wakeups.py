@@ -1,0 +1,397 @@
+"""Release wake-ups: the in-process board waiters sleep on, and the listener that feeds it
+with other processes' releases (one loop; each store fills in how to talk to its server)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+logger = logging.getLogger("django_keel_lock")
+
+
+class Waiter:
+    """A registration for release wake-ups of one key, taken *before* an acquire attempt so that
+    a release between the attempt and the wait is not missed."""
+
+    __slots__ = ("_seen", "_slot")
+
+    def __init__(self, slot: _Slot) -> None:
+        self._slot = slot
+        self._seen = slot.generation
+
+    def wait(self, timeout: float) -> bool:
+        """Block up to `timeout` seconds; True if a release of the key was announced meanwhile."""
+        slot = self._slot
+        with slot.cond:
+            if slot.generation == self._seen:
+                slot.cond.wait(timeout)
+            woken = slot.generation != self._seen
+            self._seen = slot.generation
+            return woken
+
+    def poll(self) -> bool:
+        """True (once) if a release was announced since the last wait or poll; never blocks."""
+        generation = self._slot.generation
+        woken = generation != self._seen
+        self._seen = generation
+        return woken
+
+
+class _Slot:
+    __slots__ = ("callbacks", "cond", "generation", "watchers")
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition(threading.Lock())
+        self.generation = 0
+        self.watchers = 0
+        self.callbacks: list[Any] = []
+
+
+class WakeBoard:
+    """In-process release announcements, per key. A store calls `wake(key)` after its own
+    releases and whenever its listener hears of a release by another process."""
+
+    def __init__(self) -> None:
+        self._mutex = threading.Lock()
+        self._slots: dict[str, _Slot] = {}
+        #: Called as hook(key, True) when a key gets its first watcher and hook(key, False)
+        #: when its last one leaves (under the board's mutex: keep it short, never block).
+        #: A listener uses it to hear only about the keys this process waits for.
+        self.watched_hook: Callable[[str, bool], None] | None = None
+
+    def _join(self, key: str, callback: Any = None) -> _Slot:
+        with self._mutex:
+            slot = self._slots.get(key)
+            if slot is None:
+                slot = self._slots[key] = _Slot()
+                if self.watched_hook is not None:
+                    self.watched_hook(key, True)
+            slot.watchers += 1
+            if callback is not None:
+                slot.callbacks.append(callback)
+            return slot
+
+    def _leave(self, key: str, slot: _Slot, callback: Any = None) -> None:
+        with self._mutex:
+            if callback is not None:
+                slot.callbacks.remove(callback)
+            slot.watchers -= 1
+            if slot.watchers == 0 and self._slots.get(key) is slot:
+                del self._slots[key]
+                if self.watched_hook is not None:
+                    self.watched_hook(key, False)
+
+    @contextmanager
+    def watch(self, key: str) -> Iterator[Waiter]:
+        slot = self._join(key)
+        try:
+            yield Waiter(slot)
+        finally:
+            self._leave(key, slot)
+
+    def add_callback(self, key: str, callback: Any) -> Any:
+        """Call `callback()` (from any thread) on each wake of `key` while registered.
+
+        Used by async waiters, which cannot block on a threading.Condition. Returns a token for
+        `remove_callback`.
+        """
+        return (key, self._join(key, callback), callback)
+
+    def remove_callback(self, token: Any) -> None:
+        key, slot, callback = token
+        self._leave(key, slot, callback)
+
+    def watched_keys(self) -> list[str]:
+        with self._mutex:
+            return list(self._slots)
+
+    def has_watchers(self) -> bool:
+        return bool(self._slots)
+
+    def wake(self, key: str) -> None:
+        slot = self._slots.get(key)
+        if slot is not None:
+            self._wake_slot(slot)
+
+    def wake_all(self) -> None:
+        """Wake every waiter: used when a listener reconnects and may have missed releases."""
+        for slot in list(self._slots.values()):
+            self._wake_slot(slot)
+
+    @staticmethod
+    def _wake_slot(slot: _Slot) -> None:
+        with slot.cond:
+            slot.generation += 1
+            slot.cond.notify_all()
+            callbacks = list(slot.callbacks)
+        for callback in callbacks:
+            callback()
+
+
+class ReleaseListener:
+    """One connection per process and store that hears other processes' releases and turns
+    them into wake-ups on the store's WakeBoard.
+
+    It listens only to the keys some thread or task of this process waits for: waiters ask
+    through `want()`, which pokes its thread through a pipe so it (un)subscribes at once. Only
+    that thread touches its connection. The loop (reconnect with backoff, wait on the socket
+    and the pipe, settle subscriptions, keep the connection proven alive, the `ready` flag) is
+    here; a store's listener fills in the hooks: `connect`, `prepare`, `socket`, `subscribe`,
+    `unsubscribe`, `ping`, `dispatch` and `disconnect`.
+
+    It has a thread rather than being one: `threading.Thread` keeps private attributes whose
+    names change between Python versions (3.13's `_handle` hid a subclass's method).
+    """
+
+    #: Quiet seconds (nothing read) after which the connection is pinged.
+    ping_after = 5.0
+    #: Quiet seconds after which the connection counts as dead (None: `ping()` raises instead).
+    dead_after: float | None = None
+    #: True when `subscribe`, `unsubscribe` and `ping` return only once the server answered:
+    #: then a poke or a ping that went through proves the connection alive, as data does.
+    replies_inline = False
+
+    def __init__(self, store: ListeningStore) -> None:
+        self.thread = threading.Thread(
+            target=self.run, name=f"keel-lock-listen-{store.alias}", daemon=True
+        )
+        self.store = store
+        self.pid = os.getpid()
+        self.ready = threading.Event()  # set while connected: releases reach us
+        self.stopping = threading.Event()
+        self.subscribed: set[str] = set()  # the keys subscribed on the current connection
+        self._mutex = threading.Lock()
+        self._changed: set[str] = set()
+        self._closed = False
+        self._poke_r, self._poke_w = os.pipe()
+        os.set_blocking(self._poke_r, False)
+        os.set_blocking(self._poke_w, False)
+
+    # -- the hooks --------------------------------------------------------------------------
+    def connect(self) -> bool:
+        """Open the connection; False when this store cannot hear releases at all (the
+        listener then stops for good and waiters poll)."""
+        raise NotImplementedError
+
+    def prepare(self) -> bool:
+        """Prepare the new connection, before any key is subscribed; True if releases reach
+        us once the keys are subscribed, False if `connected()` is called later, when the
+        server confirms."""
+        raise NotImplementedError
+
+    def socket(self) -> int:
+        """The connection's descriptor; raises when the connection is gone."""
+        raise NotImplementedError
+
+    def subscribe(self, keys: list[str]) -> None:
+        raise NotImplementedError
+
+    def unsubscribe(self, keys: list[str]) -> None:
+        raise NotImplementedError
+
+    def ping(self) -> None:
+        """Ask the server for a sign of life (raises when the connection is gone)."""
+        raise NotImplementedError
+
+    def dispatch(self, data: bool) -> None:
+        """Read what arrived (`data`: the socket had something) and wake the released keys."""
+        raise NotImplementedError
+
+    def disconnect(self) -> None:
+        raise NotImplementedError
+
+    # -- asked from other threads ---------------------------------------------------------
+    def want(self, key: str, watched: bool) -> None:
+        """`key` got its first waiter (or lost its last): (un)subscribe shortly."""
+        with self._mutex:
+            self._changed.add(key)
+        self.interrupt()
+
+    def interrupt(self) -> None:
+        """Wake the thread from `wait()`."""
+        with self._mutex:  # never write to a closed (and maybe reused) descriptor
+            if self._closed:
+                return
+            try:
+                os.write(self._poke_w, b"x")
+            except OSError:
+                pass  # the pipe is full of pokes already
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.interrupt()
+        if self.thread.ident is not None and self.thread is not threading.current_thread():
+            self.thread.join(timeout=3)
+
+    def is_alive(self) -> bool:
+        return self.thread.is_alive()
+
+    @property
+    def usable_here(self) -> bool:
+        return self.pid == os.getpid() and self.thread.is_alive()
+
+    # -- the loop ---------------------------------------------------------------------------
+    def connected(self) -> None:
+        """Releases reach us from now on."""
+        self.ready.set()
+        self.store.wake_board.wake_all()  # a release may have happened while we were (re)connecting
+
+    def wait(self, fileno: int, timeout: float) -> tuple[bool, bool]:
+        """Block until the connection `fileno` has data, or a poke came, or `timeout`:
+        (data, poked)."""
+        # poll(), not select(): select() fails for descriptors above 1024.
+        poller = select.poll()
+        poller.register(fileno, select.POLLIN)
+        poller.register(self._poke_r, select.POLLIN)
+        ready = {fd for fd, _ in poller.poll(timeout * 1000)}
+        return fileno in ready, self._poke_r in ready
+
+    def take_changes(self) -> set[str]:
+        """The keys whose waiting changed since the last call."""
+        try:
+            while os.read(self._poke_r, 512):
+                pass
+        except BlockingIOError:
+            pass
+        with self._mutex:
+            changed, self._changed = self._changed, set()
+        return changed
+
+    def settle(self, keys: set[str]) -> None:
+        """(Un)subscribe so that exactly the watched ones among `keys` are subscribed; each new
+        subscription wakes its key's waiters once (a release may have come just before)."""
+        board, subscribed = self.store.wake_board, self.subscribed
+        watched = set(board.watched_keys())
+        add = sorted(key for key in keys if key in watched and key not in subscribed)
+        drop = sorted(key for key in keys if key not in watched and key in subscribed)
+        if add:
+            self.subscribe(add)
+            subscribed.update(add)
+            for key in add:
+                board.wake(key)
+        if drop:
+            self.unsubscribe(drop)
+            subscribed.difference_update(drop)
+
+    def listen(self) -> None:
+        """One connection's life: return only when `stopping` is set (or the store cannot
+        hear releases); raise when the connection is lost."""
+        if not self.connect():
+            self.stopping.set()
+            return
+        try:
+            self.subscribed = set()
+            ready_now = self.prepare()
+            self.take_changes()
+            self.settle(set(self.store.wake_board.watched_keys()))
+            if ready_now:
+                self.connected()
+            self._serve()
+        finally:
+            self.ready.clear()
+            self.disconnect()
+
+    def _serve(self) -> None:
+        heard = pinged = time.monotonic()
+        while not self.stopping.is_set():
+            data, poked = self.wait(self.socket(), 1.0)
+            if poked:
+                self.settle(self.take_changes())
+            now = time.monotonic()
+            if data or (poked and self.replies_inline):
+                heard = now
+            elif self.dead_after is not None and now - heard > self.dead_after:
+                # A silently dead link must not keep `ready` set.
+                raise ConnectionError("no reply to PING on the release channel")
+            elif now - heard > self.ping_after and now - pinged > self.ping_after:
+                self.ping()
+                pinged = now
+                if self.replies_inline:
+                    heard = time.monotonic()
+            self.dispatch(data)
+
+    def run(self) -> None:
+        backoff = 0.05
+        try:
+            while not self.stopping.is_set():
+                try:
+                    self.listen()
+                    backoff = 0.05
+                except Exception as exc:  # connection lost: waiters fall back to polling
+                    self.ready.clear()
+                    # Waiters sleeping on push must look again now: the store may be down
+                    # (they should hear so) or releases may have been missed meanwhile.
+                    self.store.wake_board.wake_all()
+                    if self.stopping.is_set():
+                        break
+                    logger.debug("lock listener for %r reconnecting: %s", self.store.alias, exc)
+                    self.stopping.wait(backoff)
+                    backoff = min(backoff * 2, 2.0)
+        finally:
+            self.ready.clear()
+            with self._mutex:
+                self._closed = True
+                os.close(self._poke_r)
+                os.close(self._poke_w)
+
+
+class ListeningStore:
+    """Mixin (before `LockStore` in the bases) for a store whose releases in other processes
+    reach this one through a `ReleaseListener`: one per process, started by the first
+    `watch()`, restarted in a forked child. The store names its `listener_class`."""
+
+    alias: str
+    wake_board: WakeBoard
+    listener_class: type[ReleaseListener]
+    _listener: ReleaseListener | None = None
+    _listener_mutex = threading.Lock()
+
+    def _listens(self) -> bool:
+        """Whether this store can hear releases (checked on each `watch()`)."""
+        return True
+
+    @property
+    def push_wakeups(self) -> bool:
+        return self.listener_ready()
+
+    def watch(self, key: str) -> Any:
+        if self._listens():
+            self.ensure_listener()
+        return self.wake_board.watch(key)
+
+    def ensure_listener(self) -> None:
+        """Start this process's listener unless one runs (a forked child starts its own)."""
+        listener = self._listener
+        if listener is not None and listener.usable_here:
+            return
+        with self._listener_mutex:
+            listener = self._listener
+            if listener is None or not listener.usable_here:
+                self.wake_board.watched_hook = self._watched
+                self._listener = self.listener_class(self)
+                self._listener.start()
+
+    def _watched(self, key: str, watched: bool) -> None:
+        listener = self._listener
+        if listener is not None and listener.usable_here:
+            listener.want(key, watched)
+
+    def listener_ready(self) -> bool:
+        """True while this process's listener hears releases (the `push_wakeups` answer)."""
+        listener = self._listener
+        return listener is not None and listener.ready.is_set() and listener.pid == os.getpid()
+
+    def stop_listener(self) -> None:
+        with self._listener_mutex:
+            listener, self._listener = self._listener, None
+        if listener is not None and listener.pid == os.getpid():
+            listener.stop()
