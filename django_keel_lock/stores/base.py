@@ -16,8 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NamedTuple, TypeVar
 
-from django.core.exceptions import ImproperlyConfigured
-
+from ..conf import validate_store_options
 from .wakeups import WakeBoard
 
 T = TypeVar("T")
@@ -65,13 +64,7 @@ class LockStore(ABC):
     def __init__(self, alias: str = "default", options: Mapping[str, Any] | None = None) -> None:
         self.alias = alias
         self.options = dict(options or {})
-        unknown = sorted(set(self.options) - self.option_names)
-        if unknown:
-            known = ", ".join(sorted(self.option_names)) or "none"
-            raise ImproperlyConfigured(
-                f"KEEL_LOCK_STORES[{alias!r}] OPTIONS has unknown option(s) {', '.join(unknown)} "
-                f"for {type(self).__name__} (known: {known})"
-            )
+        validate_store_options(alias, type(self), self.options)
         self.wake_board = WakeBoard()
 
     # -- the atomic operations ------------------------------------------------------------
