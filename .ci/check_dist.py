@@ -22,7 +22,7 @@ SDIST_NEEDS = [
     "tests/settings.py",
     "tests/urls.py",
     "tests/testapp/models.py",
-    "tests/redis_servers.py",
+    "tests/support/redis_servers.py",
     "example_project/manage.py",
     "django_keel_lock/py.typed",
     "django_keel_lock/migrations/0001_initial.py",

@@ -259,7 +259,7 @@ async def test_200_tasks_on_one_key_in_one_loop_never_overlap(
 
 CHILD = """
 import asyncio, json, sys, time
-from tests.child import setup_django
+from tests.support.child import setup_django
 setup_django()
 from django_keel_lock import lock
 

@@ -1,8 +1,9 @@
 """locked_task: in-process behaviour, then a real prefork Celery worker on Redis.
 
 The worker tests start `celery worker --pool=prefork --concurrency=4` as a subprocess (Redis as
-broker and result backend, DB 5, a queue named after the test run) on tests/worker_settings.py,
-so its four processes take locks in the same test database as this process.
+broker and result backend, DB 5, a queue named after the test run) on
+tests/support/worker_settings.py, so its four processes take locks in the same test database as
+this process.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from celery.exceptions import Retry
 
 from django_keel_lock import LockUnavailable, get_lock_store, lock
 from django_keel_lock.contrib.celery import current_lock, locked_task
-from tests import celery_tasks as tasks
-from tests.celery_app import BROKER_URL, QUEUE, RUN_ID, STORE
 from tests.conftest import require_reachable
+from tests.support import celery_tasks as tasks
+from tests.support.celery_app import BROKER_URL, QUEUE, RUN_ID, STORE
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -325,13 +326,13 @@ def worker(tmp_path_factory: pytest.TempPathFactory, django_db_setup: None) -> I
     log = tmp_path_factory.mktemp("celery") / "worker.log"
     env = {
         **os.environ,
-        "DJANGO_SETTINGS_MODULE": "tests.worker_settings",
+        "DJANGO_SETTINGS_MODULE": "tests.support.worker_settings",
         "KEEL_TEST_RUN_ID": RUN_ID,
         "CELERY_SKIP_CHECKS": "1",
         "PYTHONPATH": str(ROOT),
     }
     command = [
-        *(sys.executable, "-m", "celery", "-A", "tests.celery_app", "worker"),
+        *(sys.executable, "-m", "celery", "-A", "tests.support.celery_app", "worker"),
         *("--pool=prefork", "--concurrency=4", "-Q", QUEUE, "--loglevel=INFO"),
         *("--without-gossip", "--without-mingle", "--without-heartbeat"),
         *("-n", f"keel-{RUN_ID}@%h"),

@@ -20,7 +20,7 @@ from django_keel_lock.conf import conf
 from django_keel_lock.management.commands.locks import list_lines
 from django_keel_lock.stores.database import PAGE_SIZE
 from tests.conftest import ALL_STORES, STORE_AVAILABILITY, needs_store, store_params
-from tests.holders import held_elsewhere, manage
+from tests.support.holders import held_elsewhere, manage
 
 DOWN_STORES = {"down": {"BACKEND": "django_keel_lock.stores.RedisLockStore",
                         "OPTIONS": {"URL": "redis://127.0.0.1:1/0"}}}  # fmt: skip

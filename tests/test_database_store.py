@@ -35,16 +35,16 @@ from .conftest import (
     serving,
     store_params,
 )
-from .redis_servers import FaultyProxy, check_lost_release_reply
+from .support.redis_servers import FaultyProxy, check_lost_release_reply
 
 FAKETIME_LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_child(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> list[Any]:
-    """Run tests.child with `args`; its JSON lines."""
+    """Run tests.support.child with `args`; its JSON lines."""
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.child", *args],
+        [sys.executable, "-m", "tests.support.child", *args],
         cwd=ROOT,
         env={**os.environ, **(env or {})},
         capture_output=True,
@@ -599,7 +599,7 @@ def test_postgres_waiter_in_another_process_wakes_on_release_not_on_its_poll(key
         [
             sys.executable,
             "-m",
-            "tests.child",
+            "tests.support.child",
             "acquire",
             "--store",
             "postgres",

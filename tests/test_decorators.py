@@ -15,7 +15,7 @@ from django.test import override_settings
 from django_keel_lock import LockStoreUnavailable, LockUnavailable, lock, locked
 from django_keel_lock.conf import conf
 from tests.conftest import ALL_STORES
-from tests.holders import held_elsewhere
+from tests.support.holders import held_elsewhere
 
 DOWN_STORES = {"down": {"BACKEND": "django_keel_lock.stores.RedisLockStore",
                         "OPTIONS": {"URL": "redis://127.0.0.1:1/0"}}}  # fmt: skip

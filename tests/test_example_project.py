@@ -69,7 +69,9 @@ def test_demo_race_reports_an_unreachable_store(tmp_path: Path) -> None:
 
 def test_example_site_view_task_and_admin(tmp_path: Path) -> None:
     done = run_example(
-        tmp_path, str(ROOT / "tests" / "example_checks.py"), CELERY_TASK_ALWAYS_EAGER="1"
+        tmp_path,
+        str(ROOT / "tests" / "support" / "example_checks.py"),
+        CELERY_TASK_ALWAYS_EAGER="1",
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip().endswith("ok")

@@ -108,7 +108,7 @@ def test_bad_arguments_say_what_is_wrong() -> None:
 
 PAUSED_HOLDER = """
 import json, sys, time
-from tests.child import setup_django
+from tests.support.child import setup_django
 setup_django()
 from django.db.models import F
 from django_keel_lock import lock

@@ -20,7 +20,7 @@ from django_keel_lock import Lock, LockStoreUnavailable, lock
 from django_keel_lock.stores import RedisLockStore
 
 from .conftest import needs, serving
-from .redis_servers import REDIS_SERVER, FaultyProxy, RedisServer, check_lost_release_reply
+from .support.redis_servers import REDIS_SERVER, FaultyProxy, RedisServer, check_lost_release_reply
 
 pytestmark = needs(os.path.exists(REDIS_SERVER), "the redis-server binary")
 
@@ -253,7 +253,7 @@ def test_stalled_connection_times_out_with_a_clear_error_and_no_double_owner(
 
 
 def test_connection_refused_from_the_start_is_store_unavailable(key: str) -> None:
-    from .redis_servers import free_port
+    from .support.redis_servers import free_port
 
     with serving(_store(f"redis://127.0.0.1:{free_port()}/0")) as alias:
         started = time.monotonic()

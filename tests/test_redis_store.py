@@ -27,7 +27,7 @@ from django_keel_lock.stores.redis.clients import _text
 from django_keel_lock.stores.redis.scripts import ACQUIRE, SCRIPTS
 
 from .conftest import needs_store
-from .redis_servers import own_connections, read_event, spawn
+from .support.redis_servers import own_connections, read_event, spawn
 
 pytestmark = needs_store("redis")
 
@@ -386,7 +386,7 @@ async def test_async_methods_are_atomic_and_native(alias: str, key: str) -> None
 
 
 async def test_async_store_unreachable_raises_store_unavailable(key: str) -> None:
-    from .redis_servers import free_port
+    from .support.redis_servers import free_port
 
     store = RedisLockStore("gone", {"URL": f"redis://127.0.0.1:{free_port()}/0"})
     with pytest.raises(LockStoreUnavailable, match="cannot use Redis"):

@@ -20,7 +20,7 @@ from django_keel_lock import LockStoreUnavailable, get_lock_store, lock
 from django_keel_lock.stores import RedisLockStore
 
 from .conftest import TimeLimit, interrupted_after, needs, serving
-from .redis_servers import (
+from .support.redis_servers import (
     REDIS_SERVER,
     FaultyProxy,
     RedisServer,

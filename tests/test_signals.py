@@ -16,7 +16,7 @@ from django.test import Client
 
 from django_keel_lock import Lock, LockNotHeldError, force_release, lock, locked, signals
 from tests.conftest import ALL_STORES
-from tests.holders import PER_PROCESS_STORES, held_elsewhere
+from tests.support.holders import PER_PROCESS_STORES, held_elsewhere
 
 Record = tuple[str, dict[str, Any]]
 

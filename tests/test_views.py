@@ -20,7 +20,7 @@ from django_keel_lock import Lock, LockStoreUnavailable, lock, lock_view
 from django_keel_lock.conf import conf
 from django_keel_lock.views import parse_key_template, render_key_template, wants_json
 from tests.conftest import ALL_STORES
-from tests.holders import held_elsewhere
+from tests.support.holders import held_elsewhere
 from tests.testapp import views
 
 JSON = {"Accept": "application/json"}

@@ -23,7 +23,7 @@ from django_keel_lock.stores.database import DatabaseLockStore
 from django_keel_lock.stores.redis import RedisLockStore
 
 from .conftest import store_params
-from .redis_servers import FaultyProxy, RedisServer
+from .support.redis_servers import FaultyProxy, RedisServer
 
 PROXIED = "keel-lock-behind-proxy"
 TTL = 1.0

@@ -16,7 +16,7 @@ import redis
 from celery import Task, shared_task
 
 from django_keel_lock.contrib.celery import current_lock, locked_task
-from tests.celery_app import BROKER_URL, STORE
+from tests.support.celery_app import BROKER_URL, STORE
 
 KEY = "invoice:{run}:{invoice_id}"
 

@@ -1,7 +1,7 @@
 """Run lock operations in a separate Python process against the test databases.
 
-    python -m tests.child acquire --store postgres --key K --ttl 30 [--hold 5]
-    python -m tests.child <command> ...   (prints one JSON line per result)
+    python -m tests.support.child acquire --store postgres --key K --ttl 30 [--hold 5]
+    python -m tests.support.child <command> ...   (prints one JSON line per result)
 
 Children find the test databases through KEEL_TEST_RUN_ID (exported by tests.settings), so
 they share the parent's test database names, Redis and SQLite file.

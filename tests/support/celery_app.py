@@ -9,7 +9,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from celery import Celery
 
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.worker_settings")
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.support.worker_settings")
 
 RUN_ID = os.environ.get("KEEL_TEST_RUN_ID") or str(os.getpid())
 QUEUE = f"keel-lock-test-{RUN_ID}"
@@ -27,7 +27,7 @@ def _broker_url() -> str:
 
 BROKER_URL = _broker_url()
 
-app = Celery("keel_lock_tests", include=["tests.celery_tasks"])
+app = Celery("keel_lock_tests", include=["tests.support.celery_tasks"])
 app.conf.update(
     broker_url=BROKER_URL,
     result_backend=BROKER_URL,

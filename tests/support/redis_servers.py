@@ -5,10 +5,10 @@ Servers are started by the tests themselves on free ports (redis-server must be 
 
 Workers run lock operations in another Python process and print one JSON line per event:
 
-    python -m tests.redis_servers count --url U --key K --iterations N --counter FILE
-    python -m tests.redis_servers wait --url U --key K --timeout T --retry-delay D
-    python -m tests.redis_servers stale --alias A --key K --ttl T --work W
-    python -m tests.redis_servers requests --alias A --key K --iterations N
+    python -m tests.support.redis_servers count --url U --key K --iterations N --counter FILE
+    python -m tests.support.redis_servers wait --url U --key K --timeout T --retry-delay D
+    python -m tests.support.redis_servers stale --alias A --key K --ttl T --work W
+    python -m tests.support.redis_servers requests --alias A --key K --iterations N
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the checkout
 
 
 def free_port() -> int:
@@ -352,10 +352,10 @@ def check_lost_release_reply(proxy: FaultyProxy, store: Any, key: str) -> None:
 
 
 def spawn(*args: str, flags: Sequence[str] = ()) -> subprocess.Popen[str]:
-    """Start `python <flags> -m tests.redis_servers <args>` with the test settings."""
+    """Start `python <flags> -m tests.support.redis_servers <args>` with the test settings."""
     env = dict(os.environ, DJANGO_SETTINGS_MODULE="tests.settings", PYTHONPATH=str(ROOT))
     return subprocess.Popen(
-        [sys.executable, *flags, "-m", "tests.redis_servers", *args],
+        [sys.executable, *flags, "-m", "tests.support.redis_servers", *args],
         cwd=ROOT,
         env=env,
         stdin=subprocess.PIPE,

@@ -15,7 +15,7 @@ from typing import Any
 
 from django_keel_lock import get_lock_store, lock
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the checkout
 PER_PROCESS_STORES = {"memory"}
 
 
@@ -37,7 +37,7 @@ def held_elsewhere(store: str, key: str, ttl: float = 30) -> Iterator[dict[str, 
             handle.release()
         return
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.child", "acquire", "--store", store, "--key", key,
+        [sys.executable, "-m", "tests.support.child", "acquire", "--store", store, "--key", key,
          "--ttl", str(ttl), "--hold", str(ttl)],
         cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -55,7 +55,7 @@ def held_elsewhere(store: str, key: str, ttl: float = 30) -> Iterator[dict[str, 
 
 
 MANAGE = (
-    "import sys; from tests.child import setup_django; setup_django(); "
+    "import sys; from tests.support.child import setup_django; setup_django(); "
     "from django.core.management import execute_from_command_line; "
     "execute_from_command_line(['manage.py', *sys.argv[1:]])"
 )

@@ -1,0 +1,1 @@
+"""Helpers the tests share: servers, proxies, child processes, the Celery app and settings."""
