@@ -10,8 +10,9 @@ STORE ?= database
 PROCS ?= 8
 STAMP_BASE := $(VENV)/.installed-base
 STAMP_TEST := $(VENV)/.installed-test
+STAMP_DOCS := $(VENV)/.installed-docs
 
-.PHONY: demo test lint typecheck serve bench tox dist clean
+.PHONY: demo test lint typecheck serve bench tox dist docs clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +57,14 @@ PYENV_ALL ?= 3.11.7:3.12.1:3.13.0
 tox: $(BIN)/python
 	$(BIN)/pip install -q 'tox>=4'
 	PYENV_VERSION=$(PYENV_ALL) $(BIN)/tox $(if $(TOXENV),-e $(TOXENV))
+
+# The documentation site (docs/, Sphinx + furo + MyST) into docs/_build/html; warnings fail it.
+$(STAMP_DOCS): $(BIN)/python setup.cfg
+	$(BIN)/pip install -q -e '.[docs,redis,celery]' $(if $(DJANGO),'$(DJANGO)')
+	touch $@
+
+docs: $(STAMP_DOCS)
+	$(BIN)/python -m sphinx -W --keep-going -b html docs docs/_build/html
 
 # The sdist (with everything the test suite needs) and the wheel (the package only), checked.
 dist: $(BIN)/python
