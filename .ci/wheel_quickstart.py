@@ -29,11 +29,14 @@ import tempfile
 import textwrap
 from pathlib import Path
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+# The tests' Markdown reader (standard library only), so both read the README alike.
+sys.path.insert(0, str(ROOT))
+from tests.support.markdown import blocks_of, split_files  # noqa: E402
+
 HEADING = "## Quick start"
 PROJECT = "mysite"
-FILE_LINE = re.compile(r"^# (\w+\.py)\b")
-FENCE = re.compile(r"^```(\w*)\s*$")
 
 
 class Failed(Exception):
@@ -42,41 +45,13 @@ class Failed(Exception):
 
 def quickstart_blocks(readme: Path) -> list[tuple[str, str]]:
     """The (language, code) of each fenced block in the Quick start section, in order."""
-    lines = readme.read_text(encoding="utf-8").splitlines()
     try:
-        start = lines.index(HEADING) + 1
-    except ValueError:
-        raise Failed(f"{readme} has no {HEADING!r} heading") from None
-    blocks: list[tuple[str, str]] = []
-    language, body = None, []
-    for line in lines[start:]:
-        if language is None and line.startswith("## "):
-            break
-        match = FENCE.match(line)
-        if match and language is None:
-            language, body = match.group(1) or "text", []
-        elif line.strip() == "```" and language is not None:
-            blocks.append((language, "\n".join(body) + "\n"))
-            language = None
-        elif language is not None:
-            body.append(line)
-    if language is not None:
-        raise Failed(f"{HEADING}: a ``` block is not closed")
+        blocks = blocks_of(readme, section=HEADING)
+    except ValueError as exc:
+        raise Failed(str(exc)) from None
     if not blocks:
         raise Failed(f"{HEADING}: no fenced code blocks")
-    return blocks
-
-
-def split_files(code: str) -> list[tuple[str | None, str]]:
-    """Split a Python block at its `# name.py` lines: (file name or None, code) parts."""
-    parts: list[tuple[str | None, list[str]]] = [(None, [])]
-    for line in code.splitlines():
-        match = FILE_LINE.match(line)
-        if match:
-            parts.append((match.group(1), []))
-        else:
-            parts[-1][1].append(line)
-    return [(name, "\n".join(body).strip() + "\n") for name, body in parts if "".join(body).strip()]
+    return [(block.language, block.code) for block in blocks]
 
 
 def settings_code(code: str) -> str:

@@ -9,7 +9,7 @@ import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 from django.conf import settings
@@ -69,9 +69,13 @@ def needs(present: bool, what: str) -> pytest.MarkDecorator:
 
 def require_reachable(host: str, port: int, what: str) -> None:
     """Inside a test or fixture: skip loudly when the server does not answer, fail under CI."""
-    if reachable(host, port):
-        return
-    message = f"SERVER UNAVAILABLE: {what} at {host}:{port} is not reachable"
+    if not reachable(host, port):
+        skip_or_fail(f"SERVER UNAVAILABLE: {what} at {host}:{port} is not reachable")
+
+
+def skip_or_fail(message: str) -> NoReturn:
+    """Inside a test or fixture, for something this machine lacks: skip loudly here, fail
+    under CI=true (where everything the suite needs is installed)."""
     if settings.CI:
         pytest.fail(message)
     pytest.skip(message)

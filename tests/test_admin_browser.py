@@ -9,62 +9,34 @@ install`: the system Chromium is used). Missing either skips loudly here and fai
 
 from __future__ import annotations
 
-import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from django.conf import settings
 from django.contrib.admin.models import LogEntry
 from django.contrib.auth.models import User
 
 from django_keel_lock import get_lock_store
 
-from .conftest import STORE_AVAILABILITY
+from .conftest import STORE_AVAILABILITY, skip_or_fail
+from .support import browser
 from .test_admin import HeldElsewhere, hold_elsewhere  # noqa: F401  (fixture)
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"]
 SCREENSHOT = Path("/tmp/keel-admin.png")
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
 
-def _browser_missing() -> str | None:
-    if not CHROMIUM.exists():
-        return f"{CHROMIUM} is missing: apt-get install chromium"
-    try:
-        import playwright.sync_api  # noqa: F401
-    except ImportError:
-        return "the playwright package is missing: pip install -e '.[test]'"
-    return None
-
-
 @pytest.fixture
-def browser_page() -> Any:
-    missing = _browser_missing()
-    if missing:
-        if settings.CI:
-            pytest.fail(f"BROWSER TEST CANNOT RUN UNDER CI: {missing}")
-        pytest.skip(f"BROWSER TEST SKIPPED (it fails under CI=true): {missing}")
-    from playwright.sync_api import sync_playwright
-
-    # Playwright's sync API runs an event loop in this thread, and Django refuses ORM calls
-    # from a thread with a running loop; the test's own checks run after the browser closes.
-    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
-    try:
-        with sync_playwright() as playwright:
-            browser = playwright.chromium.launch(
-                executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True
-            )
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.set_default_timeout(20_000)
-            yield page
-            browser.close()
-    finally:
-        os.environ.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
+def browser_page() -> Iterator[Any]:
+    problem = browser.missing()
+    if problem:
+        skip_or_fail(f"BROWSER TEST CANNOT RUN HERE (it fails under CI=true): {problem}")
+    with browser.chromium_page() as page:
+        page.set_default_timeout(20_000)
+        yield page
 
 
 def test_force_release_a_lock_held_by_another_process_in_the_browser(

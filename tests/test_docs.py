@@ -13,14 +13,11 @@ a worker.
 
 from __future__ import annotations
 
-import os
-import re
 import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +32,10 @@ from django.urls import clear_url_caches
 from django_keel_lock.checks import check_stores
 from django_keel_lock.testing import memory_lock_store
 
+from .conftest import skip_or_fail
+from .support import browser
+from .support.markdown import Block, blocks_of, split_files
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 BUILD = DOCS / "_build" / "html"
@@ -43,63 +44,12 @@ PAGES = [p for p in PAGES if "_build" not in p.parts] + [ROOT / "README.md"]
 APP = "invoices"
 #: The aliases examples may name; each is a fresh MemoryLockStore while a page runs.
 ALIASES = ("default", "memory", "reports")
-FENCE = re.compile(r"^```(\S*)(?:\s.*)?$")
-SKIP = re.compile(r"^<!-- not-runnable: (.+?) -->\s*$")
-FILE_LINE = re.compile(r"^# (\w+\.py)\b")
 #: Few blocks may be skipped: most examples must run.
 MAX_SKIPPED = 12
 
 
-@dataclass
-class Block:
-    path: Path
-    line: int  # 1-based line of the opening fence
-    language: str
-    code: str
-    skip_reason: str | None
-
-    @property
-    def where(self) -> str:
-        name = self.path.relative_to(ROOT) if self.path.is_relative_to(ROOT) else self.path.name
-        return f"{name}:{self.line}"
-
-
-def blocks_of(path: Path) -> list[Block]:
-    """The fenced code blocks of a Markdown file (``` fences; nesting is not used)."""
-    lines = path.read_text(encoding="utf-8").splitlines()
-    blocks: list[Block] = []
-    start, language, body = 0, None, []
-    for number, line in enumerate(lines, 1):
-        if language is None:
-            match = FENCE.match(line)
-            if match:
-                start, language, body = number, match.group(1) or "text", []
-        elif line.strip() == "```":
-            previous = lines[start - 2] if start >= 2 else ""
-            skip = SKIP.match(previous)
-            code = "\n".join(body) + "\n"
-            blocks.append(Block(path, start, language, code, skip.group(1) if skip else None))
-            language = None
-        else:
-            body.append(line)
-    assert language is None, f"{path}:{start}: a ``` block is not closed"
-    return blocks
-
-
 def python_blocks(path: Path) -> list[Block]:
     return [b for b in blocks_of(path) if b.language in {"python", "py"}]
-
-
-def split_files(code: str) -> list[tuple[str | None, str]]:
-    """A block split at its `# name.py` lines: (file name or None, code) parts."""
-    parts: list[tuple[str | None, list[str]]] = [(None, [])]
-    for line in code.splitlines():
-        match = FILE_LINE.match(line)
-        if match:
-            parts.append((match.group(1), []))
-        else:
-            parts[-1][1].append(line)
-    return [(name, "\n".join(body) + "\n") for name, body in parts if "".join(body).strip()]
 
 
 def check_settings(block: Block, code: str) -> None:
@@ -275,29 +225,14 @@ def test_a_skip_marker_must_sit_on_the_line_before_the_block(tmp_path: Path) -> 
 
 # -- the built site in a browser -----------------------------------------------------------
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"]
 STORES = ["memory", "SQLite", "PostgreSQL", "MariaDB", "Redis"]
-
-
-def _missing() -> str | None:
-    if not CHROMIUM.exists():
-        return f"{CHROMIUM} is missing: apt-get install chromium"
-    for module in ("playwright.sync_api", "sphinx", "furo", "myst_parser"):
-        try:
-            __import__(module)
-        except ImportError:
-            return f"{module} is missing: pip install -e '.[test]'"
-    return None
 
 
 @pytest.fixture(scope="module")
 def built_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    missing = _missing()
-    if missing:
-        if settings.CI:
-            pytest.fail(f"DOCS BROWSER TEST CANNOT RUN UNDER CI: {missing}")
-        pytest.skip(f"DOCS BROWSER TEST SKIPPED (it fails under CI=true): {missing}")
+    problem = browser.missing("sphinx", "furo", "myst_parser")
+    if problem:
+        skip_or_fail(f"DOCS BROWSER TEST CANNOT RUN HERE (it fails under CI=true): {problem}")
     out = tmp_path_factory.mktemp("html")
     proc = subprocess.run(
         [
@@ -323,33 +258,22 @@ def built_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_the_built_site_shows_the_home_page_and_the_capability_matrix(
     built_site: Path, tmp_path: Path
 ) -> None:
-    from playwright.sync_api import sync_playwright
-
-    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
-    try:
-        with sync_playwright() as playwright:
-            browser = playwright.chromium.launch(
-                executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True
+    with browser.chromium_page() as page:
+        page.goto((built_site / "index.html").as_uri())
+        title = page.locator("h1").first.inner_text()
+        nav = page.locator(".sidebar-tree").text_content() or ""
+        page.goto((built_site / "capabilities.html").as_uri())
+        table = page.locator("table#store-capability-matrix, section table").first
+        headers = [h.strip() for h in table.locator("thead th").all_inner_texts()]
+        rows = table.locator("tbody tr").count()
+        cells = [
+            len(r)
+            for r in table.locator("tbody tr").evaluate_all(
+                "rows => rows.map(r => Array.from(r.cells).map(c => c.innerText))"
             )
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.goto((built_site / "index.html").as_uri())
-            title = page.locator("h1").first.inner_text()
-            nav = page.locator(".sidebar-tree").text_content() or ""
-            page.goto((built_site / "capabilities.html").as_uri())
-            table = page.locator("table#store-capability-matrix, section table").first
-            headers = [h.strip() for h in table.locator("thead th").all_inner_texts()]
-            rows = table.locator("tbody tr").count()
-            cells = [
-                len(r)
-                for r in table.locator("tbody tr").evaluate_all(
-                    "rows => rows.map(r => Array.from(r.cells).map(c => c.innerText))"
-                )
-            ]
-            visible = table.is_visible()
-            page.screenshot(path=str(tmp_path / "capabilities.png"), full_page=True)
-            browser.close()
-    finally:
-        os.environ.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
+        ]
+        visible = table.is_visible()
+        page.screenshot(path=str(tmp_path / "capabilities.png"), full_page=True)
 
     assert title.startswith("django-keel-lock")
     for entry in ("Quick start", "Tutorial", "Store capability matrix", "Reference"):

@@ -4,8 +4,6 @@ router the README documents for a store on its own database."""
 from __future__ import annotations
 
 import io
-import re
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,6 +17,7 @@ from django_keel_lock.checks import check_store_tables
 from django_keel_lock.models import Lock as LockRow
 
 from .conftest import DATABASE_STORES, empty_database, store_params
+from .support.markdown import ROOT, blocks_of
 
 APP = "django_keel_lock"
 
@@ -147,11 +146,10 @@ def test_sqlmigrate_output_applied_by_hand_builds_and_removes_what_migrate_does(
 
 def readme_router() -> Any:
     """The `LockRouter` class exactly as docs/stores.md shows it (its one block defining it)."""
-    page = (Path(__file__).resolve().parent.parent / "docs" / "stores.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", page, flags=re.S)
-    (source,) = [block for block in blocks if "class LockRouter" in block]
+    blocks = blocks_of(ROOT / "docs" / "stores.md")
+    (block,) = [b for b in blocks if b.language == "python" and "class LockRouter" in b.code]
     namespace: dict[str, Any] = {}
-    exec(compile(source, "docs/stores.md", "exec"), namespace)
+    exec(compile(block.code, block.where, "exec"), namespace)
     return namespace["LockRouter"]()
 
 
