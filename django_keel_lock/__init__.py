@@ -4,7 +4,6 @@ from __future__ import annotations
 
 __version__ = "0.1.0"  # setup.cfg reads it from here
 
-from .conf import get_lock_store, set_lock_store
 from .core import Lock, LockOutcome, force_release, lock, restore_lock
 from .decorators import locked
 from .exceptions import (
@@ -14,6 +13,7 @@ from .exceptions import (
     LockStoreUnavailable,
     LockUnavailable,
 )
+from .registry import get_lock_store, set_lock_store
 from .views import LockViewMixin, lock_view
 
 __all__ = [

@@ -37,9 +37,10 @@ from django.urls import URLPattern, path, reverse
 from django.utils.html import format_html
 from django.utils.http import url_has_allowed_host_and_scheme
 
-from .conf import conf, get_lock_store
+from .conf import conf
 from .core import force_release
 from .models import Lock
+from .registry import get_lock_store
 from .stores.base import LockInfo, LockStore
 from .stores.database.dialects import DIALECTS
 

@@ -96,10 +96,10 @@ _REGISTRY_NAMES = frozenset({"build_store", "get_lock_store", "reset_stores", "s
 
 
 def __getattr__(name: str) -> Any:
-    """The store registry's functions, importable from here as well as from registry.py.
+    """The store registry's functions, still importable from here, where they lived before
+    registry.py (the package itself imports them from registry).
 
-    Looked up on first use, not imported at the top: registry.py imports this module, and
-    either may be imported first.
+    Looked up on first use, not imported at the top: registry.py imports this module.
     """
     if name in _REGISTRY_NAMES:
         from . import registry

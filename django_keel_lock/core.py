@@ -27,7 +27,6 @@ from asgiref.sync import iscoroutinefunction, sync_to_async
 from django.dispatch import Signal
 
 from . import signals, tokens, watchdog
-from .conf import conf, get_lock_store
 from .durations import Duration, to_seconds
 from .exceptions import LockError, LockNotHeldError, LockUnavailable
 from .options import (
@@ -37,10 +36,11 @@ from .options import (
     ttl_seconds,
     validate_key,
 )
+from .registry import get_lock_store
 from .stores.base import AcquireResult, LockInfo, LockStore
 from .waiting import Turn, next_delay, to_the_end
 
-__all__ = ["Lock", "LockOutcome", "force_release", "lock", "restore_lock", "validate_key"]
+__all__ = ["Lock", "LockOutcome", "force_release", "lock", "restore_lock"]
 
 logger = logging.getLogger("django_keel_lock")
 
@@ -67,7 +67,7 @@ class Lock:
         max_hold: Duration | None = None,
     ) -> None:
         spec = LockSpec.parse(
-            ttl=conf.DEFAULT_TTL if ttl is None else ttl,
+            ttl=ttl,
             timeout=timeout,
             retry_delay=retry_delay,
             store=store,

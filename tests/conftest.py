@@ -17,7 +17,7 @@ from django.db import connections
 from django.test.utils import setup_databases, teardown_databases
 
 from django_keel_lock import Lock, get_lock_store, lock, set_lock_store
-from django_keel_lock.conf import reset_stores
+from django_keel_lock.registry import reset_stores
 from django_keel_lock.stores import LockStore
 from tests.settings import reachable
 

@@ -29,8 +29,9 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from ...conf import conf
-from ...core import force_release, validate_key
+from ...core import force_release
 from ...exceptions import LockStoreUnavailable
+from ...options import validate_key
 from ...registry import get_lock_store
 from ...stores.base import LockInfo, LockStore
 
