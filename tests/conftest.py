@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import os
 import signal
 import tempfile
@@ -90,22 +89,7 @@ def django_db_setup(django_test_environment: Any, django_db_blocker: Any) -> Ite
     yield
     reset_stores()
     with django_db_blocker.unblock():
-        _end_stray_postgres_sessions()
         teardown_databases(config, verbosity=0)
-
-
-def _end_stray_postgres_sessions() -> None:
-    """End this run's other sessions on its PostgreSQL test database, which DROP DATABASE
-    would refuse to drop: a connection a finished test's thread or child process left for the
-    garbage collector. The database's name carries this run's id, so they are ours."""
-    if "postgres" not in connections:
-        return
-    gc.collect()
-    with connections["postgres"].cursor() as cursor:
-        cursor.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-            " WHERE datname = current_database() AND pid <> pg_backend_pid()"
-        )
 
 
 @pytest.fixture(scope="session", autouse=True)

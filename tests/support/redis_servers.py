@@ -319,14 +319,19 @@ class FaultyProxy:
             sock.close()
 
     def close(self) -> None:
+        """Stop accepting and cut every connection, both ways. shutdown() first: a socket
+        closed while another thread blocks in accept() or recv() on it stays open until that
+        call returns, and the server would keep the session (PostgreSQL then refuses to drop
+        the test database)."""
         self._closing.set()
-        self._listener.close()
         with self._mutex:
-            for sock in self._sockets:
-                try:
-                    sock.close()
-                except OSError:
-                    pass
+            sockets = [self._listener, *self._sockets]
+        for sock in sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
 
 
 def check_lost_release_reply(proxy: FaultyProxy, store: Any, key: str) -> None:
