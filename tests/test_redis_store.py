@@ -12,8 +12,8 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
+import weakref
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -22,12 +22,18 @@ from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
 from django_keel_lock import LockStoreUnavailable, get_lock_store, lock
-from django_keel_lock.stores import RedisLockStore
+from django_keel_lock.stores import AcquireResult, LockInfo, RedisLockStore
 from django_keel_lock.stores.redis.clients import _text
 from django_keel_lock.stores.redis.scripts import ACQUIRE, SCRIPTS
 
 from .conftest import needs_store
-from .support.redis_servers import own_connections, read_event, spawn
+from .support.redis_servers import (
+    collector_off,
+    own_connections,
+    read_event,
+    settled_connections,
+    spawn,
+)
 
 pytestmark = needs_store("redis")
 
@@ -453,26 +459,9 @@ def test_a_process_subscribes_only_to_the_keys_it_waits_for(
     assert settles(waited, 0)  # the last waiter left: unsubscribed
 
 
-def _own(raw: redis.Redis[bytes], at_most: int) -> int:
-    """This process's connections to Redis (see REDIS_CLIENT_NAME), once at most `at_most` or
-    after 5 s: the server takes a moment to see a close."""
-    deadline = time.monotonic() + 5
-    while (count := own_connections(raw, settings.REDIS_CLIENT_NAME)) > at_most:
-        if time.monotonic() > deadline:
-            break
-        time.sleep(0.02)
-    return count
-
-
-@contextmanager
-def _collector_off() -> Iterator[None]:
-    """Without the garbage collector: what is left open, not what it would close later."""
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
+def _own(raw: redis.Redis[bytes], at_most: int | None = None) -> int:
+    """This process's connections to Redis (see REDIS_CLIENT_NAME), settled."""
+    return settled_connections(raw, settings.REDIS_CLIENT_NAME, at_most)
 
 
 def test_event_loops_that_finish_close_their_redis_connections(
@@ -483,8 +472,8 @@ def test_event_loops_that_finish_close_their_redis_connections(
             pass
 
     asyncio.run(use(-1))  # first use of the alias may connect its own sync client: not counted
-    before = _own(raw, at_most=0)
-    with _collector_off():
+    before = _own(raw)
+    with collector_off():
         for index in range(15):
             asyncio.run(use(index))  # a new event loop each time, as asyncio.run / async_to_sync
         assert _own(raw, at_most=before) <= before, "finished event loops left connections open"
@@ -496,7 +485,7 @@ def test_one_long_lived_event_loop_keeps_one_client_and_its_connection(
     store = get_lock_store(alias)
     assert isinstance(store, RedisLockStore)
     asyncio.run(store.aget(key))  # the sync client and its connections: not counted
-    before = _own(raw, at_most=0)
+    before = _own(raw)
 
     async def serve() -> int:
         clients = set()
@@ -506,7 +495,7 @@ def test_one_long_lived_event_loop_keeps_one_client_and_its_connection(
         assert len(clients) == 1, "a client was made for a call instead of once for the loop"
         return own_connections(raw, settings.REDIS_CLIENT_NAME)
 
-    with _collector_off():
+    with collector_off():
         assert asyncio.run(serve()) <= before + 1  # the loop's pool: one connection, reused
         assert _own(raw, at_most=before) <= before  # and closed with the loop
 
@@ -517,7 +506,7 @@ def test_a_loop_that_would_not_close_the_client_gets_one_closed_after_each_call(
     store = get_lock_store(alias)
     assert isinstance(store, RedisLockStore)
     asyncio.run(store.aget(key))
-    before = _own(raw, at_most=0)
+    before = _own(raw)
 
     async def without_the_loop_s_hooks() -> None:
         # As on a loop that does not track async generators: shutdown_asyncgens() would not
@@ -529,8 +518,73 @@ def test_a_loop_that_would_not_close_the_client_gets_one_closed_after_each_call(
             assert store._loop_client() is None
             assert _own(raw, at_most=before) <= before
 
-    with _collector_off():
+    with collector_off():
         asyncio.run(without_the_loop_s_hooks())
+
+
+def test_a_release_while_the_loop_shuts_down_reaches_redis(alias: str, key: str) -> None:
+    """An abandoned async generator holding a lock releases it when asyncio.run closes the
+    loop's async generators, together with the one that closes the loop's clients."""
+    abandoned = []
+
+    async def rows() -> AsyncIterator[int]:
+        async with lock(key, store=alias, ttl=30):
+            yield 1
+            yield 2
+
+    async def main() -> None:
+        for _ in range(8):  # whichever async generator the loop closes first
+            stream = rows()
+            await anext(stream)
+            abandoned.append(stream)
+            await stream.aclose()
+        stream = rows()
+        await anext(stream)  # left holding the lock as the loop ends
+        abandoned.append(stream)
+
+    asyncio.run(main())
+    assert get_lock_store(alias).get(key) is None, "the lock was left for its ttl"
+
+
+def test_a_store_the_project_replaced_does_not_live_on_with_the_event_loop(
+    raw: redis.Redis[bytes], key: str
+) -> None:
+    name = settings.REDIS_CLIENT_NAME
+    url = f"{URL}?client_name={name}"
+
+    async def serve() -> list[bool]:
+        """Whether each replaced store is still alive, asked while the loop runs."""
+        replaced = []
+        for index in range(3):  # as override_settings or a settings change rebuild stores
+            store = RedisLockStore(f"replaced-{index}", {"URL": url, "KEY_PREFIX": f"{key}:"})
+            await store.aget(key)
+            store.close()
+            replaced.append(weakref.ref(store))
+            del store
+        gc.collect()
+        return [ref() is not None for ref in replaced]
+
+    before = _own(raw)
+    with collector_off():
+        assert asyncio.run(serve()) == [False, False, False]
+        assert _own(raw, at_most=before) <= before
+
+
+def test_a_call_in_flight_survives_the_store_being_closed_on_its_loop(
+    url_store: RedisLockStore, key: str
+) -> None:
+    async def main() -> tuple[AcquireResult, object]:
+        await url_store.aget(key)  # the loop's client
+        in_flight = asyncio.ensure_future(url_store.aacquire(key, "owner-1", "h", 30))
+        await asyncio.sleep(0)  # sent; its reply not read yet
+        url_store.close()  # the next call makes a new client; this one must finish first
+        other = await url_store.aget(key)
+        return await in_flight, other
+
+    acquired, seen = asyncio.run(main())
+    assert acquired.acquired
+    assert isinstance(seen, LockInfo) and seen.owner == "owner-1"
+    assert url_store.release(key, "owner-1")
 
 
 @pytest.mark.parametrize("alias", ["redis", "redis-url"])

@@ -14,6 +14,7 @@ Workers run lock operations in another Python process and print one JSON line pe
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import os
@@ -248,6 +249,32 @@ def own_connections(client: Any, name: str) -> int:
     return sum(1 for entry in client.client_list() if entry.get("name") == name)
 
 
+def settled_connections(client: Any, name: str, at_most: int | None = None) -> int:
+    """`own_connections` once it is at most `at_most` (None: once two reads 50 ms apart
+    agree), or after 5 s: the server takes a moment to see a close."""
+    deadline = time.monotonic() + 5
+    count = own_connections(client, name)
+    while time.monotonic() < deadline:
+        if at_most is not None and count <= at_most:
+            break
+        time.sleep(0.05)
+        previous, count = count, own_connections(client, name)
+        if at_most is None and count == previous:
+            break
+    return count
+
+
+@contextmanager
+def collector_off() -> Iterator[None]:
+    """Without the garbage collector: what is left open, not what it would close later."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def wait_for(condition: Callable[[], object], seconds: float = 30, what: str = "") -> None:
     deadline = time.monotonic() + seconds
     while not condition():
@@ -462,8 +489,6 @@ def _requests(args: argparse.Namespace) -> None:
     """`args.iterations` requests to an async lock_view on `args.alias` through Django's test
     Client, which runs each in an event loop of its own (async_to_sync), as a WSGI server does;
     then how many of this process's connections are open."""
-    import gc
-
     import django
 
     django.setup()
@@ -479,15 +504,12 @@ def _requests(args: argparse.Namespace) -> None:
         assert response.status_code == 200, response.content
 
     request(-1)  # the first may connect the store's sync client, kept for the process
-    before = own_connections(raw, settings.REDIS_CLIENT_NAME)
-    gc.disable()  # what the loops left open, not what the collector would close later
-    for index in range(args.iterations):
-        request(index)
-    deadline = time.monotonic() + 5  # the server takes a moment to see a close
-    while own_connections(raw, settings.REDIS_CLIENT_NAME) > before and time.monotonic() < deadline:
-        time.sleep(0.02)
-    after = own_connections(raw, settings.REDIS_CLIENT_NAME)
-    gc.enable()
+    name = settings.REDIS_CLIENT_NAME
+    before = settled_connections(raw, name)
+    with collector_off():
+        for index in range(args.iterations):
+            request(index)
+        after = settled_connections(raw, name, at_most=before)
     gc.collect()  # anything unclosed warns now, on stderr
     raw.close()
     _emit(event="done", before=before, after=after)

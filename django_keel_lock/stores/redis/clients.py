@@ -8,6 +8,7 @@ import inspect
 import logging
 import ssl
 import sys
+import weakref
 from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +48,7 @@ __all__ = [
     "SOCKET_TIMEOUT",
     "STORE_ERRORS",
     "AsyncRetry",
+    "LoopClient",
     "LoopClients",
     "NoBackoff",
     "NoScriptError",
@@ -184,14 +186,33 @@ class ScriptConnection:
         self.connection.disconnect()
 
 
+class LoopClient:
+    """One store's async client on one event loop, and how many calls are using it. A retired
+    one takes no new calls and is closed by whichever call ends last (or at once if idle)."""
+
+    __slots__ = ("calls", "client", "generation", "retired")
+
+    def __init__(self, client: Any, generation: int, *, retired: bool = False) -> None:
+        self.client, self.generation, self.retired = client, generation, retired
+        self.calls = 0
+
+    async def retire(self) -> None:
+        self.retired = True
+        if self.calls == 0:
+            await _aclose(self.client)
+
+
 class LoopClients:
-    """The async clients one event loop made (store -> (generation, client)), and the async
-    generator that closes them when the loop shuts down."""
+    """The async clients one event loop uses (weakly by store: a store the project replaced
+    must not live on with the loop), and the async generator that closes them when the loop
+    shuts down."""
 
     __slots__ = ("closer", "made")
 
     def __init__(self) -> None:
-        self.made: dict[RedisLockStore, tuple[int, Any]] = {}
+        self.made: weakref.WeakKeyDictionary[RedisLockStore, LoopClient] = (
+            weakref.WeakKeyDictionary()
+        )
         self.closer: AsyncGenerator[None, None] | None = None
 
     async def close_at_shutdown_of(self, loop: asyncio.AbstractEventLoop) -> bool:
@@ -204,13 +225,22 @@ class LoopClients:
         await anext(self.closer)
         return True
 
+    @property
+    def keeps(self) -> bool:
+        """Whether a new client is kept for the loop's later calls."""
+        return self.closer is not None
+
     async def _close_all(self) -> AsyncGenerator[None, None]:
         try:
             yield
         finally:
-            while self.made:
-                _, (_, client) = self.made.popitem()
-                await _aclose(client)
+            # The loop's other async generators are closed at the same time, and one may be
+            # releasing a lock right now: a client in use closes when its call ends, and the
+            # calls that come after get clients of their own, closed after each.
+            self.closer = None
+            retiring, self.made = list(self.made.values()), weakref.WeakKeyDictionary()
+            for each in retiring:
+                await each.retire()
 
 
 async def _aclose(client: Any) -> None:

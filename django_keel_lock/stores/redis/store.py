@@ -32,6 +32,7 @@ from .clients import (
     SOCKET_TIMEOUT,
     STORE_ERRORS,
     AsyncRetry,
+    LoopClient,
     LoopClients,
     NoBackoff,
     NoScriptError,
@@ -331,19 +332,19 @@ class RedisLockStore(ListeningStore, LockStore):
     # the loop, whose `finally` closes the loop's clients while the loop still runs. A loop
     # closed without it leaves its clients, like its own async generators, to the garbage
     # collector.
-    def _loop_client(self) -> Any:
+    def _loop_client(self) -> LoopClient | None:
         """This loop's client for this store, or None when it has to be made (the fast path:
         one lookup, no await)."""
         clients: LoopClients | None = getattr(asyncio.get_running_loop(), LOOP_CLIENTS, None)
         if clients is not None:
             made = clients.made.get(self)
-            if made is not None and made[0] == self._generation:
-                return made[1]
+            if made is not None and made.generation == self._generation:
+                return made
         return None
 
-    async def _new_loop_client(self) -> tuple[Any, bool]:
-        """A new client for this loop and store, and whether the loop keeps it (False: the
-        loop would never close it, so the caller closes it after its call)."""
+    async def _new_loop_client(self) -> LoopClient:
+        """A new client for this loop and store; retired from the start (closed after its
+        call) when the loop would never close it."""
         factory = self._async_client_factory()
         assert factory is not None  # only called when _native_async()
         loop = asyncio.get_running_loop()
@@ -353,16 +354,15 @@ class RedisLockStore(ListeningStore, LockStore):
             if await clients.close_at_shutdown_of(loop):
                 setattr(loop, LOOP_CLIENTS, clients)
         try:
-            client = factory()
+            client = LoopClient(factory(), self._generation, retired=not clients.keeps)
         except Exception as exc:
             raise self._unavailable(exc) from exc
-        if clients.closer is None:
-            return client, False
-        stale = clients.made.get(self)  # made before close(): not to be used again
-        clients.made[self] = (self._generation, client)
-        if stale is not None:
-            await _aclose(stale[1])
-        return client, True
+        if clients.keeps:
+            stale = clients.made.get(self)  # made before close(): no new calls on it
+            clients.made[self] = client
+            if stale is not None:
+                await stale.retire()
+        return client
 
     def _async_client_factory(self) -> Callable[[], Any] | None:
         """How to make an async client talking to the same server, or None when only the
@@ -393,9 +393,9 @@ class RedisLockStore(ListeningStore, LockStore):
         return factory
 
     async def _arun(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        client, kept = self._loop_client(), True
-        if client is None:
-            client, kept = await self._new_loop_client()
+        used = self._loop_client() or await self._new_loop_client()
+        client = used.client
+        used.calls += 1
         try:
             try:
                 return await client.evalsha(script.sha, len(keys), *keys, *args)
@@ -408,7 +408,8 @@ class RedisLockStore(ListeningStore, LockStore):
         except OSError as exc:  # asyncio can surface raw socket errors on connect
             raise self._unavailable(exc) from exc
         finally:
-            if not kept:
+            used.calls -= 1
+            if used.retired and used.calls == 0:
                 await _aclose(client)
 
     def _native_async(self) -> bool:
