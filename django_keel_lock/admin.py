@@ -94,18 +94,25 @@ def format_remaining(seconds: float) -> str:
     return f"{secs}s"
 
 
-def database_store_alias(database: str) -> str | None:
-    """The first configured alias whose store is the database store on `database`."""
+def database_stores() -> dict[str, str]:
+    """The database of each configured alias whose store is a DatabaseLockStore, in settings
+    order (an alias that cannot be built is left out: it must not hide the others)."""
     from .stores.database import DatabaseLockStore
 
+    found: dict[str, str] = {}
     for alias in conf.STORES:
         try:
             store = get_lock_store(alias)
-        except Exception:  # a broken alias elsewhere must not hide this one
+        except Exception:
             continue
-        if isinstance(store, DatabaseLockStore) and store.database == database:
-            return alias
-    return None
+        if isinstance(store, DatabaseLockStore):
+            found[alias] = store.database
+    return found
+
+
+def database_store_alias(database: str) -> str | None:
+    """The first configured alias whose store is the database store on `database`."""
+    return next((alias for alias, db in database_stores().items() if db == database), None)
 
 
 @dataclass(frozen=True)
@@ -497,32 +504,21 @@ def _row_from_model(obj: Lock) -> LockRow:
     return LockRow.from_info(info)
 
 
-def _model_database() -> str:
+def _model_database(stores: dict[str, str] | None = None) -> str:
     """The database whose lock table the changelist shows: the "default" store's if that is a
     DatabaseLockStore, else the first one configured; with none, the router's choice."""
     from django.db import router
 
-    from .stores.database import DatabaseLockStore
-
-    for alias in sorted(conf.STORES, key=lambda alias: alias != "default"):
-        try:
-            store = get_lock_store(alias)
-        except Exception:  # a broken alias elsewhere must not hide this one
-            continue
-        if isinstance(store, DatabaseLockStore):
-            return store.database
-    return router.db_for_read(Lock) or "default"
+    stores = database_stores() if stores is None else stores
+    if "default" in stores:
+        return stores["default"]
+    return next(iter(stores.values()), None) or router.db_for_read(Lock) or "default"
 
 
 def _is_model_store(alias: str) -> bool:
     """Is `alias` a database store on the database this admin's changelist reads?"""
-    from .stores.database import DatabaseLockStore
-
-    try:
-        store = get_lock_store(alias)
-    except Exception:
-        return False
-    return isinstance(store, DatabaseLockStore) and store.database == _model_database()
+    stores = database_stores()
+    return alias in stores and stores[alias] == _model_database(stores)
 
 
 def _store_note(store: LockStore) -> str | None:
@@ -537,18 +533,15 @@ def _store_note(store: LockStore) -> str | None:
 
 def _note_shared_tables(sections: list[StoreSection]) -> None:
     """Database stores on one database share one table: say so where the same locks repeat."""
-    from .stores.database import DatabaseLockStore
-
+    stores = database_stores()
     first: dict[str, str] = {}
     for section in sections:
-        if section.error is not None:
+        database = stores.get(section.alias)
+        if section.error is not None or database is None:
             continue
-        store = get_lock_store(section.alias)
-        if not isinstance(store, DatabaseLockStore):
-            continue
-        owner = first.setdefault(store.database, section.alias)
+        owner = first.setdefault(database, section.alias)
         if owner != section.alias:
-            shared = f"Same table as store {owner!r} (database {store.database!r}): same locks."
+            shared = f"Same table as store {owner!r} (database {database!r}): same locks."
             section.note = f"{section.note} {shared}" if section.note else shared
 
 

@@ -49,7 +49,9 @@ from .conf import UnknownStoreOptions, conf, is_store_config, store_options, val
 from .durations import to_seconds
 from .registry import NotALockStore, import_backend
 from .stores.base import LockStore
+from .stores.database import DatabaseLockStore
 from .stores.database.dialects import DIALECTS
+from .stores.database.dialects.base import TABLE as LOCK_TABLE
 
 ID = "django_keel_lock.{}"
 #: Where RedisLockStore is found: named without importing it, which fails without redis-py.
@@ -58,7 +60,6 @@ REDIS_BACKENDS = {
     "django_keel_lock.stores.redis.RedisLockStore",
 }
 SUPPORTED_VENDORS = frozenset(DIALECTS)  # the database store supports what it has dialects for
-LOCK_TABLE = "django_keel_lock_lock"  # models.Lock's db_table (models are not imported here)
 
 
 def installed(module: str) -> bool:
@@ -227,14 +228,9 @@ def _check_memory(alias: str, options: Mapping[str, Any]) -> list[CheckMessage]:
     ]
 
 
-def _database_option(options: Mapping[str, Any]) -> Any:
-    """The DATABASES alias a DatabaseLockStore's OPTIONS name."""
-    return options.get("DATABASE", "default")
-
-
 def _check_database(alias: str, options: Mapping[str, Any]) -> list[CheckMessage]:
     where = _where(alias)
-    database = _database_option(options)
+    database = DatabaseLockStore.database_option(options)
     if database not in settings.DATABASES:
         known = ", ".join(sorted(settings.DATABASES)) or "none"
         return [
@@ -399,4 +395,6 @@ def _database_of(config: object) -> Any:
         backend = import_backend(config["BACKEND"])
     except (ImportError, ImproperlyConfigured, NotALockStore):
         return None
-    return _database_option(options) if _is_store(backend, "database.DatabaseLockStore") else None
+    if not issubclass(backend, DatabaseLockStore):
+        return None
+    return DatabaseLockStore.database_option(options)

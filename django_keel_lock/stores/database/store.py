@@ -41,9 +41,14 @@ class DatabaseLockStore(ListeningStore, LockStore):
     option_names = frozenset({"DATABASE", "DURABLE"})
     listener_class = PostgresListener
 
+    @staticmethod
+    def database_option(options: Mapping[str, Any]) -> Any:
+        """The DATABASES alias a store with these OPTIONS keeps its locks in."""
+        return options.get("DATABASE", "default")
+
     def __init__(self, alias: str = "default", options: Mapping[str, Any] | None = None) -> None:
         super().__init__(alias, options)
-        self.database: str = self.options.get("DATABASE", "default")
+        self.database: str = self.database_option(self.options)
         if self.database not in connections.settings:
             raise ImproperlyConfigured(
                 f"KEEL_LOCK_STORES[{alias!r}] OPTIONS DATABASE {self.database!r} is not in "
