@@ -124,6 +124,11 @@ def make_lock(store_alias: str, key: str) -> Callable[..., Lock]:
     return make
 
 
+def database_of(store_alias: str) -> str:
+    """The DATABASES alias of the database store `store_alias`."""
+    return str(get_lock_store(store_alias).database)  # type: ignore[attr-defined]
+
+
 @contextmanager
 def serving(store: LockStore) -> Iterator[str]:
     """`store` as the lock store of its own alias while the block runs (yields the alias);

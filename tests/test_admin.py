@@ -17,7 +17,6 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -37,10 +36,10 @@ from django_keel_lock.signals import lock_force_released
 from django_keel_lock.stores import LockInfo, MemoryLockStore
 
 from .conftest import STORE_AVAILABILITY, needs_store, store_params
+from .support import ROOT
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
-ROOT = Path(__file__).resolve().parent.parent
 CHANGELIST = "/admin/django_keel_lock/lock/"
 STORES_PAGE = "/admin/django_keel_lock/lock/stores/"
 RELEASE = "/admin/django_keel_lock/lock/stores/release/"

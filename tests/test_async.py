@@ -14,7 +14,6 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Generator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,8 +32,8 @@ from django_keel_lock.stores import LockStore
 from django_keel_lock.stores.database import DatabaseLockStore
 
 from .conftest import store_params
+from .support import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 SHARED_STORES = store_params(["sqlite", "postgres", "redis"])
 
 

@@ -29,10 +29,9 @@ from celery.exceptions import Retry
 from django_keel_lock import LockUnavailable, get_lock_store, lock
 from django_keel_lock.contrib.celery import current_lock, locked_task
 from tests.conftest import require_reachable
+from tests.support import ROOT
 from tests.support import celery_tasks as tasks
 from tests.support.celery_app import BROKER_URL, QUEUE, RUN_ID, STORE
-
-ROOT = Path(__file__).resolve().parent.parent
 
 # -- in-process: an eager app on the per-process memory store ------------------------------
 
@@ -371,7 +370,7 @@ def charges(run: str, invoice_id: int) -> list[dict[str, Any]]:
     return [json.loads(item) for item in raw]
 
 
-def wait_for(result: Any, timeout: float = 30) -> Any:
+def result_of(result: Any, timeout: float = 30) -> Any:
     return result.get(timeout=timeout, propagate=False)
 
 
@@ -382,7 +381,7 @@ def test_50_duplicate_charges_for_5_invoices_charge_each_exactly_once(
     random.Random(5).shuffle(jobs)
     started = time.monotonic()
     sent = [tasks.charge_invoice.delay(run, invoice, 0.3) for invoice, _ in jobs]
-    results = [wait_for(result, 60) for result in sent]
+    results = [result_of(result, 60) for result in sent]
     assert all(result is None or isinstance(result, dict) for result in results), results
 
     for invoice in range(1, 6):
@@ -403,7 +402,7 @@ def test_without_the_lock_the_same_duplicates_double_charge(worker: Worker, run:
     """The control: the charge really is racy, so the test above would catch a broken lock."""
     sent = [tasks.charge_invoice_unlocked.delay(run, 1, 1.0) for _ in range(4)]
     for result in sent:
-        wait_for(result)
+        result_of(result)
     assert len(charges(run, 1)) > 1
 
 
@@ -412,7 +411,7 @@ def test_skip_returns_none_and_logs_while_another_process_holds_the_lock(
 ) -> None:
     with lock(f"invoice:{run}:1", store=STORE, holder="the-test-process"):
         result = tasks.charge_invoice.delay(run, 1)
-        assert wait_for(result) is None
+        assert result_of(result) is None
         assert result.state == "SUCCESS"
     assert charges(run, 1) == []
     deadline = time.monotonic() + 5
@@ -426,12 +425,12 @@ def test_skip_returns_none_and_logs_while_another_process_holds_the_lock(
 def test_raise_fails_the_task_with_lock_unavailable(worker: Worker, run: str) -> None:
     with lock(f"invoice:{run}:1", store=STORE):
         result = tasks.charge_or_raise.delay(run, 1)
-        wait_for(result)
+        result_of(result)
     assert result.state == "FAILURE"
     assert type(result.result).__name__ == "LockUnavailable"
     assert f"invoice:{run}:1" in str(result.result)
     assert charges(run, 1) == []
-    assert wait_for(tasks.charge_or_raise.delay(run, 1))["charged"] is True
+    assert result_of(tasks.charge_or_raise.delay(run, 1))["charged"] is True
 
 
 def test_retry_runs_the_task_once_the_holder_lets_go(worker: Worker, run: str) -> None:
@@ -443,7 +442,7 @@ def test_retry_runs_the_task_once_the_holder_lets_go(worker: Worker, run: str) -
     while not result.ready() and time.monotonic() - started < 30:
         states.add(result.state)
         time.sleep(0.05)
-    outcome = wait_for(result)
+    outcome = result_of(result)
     assert "RETRY" in states
     assert outcome["charged"] is True
     assert outcome["retries"] >= 1
@@ -454,7 +453,7 @@ def test_retry_runs_the_task_once_the_holder_lets_go(worker: Worker, run: str) -
 def test_retry_gives_up_after_max_retries_with_lock_unavailable(worker: Worker, run: str) -> None:
     with lock(f"invoice:{run}:1", store=STORE, ttl=30):
         result = tasks.charge_retry_once.delay(run, 1)
-        wait_for(result)
+        result_of(result)
     assert result.state == "FAILURE"
     assert type(result.result).__name__ == "LockUnavailable"
     assert charges(run, 1) == []
@@ -484,11 +483,11 @@ def test_sigkill_of_the_worker_process_holding_a_lock_frees_it_at_ttl(
     freed_after = time.monotonic() - read_at
     assert freed_after >= info.expires_in - 0.5
 
-    outcome = wait_for(later)
+    outcome = result_of(later)
     assert outcome["charged"] is True
     assert outcome["retries"] >= 1
     assert outcome["fence"] > info.fence
     assert outcome["pid"] != pid
     assert len(charges(run, 1)) == 1
-    wait_for(doomed, 15)
+    result_of(doomed, 15)
     assert doomed.state == "FAILURE"  # WorkerLostError: the process died mid-task

@@ -15,10 +15,17 @@ from django.core.management import call_command
 from django.core.management.base import SystemCheckError
 from django.test import override_settings
 
-from django_keel_lock import LockStoreUnavailable, checks, get_lock_store, lock
+from django_keel_lock import LockStoreUnavailable, checks, lock
 from django_keel_lock.checks import check_store_tables, check_stores
 
-from .conftest import DATABASE_STORES, database_like, empty_database, needs_store, store_params
+from .conftest import (
+    DATABASE_STORES,
+    database_like,
+    database_of,
+    empty_database,
+    needs_store,
+    store_params,
+)
 
 DB = "django_keel_lock.stores.DatabaseLockStore"
 MEMORY = "django_keel_lock.stores.MemoryLockStore"
@@ -149,10 +156,6 @@ def test_w001_memory_store_as_default_in_production() -> None:
 
 def test_w002_no_default_alias() -> None:
     assert ids(KEEL_LOCK_STORES={"main": {"BACKEND": DB}}) == ["django_keel_lock.W002"]
-
-
-def database_of(store_alias: str) -> str:
-    return str(get_lock_store(store_alias).database)  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("server", store_params(DATABASE_STORES))

@@ -35,10 +35,10 @@ from .conftest import (
     serving,
     store_params,
 )
+from .support import ROOT
 from .support.redis_servers import FaultyProxy, check_lost_release_reply
 
 FAKETIME_LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_child(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> list[Any]:

@@ -13,7 +13,8 @@ import pytest
 from tests.conftest import require_reachable
 from tests.settings import REDIS_URL
 
-ROOT = Path(__file__).resolve().parent.parent
+from .support import ROOT
+
 EXAMPLE = ROOT / "example_project"
 
 

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from django.contrib.auth.models import Group
@@ -20,8 +19,8 @@ from django_keel_lock.fencing import FencedModel, FenceField, fence_field_name, 
 from tests.testapp.models import Document, Invoice
 
 from .conftest import store_params
+from .support import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 DATABASE_OF = {"sqlite": "default", "postgres": "postgres", "mariadb": "mariadb"}
 DATABASE_STORES = store_params(list(DATABASE_OF))
 

@@ -12,11 +12,11 @@ from django.db import connections
 from django.db.migrations.loader import MigrationLoader
 from django.test import override_settings
 
-from django_keel_lock import get_lock_store, lock
+from django_keel_lock import lock
 from django_keel_lock.checks import check_store_tables
 from django_keel_lock.models import Lock as LockRow
 
-from .conftest import DATABASE_STORES, empty_database, store_params
+from .conftest import DATABASE_STORES, database_of, empty_database, store_params
 from .support.markdown import ROOT, blocks_of
 
 APP = "django_keel_lock"
@@ -86,10 +86,6 @@ def schema(database: str) -> dict[str, Any]:
             sequences = [row[0] for row in cursor.fetchall()]
         found["sequences"] = sorted(sequences)
     return found
-
-
-def database_of(store_alias: str) -> str:
-    return str(get_lock_store(store_alias).database)  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("server", store_params(DATABASE_STORES))

@@ -201,6 +201,7 @@ def test_key_prefix_with_and_without_its_colon_names_the_same_locks(key: str) ->
         assert not joined.acquire(key, "b" * 32, "h", 5).acquired
         assert joined.release(key, "a" * 32)
     finally:
+        redis.Redis.from_url(URL).delete(f"keel-same-{run}:{{{key}}}:fence")
         bare.close()
         joined.close()
 

@@ -71,8 +71,8 @@ def main() -> None:
     ):
         assert client.get(path).status_code == 200, path
     index = client.get("/admin/").content.decode()
-    if "/admin/django_keel_lock/" in index:
-        assert client.get("/admin/django_keel_lock/lock/").status_code == 200
+    assert "/admin/django_keel_lock/" in index, "the lock admin is not on the admin index"
+    assert client.get("/admin/django_keel_lock/lock/").status_code == 200
     print("ok")
 
 

@@ -10,12 +10,12 @@ import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 from django_keel_lock import get_lock_store, lock
 
-ROOT = Path(__file__).resolve().parents[2]  # the checkout
+from . import ROOT
+
 PER_PROCESS_STORES = {"memory"}
 
 

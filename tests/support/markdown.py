@@ -11,10 +11,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]  # the checkout
+from . import ROOT
+
 FENCE = re.compile(r"^```(\S*)(?:\s.*)?$")
 SKIP = re.compile(r"^<!-- not-runnable: (.+?) -->\s*$")
 FILE_LINE = re.compile(r"^# (\w+\.py)\b")
+#: Fences this reader would not see (indented, or of tildes): refused rather than skipped.
+UNREAD_FENCE = re.compile(r"^(\s+```|~~~)")
 
 
 @dataclass
@@ -50,6 +53,10 @@ def blocks_of(path: Path, *, section: str | None = None) -> list[Block]:
     for number in range(first, last):
         line = lines[number]
         if language is None:
+            if UNREAD_FENCE.match(line):
+                raise ValueError(
+                    f"{path.name}:{number + 1}: fence blocks with ``` at the line start"
+                )
             match = FENCE.match(line)
             if match:
                 start, language, body = number + 1, match.group(1) or "text", []

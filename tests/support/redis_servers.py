@@ -32,9 +32,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from . import ROOT
+
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
-ROOT = Path(__file__).resolve().parents[2]  # the checkout
 
 
 def free_port() -> int:

@@ -148,6 +148,7 @@ class DatabaseLockStore(ListeningStore, LockStore):
         other exception (a task's time limit, Ctrl-C) drops the connection, and with it
         whatever it was in the middle of, such as a prune's open transaction.
         """
+        assert not (hot and after), "the libpq path runs no closing statements"
         for attempt in (1, 2):
             conn, fresh = self._open()
             if not idempotent and not fresh and conn.stale():
