@@ -39,7 +39,7 @@ class DatabaseLockStore(ListeningStore, LockStore):
 
     max_key_length = 255
     option_names = frozenset({"DATABASE", "DURABLE"})
-    listener_class = PostgresListener
+    listener_class = PostgresListener  # for the dialects that push releases
 
     @staticmethod
     def database_option(options: Mapping[str, Any]) -> Any:
@@ -265,7 +265,7 @@ class DatabaseLockStore(ListeningStore, LockStore):
 
     # -- wake-ups -------------------------------------------------------------------------
     def _listens(self) -> bool:
-        return self.push_possible and self.dialect.vendor == "postgresql"
+        return self.push_possible and self.dialect.pushes_releases
 
     def close(self) -> None:
         self.stop_listener()

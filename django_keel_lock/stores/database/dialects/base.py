@@ -28,6 +28,9 @@ class Dialect:
     #: Seconds until `{column}` (a timestamp) passes, by the database's clock; the admin's
     #: changelist uses it too, so the two never disagree about whether a lock is held.
     remaining_template = ""
+    #: Whether releases reach other processes' waiters through the store's listener
+    #: (PostgreSQL's LISTEN/NOTIFY); without it they poll.
+    pushes_releases = False
 
     def remaining(self, column: str) -> str:
         return self.remaining_template.format(column=column)

@@ -15,6 +15,7 @@ CHANNEL_PREFIX = "keel_lock_"
 
 class PostgresDialect(Dialect):
     vendor = "postgresql"
+    pushes_releases = True
     remaining_template = "EXTRACT(EPOCH FROM ({column} - clock_timestamp()))::float8"
     _remaining = remaining_template.format(column="expires_at")
     # One upsert whose DO UPDATE branch always writes the row it locked: it either takes it (free:
