@@ -190,16 +190,60 @@ class LoopClient:
     """One store's async client on one event loop, and how many calls are using it. A retired
     one takes no new calls and is closed by whichever call ends last (or at once if idle)."""
 
-    __slots__ = ("calls", "client", "generation", "retired")
+    __slots__ = (
+        "__weakref__",
+        "calls",
+        "client",
+        "closed",
+        "generation",
+        "loop",
+        "owner",
+        "retired",
+    )
 
-    def __init__(self, client: Any, generation: int, *, retired: bool = False) -> None:
-        self.client, self.generation, self.retired = client, generation, retired
-        self.calls = 0
+    def __init__(
+        self,
+        client: Any,
+        generation: int,
+        loop: asyncio.AbstractEventLoop,
+        owner: LoopClients | None,
+    ) -> None:
+        self.client, self.generation, self.loop = client, generation, loop
+        #: The loop's LoopClients that closes it at shutdown; None: closed after its call.
+        self.owner = owner
+        self.calls, self.closed, self.retired = 0, False, owner is None
+        if owner is not None:
+            owner.live.add(self)
+
+    async def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            if self.owner is not None:
+                self.owner.live.discard(self)
+            await _aclose(self.client)
 
     async def retire(self) -> None:
+        """On its loop: no new calls; closed now if idle, else when its last call ends."""
         self.retired = True
         if self.calls == 0:
-            await _aclose(self.client)
+            await self.close()
+
+    def retire_soon(self) -> None:
+        """`retire` from any thread (its store was closed): on its loop, if that still runs."""
+        self.retired = True
+        try:
+            self.loop.call_soon_threadsafe(self._retire_on_loop)
+        except RuntimeError:  # the loop is closed: nothing runs there any more
+            pass
+
+    def _retire_on_loop(self) -> None:
+        if self.calls == 0 and not self.closed:
+            task = self.loop.create_task(self.close())
+            _CLOSING.add(task)  # the loop keeps only a weak reference to its tasks
+            task.add_done_callback(_CLOSING.discard)
+
+
+_CLOSING: set[asyncio.Task[None]] = set()
 
 
 class LoopClients:
@@ -207,12 +251,15 @@ class LoopClients:
     must not live on with the loop), and the async generator that closes them when the loop
     shuts down."""
 
-    __slots__ = ("closer", "made")
+    __slots__ = ("closer", "live", "made")
 
     def __init__(self) -> None:
+        #: The client each store uses on this loop, found by store.
         self.made: weakref.WeakKeyDictionary[RedisLockStore, LoopClient] = (
             weakref.WeakKeyDictionary()
         )
+        #: Every client made for this loop and not closed yet, its store alive or not.
+        self.live: set[LoopClient] = set()
         self.closer: AsyncGenerator[None, None] | None = None
 
     async def close_at_shutdown_of(self, loop: asyncio.AbstractEventLoop) -> bool:
@@ -238,8 +285,8 @@ class LoopClients:
             # releasing a lock right now: a client in use closes when its call ends, and the
             # calls that come after get clients of their own, closed after each.
             self.closer = None
-            retiring, self.made = list(self.made.values()), weakref.WeakKeyDictionary()
-            for each in retiring:
+            self.made = weakref.WeakKeyDictionary()
+            for each in list(self.live):
                 await each.retire()
 
 

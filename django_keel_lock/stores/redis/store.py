@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -39,7 +40,6 @@ from .clients import (
     Retry,
     ScriptConnection,
     SentinelConnectionPool,
-    _aclose,
     _async_twin,
     _no_cluster_retries,
     _text,
@@ -117,6 +117,8 @@ class RedisLockStore(ListeningStore, LockStore):
         self._client_pid = 0
         self._owns_client = url is not None
         self._generation = 0  # bumped by close(): async clients made before are not reused
+        # The async clients event loops keep for this store, retired by close().
+        self._loop_clients: weakref.WeakSet[LoopClient] = weakref.WeakSet()
         self._async_factory: Callable[[], Any] | None = None
         self._async_checked = False
         self._threads: PerThread[ScriptConnection] = PerThread(ScriptConnection.close)
@@ -316,6 +318,9 @@ class RedisLockStore(ListeningStore, LockStore):
             client, self._client_obj = self._client_obj, None
             pid, self._client_pid = self._client_pid, 0
             self._generation += 1
+            retiring, self._loop_clients = list(self._loop_clients), weakref.WeakSet()
+        for used in retiring:
+            used.retire_soon()
         # A django-redis client belongs to the cache; only a client we built is ours to close.
         if client is not None and self._owns_client and pid == os.getpid():
             try:
@@ -354,12 +359,16 @@ class RedisLockStore(ListeningStore, LockStore):
             if await clients.close_at_shutdown_of(loop):
                 setattr(loop, LOOP_CLIENTS, clients)
         try:
-            client = LoopClient(factory(), self._generation, retired=not clients.keeps)
+            client = LoopClient(
+                factory(), self._generation, loop, clients if clients.keeps else None
+            )
         except Exception as exc:
             raise self._unavailable(exc) from exc
         if clients.keeps:
             stale = clients.made.get(self)  # made before close(): no new calls on it
             clients.made[self] = client
+            with self._mutex:
+                self._loop_clients.add(client)
             if stale is not None:
                 await stale.retire()
         return client
@@ -410,7 +419,7 @@ class RedisLockStore(ListeningStore, LockStore):
         finally:
             used.calls -= 1
             if used.retired and used.calls == 0:
-                await _aclose(client)
+                await used.close()
 
     def _native_async(self) -> bool:
         return self._async_client_factory() is not None
