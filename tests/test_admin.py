@@ -248,6 +248,55 @@ def test_search_finds_locks_by_key(admin_client: Client) -> None:
     assert needle in html and other not in html
 
 
+OWNER_LOOKUPS = [
+    "owner",
+    "owner__exact",
+    "owner__startswith",
+    "owner__istartswith",
+    "owner__contains",
+    "owner__regex",
+    "owner__gt",
+    "owner__lte",
+    "owner__in",
+    "owner__isnull",
+]
+
+
+@pytest.mark.parametrize("lookup", OWNER_LOOKUPS)
+def test_changelist_refuses_every_lookup_on_owner(viewer_client: Client, lookup: str) -> None:
+    """A viewer who could filter on owner would read a token prefix by prefix (~280 requests)
+    and then release or extend someone else's lock: the changelist refuses the filter (400,
+    Django's answer to a lookup `lookup_allowed` refuses) instead of narrowing by it."""
+    handle = lock(key_of("owner-oracle"), store="default", ttl=60)
+    assert handle.acquire()
+    owner = handle.owner
+    assert owner is not None
+    value = {"owner__isnull": "False", "owner__in": owner}.get(lookup, owner[:1])
+
+    response = viewer_client.get(CHANGELIST, {"q": handle.key, lookup: value})
+
+    assert response.status_code == 400
+    assert owner not in response.content.decode()
+    plain = viewer_client.get(CHANGELIST, {"q": handle.key})
+    assert plain.status_code == 200 and handle.key in plain.content.decode()
+    assert owner not in plain.content.decode()
+    handle.release()
+
+
+def test_changelist_cannot_be_ordered_by_owner(viewer_client: Client) -> None:
+    """`?o=` orders by list_display columns only, and owner is none of them: every column
+    index the changelist accepts orders by something else."""
+    handle = lock(key_of("owner-order"), store="default", ttl=60)
+    assert handle.acquire()
+    columns = LockAdmin.list_display
+    assert "owner" not in columns
+    for index in range(len(columns) + 2):
+        response = viewer_client.get(CHANGELIST, {"q": handle.key, "o": str(index)})
+        assert response.status_code in (200, 302)
+        assert handle.owner is not None and handle.owner not in response.content.decode()
+    handle.release()
+
+
 @needs_store("postgres")
 def test_changelist_reads_the_database_of_the_store_not_the_routers_default(
     admin_client: Client,
