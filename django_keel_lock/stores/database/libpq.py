@@ -63,9 +63,23 @@ class PreparedStatements:
 
 
 def _failure(result: Any, error: type[Exception]) -> Exception:
-    """The driver error for a libpq result that is not a success."""
+    """The driver error for a libpq result that is not a success: `error`, or for a data
+    exception (SQLSTATE class 22: a value sent, such as a key the database's encoding cannot
+    hold) psycopg's own class for it, a DataError, as its cursor would raise."""
     message = (result.error_message or b"").decode("utf-8", "replace").strip()
+    sqlstate = result.error_field(_SQLSTATE) or b""
+    if sqlstate.startswith(b"22"):
+        from psycopg import errors
+
+        try:
+            error = errors.lookup(sqlstate.decode("ascii"))
+        except KeyError:  # a code newer than this psycopg
+            error = errors.DataError
     return error(message or f"libpq status {result.status}")
+
+
+# libpq's PG_DIAG_SQLSTATE (fixed by libpq's ABI).
+_SQLSTATE = 67
 
 
 # libpq's PGRES_COMMAND_OK and PGRES_TUPLES_OK (fixed by libpq's ABI).

@@ -131,6 +131,8 @@ class DatabaseLockStore(ListeningStore, LockStore):
         hot: bool = False,
         idempotent: bool = True,
         after: Sequence[Statement] = (),
+        key: str | None = None,
+        holder: str | None = None,
     ) -> tuple[list[Row], int]:
         """Run `statements` in autocommit, then `after` on the same connection (what closes
         prune's guard); (rows, rowcount) of the last of `statements`.
@@ -147,6 +149,9 @@ class DatabaseLockStore(ListeningStore, LockStore):
         waiting), replaced first if need be. Any other failure is LockStoreUnavailable. Any
         other exception (a task's time limit, Ctrl-C) drops the connection, and with it
         whatever it was in the middle of, such as a prune's open transaction.
+
+        A data exception (a value the database cannot take: a key outside its encoding) is a
+        ValueError naming `key` (and `holder`), and keeps the connection: it is healthy.
         """
         assert not (hot and after), "the libpq path runs no closing statements"
         for attempt in (1, 2):
@@ -166,6 +171,8 @@ class DatabaseLockStore(ListeningStore, LockStore):
                     cursor.execute(sql, params)
                 return result
             except database.Error as exc:
+                if isinstance(exc, database.DataError) and not after:
+                    raise self._refused(exc, key, holder) from exc
                 self._threads.drop()
                 if fresh or attempt == 2 or not idempotent:
                     raise LockStoreUnavailable(
@@ -175,6 +182,14 @@ class DatabaseLockStore(ListeningStore, LockStore):
                 self._threads.drop()
                 raise
         raise AssertionError("unreachable")
+
+    def _refused(self, exc: Exception, key: str | None, holder: str | None) -> ValueError:
+        what = "a value" if key is None else f"key {key!r}"
+        if holder is not None:
+            what += f" or holder {holder!r}"
+        return ValueError(
+            f"lock store {self.alias!r} (database {self.database!r}) cannot store {what}: {exc}"
+        )
 
     def _open(self) -> tuple[_ThreadConnection, bool]:
         """`_connection()`, a failure to connect being LockStoreUnavailable."""
@@ -191,7 +206,9 @@ class DatabaseLockStore(ListeningStore, LockStore):
     def acquire(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
         dialect = self.dialect
         params = dialect.acquire_params(key, owner, holder, ttl)
-        rows, _ = self._execute(list(zip(dialect.acquire_sql, params, strict=True)), hot=True)
+        rows, _ = self._execute(
+            list(zip(dialect.acquire_sql, params, strict=True)), hot=True, key=key, holder=holder
+        )
         if not rows:
             return AcquireResult(None)
         fence, retry_in = rows[0][0], rows[0][1]
@@ -201,7 +218,7 @@ class DatabaseLockStore(ListeningStore, LockStore):
 
     def release(self, key: str, owner: str) -> bool:
         _, count = self._execute(
-            [(self.dialect.release_sql, (key, owner))], hot=True, idempotent=False
+            [(self.dialect.release_sql, (key, owner))], hot=True, idempotent=False, key=key
         )
         released = count > 0
         if released:
@@ -211,12 +228,12 @@ class DatabaseLockStore(ListeningStore, LockStore):
     def extend(self, key: str, owner: str, ttl: float) -> bool:
         dialect = self.dialect
         _, count = self._execute(
-            [(dialect.extend_sql, dialect.extend_params(key, owner, ttl))], hot=True
+            [(dialect.extend_sql, dialect.extend_params(key, owner, ttl))], hot=True, key=key
         )
         return count > 0
 
     def get(self, key: str) -> LockInfo | None:
-        rows, _ = self._execute([(self.dialect.get_sql, (key,))])
+        rows, _ = self._execute([(self.dialect.get_sql, (key,))], key=key)
         return self._info(rows[0]) if rows else None
 
     def iter_locks(self, prefix: str = "") -> Iterator[LockInfo]:

@@ -46,11 +46,14 @@ class PostgresDialect(Dialect):
         """,
     )
     # Release marks the row expired rather than deleting it, so the next acquirer goes through
-    # the UPDATE branch and draws its fence after it holds the row lock.
+    # the UPDATE branch and draws its fence after it holds the row lock. The channel is md5 of
+    # the key's UTF-8 bytes, as `notify_channel` computes it for LISTEN: md5(key) would hash
+    # the bytes of the database's encoding (LATIN1: another channel for any non-ASCII key).
     release_sql = f"""
         UPDATE {TABLE} SET expires_at = clock_timestamp()
         WHERE key = %s AND owner = %s AND expires_at > clock_timestamp()
-        RETURNING CASE WHEN waiting IS TRUE THEN pg_notify('{CHANNEL_PREFIX}' || md5(key), '') END
+        RETURNING CASE WHEN waiting IS TRUE
+                  THEN pg_notify('{CHANNEL_PREFIX}' || md5(convert_to(key, 'UTF8')), '') END
     """
     extend_sql = f"""
         UPDATE {TABLE}
@@ -102,5 +105,6 @@ def is_psycopg3(wrapper: Any) -> bool:
 
 
 def notify_channel(key: str) -> str:
-    """The channel a release of `key` is NOTIFYed on (md5 as PostgreSQL computes it)."""
+    """The channel a release of `key` is NOTIFYed on: md5 of its UTF-8 bytes, as the release
+    statement computes it on the server, whatever the database's encoding."""
     return CHANNEL_PREFIX + hashlib.md5(key.encode("utf-8")).hexdigest()
