@@ -12,11 +12,15 @@ from typing import Any
 
 import pytest
 from django.core.management import call_command
-from django.db import connections
+from django.db import connections, transaction
+from django.http import HttpRequest, HttpResponse
+from django.test import Client, override_settings
+from django.urls import path
 
-from django_keel_lock import LockStoreUnavailable, lock
+from django_keel_lock import LockStoreUnavailable, get_lock_store, lock, lock_view
 from django_keel_lock.stores import DatabaseLockStore
 from django_keel_lock.stores.database.dialects import TABLE
+from tests.testapp.models import Invoice
 
 from .conftest import database_like, needs_store, serving
 
@@ -35,6 +39,135 @@ def within(seconds: float) -> Iterator[None]:
     started = time.monotonic()
     yield
     assert time.monotonic() - started < seconds
+
+
+# -- SQLite inside transaction.atomic() ------------------------------------------------------
+def free(key: str) -> bool:
+    """Whether another connection (a thread of its own) can take `key` right now."""
+    result: dict[str, Any] = {}
+
+    def take() -> None:
+        try:
+            other = lock(key, store="sqlite", ttl=5)
+            result["free"] = other.acquire()
+            if result["free"]:
+                other.release()
+        except Exception as exc:  # reported below, in the test's thread
+            result["error"] = exc
+
+    thread = threading.Thread(target=take)
+    thread.start()
+    thread.join(SQLITE_BUSY_WAIT * 2)
+    assert "error" not in result, result
+    return bool(result["free"])
+
+
+@writes_rows
+def test_sqlite_acquire_after_a_write_in_atomic_does_not_wait_behind_that_write(key: str) -> None:
+    """The caller's transaction holds SQLite's write lock once it wrote; the store's own
+    connection would wait for it (5 s, then "database is locked"). The lock joins the caller's
+    transaction instead, on the caller's connection."""
+    handle = lock(key, store="sqlite", ttl=30)
+    with transaction.atomic():
+        Invoice.objects.create()
+        with within(SQLITE_BUSY_WAIT / 2):
+            assert handle.acquire()
+        info = get_lock_store("sqlite").get(key)
+        assert info is not None and info.fence == handle.fence
+        with within(SQLITE_BUSY_WAIT / 2):
+            assert handle.release()
+    assert free(key)
+
+
+@writes_rows
+def test_sqlite_acquire_write_release_in_atomic_leaves_the_key_free(key: str) -> None:
+    """The ATOMIC_REQUESTS + @lock_view shape: acquire, then the view writes, then release,
+    all in one transaction. The release must not wait behind the write (and fail, stranding
+    the lock for its ttl); after the block nobody holds the key."""
+    handle = lock(key, store="sqlite", ttl=300)
+    with transaction.atomic():
+        assert handle.acquire()
+        Invoice.objects.create(status="written")
+        with within(SQLITE_BUSY_WAIT / 2):
+            assert handle.release()
+    assert get_lock_store("sqlite").get(key) is None
+    assert free(key)
+    assert Invoice.objects.filter(status="written").exists()
+
+
+@writes_rows
+def test_sqlite_acquire_write_then_rollback_in_atomic_leaves_the_key_free(key: str) -> None:
+    handle = lock(key, store="sqlite", ttl=300)
+    with pytest.raises(ZeroDivisionError), transaction.atomic():
+        assert handle.acquire()
+        Invoice.objects.create(status="rolled-back")
+        with within(SQLITE_BUSY_WAIT / 2):
+            assert handle.release()
+        1 / 0  # noqa: B018
+    assert get_lock_store("sqlite").get(key) is None
+    assert free(key)
+    assert not Invoice.objects.filter(status="rolled-back").exists()
+
+
+@writes_rows
+def test_sqlite_lock_taken_in_atomic_is_held_after_commit_and_undone_by_rollback(
+    key: str,
+) -> None:
+    """A lock taken on the caller's connection is part of the caller's transaction: held
+    after it commits (released later, outside, like any lock), gone if it rolls back."""
+    kept = lock(key, store="sqlite", ttl=300)
+    with transaction.atomic():
+        Invoice.objects.create()
+        assert kept.acquire()
+    assert not free(key)
+    assert kept.release()
+    assert free(key)
+
+    undone = lock(key, store="sqlite", ttl=300)
+    with pytest.raises(ZeroDivisionError), transaction.atomic():
+        Invoice.objects.create()
+        assert undone.acquire()
+        1 / 0  # noqa: B018
+    assert free(key)
+
+
+@writes_rows
+def test_sqlite_lock_outside_any_transaction_still_uses_the_stores_own_connection(
+    key: str,
+) -> None:
+    """Outside a transaction nothing changes: the lock is committed at once, by the store's
+    connection, and another connection sees it held."""
+    handle = lock(key, store="sqlite", ttl=60)
+    assert handle.acquire()
+    assert not free(key)
+    assert handle.release()
+    assert free(key)
+
+
+@lock_view("<key>", store="sqlite", ttl=300)
+def writes_under_lock(request: HttpRequest, key: str) -> HttpResponse:
+    Invoice.objects.create(status=f"view:{key}")
+    if request.GET.get("fail"):
+        raise RuntimeError("the view failed after writing")
+    return HttpResponse("written")
+
+
+urlpatterns = [path("writes/<path:key>/", writes_under_lock)]
+
+
+@override_settings(ROOT_URLCONF=__name__)
+@pytest.mark.parametrize("fail", [False, True], ids=["commit", "rollback"])
+@writes_rows
+def test_sqlite_lock_view_under_atomic_requests_frees_the_key(
+    key: str, fail: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(connections["default"].settings_dict, "ATOMIC_REQUESTS", True)
+    client = Client(raise_request_exception=False)
+    with within(SQLITE_BUSY_WAIT / 2):
+        response = client.get(f"/writes/{key}/", {"fail": "1"} if fail else {})
+    assert response.status_code == (500 if fail else 200)
+    assert Invoice.objects.filter(status=f"view:{key}").exists() is not fail
+    assert free(key)
 
 
 # -- PostgreSQL databases in another encoding --------------------------------------------------

@@ -3,6 +3,8 @@
 - The database's clock decides expiry; the app server's clock is never read.
 - Locks live outside the caller's transaction: each thread gets its own autocommit connection,
   so a lock taken inside `atomic()` is visible at once and survives the caller's rollback.
+  Not on SQLite, whose one writer would be that transaction: there lock statements join it
+  (`SQLiteDialect.callers_transaction`).
 - One statement per operation (MariaDB: two for acquire), talking to the driver directly; on
   PostgreSQL with psycopg 3, acquire, release and extend go straight to libpq as statements
   prepared once per connection, skipping the cursor layer (see `libpq`).
@@ -152,8 +154,14 @@ class DatabaseLockStore(ListeningStore, LockStore):
 
         A data exception (a value the database cannot take: a key outside its encoding) is a
         ValueError naming `key` (and `holder`), and keeps the connection: it is healthy.
+
+        Where the dialect says so (SQLite inside the caller's transaction), the statements run
+        on the caller's own connection instead, once, and leave it open whatever happens.
         """
         assert not (hot and after), "the libpq path runs no closing statements"
+        joined = self.dialect.callers_transaction(self.database)
+        if joined is not None:
+            return self._execute_joined(joined, statements, after, key, holder)
         for attempt in (1, 2):
             conn, fresh = self._open()
             if not idempotent and not fresh and conn.stale():
@@ -182,6 +190,36 @@ class DatabaseLockStore(ListeningStore, LockStore):
                 self._threads.drop()
                 raise
         raise AssertionError("unreachable")
+
+    def _execute_joined(
+        self,
+        raw: Any,
+        statements: Sequence[Statement],
+        after: Sequence[Statement],
+        key: str | None,
+        holder: str | None,
+    ) -> tuple[list[Row], int]:
+        """`_execute` on the caller's driver connection `raw`, inside its transaction: no
+        retry, and the connection is the caller's to keep whatever happens."""
+        base: Any = connections[self.database]
+        database = base.Database
+        cursor = raw.cursor()
+        try:
+            for sql, params in statements:
+                cursor.execute(sql, params)
+            result = (cursor.fetchall() if cursor.description else []), cursor.rowcount
+            for sql, params in after:
+                cursor.execute(sql, params)
+            return result
+        except database.DataError as exc:
+            raise self._refused(exc, key, holder) from exc
+        except database.Error as exc:
+            raise LockStoreUnavailable(
+                f"lock store {self.alias!r} (database {self.database!r}, inside the caller's "
+                f"transaction) failed: {exc}"
+            ) from exc
+        finally:
+            cursor.close()
 
     def _refused(self, exc: Exception, key: str | None, holder: str | None) -> ValueError:
         what = "a value" if key is None else f"key {key!r}"

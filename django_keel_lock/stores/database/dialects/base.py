@@ -42,6 +42,12 @@ class Dialect:
         """Statements run once on each new connection of the store."""
         return ()
 
+    def callers_transaction(self, database: str) -> Any:
+        """The calling thread's own driver connection to `database` when lock statements must
+        run on it, inside its open transaction, instead of on the store's connection (which
+        would wait behind that transaction); None to use the store's connection."""
+        return None
+
     def acquire_params(self, key: str, owner: str, holder: str, ttl: float) -> list[Sequence[Any]]:
         raise NotImplementedError
 

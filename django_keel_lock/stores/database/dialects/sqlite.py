@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
+
+from django.db import connections
 
 from .base import INFO, TABLE, Dialect
 
@@ -61,3 +64,30 @@ class SQLiteDialect(Dialect):
 
     def extend_params(self, key: str, owner: str, ttl: float) -> Sequence[Any]:
         return (self._modifier(ttl), key, owner)
+
+    def callers_transaction(self, database: str) -> Any:
+        """The calling thread's Django connection to the same file while it is in a transaction.
+
+        SQLite lets one connection write to a file at a time, and a transaction that wrote (or,
+        with a rollback journal, read) keeps that right to its end: the store's own connection
+        would wait for it (the busy timeout, 5 s), then fail, and a release made after the
+        caller's write would leave the lock held for its ttl. The caller's own connection is
+        the one that can write, so lock statements join its transaction: visible to others
+        when it commits (they cannot write before then anyway), undone if it rolls back.
+        """
+        file = None
+        for wrapper in connections.all(initialized_only=True):
+            raw = wrapper.connection
+            if raw is None or wrapper.vendor != "sqlite" or not raw.in_transaction:
+                continue
+            if file is None:
+                file = _file(connections[database].settings_dict["NAME"])
+            if _file(wrapper.settings_dict["NAME"]) == file:
+                return raw
+        return None
+
+
+def _file(name: Any) -> str:
+    """A database NAME as one spelling per file (":memory:" and URIs come out as themselves,
+    prefixed alike)."""
+    return str(os.path.realpath(os.fspath(name)))
