@@ -29,15 +29,20 @@ Warnings
                          every lock on that store fails with LockStoreUnavailable.
   django_keel_lock.W004  A DatabaseLockStore's database could not be inspected for W003
                          (unreachable, or a missing driver).
+  django_keel_lock.W005  A RedisLockStore keeps its locks in the Redis database of a Django
+                         cache: that cache's clear() (FLUSHDB) deletes every lock.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from importlib import import_module
 from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Warning
@@ -285,6 +290,7 @@ def _check_redis(alias: str, options: Mapping[str, Any]) -> list[CheckMessage]:
     connection = options.get("CONNECTION")
     if connection is not None:
         messages.extend(_check_redis_connection(where, connection))
+    messages.extend(_check_redis_database(where, options))
     return messages
 
 
@@ -309,6 +315,121 @@ def _check_redis_connection(where: str, connection: Any) -> list[CheckMessage]:
             hint='Point it at a cache with BACKEND "django_redis.cache.RedisCache", or use '
             "URL instead.",
             id=ID.format("E008"),
+        )
+    ]
+
+
+@dataclass(frozen=True)
+class RedisDatabase:
+    """One database of one Redis server, as a URL names it."""
+
+    server: str  # "host:port" (any name of the loopback as "localhost"), or a socket's path
+    db: int
+    shown: str = field(compare=False)  # the server as the URL writes it
+
+    def __str__(self) -> str:
+        return f"database {self.db} of {self.shown}"
+
+
+#: Django's own Redis cache and django-redis's: clear() is FLUSHDB on both.
+REDIS_CACHES = ("django.core.cache.backends.redis.", "django_redis.")
+#: Names of the same machine: a URL with one is the same server as a URL with another.
+LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def _redis_database(url: object) -> RedisDatabase | None:
+    """The database `url` names (read as redis-py reads it: ?db= first, then the path, else 0),
+    or None for what is not a Redis URL."""
+    if not isinstance(url, str):
+        return None
+    parts = urlsplit(url.strip())
+    query = parse_qs(parts.query)
+    if parts.scheme == "unix":
+        server = shown = parts.path
+        path_db = ""
+    elif parts.scheme in ("redis", "rediss"):
+        try:
+            port = parts.port or 6379
+        except ValueError:
+            return None
+        host = (parts.hostname or "localhost").lower()
+        server = f"{'localhost' if host in LOOPBACK else host}:{port}"
+        shown = f"{parts.hostname or 'localhost'}:{port}"
+        path_db = unquote(parts.path).replace("/", "")
+    else:
+        return None
+    for db in (*query.get("db", ()), path_db):
+        if db:
+            try:
+                return RedisDatabase(server, int(db), shown)
+            except ValueError:
+                return None
+    return RedisDatabase(server, 0, shown)
+
+
+def _cache_database(config: object) -> RedisDatabase | None:
+    """The database a Redis cache writes to (and clear() flushes): its LOCATION's first URL,
+    as both Redis cache backends take it."""
+    if not isinstance(config, Mapping):
+        return None
+    location = config.get("LOCATION")
+    if isinstance(location, str):
+        location = re.split("[;,]", location)
+    if not isinstance(location, (list, tuple)) or not location:
+        return None
+    return _redis_database(location[0])
+
+
+def _caching_caches() -> dict[str, RedisDatabase]:
+    """The Redis caches that may be cleared, by alias: all but those only a lock store's
+    connection, which are named by a store's CONNECTION and by nothing of Django's."""
+    caches = getattr(settings, "CACHES", {})
+    if not isinstance(caches, Mapping):
+        return {}
+    stores = conf.raw_stores()
+    configs = stores.values() if isinstance(stores, dict) else ()
+    options = [store_options(config) for config in configs if is_store_config(config)]
+    connections_only = {each.get("CONNECTION") for each in options if each is not None} - {
+        "default",
+        getattr(settings, "SESSION_CACHE_ALIAS", "default"),
+        getattr(settings, "CACHE_MIDDLEWARE_ALIAS", "default"),
+    }
+    found: dict[str, RedisDatabase] = {}
+    for alias, config in caches.items():
+        if alias in connections_only or not isinstance(config, Mapping):
+            continue
+        if not str(config.get("BACKEND", "")).startswith(REDIS_CACHES):
+            continue
+        database = _cache_database(config)
+        if database is not None:
+            found[str(alias)] = database
+    return found
+
+
+def _check_redis_database(where: str, options: Mapping[str, Any]) -> list[CheckMessage]:
+    """W005: the store's locks are in a database a cache's clear() flushes."""
+    caches = getattr(settings, "CACHES", {})
+    if options.get("URL") is not None:
+        database = _redis_database(options["URL"])
+    elif isinstance(caches, Mapping):
+        database = _cache_database(caches.get(options.get("CONNECTION")))
+    else:
+        return []
+    if database is None:
+        return []
+    shared = [alias for alias, other in _caching_caches().items() if other == database]
+    if not shared:
+        return []
+    named = ", ".join(f"CACHES[{alias!r}]" for alias in shared)
+    return [
+        Warning(
+            f"{where} keeps its locks in Redis {database}, which {named} uses too: the "
+            "cache's clear() (FLUSHDB) deletes every lock, and a holder learns it only when "
+            "it releases.",
+            hint="Give the lock store a Redis database of its own: a URL with another "
+            "database number (redis://host:6379/1), or CONNECTION naming a cache on such a "
+            "database that nothing else uses.",
+            id=ID.format("W005"),
         )
     ]
 

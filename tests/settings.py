@@ -23,6 +23,10 @@ MYSQL_PORT = int(os.environ.get("MYSQL_PORT", "3306"))
 MYSQL_USER = os.environ.get("MYSQL_USER", "root")
 MYSQL_DATABASE = os.environ.get("MYSQL_DATABASE", "test")
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+# The caches' database: the next one after the locks' (a cache's clear() flushes its database,
+# and check W005 warns of lock stores sharing one).
+_redis = urlsplit(REDIS_URL)
+REDIS_CACHE_URL = _redis._replace(path=f"/{(int(_redis.path.strip('/') or 0) + 1) % 16}").geturl()
 # The name of this process's connections to REDIS_URL (CLIENT SETNAME), so a test counts its own
 # connections in CLIENT LIST, never the server's: other programs may use the same Redis.
 REDIS_CLIENT_NAME = f"keel-lock-test-{RUN_ID}-{os.getpid()}"
@@ -132,10 +136,10 @@ KEEL_LOCK_STORES = {
         "BACKEND": "django_keel_lock.stores.DatabaseLockStore",
         "OPTIONS": {"DATABASE": "mariadb"},
     },
-    # Reuses the django-redis cache's client and pool (CACHES["default"] below).
+    # Reuses the django-redis cache's client and pool (CACHES["locks"] below).
     "redis": {
         "BACKEND": "django_keel_lock.stores.RedisLockStore",
-        "OPTIONS": {"CONNECTION": "default"},
+        "OPTIONS": {"CONNECTION": "locks"},
     },
     # Its own redis-py client from a URL, another prefix on the same server.
     "redis-url": {
@@ -153,13 +157,20 @@ LOGGING = {
     "loggers": {"django_keel_lock": {"level": "DEBUG"}},
 }
 
+_REDIS_CACHE_OPTIONS = {
+    "CLIENT_CLASS": "django_redis.client.DefaultClient",
+    "CONNECTION_POOL_KWARGS": {"client_name": REDIS_CLIENT_NAME},
+}
 CACHES = {
     "default": {
         "BACKEND": "django_redis.cache.RedisCache",
+        "LOCATION": REDIS_CACHE_URL,
+        "OPTIONS": _REDIS_CACHE_OPTIONS,
+    },
+    # Only the "redis" lock store's connection, on the locks' database.
+    "locks": {
+        "BACKEND": "django_redis.cache.RedisCache",
         "LOCATION": REDIS_URL,
-        "OPTIONS": {
-            "CLIENT_CLASS": "django_redis.client.DefaultClient",
-            "CONNECTION_POOL_KWARGS": {"client_name": REDIS_CLIENT_NAME},
-        },
-    }
+        "OPTIONS": _REDIS_CACHE_OPTIONS,
+    },
 }

@@ -24,6 +24,7 @@ from .conftest import (
     database_of,
     empty_database,
     needs_store,
+    serving,
     store_params,
 )
 
@@ -125,10 +126,10 @@ def test_e007_redis_store_without_its_packages(monkeypatch: pytest.MonkeyPatch) 
 
 def test_e008_redis_connection_must_be_a_django_redis_cache() -> None:
     missing = messages(
-        KEEL_LOCK_STORES=stores(r={"BACKEND": REDIS, "OPTIONS": {"CONNECTION": "locks"}})
+        KEEL_LOCK_STORES=stores(r={"BACKEND": REDIS, "OPTIONS": {"CONNECTION": "nowhere"}})
     )
     assert [m.id for m in missing] == ["django_keel_lock.E008"]
-    assert "'locks' is not a CACHES alias" in missing[0].msg
+    assert "'nowhere' is not a CACHES alias" in missing[0].msg
     wrong = messages(
         KEEL_LOCK_STORES=stores(r={"BACKEND": REDIS, "OPTIONS": {"CONNECTION": "local"}}),
         CACHES={"local": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}},
@@ -213,6 +214,79 @@ def test_w004_unreachable_store_database_is_reported_not_raised() -> None:
     assert [m.id for m in found] == ["django_keel_lock.W004"]
     assert "database 'locks', which could not be inspected" in found[0].msg
     assert "OperationalError" in found[0].msg
+
+
+REDIS_CACHE = "django_redis.cache.RedisCache"
+
+
+def test_w005_redis_store_through_the_default_cache_shares_its_database() -> None:
+    found = messages(
+        KEEL_LOCK_STORES=stores(r={"BACKEND": REDIS, "OPTIONS": {"CONNECTION": "default"}}),
+        CACHES={"default": {"BACKEND": REDIS_CACHE, "LOCATION": "redis://127.0.0.1:6379/0"}},
+    )
+    assert [m.id for m in found] == ["django_keel_lock.W005"]
+    assert "KEEL_LOCK_STORES['r']" in found[0].msg and "CACHES['default']" in found[0].msg
+    assert "database 0 of 127.0.0.1:6379" in found[0].msg and "clear()" in found[0].msg
+    assert "database of its own" in (found[0].hint or "")
+
+
+@pytest.mark.parametrize(
+    "location",
+    ["redis://127.0.0.1:6379/0", "redis://localhost:6379", "redis://127.0.0.1/0?db=0",
+     ["redis://127.0.0.1:6379/0", "redis://replica:6379/0"], "redis://127.0.0.1:6379/0,x"],
+    ids=["equal", "localhost-no-db", "default-port-db-query", "list", "comma-separated"],
+)  # fmt: skip
+def test_w005_redis_store_url_on_a_cache_location(location: Any) -> None:
+    on_cache = stores(r={"BACKEND": REDIS, "OPTIONS": {"URL": "redis://127.0.0.1:6379/0"}})
+    caches = {"default": {"BACKEND": REDIS_CACHE, "LOCATION": location}}
+    assert ids(KEEL_LOCK_STORES=on_cache, CACHES=caches) == ["django_keel_lock.W005"]
+    django_own = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache",
+                              "LOCATION": location}}  # fmt: skip
+    assert ids(KEEL_LOCK_STORES=on_cache, CACHES=django_own) == ["django_keel_lock.W005"]
+
+
+@pytest.mark.parametrize(
+    "url", ["redis://127.0.0.1:6379/1", "redis://127.0.0.1:6380/0", "redis://other:6379/0"]
+)
+def test_w005_not_for_a_redis_store_on_a_database_of_its_own(url: str) -> None:
+    caches = {
+        "default": {"BACKEND": REDIS_CACHE, "LOCATION": "redis://127.0.0.1:6379/0"},
+        "locks": {"BACKEND": REDIS_CACHE, "LOCATION": url},
+    }
+    found = ids(
+        KEEL_LOCK_STORES=stores(
+            by_url={"BACKEND": REDIS, "OPTIONS": {"URL": url}},
+            # The cache that is only its lock store's connection: nothing caches there.
+            by_cache={"BACKEND": REDIS, "OPTIONS": {"CONNECTION": "locks"}},
+        ),
+        CACHES=caches,
+    )
+    assert found == []
+
+
+def test_w005_cache_clear_on_a_shared_database_frees_every_lock(key: str) -> None:
+    """What W005 warns of, on a Redis of the test's own (FLUSHDB would wipe a shared one)."""
+    from django.core.cache import caches
+
+    from django_keel_lock.stores import RedisLockStore
+
+    from .support.redis_servers import redis_server
+
+    with redis_server() as server:
+        shared = {"default": {"BACKEND": REDIS_CACHE, "LOCATION": server.url}}
+        on_it = {"default": {"BACKEND": REDIS, "OPTIONS": {"URL": server.url}}}
+        with override_settings(CACHES=shared, KEEL_LOCK_STORES=on_it):
+            warned = [m.id for m in check_stores()]
+            with serving(RedisLockStore("shared", {"URL": server.url})) as alias:
+                held = lock(key, ttl=30, store=alias)
+                assert held.acquire()
+                caches["default"].clear()
+                taken_by_another = lock(key, store=alias).acquire()
+                released = held.release()
+    assert warned == ["django_keel_lock.W005"]
+    # The lock was free for another while its holder still thought it held it; the holder
+    # learns it only at release.
+    assert taken_by_another and released is False
 
 
 def test_checks_do_not_connect_to_servers() -> None:

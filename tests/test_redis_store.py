@@ -83,7 +83,7 @@ def test_connection_alias_reuses_the_django_redis_client() -> None:
 
     store = get_lock_store("redis")
     assert isinstance(store, RedisLockStore)
-    assert store._client() is get_redis_connection("default")
+    assert store._client() is get_redis_connection("locks")
 
 
 # -- layout and scripts -----------------------------------------------------------------

@@ -9,7 +9,7 @@ import logging
 import ssl
 import sys
 import weakref
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from django.core.exceptions import ImproperlyConfigured
@@ -62,12 +62,15 @@ __all__ = [
     "_pack",
     "_pubsub_pool",
     "_text",
+    "_timed",
     "redis",
 ]
 
 logger = logging.getLogger("django_keel_lock")
 
-# Plain URL connections: fail fast instead of hanging a request on a dead server.
+# The default of OPTIONS SOCKET_TIMEOUT: fail fast instead of hanging a request on a frozen
+# server (redis-py before 8 waits forever by default). Connecting takes at most the shorter of
+# the two.
 SOCKET_TIMEOUT = 5.0
 CONNECT_TIMEOUT = 2.0
 # Async pools: many concurrent tasks queue for a connection (up to this many seconds) instead of
@@ -121,6 +124,27 @@ SCRIPT_CONNECTIONS = (
 SENTINEL_CONNECTIONS = (SentinelManagedConnection, SentinelManagedSSLConnection)
 
 
+# Where a connection's settings say how long its socket waits. The orig_* ones (newer redis-py)
+# are what a connection goes back to after a server's maintenance notice relaxed its timeouts.
+_TIMEOUT_KWARGS = (
+    "socket_timeout",
+    "socket_connect_timeout",
+    "orig_socket_timeout",
+    "orig_socket_connect_timeout",
+)
+
+
+def _timed(kwargs: Mapping[str, Any], seconds: float) -> dict[str, Any]:
+    """A copy of a pool's connection settings whose sockets wait at most `seconds` for
+    anything (a shorter timeout of the pool's own is kept; None, no timeout, is not)."""
+    timed = {"socket_timeout": None, "socket_connect_timeout": None, **kwargs}
+    for name in _TIMEOUT_KWARGS:
+        if name in timed:
+            own = timed[name]
+            timed[name] = seconds if own is None else min(float(own), seconds)
+    return timed
+
+
 def _pack(*args: str | bytes | int) -> bytes:
     """One command in RESP: an array of bulk strings (str as UTF-8, as redis-py sends it)."""
     parts = [b"*%d\r\n" % len(args)]
@@ -153,6 +177,17 @@ class ScriptConnection:
         except BaseException:
             # Whatever it was in the middle of is not to be continued: after an interruption
             # (a task's time limit, Ctrl-C) an unread reply would answer the next call.
+            conn.disconnect()
+            raise
+
+    def call(self, *commands: bytes) -> list[Any]:
+        """Send packed `commands` at once and read their replies, in order."""
+        conn = self.connection
+        try:
+            self._ready()
+            conn.send_packed_command(list(commands))
+            return [conn.read_response() for _ in commands]
+        except BaseException:  # as in evalsha: no unread reply may answer the next call
             conn.disconnect()
             raise
 
@@ -306,14 +341,16 @@ async def _aclose(client: Any) -> None:
             logger.debug("closing an async Redis client failed: %r", exc)
 
 
-def _async_twin(client: Any) -> Callable[[], Any] | None:
+def _async_twin(client: Any, socket_timeout: float) -> Callable[[], Any] | None:
     """A factory for an async client on the same server as the sync `client` (plain pools and
-    Sentinel pools), or None for pools we cannot reproduce."""
+    Sentinel pools) whose sockets wait at most `socket_timeout`, or None for pools we cannot
+    reproduce."""
     from redis.asyncio import connection as aconn
     from redis.asyncio import sentinel as asentinel
 
     pool = client.connection_pool
-    kwargs = {k: v for k, v in pool.connection_kwargs.items() if k in _PORTABLE_KWARGS}
+    portable = {k: v for k, v in pool.connection_kwargs.items() if k in _PORTABLE_KWARGS}
+    kwargs = _timed(portable, socket_timeout)
     retry = AsyncRetry(NoBackoff(), 0)
     if isinstance(pool, SentinelConnectionPool):
         sentinels = [

@@ -20,6 +20,7 @@ from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 
+from ...durations import to_seconds
 from ...exceptions import LockStoreUnavailable
 from ..base import AcquireResult, LockInfo, LockStore
 from ..connections import PerThread
@@ -42,7 +43,9 @@ from .clients import (
     SentinelConnectionPool,
     _async_twin,
     _no_cluster_retries,
+    _pack,
     _text,
+    _timed,
     redis,
 )
 from .listener import RedisListener
@@ -61,19 +64,32 @@ def _seconds(pttl: Any) -> float | None:
     return None if millis < 0 else millis / 1000.0
 
 
+def _socket_timeout(alias: str, value: object) -> float:
+    # None is refused, not taken as "no timeout": waiting forever is what this option is for
+    # preventing.
+    try:
+        return to_seconds(f"KEEL_LOCK_STORES[{alias!r}] OPTIONS SOCKET_TIMEOUT", value)
+    except (TypeError, ValueError) as exc:
+        raise ImproperlyConfigured(str(exc)) from None
+
+
 class RedisLockStore(ListeningStore, LockStore):
-    """Locks in Redis (OPTIONS: CONNECTION or URL, KEY_PREFIX, CLUSTER).
+    """Locks in Redis (OPTIONS: CONNECTION or URL, KEY_PREFIX, CLUSTER, SOCKET_TIMEOUT).
 
     KEY_PREFIX (default "keel-lock:") starts every key and channel name; a ":" is added to a
     prefix that does not end with one, so "locks" and "locks:" both give locks:{invoice:42}
     ("" is no prefix at all).
 
-    CONNECTION names a django-redis cache alias whose client and pool are reused (Sentinel
-    included); URL is a plain redis-py URL (`?socket_timeout=1` etc. honoured), and CLUSTER=True
-    makes it a RedisCluster.
+    CONNECTION names a django-redis cache alias whose client and connection settings are reused
+    (Sentinel included); URL is a plain redis-py URL (`?socket_timeout=1` etc. honoured), and
+    CLUSTER=True makes it a RedisCluster.
+
+    SOCKET_TIMEOUT (seconds, default 5) is the longest one call waits on the network: for
+    connecting, and for each reply. A URL's own `?socket_timeout=` wins; with CONNECTION the
+    cache's SOCKET_TIMEOUT is kept when it is shorter.
     """
 
-    option_names = frozenset({"CONNECTION", "URL", "KEY_PREFIX", "CLUSTER"})
+    option_names = frozenset({"CONNECTION", "URL", "KEY_PREFIX", "CLUSTER", "SOCKET_TIMEOUT"})
     listener_class = RedisListener
     expires_by_itself = True  # each lock is a key with a PEXPIRE: Redis deletes it at its ttl
 
@@ -112,6 +128,9 @@ class RedisLockStore(ListeningStore, LockStore):
             prefix += ":"
         self.prefix = prefix
         self.channel = f"{prefix}released"
+        self.socket_timeout = _socket_timeout(
+            alias, self.options.get("SOCKET_TIMEOUT", SOCKET_TIMEOUT)
+        )
         self._mutex = threading.Lock()
         self._client_obj: Any = None
         self._client_pid = 0
@@ -158,9 +177,10 @@ class RedisLockStore(ListeningStore, LockStore):
     def _url_kwargs(self) -> dict[str, Any]:
         # No redis-py retries: a retried script whose first reply was lost could report a
         # release as failed. Stale pooled sockets are reconnected by the pool before use.
+        # redis-py lets the URL's own ?socket_timeout= override these.
         return {
-            "socket_timeout": SOCKET_TIMEOUT,
-            "socket_connect_timeout": CONNECT_TIMEOUT,
+            "socket_timeout": self.socket_timeout,
+            "socket_connect_timeout": min(CONNECT_TIMEOUT, self.socket_timeout),
         }
 
     def _build_client(self) -> Any:
@@ -212,7 +232,9 @@ class RedisLockStore(ListeningStore, LockStore):
             raise self._unavailable(exc) from exc
 
     def _script_connection(self) -> ScriptConnection | None:
-        """This thread's own connection for the scripts, when the client is a plain one."""
+        """This thread's own connection for the scripts, when the client is a plain one. It
+        has the pool's settings, with the store's SOCKET_TIMEOUT: a django-redis pool may have
+        none, and its sockets wait forever on a frozen server."""
         own = self._threads.get()
         if own is not None or self._own_connections is False:
             return own
@@ -234,7 +256,10 @@ class RedisLockStore(ListeningStore, LockStore):
         )
         if not self._own_connections:
             return None
-        return self._threads.put(ScriptConnection(pool.connection_class(**pool.connection_kwargs)))
+        kwargs = pool.connection_kwargs
+        if self.url is None:  # a URL-made pool has the store's timeouts, or the URL's own
+            kwargs = _timed(kwargs, self.socket_timeout)
+        return self._threads.put(ScriptConnection(pool.connection_class(**kwargs)))
 
     # -- the protocol ---------------------------------------------------------------------
     def acquire(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
@@ -260,25 +285,20 @@ class RedisLockStore(ListeningStore, LockStore):
         needs them all); the locks themselves are read a page at a time."""
         start = f"{self.prefix}{{"
         pattern = _GLOB_RE.sub(r"\\\1", start + _escape(prefix)) + "*"
-        client = self._client()
         try:
-            keys = sorted(
-                _unescape(name[len(start) : -1])
-                for name in map(_text, client.scan_iter(match=pattern, count=PAGE_SIZE))
-                if name.endswith("}") and name.startswith(start)
-            )
-        except STORE_ERRORS as exc:
+            names = self._scan(pattern)
+        except (*STORE_ERRORS, OSError) as exc:
             raise self._unavailable(exc) from exc
+        keys = sorted(
+            _unescape(name[len(start) : -1])
+            for name in map(_text, names)
+            if name.endswith("}") and name.startswith(start)
+        )
         for first in range(0, len(keys), PAGE_SIZE):
             page = keys[first : first + PAGE_SIZE]
             try:
-                pipe = client.pipeline(transaction=False)
-                for key in page:
-                    name = self._names(key)[0]
-                    pipe.hmget(name, "o", "h", "f", "t")
-                    pipe.pttl(name)
-                replies = pipe.execute()
-            except STORE_ERRORS as exc:
+                replies = self._read_page([self._names(key)[0] for key in page])
+            except (*STORE_ERRORS, OSError) as exc:
                 raise self._unavailable(exc) from exc
             for index, key in enumerate(page):
                 fields, pttl = replies[2 * index], replies[2 * index + 1]
@@ -287,6 +307,42 @@ class RedisLockStore(ListeningStore, LockStore):
                     continue
                 owner, holder, fence, acquired = fields
                 yield self._info(key, owner, holder, fence, acquired, pttl)
+
+    def _scan(self, pattern: str) -> list[Any]:
+        """The name of every key matching `pattern`, SCANned a page at a time (on this
+        thread's own connection when there is one, as the scripts run)."""
+        own = self._script_connection()
+        if own is None:
+            return list(self._client().scan_iter(match=pattern, count=PAGE_SIZE))
+        names: list[Any] = []
+        cursor: Any = 0
+        while True:
+            [(cursor, found)] = own.call(
+                _pack(b"SCAN", cursor, b"MATCH", pattern, b"COUNT", PAGE_SIZE)
+            )
+            names.extend(found)
+            if int(cursor) == 0:
+                return names
+
+    def _read_page(self, names: Sequence[str]) -> list[Any]:
+        """HMGET o h f t, then PTTL, of each lock in `names`: one round trip."""
+        own = self._script_connection()
+        if own is not None:
+            return own.call(
+                *(
+                    packed
+                    for name in names
+                    for packed in (
+                        _pack(b"HMGET", name, b"o", b"h", b"f", b"t"),
+                        _pack(b"PTTL", name),
+                    )
+                )
+            )
+        pipe = self._client().pipeline(transaction=False)
+        for name in names:
+            pipe.hmget(name, "o", "h", "f", "t")
+            pipe.pttl(name)
+        return list(pipe.execute())
 
     @staticmethod
     def _acquired(reply: Any) -> AcquireResult:
@@ -397,7 +453,7 @@ class RedisLockStore(ListeningStore, LockStore):
                     )
                 )
         else:
-            factory = _async_twin(self._client())
+            factory = _async_twin(self._client(), self.socket_timeout)
         self._async_factory, self._async_checked = factory, True
         return factory
 
