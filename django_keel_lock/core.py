@@ -28,10 +28,12 @@ from django.dispatch import Signal
 
 from . import signals, tokens, watchdog
 from .durations import Duration, to_seconds
-from .exceptions import LockError, LockNotHeldError, LockUnavailable
+from .exceptions import LockError, LockNotHeldError, LockStoreUnavailable, LockUnavailable
 from .options import (
     DEFAULT_RETRY_DELAY,
+    RAISE,
     LockSpec,
+    OnLost,
     check_store,
     ttl_seconds,
     validate_key,
@@ -65,6 +67,7 @@ class Lock:
         holder: str | None = None,
         auto_extend: bool = False,
         max_hold: Duration | None = None,
+        on_lost: OnLost = RAISE,
     ) -> None:
         spec = LockSpec.parse(
             ttl=ttl,
@@ -74,6 +77,7 @@ class Lock:
             holder=holder,
             auto_extend=auto_extend,
             max_hold=max_hold,
+            on_lost=on_lost,
         )
         self._setup(key, spec, label=None)
 
@@ -92,12 +96,18 @@ class Lock:
         self.timeout, self.retry_delay = spec.timeout, spec.retry_delay
         self.holder = spec.holder_for(label)
         self.auto_extend, self.max_hold = spec.auto_extend, spec.max_hold
+        self.on_lost = spec.on_lost
         self.store_alias = spec.store
         self.owner: str | None = None
         self._next_owner: str | None = None
         self.fence: int | None = None
         #: True once this acquisition is known lost (expired, taken over, store unreachable).
         self.lost = False
+        self._lost_reason = ""
+        # The task running an async block's body, cancelled when the watchdog finds the lock
+        # lost (on_lost="raise" with auto_extend); and whether we did cancel it.
+        self._body: asyncio.Task[Any] | None = None
+        self._body_cancelled = False
         self._held = False
         self._valid_until = math.inf  # monotonic, the last expiry the store confirmed
         self._renewal: watchdog.Renewal | None = None
@@ -117,6 +127,11 @@ class Lock:
         else:
             result, sent = self._wait(owner, wait, delay)
         if not self._finish(owner, result, sent):
+            if result.fence is not None:  # granted too late: give it back
+                try:
+                    self._store.release(self.key, owner)
+                except LockStoreUnavailable:
+                    pass  # it is past its ttl already
             return False
         if self.auto_extend:
             self._renewal = watchdog.Renewal(self, owner, sent)
@@ -135,6 +150,9 @@ class Lock:
         return wait, delay
 
     def _begin(self) -> str:
+        if self._held and time.monotonic() >= self._valid_until:
+            # By its own clock the lock ran out: the handle holds nothing and may try again.
+            self._lost("its ttl ran out without a confirmed extend", owner=self.owner)
         if self._held:
             raise LockError(
                 f"this handle already holds {self.key!r}; release it first or make a new handle"
@@ -147,9 +165,16 @@ class Lock:
         return self._next_owner
 
     def _finish(self, owner: str, result: AcquireResult, sent: float) -> bool:
-        """Take on the outcome of an acquire attempt sent at monotonic time `sent`."""
+        """Take on the outcome of an acquire attempt sent at monotonic time `sent`. False when
+        not acquired, or acquired too late: the ttl (counted from `sent`) ran out before the
+        answer came, so the lock may already be someone else's."""
         if result.fence is None:
             logger.debug("lock %r is held by someone else", self.key)
+            return False
+        if time.monotonic() >= sent + self.ttl:
+            logger.info(
+                "lock %r was granted after its ttl of %gs ran out; not taken", self.key, self.ttl
+            )
             return False
         with self._mutex:
             self.owner, self.fence, self._held, self.lost = owner, result.fence, True, False
@@ -164,7 +189,11 @@ class Lock:
         deadline = time.monotonic() + timeout
         with Turn.wait_for(store, self.key, deadline) as mine:
             if not mine:
-                return AcquireResult(None), time.monotonic()
+                # The turn did not come by the deadline. Whoever has it may be stuck on a store
+                # that does not answer, so ask the store once ourselves: "held by someone else"
+                # must be the store's word, and an outage must reach every caller as one.
+                sent = time.monotonic()
+                return store.acquire(self.key, owner, self.holder, self.ttl), sent
             with store.watch(self.key) as waiter:
                 while True:
                     sent = time.monotonic()
@@ -189,6 +218,10 @@ class Lock:
         else:
             result, sent = await self._await(owner, wait, delay)
         if not self._finish(owner, result, sent):
+            if result.fence is not None:  # granted too late: give it back
+                undo, _ = await to_the_end(self._store.arelease(self.key, owner))
+                if not undo.cancelled():
+                    undo.exception()  # read, not raised: it is past its ttl already
             return False
         if self.auto_extend:
             self._renewal = watchdog.Renewal(self, owner, sent)
@@ -228,8 +261,8 @@ class Lock:
 
         deadline = time.monotonic() + timeout
         async with Turn.await_for(store, self.key, deadline) as mine:
-            if not mine:
-                return AcquireResult(None), time.monotonic()
+            if not mine:  # ask the store once ourselves, as `_wait` does
+                return await self._aattempt(owner)
             # watch() starts the store's cross-process listener; the callback is how an
             # async waiter hears of releases: it cannot block on the Waiter's condition.
             with store.watch(self.key):
@@ -282,7 +315,10 @@ class Lock:
     def _extend_args(self, ttl: Duration | None) -> tuple[float, str]:
         seconds = self.ttl if ttl is None else ttl_seconds(ttl)
         if not self._held or self.owner is None:
-            raise LockNotHeldError(f"cannot extend {self.key!r}: this handle does not hold it")
+            why = (
+                f"it was lost ({self._lost_reason})" if self.lost else "this handle doesn't hold it"
+            )
+            raise LockNotHeldError(f"cannot extend {self.key!r}: {why}")
         return seconds, self.owner
 
     def _extended(self, extended: bool, until: float) -> None:
@@ -308,16 +344,18 @@ class Lock:
 
     def renewal_lost(self, owner: str, reason: str) -> None:
         """The watchdog found the acquisition of `owner` gone; ignored if it is not current."""
-        self._lost(reason, owner=owner)
+        if self._lost(reason, owner=owner):
+            self._cancel_body()
 
-    def _lost(self, reason: str, owner: str | None = None) -> None:
-        """Mark the current acquisition lost, once: `lost`, a WARNING and `lock_lost`.
+    def _lost(self, reason: str, owner: str | None = None) -> bool:
+        """Mark the current acquisition lost, once: `lost`, a WARNING, `lock_lost`, and the
+        on_lost callable if there is one. True if this call was the one that found it.
 
         With `owner` (the watchdog reporting), only if that acquisition is still current."""
         with self._mutex:
             if self.lost or (owner is not None and (owner != self.owner or not self._held)):
-                return
-            self.lost, self._held = True, False
+                return False
+            self.lost, self._held, self._lost_reason = True, False, reason
             # Taken under the mutex: once it is released the handle may acquire again, and
             # that acquisition's watchdog is not ours to stop.
             renewal, self._renewal = self._renewal, None
@@ -325,11 +363,82 @@ class Lock:
             renewal.stop()
         logger.warning("lock %r (fence %s) was lost: %s", self.key, self.fence, reason)
         _announce(signals.lock_lost, lock=self, reason=reason)
+        if callable(self.on_lost):
+            self.on_lost(self)
+        return True
+
+    def _cancel_body(self) -> None:
+        """on_lost="raise": stop the async body that works under a lock it no longer holds
+        (`_aleave` turns the cancellation into LockNotHeldError)."""
+        body = self._body
+        if body is None or self.on_lost != RAISE or body.done():
+            return
+        self._body_cancelled = True
+        try:
+            same_loop = asyncio.get_running_loop() is body.get_loop()
+        except RuntimeError:
+            same_loop = False
+        if same_loop:
+            body.cancel()
+        else:
+            body.get_loop().call_soon_threadsafe(body.cancel)
+
+    def _loss_message(self) -> str:
+        return f"lock {self.key!r} (fence {self.fence}) was lost while held: {self._lost_reason}"
+
+    def _leave(self, error: BaseException | None) -> None:
+        """End a block whose body ran (and raised `error`, or None): release, then, with
+        on_lost="raise", raise LockNotHeldError if the lock was lost meanwhile. The body's
+        own error wins; the loss is added to it as a note."""
+        self.release()
+        self._check_kept(error)
+
+    def _check_kept(self, error: BaseException | None) -> None:
+        if not self.lost or self.on_lost != RAISE:
+            return
+        if error is None:
+            raise LockNotHeldError(self._loss_message())
+        error.add_note(self._loss_message())
+
+    def _watch_body(self) -> None:
+        """An async block's body starts in this task: with the watchdog on and
+        on_lost="raise", a loss cancels it."""
+        if self.auto_extend and self.on_lost == RAISE:
+            self._body, self._body_cancelled = asyncio.current_task(), False
+
+    async def _aleave(self, error: BaseException | None) -> None:
+        """`_leave` for async blocks. A cancellation we made of the body (`_cancel_body`)
+        becomes LockNotHeldError, as `asyncio.timeout` turns its own into TimeoutError; one
+        from elsewhere stays a CancelledError."""
+        body, self._body = self._body, None
+        ours = self._body_cancelled and body is not None
+        self._body_cancelled = False
+        others = body.uncancel() if ours and body is not None else 0
+        await self.arelease()
+        if ours and others == 0 and isinstance(error, asyncio.CancelledError):
+            raise LockNotHeldError(self._loss_message()) from error
+        self._check_kept(error)
 
     def _stop_renewal(self) -> None:
         renewal, self._renewal = self._renewal, None
         if renewal is not None:
             renewal.stop()
+
+    def is_owned(self) -> bool:
+        """Does the store still have this handle's acquisition? One round trip: the check to
+        make right before an irreversible side effect that cannot take a fence.
+
+        False (and the lock counted lost) when the store forgot it, it expired or was taken
+        over; raises LockStoreUnavailable when the store cannot say."""
+        if not self._held or self.owner is None:
+            return False
+        return self._owned(self._store.get(self.key))
+
+    def _owned(self, info: LockInfo | None) -> bool:
+        if info is not None and info.owner == self.owner:
+            return True
+        self._lost("the store no longer has it", owner=self.owner)
+        return False
 
     def ensure_held(self) -> None:
         """Raise LockNotHeldError unless this handle still holds its lock, as far as it knows.
@@ -389,11 +498,11 @@ class Lock:
         return self._store.get(self.key) is not None
 
     def is_expired(self) -> bool:
-        """True when this handle acquired the lock and no longer holds it in the store."""
-        if self.owner is None:
-            return False
-        info = self._store.get(self.key)
-        return info is None or info.owner != self.owner
+        """True when this handle held the lock and lost it (expired, taken over, forgotten by
+        the store); False before any acquisition and after a clean release."""
+        if self.lost or not self._held:
+            return self.lost
+        return not self.is_owned()
 
     def remaining_time(self) -> float | None:
         """Seconds until the key's current lock expires, None when nobody holds it."""
@@ -409,11 +518,16 @@ class Lock:
         return await self._store.aget(self.key) is not None
 
     async def ais_expired(self) -> bool:
-        """`is_expired` for async code: acquired by this handle, no longer held in the store."""
-        if self.owner is None:
+        """`is_expired` for async code: this handle held the lock and lost it."""
+        if self.lost or not self._held:
+            return self.lost
+        return not await self.ais_owned()
+
+    async def ais_owned(self) -> bool:
+        """`is_owned` for async code: does the store still have this handle's acquisition?"""
+        if not self._held or self.owner is None:
             return False
-        info = await self._store.aget(self.key)
-        return info is None or info.owner != self.owner
+        return self._owned(await self._store.aget(self.key))
 
     async def aremaining_time(self) -> float | None:
         """`remaining_time` for async code: seconds until the key's lock expires, or None."""
@@ -422,8 +536,9 @@ class Lock:
 
     @property
     def held(self) -> bool:
-        """Whether this handle believes it holds the lock (no store round trip)."""
-        return self._held
+        """Whether this handle believes it holds the lock: acquired, not released, not lost,
+        and its last confirmed expiry not passed (no store round trip)."""
+        return self._held and time.monotonic() < self._valid_until
 
     @property
     def store(self) -> LockStore:
@@ -443,8 +558,10 @@ class Lock:
             return LockOutcome(False, None)
         try:
             value = fn()
-        finally:
-            self.release()
+        except BaseException as error:
+            self._leave(error)
+            raise
+        self._leave(None)
         return LockOutcome(True, value)
 
     def run_immediately(self, fn: Callable[[], T]) -> LockOutcome[T]:
@@ -483,15 +600,19 @@ class Lock:
         cancellation the lock is kept until it returns, then released, then the cancel raised."""
         if not await self.aacquire(timeout=timeout, retry_delay=retry_delay):
             return LockOutcome(False, None)
+        self._watch_body()
         try:
             value = await _call(fn)
-        finally:
-            await self.arelease()
+        except BaseException as error:
+            await self._aleave(error)
+            raise
+        await self._aleave(None)
         return LockOutcome(True, value)
 
     async def __aenter__(self) -> Lock:
         if not await self.aacquire():
             raise self._unavailable()
+        self._watch_body()
         return self
 
     async def __aexit__(
@@ -500,7 +621,7 @@ class Lock:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await self.arelease()
+        await self._aleave(exc)
 
     def _unavailable(self) -> LockUnavailable:
         return LockUnavailable(
@@ -518,15 +639,18 @@ class Lock:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.release()
+        self._leave(exc)
 
     # -- handing over ---------------------------------------------------------------------
     def serialize(self) -> str:
         """A signed token another process can pass to `restore_lock` to extend or release."""
         if self.owner is None or self.fence is None or not self._held:
             raise LockNotHeldError(f"cannot serialize {self.key!r}: this handle does not hold it")
+        # The deadline travels as wall-clock time: monotonic clocks mean nothing in another
+        # process. Clock skew between the two machines shifts it; the store stays the judge.
+        expires_at = time.time() + (self._valid_until - time.monotonic())
         token = tokens.Token(
-            self.key, self.ttl, self.owner, self.fence, self.holder, self.store_alias
+            self.key, self.ttl, self.owner, self.fence, self.holder, self.store_alias, expires_at
         )
         return tokens.dumps(token)
 
@@ -560,11 +684,14 @@ def lock(
     holder: str | None = None,
     auto_extend: bool = False,
     max_hold: Duration | None = None,
+    on_lost: OnLost = RAISE,
 ) -> Lock:
     """A handle on `key` in `store`; nothing is acquired until acquire/run/`with`.
 
     `auto_extend=True` keeps the lock alive while held (extending every ttl/3), for at most
-    `max_hold` seconds in all if given."""
+    `max_hold` seconds in all if given. `on_lost` says what happens when the lock is lost while
+    held: "raise" (leaving `with`/`run` raises LockNotHeldError), "warn" (log only), or a
+    callable `(lock) -> None` called once when the loss is found."""
     return Lock(
         key,
         ttl=ttl,
@@ -574,6 +701,7 @@ def lock(
         holder=holder,
         auto_extend=auto_extend,
         max_hold=max_hold,
+        on_lost=on_lost,
     )
 
 
@@ -600,6 +728,10 @@ def restore_lock(token: str) -> Lock:
     data = tokens.loads(token)
     handle = Lock(data.key, ttl=data.ttl, store=data.store, holder=data.holder)
     handle.owner, handle.fence, handle._held = data.owner, data.fence, True
+    # The lock lives as long as it had left when serialized, no longer (a token from before
+    # tokens carried it: a whole ttl from now, as then).
+    left = data.ttl if data.expires_at is None else data.expires_at - time.time()
+    handle._valid_until = time.monotonic() + left
     return handle
 
 

@@ -13,6 +13,7 @@ templates alike. `on_locked` takes the markers of `options`: RAISE (the default)
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Literal, ParamSpec, Protocol, TypeVar, cast, overload
@@ -28,6 +29,7 @@ from .options import (
     SKIP,
     KeyTemplate,
     LockSpec,
+    OnLost,
     check_key_template,
     check_on_locked,
     format_key,
@@ -65,6 +67,7 @@ def locked(
     store: str = ...,
     holder: str | None = ...,
     on_locked: Literal["raise"] = ...,
+    on_lost: OnLost = ...,
 ) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
 
 
@@ -78,6 +81,7 @@ def locked(
     store: str = ...,
     holder: str | None = ...,
     on_locked: Literal["skip"],
+    on_lost: OnLost = ...,
 ) -> _Skipping: ...
 
 
@@ -90,6 +94,7 @@ def locked(
     store: str = "default",
     holder: str | None = None,
     on_locked: OnLocked = "raise",
+    on_lost: OnLost = RAISE,
 ) -> Callable[[Callable[P, R]], Callable[P, Any]] | _Skipping:
     """Hold the lock `key` (a "{name}" template over the call's arguments, or a callable taking
     them) while the function runs; waits up to `timeout` seconds for it.
@@ -97,15 +102,29 @@ def locked(
     When someone else holds it for the whole wait, `on_locked="raise"` (`options.RAISE`)
     raises LockUnavailable and `on_locked="skip"` (`options.SKIP`) returns None without calling
     the function (logged at INFO). A store that cannot be reached raises LockStoreUnavailable
-    either way. Works on `async def` functions.
+    either way. A lock lost while the function runs raises LockNotHeldError when it returns
+    (`on_lost`, as for `lock()`). Works on `async def` functions, not on generators.
     """
     check_on_locked(on_locked, ON_LOCKED_CHOICES)
     check_key_template(key)
     spec = LockSpec.parse(
-        ttl=ttl, timeout=timeout, retry_delay=retry_delay, store=store, holder=holder
+        ttl=ttl,
+        timeout=timeout,
+        retry_delay=retry_delay,
+        store=store,
+        holder=holder,
+        on_lost=on_lost,
     )
 
     def decorate(fn: Callable[P, R]) -> Callable[P, Any]:
+        if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+            # The call only makes the generator: the lock would be released before its body
+            # ran, and held by nobody while it yields.
+            raise TypeError(
+                f"@locked cannot wrap the generator function {fn.__qualname__}: its body runs "
+                f"after the call returns, outside the lock. Take the lock inside it: "
+                f"`with lock(...):` around the loop"
+            )
         return _wrap(fn, key, spec, on_locked)
 
     return decorate

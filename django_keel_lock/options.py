@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +29,9 @@ MAX_HOLDER_LENGTH = 255
 # Longer ttls would overflow some stores' interval arithmetic; a lock that must outlive a
 # year wants a human, not a ttl.
 MAX_TTL = 365 * 86400.0
+# Shorter ttls fall below what the stores resolve (Redis PX and the database clocks count
+# milliseconds at best): the lock would be expired as it is taken.
+MIN_TTL = 0.001
 _HOSTNAME = socket.gethostname()
 
 # -- on_locked: what a surface does when someone else holds the lock for the whole wait ----
@@ -41,6 +45,25 @@ RETRY: Final = "retry"
 # `(request, key) -> response` that answers instead of the default 409.
 
 OnLocked = Literal["raise", "skip", "retry"]
+
+# -- on_lost: what happens when a lock is lost while its holder works ------------------------
+# RAISE (the default): leaving the block (`with`, `run`, a decorated function, view or task)
+# raises `LockNotHeldError`, so an enclosing `transaction.atomic()` rolls back; an async body
+# kept alive by the watchdog is cancelled the moment the loss is found.
+#: Only log a WARNING and send `lock_lost`; the block ends normally.
+WARN: Final = "warn"
+#: Or a callable `(lock) -> None`, called once when the loss is detected; the block then ends
+#: normally: the callable decided what to do.
+OnLost = Literal["raise", "warn"] | Callable[["Lock"], object]
+
+
+def check_on_lost(value: object) -> OnLost:
+    """`value` if it is "raise", "warn" or a callable `(lock) -> None`, else a ValueError."""
+    if value in (RAISE, WARN):
+        return value  # type: ignore[return-value]
+    if callable(value):
+        return value
+    raise ValueError(f'on_lost must be "raise", "warn" or a callable (lock) -> None, got {value!r}')
 
 
 def check_on_locked(value: object, allowed: tuple[OnLocked, ...]) -> OnLocked:
@@ -62,8 +85,7 @@ def validate_key(key: object, store: LockStore | None = None) -> str:
         raise TypeError(f"key must be a str, got {type(key).__name__}")
     if not key:
         raise ValueError("key must be a non-empty string")
-    if "\x00" in key:
-        raise ValueError("key must not contain NUL characters")
+    _check_printable("key", key)
     try:
         key.encode("utf-8")
     except UnicodeEncodeError as exc:
@@ -78,6 +100,24 @@ def validate_key(key: object, store: LockStore | None = None) -> str:
 
 
 KeyTemplate = str | Callable[..., str]
+
+# Control characters (C0, DEL, C1): a key or holder is printed by `manage.py locks` and logs,
+# where ESC, BEL or a newline would rewrite the operator's terminal or forge a line.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
+def _check_printable(name: str, value: str) -> None:
+    found = _CONTROL.search(value)
+    if found is not None:
+        raise ValueError(
+            f"{name} must not contain control characters, found {found.group()!r} at index "
+            f"{found.start()} of {value!r:.80}"
+        )
+
+
+def printable(text: str) -> str:
+    """`text` with every control character written as an escape (\\x1b): safe to print."""
+    return _CONTROL.sub(lambda match: repr(match.group())[1:-1], text)
 
 
 def check_key_template(template: object) -> None:
@@ -121,18 +161,19 @@ def default_holder() -> str:
 
 
 def labelled_holder(label: str) -> str:
-    """`<hostname>:<pid> <label>`, cut to what a store keeps: tells people what holds a lock."""
-    return f"{default_holder()} {label}".replace("\x00", "")[:MAX_HOLDER_LENGTH]
+    """`<hostname>:<pid> <label>`, cut to what a store keeps: tells people what holds a lock.
+
+    The label may come from outside (a request's method): control characters are escaped."""
+    return printable(f"{default_holder()} {label}")[:MAX_HOLDER_LENGTH]
 
 
 def validate_holder(holder: object) -> str:
     """Return `holder` if a store can keep it as given, else raise naming the argument."""
     if not isinstance(holder, str):
         raise TypeError(f"holder must be a str, got {type(holder).__name__}")
-    if not holder or len(holder) > MAX_HOLDER_LENGTH or "\x00" in holder:
-        raise ValueError(
-            f"holder must be 1 to {MAX_HOLDER_LENGTH} characters without NUL, got {holder!r:.80}"
-        )
+    if not holder or len(holder) > MAX_HOLDER_LENGTH:
+        raise ValueError(f"holder must be 1 to {MAX_HOLDER_LENGTH} characters, got {holder!r:.80}")
+    _check_printable("holder", holder)
     try:
         holder.encode("utf-8")
     except UnicodeEncodeError as exc:
@@ -142,8 +183,13 @@ def validate_holder(holder: object) -> str:
 
 # -- durations ------------------------------------------------------------------------------
 def ttl_seconds(ttl: object) -> float:
-    """`ttl` as seconds: a duration > 0 and at most a year, else an error naming "ttl"."""
+    """`ttl` as seconds: a duration of 1 ms to a year, else an error naming "ttl"."""
     seconds = to_seconds("ttl", ttl)
+    if seconds < MIN_TTL:
+        raise ValueError(
+            f"ttl must be at least {MIN_TTL:g} seconds (1 ms: the finest expiry every store "
+            f"keeps), got {ttl!r}"
+        )
     if seconds > MAX_TTL:
         raise ValueError(f"ttl must be at most {MAX_TTL:g} seconds (a year), got {ttl!r}")
     return seconds
@@ -173,6 +219,7 @@ class LockSpec:
     holder: str | None = None
     auto_extend: bool = False
     max_hold: float | None = None
+    on_lost: OnLost = RAISE
 
     @classmethod
     def parse(
@@ -185,6 +232,7 @@ class LockSpec:
         holder: str | None = None,
         auto_extend: object = False,
         max_hold: Duration | None = None,
+        on_lost: object = RAISE,
     ) -> LockSpec:
         """Check and convert what a surface was given; a bad value raises naming it."""
         alias = check_store(store)
@@ -204,6 +252,7 @@ class LockSpec:
             holder=holder,
             auto_extend=auto_extend,
             max_hold=hold,
+            on_lost=check_on_lost(on_lost),
         )
 
     def resolved_ttl(self) -> float:

@@ -24,6 +24,9 @@ class Token(NamedTuple):
     fence: int
     holder: str
     store: str
+    #: When the lock runs out unless extended (seconds since the epoch, the signer's clock);
+    #: None in tokens made before tokens carried it.
+    expires_at: float | None = None
 
 
 # Short payload names keep tokens small; they are part of the token format.
@@ -35,11 +38,14 @@ _FIELDS: dict[str, tuple[str, type | tuple[type, ...]]] = {
     "h": ("holder", str),
     "s": ("store", str),
 }
+_OPTIONAL: dict[str, tuple[str, type | tuple[type, ...]]] = {
+    "e": ("expires_at", (int, float)),
+}
 
 
 def dumps(token: Token) -> str:
     """`token` signed and compressed, as a URL-safe string."""
-    payload = {name: getattr(token, field) for name, (field, _) in _FIELDS.items()}
+    payload = {name: getattr(token, field) for name, (field, _) in (_FIELDS | _OPTIONAL).items()}
     return signing.dumps(payload, salt=TOKEN_SALT, compress=True)
 
 
@@ -57,8 +63,12 @@ def loads(text: object) -> Token:
         raise InvalidLockToken(f"lock token could not be decoded: {exc}") from exc  # but be sure
     if not isinstance(data, dict) or not _shape_ok(data):
         raise InvalidLockToken("lock token is signed but does not describe a lock")
-    return Token(*(data[name] for name in _FIELDS))
+    values: list[Any] = [data.get(name) for name in _FIELDS | _OPTIONAL]
+    return Token(*values)
 
 
 def _shape_ok(data: dict[str, Any]) -> bool:
-    return all(isinstance(data.get(name), kind) for name, (_, kind) in _FIELDS.items())
+    return all(isinstance(data.get(name), kind) for name, (_, kind) in _FIELDS.items()) and all(
+        data.get(name) is None or isinstance(data[name], kind)
+        for name, (_, kind) in _OPTIONAL.items()
+    )

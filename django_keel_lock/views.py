@@ -23,12 +23,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from asgiref.sync import iscoroutinefunction, sync_to_async
-from django.core.exceptions import ImproperlyConfigured
+from django.core.exceptions import BadRequest, ImproperlyConfigured
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
 
 from .core import Lock
 from .durations import Duration
-from .options import DEFAULT_RETRY_DELAY, LockSpec
+from .options import DEFAULT_RETRY_DELAY, RAISE, LockSpec, OnLost, validate_key
 
 if TYPE_CHECKING:
     from django.views import View
@@ -84,6 +84,15 @@ def render_key_template(template: str, url_kwargs: dict[str, Any]) -> str:
                 f"(its URL kwargs: {known})"
             )
     return "".join(out)
+
+
+def request_label(request: HttpRequest) -> str:
+    """What a view's holder says about the request: its method and URL *pattern*
+    ("POST invoices/<int:pk>/charge/"). Not the path: paths carry secrets (password reset
+    tokens, signed links) and whatever a client typed; never the query string."""
+    match = getattr(request, "resolver_match", None)
+    route = getattr(match, "route", None) or getattr(match, "view_name", None) or "?"
+    return f"{request.method} {route}"
 
 
 def wants_json(request: HttpRequest) -> bool:
@@ -147,7 +156,12 @@ class ViewLock:
             key = render_key_template(self.key, kwargs)
         else:
             key = self.key(request, *args, **kwargs)
-        return self.spec.lock(key, label=f"{request.method} {request.path}")
+        try:
+            # The key comes from the URL: one a lock cannot take is the client's mistake.
+            validate_key(key)
+        except ValueError as exc:
+            raise BadRequest(f"cannot lock this resource: {exc}") from None
+        return self.spec.lock(key, label=request_label(request))
 
     def refused(self, request: HttpRequest, handle: Lock) -> HttpResponseBase:
         if self.on_locked is None:
@@ -200,6 +214,7 @@ def _view_lock(
     store: str,
     holder: str | None,
     on_locked: OnLockedView | None,
+    on_lost: OnLost,
 ) -> ViewLock:
     """`ViewLock` from what `lock_view` and `LockViewMixin` take; a bad value raises naming it."""
     if isinstance(key, str):
@@ -215,7 +230,12 @@ def _view_lock(
             f"got {type(on_locked).__name__}"
         )
     spec = LockSpec.parse(
-        ttl=ttl, timeout=timeout, retry_delay=retry_delay, store=store, holder=holder
+        ttl=ttl,
+        timeout=timeout,
+        retry_delay=retry_delay,
+        store=store,
+        holder=holder,
+        on_lost=on_lost,
     )
     return ViewLock(key, spec, on_locked)
 
@@ -239,16 +259,18 @@ def lock_view(
     store: str = "default",
     holder: str | None = None,
     on_locked: OnLockedView | None = None,
+    on_lost: OnLost = RAISE,
 ) -> Callable[[ViewFunc], ViewFunc]:
     """Run the view only while holding `key`; while another request holds it, answer 409.
 
     `key` is a template whose <name> placeholders come from the URL kwargs, or a callable
     `(request, *args, **kwargs) -> key`. `on_locked(request, key)` answers instead of the 409.
-    ttl, timeout (how long to wait for the lock before answering), retry_delay, store and holder
-    go to `lock()`. Works on sync and `async def` views and (via method_decorator on
-    "dispatch") on class-based views.
+    ttl, timeout (how long to wait for the lock before answering), retry_delay, store, holder
+    and on_lost go to `lock()`: a lock lost while the view ran raises LockNotHeldError (a 500,
+    and `ATOMIC_REQUESTS` rolls back) unless on_lost says otherwise. Works on sync and
+    `async def` views and (via method_decorator on "dispatch") on class-based views.
     """
-    config = _view_lock(key, ttl, timeout, retry_delay, store, holder, on_locked)
+    config = _view_lock(key, ttl, timeout, retry_delay, store, holder, on_locked, on_lost)
 
     def decorate(view: ViewFunc) -> ViewFunc:
         if iscoroutinefunction(view):
@@ -271,8 +293,9 @@ def lock_view(
 class LockViewMixin(_MixinBase):
     """Class-based view twin of `lock_view`: set `lock_key` (or override `get_lock_key`).
 
-    Attributes lock_ttl, lock_timeout, lock_retry_delay, lock_store and lock_holder go to
-    `lock()`; define a method `lock_on_locked(self, request, key)` to answer instead of the 409.
+    Attributes lock_ttl, lock_timeout, lock_retry_delay, lock_store, lock_holder and
+    lock_on_lost ("raise", "warn", or a method `(self, lock)`) go to `lock()`; define a method
+    `lock_on_locked(self, request, key)` to answer instead of the 409.
     """
 
     lock_key: ViewKey | None = None
@@ -283,6 +306,7 @@ class LockViewMixin(_MixinBase):
     lock_holder: str | None = None
     #: A method `(self, request, key) -> HttpResponse` to answer instead of the default 409.
     lock_on_locked: OnLockedView | None = None
+    lock_on_lost: OnLost = RAISE
 
     def get_lock_key(self, request: HttpRequest, *args: Any, **kwargs: Any) -> str:
         """The key for this request: `lock_key` with <name> filled from the URL kwargs."""
@@ -305,6 +329,7 @@ class LockViewMixin(_MixinBase):
             self.lock_store,
             self.lock_holder,
             self.lock_on_locked,
+            self.lock_on_lost,
         )
 
     def dispatch(self, request: HttpRequest, *args: Any, **kwargs: Any) -> Any:

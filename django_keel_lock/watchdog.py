@@ -164,7 +164,10 @@ class Renewal:
     def _report_lost(self, reason: str) -> None:
         handle = self._handle()
         if handle is not None and not self.stopped:
-            handle.renewal_lost(self.owner, reason)
+            try:
+                handle.renewal_lost(self.owner, reason)
+            except Exception:  # the holder's on_lost callable: nobody here to raise to
+                logger.exception("on_lost of lock %r raised", self.key)
 
     # -- sync -----------------------------------------------------------------------------
     def _wait(self, timeout: float) -> bool:

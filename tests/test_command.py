@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import sqlite3
 import time
 import tracemalloc
 from collections.abc import Iterator
@@ -354,3 +355,24 @@ def test_a_broken_alias_does_not_break_commands_on_the_others(key: str) -> None:
     assert key in run("list", "--store", "memory")
     error = fails("list", "--store", "broken")
     assert error.returncode == 2 and "cannot be imported" in str(error)
+
+
+def test_list_and_show_escape_control_characters_written_by_another_client(key: str) -> None:
+    # A row written straight into the table (an older version, another tool): ESC [ 2 J
+    # would clear the operator's terminal, the newline would forge a second row.
+    evil_key, evil_holder = f"{key}:\x1b[2J", "web-1:1\nFAKE  ROW"
+    path = connections["default"].settings_dict["NAME"]
+    with sqlite3.connect(path) as raw:
+        raw.execute(
+            "INSERT INTO django_keel_lock_lock (key, owner, holder, fence, acquired_at, "
+            "expires_at) VALUES (?, 'x', ?, 1, datetime('now'), datetime('now', '+60 seconds'))",
+            (evil_key, evil_holder),
+        )
+    try:
+        listed = run("list", "--store", "sqlite", "--prefix", key)
+        assert "\x1b" not in listed and "\\x1b[2J" in listed
+        assert "FAKE" in listed and len(listed.splitlines()) == 3  # header, one row, summary
+        assert "web-1:1\\nFAKE" in listed
+    finally:
+        with sqlite3.connect(path) as raw:
+            raw.execute("DELETE FROM django_keel_lock_lock WHERE key = ?", (evil_key,))

@@ -262,3 +262,17 @@ def test_async_store_outage_raises_even_with_skip(key: str) -> None:
     with override_settings(KEEL_LOCK_STORES={**conf.STORES, **DOWN_STORES}):
         with pytest.raises(LockStoreUnavailable):
             async_to_sync(job)()
+
+
+def test_locked_refuses_generator_functions_at_decoration() -> None:
+    with pytest.raises(TypeError, match=r"cannot wrap the generator function .*rows"):
+
+        @locked("export", store="memory")
+        def rows() -> Any:
+            yield 1
+
+    with pytest.raises(TypeError, match=r"cannot wrap the generator function .*arows"):
+
+        @locked("export", store="memory")
+        async def arows() -> Any:
+            yield 1

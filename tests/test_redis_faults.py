@@ -6,6 +6,7 @@ Every test here runs its own redis-server on a free port (and a proxy where it n
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
@@ -260,3 +261,62 @@ def test_connection_refused_from_the_start_is_store_unavailable(key: str) -> Non
         with pytest.raises(LockStoreUnavailable, match=r"Connection refused|Error 111"):
             lock(key, store=alias).acquire(timeout=5)
         assert time.monotonic() - started < 3  # an outage is not waited out like contention
+
+
+def test_every_waiter_of_a_process_gets_unavailable_when_the_store_hangs(
+    proxy: FaultyProxy, key: str
+) -> None:
+    # Waiters on one key take turns; the one whose turn it is hangs on the frozen store. The
+    # others reach their deadline first: they must not report "held by someone else".
+    store = _store(proxy.url + "?socket_timeout=3")
+    with serving(store) as alias:
+        assert lock(f"warm-up:{uuid.uuid4().hex}", store=alias).run(lambda: None).acquired
+        proxy.mode = "stall"
+        outcomes: list[object] = []
+
+        def wait_for_it() -> None:
+            try:
+                outcomes.append(lock(key, ttl=30, timeout=1, store=alias).acquire())
+            except LockStoreUnavailable as exc:
+                outcomes.append(exc)
+
+        waiters = [threading.Thread(target=wait_for_it) for _ in range(4)]
+        for waiter in waiters:
+            waiter.start()
+        for waiter in waiters:
+            waiter.join(15)
+        proxy.mode = "pass"
+    assert len(outcomes) == 4
+    assert all(isinstance(outcome, LockStoreUnavailable) for outcome in outcomes), outcomes
+
+
+def test_a_grant_that_arrives_after_the_ttl_is_not_taken(
+    proxy: FaultyProxy, proxied: tuple[str, RedisLockStore], key: str
+) -> None:
+    alias, store = proxied
+    handle = lock(key, ttl=0.05, store=alias)
+    result: list[bool] = []
+    proxy.mode = "stall"
+    attempt = threading.Thread(target=lambda: result.append(handle.acquire()))
+    attempt.start()
+    time.sleep(0.3)  # the request, and so the reply, is held past the 50 ms ttl
+    proxy.mode = "pass"
+    attempt.join(5)
+    assert result == [False]
+    assert not handle.held and handle.fence is None
+    assert store.get(key) is None  # given back, not left to expire
+    assert handle.acquire()  # and the handle may try again
+    assert handle.release()
+
+
+async def test_every_waiting_task_gets_unavailable_when_the_store_hangs(
+    proxy: FaultyProxy, key: str
+) -> None:
+    store = _store(proxy.url + "?socket_timeout=3")
+    with serving(store) as alias:
+        assert (await lock(f"warm-up:{uuid.uuid4().hex}", store=alias).arun(lambda: None)).acquired
+        proxy.mode = "stall"
+        waiters = [lock(key, ttl=30, timeout=1, store=alias).aacquire() for _ in range(4)]
+        outcomes = await asyncio.gather(*waiters, return_exceptions=True)
+        proxy.mode = "pass"
+    assert all(isinstance(outcome, LockStoreUnavailable) for outcome in outcomes), outcomes

@@ -306,7 +306,7 @@ async def test_async_auto_extend_runs_as_a_task_and_stops_on_release(alias: str,
 async def test_async_watchdog_notices_takeover(
     make_lock: Callable[..., Lock], store: LockStore, key: str, lost_events: list[tuple[Lock, str]]
 ) -> None:
-    handle = make_lock(ttl=TTL, auto_extend=True)
+    handle = make_lock(ttl=TTL, auto_extend=True, on_lost="warn")  # the body goes on
     async with handle:
         assert await store.aget(key) is not None
         await asyncio.to_thread(store.force_release, key)

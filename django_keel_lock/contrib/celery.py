@@ -44,6 +44,7 @@ from ..options import (
     KeyTemplate,
     LockSpec,
     OnLocked,
+    OnLost,
     check_on_locked,
     format_key,
 )
@@ -81,6 +82,7 @@ def locked_task(
     countdown: Duration | None = None,
     auto_extend: bool = False,
     max_hold: Duration | None = None,
+    on_lost: OnLost = RAISE,
 ) -> Callable[[Callable[P, R]], Callable[P, R | None]]:
     """Run the task body only while holding the lock `key` (formatted from the task's
     arguments, `self` included for bound tasks); put it *under* `@shared_task`.
@@ -94,6 +96,8 @@ def locked_task(
 
     `auto_extend=True` keeps the lock alive while the task runs (the lock watchdog), for at
     most `max_hold` in all if given; ttl then only bounds how long a crashed worker blocks.
+    A lock lost while the task ran fails the task with LockNotHeldError unless `on_lost`
+    ("raise", "warn" or a callable `(lock) -> None`, as for `lock()`) says otherwise.
     """
     check_on_locked(on_locked, _ON_LOCKED)
     # Fail where the task is defined, not in the worker on its first run.
@@ -105,6 +109,7 @@ def locked_task(
         holder=holder,
         auto_extend=auto_extend,
         max_hold=max_hold,
+        on_lost=on_lost,
     )
     if countdown is not None and on_locked != RETRY:
         raise ValueError('countdown= only applies to on_locked="retry"')

@@ -42,7 +42,7 @@ def main() -> None:
     assert second.status_code == 409, second.status_code
     assert "Retry-After" in second
     page = client.get("/").content.decode()  # the page lists the lock held right now
-    assert f"invoice:{invoice.pk}" in page and "POST /invoices/" in page, page
+    assert f"invoice:{invoice.pk}" in page and "POST invoices/" in page, page
     slow.join()
     assert first["response"].status_code == 302  # type: ignore[attr-defined]
     assert client.post(url, {"seconds": "0"}).status_code == 302  # paid already: no charge

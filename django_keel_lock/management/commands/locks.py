@@ -14,7 +14,8 @@ with fixed column widths so the table never needs every row in memory.
 
 Owner tokens are never printed unless `show --show-owner` asks: the token is what a store checks
 before it releases or extends a lock for its holder, so it stays out of terminals, logs and
-pasted output by default.
+pasted output by default. Keys and holders are printed with control characters escaped
+(`\x1b`): a row written by another client of the store cannot drive the operator's terminal.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from ...conf import conf
 from ...core import force_release
 from ...exceptions import LockStoreUnavailable
-from ...options import validate_key
+from ...options import printable, validate_key
 from ...registry import get_lock_store
 from ...stores.base import LockInfo, LockStore
 
@@ -68,7 +69,7 @@ def info_dict(info: LockInfo, *, owner: bool = False) -> dict[str, Any]:
 
 
 def table_row(info: LockInfo) -> str:
-    holder = info.holder
+    holder = printable(info.holder)
     if len(holder) > HOLDER_WIDTH:
         holder = holder[: HOLDER_WIDTH - 1] + "…"
     return ROW.format(
@@ -76,7 +77,7 @@ def table_row(info: LockInfo) -> str:
         expires=format_expires(info.expires_in),
         acquired=format_acquired(info),
         holder=holder,
-        key=info.key,
+        key=printable(info.key),
     )
 
 
@@ -186,7 +187,7 @@ class Command(BaseCommand):
             ("expires in", format_expires(info.expires_in)),
         ]
         for label, value in rows:
-            self.stdout.write(f"{label + ':':<12}{value}")
+            self.stdout.write(f"{label + ':':<12}{printable(value)}")
 
     def do_release(self, store: LockStore, options: dict[str, Any]) -> None:
         key = self.checked_key(store, options["key"])
@@ -195,7 +196,7 @@ class Command(BaseCommand):
             info = self.read(store, key)
             confirmed = info.fence
             question = (
-                f"Force-release {key!r} in store {store.alias!r}, held by {info.holder} "
+                f"Force-release {key!r} in store {store.alias!r}, held by {printable(info.holder)} "
                 f"(fence {info.fence}, expires in {format_expires(info.expires_in)})? "
                 "Its holder will keep running without the lock. [y/N] "
             )
@@ -218,7 +219,7 @@ class Command(BaseCommand):
                 )
             raise self.not_held(store, key)
         self.stdout.write(
-            f"Released {key!r} in store {store.alias!r} (was held by {freed.holder}, "
+            f"Released {key!r} in store {store.alias!r} (was held by {printable(freed.holder)}, "
             f"fence {freed.fence})."
         )
 
