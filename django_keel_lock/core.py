@@ -315,9 +315,9 @@ class Lock:
     def _extend_args(self, ttl: Duration | None) -> tuple[float, str]:
         seconds = self.ttl if ttl is None else ttl_seconds(ttl)
         if not self._held or self.owner is None:
-            why = (
-                f"it was lost ({self._lost_reason})" if self.lost else "this handle doesn't hold it"
-            )
+            why = "this handle does not hold it"
+            if self.lost:
+                why = f"it was lost ({self._lost_reason})"
             raise LockNotHeldError(f"cannot extend {self.key!r}: {why}")
         return seconds, self.owner
 
