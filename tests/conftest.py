@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import tempfile
@@ -13,7 +14,7 @@ from typing import Any, NoReturn
 import pytest
 from django.conf import settings
 from django.db import connections
-from django.test.utils import setup_databases, teardown_databases
+from django.test.utils import override_settings, setup_databases, teardown_databases
 
 from django_keel_lock import Lock, get_lock_store, lock, set_lock_store
 from django_keel_lock.registry import reset_stores
@@ -96,6 +97,50 @@ def django_db_setup(django_test_environment: Any, django_db_blocker: Any) -> Ite
 def _databases(django_db_setup: Any, django_db_blocker: Any) -> Iterator[None]:
     """Stores open their own connections, outside any test transaction: let them."""
     with django_db_blocker.unblock():
+        yield
+
+
+# -- a third party's store through the contract suite (docs/writing-a-store.md) -----------
+#: The alias KEEL_LOCK_CONTRACT_STORE="package.module.StoreClass" (with its OPTIONS as a JSON
+#: object in KEEL_LOCK_CONTRACT_OPTIONS) adds to the stores tests/test_contract.py runs on.
+THIRD_PARTY = "third-party"
+
+
+def third_party_store_config() -> dict[str, Any] | None:
+    """The KEEL_LOCK_STORES entry the environment asks for, or None when it asks for none."""
+    backend = os.environ.get("KEEL_LOCK_CONTRACT_STORE", "").strip()
+    if not backend:
+        return None
+    raw = os.environ.get("KEEL_LOCK_CONTRACT_OPTIONS", "").strip() or "{}"
+    try:
+        options = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise pytest.UsageError(
+            f"KEEL_LOCK_CONTRACT_OPTIONS is not JSON ({exc}): {raw!r}"
+        ) from None
+    if not isinstance(options, dict):
+        raise pytest.UsageError(
+            f"KEEL_LOCK_CONTRACT_OPTIONS must be a JSON object (the store's OPTIONS), got {raw!r}"
+        )
+    return {"BACKEND": backend, "OPTIONS": options}
+
+
+THIRD_PARTY_STORE = third_party_store_config()
+#: The contract suite's stores: every built-in one that runs here, and the third party's.
+CONTRACT_STORES = ALL_STORES + (
+    [pytest.param(THIRD_PARTY, id=THIRD_PARTY)] if THIRD_PARTY_STORE else []
+)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _third_party_store(_databases: None) -> Iterator[None]:
+    """KEEL_LOCK_STORES["third-party"] for the whole run, when the environment names one."""
+    if THIRD_PARTY_STORE is None:
+        yield
+        return
+    with override_settings(
+        KEEL_LOCK_STORES={**settings.KEEL_LOCK_STORES, THIRD_PARTY: THIRD_PARTY_STORE}
+    ):
         yield
 
 

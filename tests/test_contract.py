@@ -1,6 +1,8 @@
 """The contract every store passes unchanged: memory, SQLite, PostgreSQL, MariaDB (and Redis).
 
-Written against the public Lock API, so the core and the store are tested together.
+Written against the public Lock API, so the core and the store are tested together. A third
+party's store joins as the alias "third-party" when KEEL_LOCK_CONTRACT_STORE names it
+(tests/conftest.py, docs/writing-a-store.md).
 """
 
 from __future__ import annotations
@@ -19,6 +21,13 @@ from django_keel_lock import (
     restore_lock,
 )
 from django_keel_lock.stores import LockStore
+from tests.conftest import CONTRACT_STORES
+
+
+@pytest.fixture(params=CONTRACT_STORES)
+def store_alias(request: pytest.FixtureRequest) -> str:
+    """Every store of the contract: the built-in ones and, if named, the third party's."""
+    return str(request.param)
 
 
 def test_acquire_then_second_handle_is_refused(make_lock: Callable[..., Lock]) -> None:
@@ -83,6 +92,23 @@ def test_expired_lock_is_taken_over_and_stale_release_returns_false_keeping_new_
     assert info is not None and info.owner == fresh.owner
     assert fresh.is_locked() and not fresh.is_expired()
     assert fresh.release()
+
+
+def test_release_after_takeover_returns_false_and_keeps_new_holder(
+    make_lock: Callable[..., Lock], store: LockStore
+) -> None:
+    # The first handle still believes it holds (its ttl is far off): only the store can tell
+    # that the key changed hands, by comparing owners.
+    first = make_lock(ttl=30)
+    assert first.acquire()
+    assert store.force_release(first.key) is not None
+    second = make_lock(ttl=30)
+    assert second.acquire()
+    assert first.release() is False
+    info = second.info()
+    assert info is not None and info.owner == second.owner
+    assert second.is_owned()
+    assert second.release()
 
 
 def test_stale_extend_raises_and_marks_handle_not_held(make_lock: Callable[..., Lock]) -> None:
