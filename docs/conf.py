@@ -48,5 +48,16 @@ autodoc_default_options = {"show-inheritance": True}
 # Docstrings use single backticks for code, as in the source.
 default_role = "code"
 
+
+def _public_bases(app: object, name: str, obj: object, options: object, bases: list[type]) -> None:
+    """Show only public bases: the stores' listening mixin is not importable from a public
+    module (and the reference says so)."""
+    bases[:] = [b for b in bases if b.__name__ != "ListeningStore"]
+
+
+def setup(app: object) -> None:
+    app.connect("autodoc-process-bases", _public_bases)  # type: ignore[attr-defined]
+
+
 html_theme = "furo"
 html_title = f"django-keel-lock {release}"
