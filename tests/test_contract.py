@@ -111,6 +111,20 @@ def test_release_after_takeover_returns_false_and_keeps_new_holder(
     assert second.release()
 
 
+def test_the_same_owner_asking_again_gets_its_acquisition_back(
+    store: LockStore, key: str
+) -> None:
+    # What a retry after a lost reply does: the lock is the asker's already.
+    first = store.acquire(key, "owner-a", "h", 30)
+    again = store.acquire(key, "owner-a", "h", 30)
+    assert first.fence is not None and again.fence is not None
+    assert again.fence >= first.fence
+    assert store.acquire(key, "owner-b", "h", 30).fence is None
+    info = store.get(key)
+    assert info is not None and info.owner == "owner-a"
+    assert store.release(key, "owner-a")
+
+
 def test_stale_extend_raises_and_marks_handle_not_held(make_lock: Callable[..., Lock]) -> None:
     stale = make_lock(ttl=0.2)
     assert stale.acquire()

@@ -39,7 +39,12 @@ class MemoryLockStore(LockStore):
         with self._mutex:
             entry = self._locks.get(key)
             if entry is not None and entry.expires_at > now:
-                return AcquireResult(None, entry.expires_at - now)
+                if entry.owner != owner:
+                    return AcquireResult(None, entry.expires_at - now)
+                # The same owner asking again gets its acquisition back, ttl renewed, as the
+                # contract asks of every store (there, a retry after a lost reply).
+                entry.expires_at = now + ttl
+                return AcquireResult(entry.fence)
             fence = next(self._fences)
             self._locks[key] = _Entry(owner, holder, fence, now, now + ttl)
         return AcquireResult(fence)
