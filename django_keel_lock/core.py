@@ -105,9 +105,11 @@ class Lock:
         self.lost = False
         self._lost_reason = ""
         # The task running an async block's body, cancelled when the watchdog finds the lock
-        # lost (on_lost="raise" with auto_extend); and whether we did cancel it.
+        # lost (on_lost="raise" with auto_extend); how many times we cancelled it, and how
+        # many cancellations it already had pending when the block began.
         self._body: asyncio.Task[Any] | None = None
-        self._body_cancelled = False
+        self._body_cancels = 0
+        self._body_pending = 0
         self._held = False
         self._valid_until = math.inf  # monotonic, the last expiry the store confirmed
         self._renewal: watchdog.Renewal | None = None
@@ -373,7 +375,7 @@ class Lock:
         body = self._body
         if body is None or self.on_lost != RAISE or body.done():
             return
-        self._body_cancelled = True
+        self._body_cancels += 1
         try:
             same_loop = asyncio.get_running_loop() is body.get_loop()
         except RuntimeError:
@@ -404,18 +406,24 @@ class Lock:
         """An async block's body starts in this task: with the watchdog on and
         on_lost="raise", a loss cancels it."""
         if self.auto_extend and self.on_lost == RAISE:
-            self._body, self._body_cancelled = asyncio.current_task(), False
+            body = asyncio.current_task()
+            self._body, self._body_cancels = body, 0
+            self._body_pending = 0 if body is None else body.cancelling()
 
     async def _aleave(self, error: BaseException | None) -> None:
         """`_leave` for async blocks. A cancellation we made of the body (`_cancel_body`)
         becomes LockNotHeldError, as `asyncio.timeout` turns its own into TimeoutError; one
-        from elsewhere stays a CancelledError."""
+        from elsewhere stays a CancelledError. Each cancellation we made is taken back (a body
+        that caught one and acquired again may be cancelled twice); the task may have been
+        cancelled before the block began (cleanup under a lock at shutdown): those stay."""
         body, self._body = self._body, None
-        ours = self._body_cancelled and body is not None
-        self._body_cancelled = False
-        others = body.uncancel() if ours and body is not None else 0
+        ours, self._body_cancels = self._body_cancels, 0
+        pending = others = self._body_pending
+        if body is not None:
+            for _ in range(ours):
+                others = body.uncancel()
         await self.arelease()
-        if ours and others == 0 and isinstance(error, asyncio.CancelledError):
+        if ours and others <= pending and isinstance(error, asyncio.CancelledError):
             raise LockNotHeldError(self._loss_message()) from error
         self._check_kept(error)
 
