@@ -221,9 +221,11 @@ class Lock:
             result, sent = await self._await(owner, wait, delay)
         if not self._finish(owner, result, sent):
             if result.fence is not None:  # granted too late: give it back
-                undo, _ = await to_the_end(self._store.arelease(self.key, owner))
+                undo, cancelled = await to_the_end(self._store.arelease(self.key, owner))
                 if not undo.cancelled():
                     undo.exception()  # read, not raised: it is past its ttl already
+                if cancelled is not None:
+                    raise cancelled
             return False
         if self.auto_extend:
             self._renewal = watchdog.Renewal(self, owner, sent)

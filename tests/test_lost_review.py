@@ -8,13 +8,20 @@ Locks are lost the way they are in production (a takeover), on every real store.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import logging
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from urllib.parse import urlsplit
 
 import pytest
+from django.conf import settings
 
-from django_keel_lock import Lock, LockNotHeldError
-from django_keel_lock.stores import LockStore
+from django_keel_lock import Lock, LockNotHeldError, lock
+from django_keel_lock.stores import LockStore, RedisLockStore
 
+from .conftest import needs_store, serving
+from .support.redis_servers import FaultyProxy
 from .test_lost_locks import TTL, take_over
 
 
@@ -70,3 +77,59 @@ async def test_a_handle_lost_twice_in_one_block_takes_back_both_cancellations(
             await asyncio.to_thread(take_over, store, key)
             await asyncio.sleep(30)
     assert cancelling() == 0
+
+
+# -- a late grant given back ------------------------------------------------------------------
+@pytest.fixture
+def proxied_redis() -> Iterator[tuple[FaultyProxy, str]]:
+    """A Redis store reaching the suite's Redis server through a FaultyProxy."""
+    proxy = FaultyProxy(urlsplit(settings.REDIS_URL).port or 6379)
+    url = f"{proxy.url}?socket_timeout=1"
+    store = RedisLockStore(f"review-{uuid.uuid4().hex[:8]}", {"URL": url})
+    try:
+        with serving(store) as alias:
+            # Warm up: the connection is open and the scripts loaded before any fault.
+            assert lock(f"warm-up:{uuid.uuid4().hex}", store=alias).run(lambda: None).acquired
+            yield proxy, alias
+    finally:
+        proxy.mode = "pass"
+        proxy.close()
+
+
+class _StallOnLateGrant(logging.Handler):
+    """When the core says a grant came too late, freeze the store: the give-back then hangs
+    the way it does on the slow store that made the grant late."""
+
+    def __init__(self, proxy: FaultyProxy) -> None:
+        super().__init__()
+        self.proxy = proxy
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "granted after its ttl" in record.getMessage():
+            self.proxy.mode = "stall"
+
+
+@needs_store("redis")
+async def test_a_cancellation_during_the_give_back_of_a_late_grant_is_raised(
+    proxied_redis: tuple[FaultyProxy, str], key: str
+) -> None:
+    proxy, alias = proxied_redis
+    handle = lock(key, ttl=0.1, store=alias)
+    handler = _StallOnLateGrant(proxy)
+    logger = logging.getLogger("django_keel_lock")
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    proxy.mode = "stall"
+    # The acquire is held past its 100 ms ttl, then answered; the give-back stalls.
+    threading.Timer(0.4, lambda: setattr(proxy, "mode", "pass")).start()
+    try:
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.8):  # fires while the give-back hangs
+                await handle.aacquire()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+        proxy.mode = "pass"
+    assert cancelling() == 0
+    assert not handle.held
