@@ -478,7 +478,12 @@ class Lock:
                     self.ttl,
                 )
             else:
-                self._released(future.result())
+                try:
+                    self._released(future.result())
+                except Exception:  # the on_lost callable: the cancellation must not be lost
+                    logger.exception(
+                        "on_lost of lock %r raised as its task was cancelled", self.key
+                    )
             raise cancelled
         return self._released(future.result())
 
@@ -495,6 +500,10 @@ class Lock:
                     self._extended(future.result(), sent + seconds)
                 except LockNotHeldError:
                     pass
+                except Exception:  # the on_lost callable: the cancellation must not be lost
+                    logger.exception(
+                        "on_lost of lock %r raised as its task was cancelled", self.key
+                    )
             raise cancelled
         self._extended(future.result(), sent + seconds)
 

@@ -1,6 +1,7 @@
 """Lost locks in the corners: the cancellation the core makes of an async body is counted and
 taken back exactly (whatever else cancels the task), and a cancellation that arrives while a
-late grant is being given back is not swallowed.
+late grant is being given back, or while a release or extend finds the lock lost and the
+on_lost callable raises, is not swallowed.
 
 Locks are lost the way they are in production (a takeover), on every real store.
 """
@@ -133,3 +134,47 @@ async def test_a_cancellation_during_the_give_back_of_a_late_grant_is_raised(
         proxy.mode = "pass"
     assert cancelling() == 0
     assert not handle.held
+
+
+# -- the on_lost callable -----------------------------------------------------------------------
+async def test_a_cancellation_during_the_release_is_raised_even_when_on_lost_raises(
+    make_lock: Callable[..., Lock], store: LockStore, key: str
+) -> None:
+    def refuse(handle: Lock) -> None:
+        raise RuntimeError("the work under this lock must be redone")
+
+    async def body() -> None:
+        async with make_lock(ttl=30, on_lost=refuse):
+            await asyncio.to_thread(take_over, store, key)
+            task = asyncio.current_task()
+            assert task is not None
+            # Cancelled the moment the release is sent; the release finds the lock taken.
+            asyncio.get_running_loop().call_soon(task.cancel)
+
+    task = asyncio.ensure_future(body())
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, timeout=10)
+    assert task.cancelled()
+
+
+async def test_a_cancellation_during_an_extend_is_raised_even_when_on_lost_raises(
+    make_lock: Callable[..., Lock], store: LockStore, key: str
+) -> None:
+    def refuse(handle: Lock) -> None:
+        raise RuntimeError("the work under this lock must be redone")
+
+    handle = make_lock(ttl=30, on_lost=refuse)
+    assert await handle.aacquire()
+    thief = await asyncio.to_thread(take_over, store, key)
+
+    async def extend() -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        asyncio.get_running_loop().call_soon(task.cancel)  # as the extend is sent
+        await handle.aextend()
+
+    task = asyncio.ensure_future(extend())
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, timeout=10)
+    assert task.cancelled() and handle.lost
+    assert await asyncio.to_thread(thief.release)
