@@ -8,6 +8,9 @@ from typing import Any
 
 TABLE = "django_keel_lock_lock"
 SEQUENCE = "django_keel_lock_fence"
+#: The owner a released row is left with (SQL): no owner's token, so no extend or release can
+#: match a released row, however its clock reads compare with the release's.
+RELEASED = "''"
 
 
 class Dialect:
@@ -15,7 +18,7 @@ class Dialect:
 
     vendor = ""
     acquire_sql: Sequence[str] = ()  # run in order; the last one's first row is (fence, retry_in)
-    release_sql = ""
+    release_sql = ""  # expires the row and sets its owner to RELEASED
     extend_sql = ""
     get_sql = ""
     page_sql = ""

@@ -6,7 +6,7 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
-from .base import INFO, SEQUENCE, TABLE, Dialect
+from .base import INFO, RELEASED, SEQUENCE, TABLE, Dialect
 
 # A release NOTIFYs on its key's own channel: CHANNEL_PREFIX + md5(key), a valid identifier
 # whatever the key, so a process LISTENs only to the keys it waits for.
@@ -45,10 +45,11 @@ class PostgresDialect(Dialect):
                   CASE WHEN owner <> %s THEN {_remaining} END
         """,
     )
-    # Release marks the row expired rather than deleting it, so the next acquirer goes through
-    # the UPDATE branch and draws its fence after it holds the row lock.
+    # Release marks the row expired (and ownerless: see RELEASED) rather than deleting it, so
+    # the next acquirer goes through the UPDATE branch and draws its fence after it holds the
+    # row lock.
     release_sql = f"""
-        UPDATE {TABLE} SET expires_at = clock_timestamp()
+        UPDATE {TABLE} SET owner = {RELEASED}, expires_at = clock_timestamp()
         WHERE key = %s AND owner = %s AND expires_at > clock_timestamp()
         RETURNING CASE WHEN waiting IS TRUE THEN pg_notify('{CHANNEL_PREFIX}' || md5(key), '') END
     """

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .base import INFO, TABLE, Dialect
+from .base import INFO, RELEASED, TABLE, Dialect
 
 
 class SQLiteDialect(Dialect):
@@ -29,7 +29,7 @@ class SQLiteDialect(Dialect):
         """,
     )
     release_sql = (
-        f"UPDATE {TABLE} SET expires_at = {_now} "
+        f"UPDATE {TABLE} SET owner = {RELEASED}, expires_at = {_now} "
         f"WHERE key = ? AND owner = ? AND expires_at > {_now}"
     )
     extend_sql = f"""
