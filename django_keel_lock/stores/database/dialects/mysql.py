@@ -68,9 +68,12 @@ class MySQLDialect(Dialect):
     def extend_params(self, key: str, owner: str, ttl: float) -> Sequence[Any]:
         return (round(ttl * 1_000_000), key, owner)
 
-    def connection_options(self, options: dict[str, Any], wrapper: Any) -> None:
+    def connection_options(
+        self, options: dict[str, Any], wrapper: Any, socket_timeout: float
+    ) -> None:
         from MySQLdb.constants.CLIENT import FOUND_ROWS
 
+        self.limit_connect_timeout(options, socket_timeout)
         # Keys may hold any Unicode character: talk utf8mb4 whatever the project's charset.
         options["charset"] = "utf8mb4"
         # Rows matched, not rows changed: an extend that leaves expires_at as it was still

@@ -83,7 +83,10 @@ class PostgresDialect(Dialect):
     def acquire_params(self, key: str, owner: str, holder: str, ttl: float) -> list[Sequence[Any]]:
         return [(key, owner, holder, ttl, owner, owner)]
 
-    def connection_options(self, options: dict[str, Any], wrapper: Any) -> None:
+    def connection_options(
+        self, options: dict[str, Any], wrapper: Any, socket_timeout: float
+    ) -> None:
+        self.limit_connect_timeout(options, socket_timeout)  # libpq waits at least 2 s
         if is_psycopg3(wrapper):
             # Server-side binding lets psycopg prepare our statements once per connection, so
             # the server stops re-planning them; a user's own choice (pgbouncer) wins.
