@@ -20,6 +20,8 @@ Errors
   django_keel_lock.E008  RedisLockStore OPTIONS CONNECTION names no CACHES alias, or a cache
                          that is not a django-redis cache.
   django_keel_lock.E009  KEEL_LOCK_DEFAULT_TTL is not a positive duration.
+  django_keel_lock.E010  DatabaseLockStore OPTIONS SOCKET_TIMEOUT is not a positive number of
+                         seconds.
 
 Warnings
   django_keel_lock.W001  MemoryLockStore is the "default" store while DEBUG is False: it does not
@@ -234,6 +236,24 @@ def _check_memory(alias: str, options: Mapping[str, Any]) -> list[CheckMessage]:
 
 
 def _check_database(alias: str, options: Mapping[str, Any]) -> list[CheckMessage]:
+    return [*_check_socket_timeout(alias, options), *_check_database_alias(alias, options)]
+
+
+def _check_socket_timeout(alias: str, options: Mapping[str, Any]) -> list[CheckMessage]:
+    try:
+        DatabaseLockStore.socket_timeout_option(options)
+    except ValueError as exc:
+        return [
+            Error(
+                f"{_where(alias)} OPTIONS SOCKET_TIMEOUT {exc}.",
+                hint="The longest a call waits for the database, in seconds; default 5.",
+                id=ID.format("E010"),
+            )
+        ]
+    return []
+
+
+def _check_database_alias(alias: str, options: Mapping[str, Any]) -> list[CheckMessage]:
     where = _where(alias)
     database = DatabaseLockStore.database_option(options)
     if database not in settings.DATABASES:

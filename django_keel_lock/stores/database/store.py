@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -21,7 +22,7 @@ from django.db import connections
 
 from ...exceptions import LockStoreUnavailable
 from ..base import AcquireResult, LockInfo, LockStore
-from ..connections import PerThread, SocketCheck
+from ..connections import Deadline, PerThread, SocketCheck
 from ..wakeups import ListeningStore
 from .dialects import DIALECTS, Dialect
 from .dialects.postgresql import is_psycopg3
@@ -30,23 +31,43 @@ from .listener import PostgresListener
 
 PAGE_SIZE = 1000
 PRUNE_BATCH = 1000
+SOCKET_TIMEOUT = 5.0  # seconds: OPTIONS SOCKET_TIMEOUT when not given
 
 
 class DatabaseLockStore(ListeningStore, LockStore):
-    """The default store: the `Lock` table in a Django database (OPTIONS: DATABASE, DURABLE).
+    """The default store: the `Lock` table in a Django database (OPTIONS: DATABASE, DURABLE,
+    SOCKET_TIMEOUT).
 
     DURABLE=False (PostgreSQL) skips the commit flush for lock writes: faster, but a database
     crash can forget locks taken in the last moments before it, so two holders may then overlap.
+
+    SOCKET_TIMEOUT (seconds, default 5) is the longest a call waits for the server: to connect
+    (whole seconds, the drivers' unit; libpq waits at least 2), to set up a new connection, and
+    for a call's statements. A call past it raises LockStoreUnavailable and its connection is
+    dropped (see `connections.Deadline`). SQLite has no server to wait for: it ignores it.
     """
 
     max_key_length = 255
-    option_names = frozenset({"DATABASE", "DURABLE"})
+    option_names = frozenset({"DATABASE", "DURABLE", "SOCKET_TIMEOUT"})
     listener_class = PostgresListener  # for the dialects that push releases
 
     @staticmethod
     def database_option(options: Mapping[str, Any]) -> Any:
         """The DATABASES alias a store with these OPTIONS keeps its locks in."""
         return options.get("DATABASE", "default")
+
+    @staticmethod
+    def socket_timeout_option(options: Mapping[str, Any]) -> float:
+        """OPTIONS SOCKET_TIMEOUT in seconds; ValueError saying what is wrong with it."""
+        value = options.get("SOCKET_TIMEOUT", SOCKET_TIMEOUT)
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+            or value <= 0
+        ):
+            raise ValueError(f"must be a positive number of seconds (e.g. 5 or 0.5), got {value!r}")
+        return float(value)
 
     def __init__(self, alias: str = "default", options: Mapping[str, Any] | None = None) -> None:
         super().__init__(alias, options)
@@ -57,6 +78,12 @@ class DatabaseLockStore(ListeningStore, LockStore):
                 f"DATABASES (configured: {', '.join(connections.settings)})"
             )
         self.durable = bool(self.options.get("DURABLE", True))
+        try:
+            self.socket_timeout = self.socket_timeout_option(self.options)
+        except ValueError as exc:
+            raise ImproperlyConfigured(
+                f"KEEL_LOCK_STORES[{alias!r}] OPTIONS SOCKET_TIMEOUT {exc}"
+            ) from None
         self._threads: PerThread[_ThreadConnection] = PerThread(_close_connection)
         self.push_possible = True  # False once the driver turned out to have no LISTEN (psycopg2)
 
@@ -70,7 +97,7 @@ class DatabaseLockStore(ListeningStore, LockStore):
         options = dict(settings.get("OPTIONS") or {})
         options.pop("pool", None)
         if base.vendor in DIALECTS:
-            self.dialect.connection_options(options, base)
+            self.dialect.connection_options(options, base, self.socket_timeout)
         settings["OPTIONS"] = options
         return settings
 
@@ -86,32 +113,65 @@ class DatabaseLockStore(ListeningStore, LockStore):
             and options.get("prepare_threshold") is not None
         )
 
-    def _new_wrapper(self) -> Any:
+    def _new_wrapper(self, deadline: Deadline | None = None) -> Any:
+        """A connected wrapper of our own. Its setup (Django's, `connection_created`
+        receivers', the dialect's session statements) runs under `deadline` (a new one by
+        default), which watches the connection's socket from its first moment on."""
+        if deadline is None:
+            deadline = Deadline(self.socket_timeout)
         base = connections[self.database]
-        wrapper = type(base)(self._connection_settings(), self.database)
+        wrapper: Any = type(base)(self._connection_settings(), self.database)
         # We keep one connection per thread ourselves; sharing is allowed only so close() and
         # the end of a thread can shut it from another thread.
         wrapper.inc_thread_sharing()
-        wrapper.ensure_connection()
-        session = self.dialect.session_sql(self.durable) if wrapper.vendor in DIALECTS else ()
-        if session:
-            with wrapper.connection.cursor() as cursor:
-                for sql in session:
-                    cursor.execute(sql)
+        connect = wrapper.get_new_connection
+
+        def get_new_connection(params: Any) -> Any:
+            raw = connect(params)  # the driver's connect_timeout bounds this part
+            fileno = getattr(raw, "fileno", None)
+            if fileno is not None:
+                deadline.attach(fileno())
+                deadline.arm()
+            return raw
+
+        wrapper.get_new_connection = get_new_connection
+        try:
+            wrapper.ensure_connection()
+            session = self.dialect.session_sql(self.durable) if wrapper.vendor in DIALECTS else ()
+            if session:
+                with wrapper.connection.cursor() as cursor:
+                    for sql in session:
+                        cursor.execute(sql)
+        except BaseException as exc:
+            timed_out = deadline.disarm()
+            _close_raw(wrapper, deadline)
+            if timed_out and isinstance(exc, Exception):
+                raise self._timed_out() from exc
+            raise
+        if deadline.disarm():  # set up just as the socket was cut: unusable
+            _close_raw(wrapper, deadline)
+            raise self._timed_out()
         return wrapper
+
+    def _timed_out(self) -> LockStoreUnavailable:
+        return LockStoreUnavailable(
+            f"lock store {self.alias!r} (database {self.database!r}): no reply within "
+            f"{self.socket_timeout:g}s (OPTIONS SOCKET_TIMEOUT); the connection was dropped"
+        )
 
     def _connection(self) -> tuple[_ThreadConnection, bool]:
         """This thread's own autocommit connection; True if it was opened just now."""
         conn = self._threads.get()
         if conn is not None:
             return conn, False
-        wrapper = self._new_wrapper()
+        deadline = Deadline(self.socket_timeout)
+        wrapper = self._new_wrapper(deadline)
         libpq = (
             PreparedStatements(wrapper.connection.pgconn)
             if self._libpq_possible(wrapper.settings_dict)
             else None
         )
-        return self._threads.put(_ThreadConnection(wrapper, libpq)), True
+        return self._threads.put(_ThreadConnection(wrapper, deadline, libpq)), True
 
     @property
     def dialect(self) -> Dialect:
@@ -157,6 +217,10 @@ class DatabaseLockStore(ListeningStore, LockStore):
 
         Where the dialect says so (SQLite inside the caller's transaction), the statements run
         on the caller's own connection instead, once, and leave it open whatever happens.
+
+        The statements (and `after`) wait at most SOCKET_TIMEOUT for the server, together.
+        One that gets no reply in time is not retried: a server that does not answer now
+        would only make the caller wait as long again.
         """
         assert not (hot and after), "the libpq path runs no closing statements"
         joined = self.dialect.callers_transaction(self.database)
@@ -167,28 +231,37 @@ class DatabaseLockStore(ListeningStore, LockStore):
             if not idempotent and not fresh and conn.stale():
                 self._threads.drop()
                 conn, fresh = self._open()
-            database = conn.wrapper.Database
+            database, deadline = conn.wrapper.Database, conn.deadline
+            deadline.arm()
             try:
                 if hot and conn.libpq is not None:
-                    return conn.libpq.execute(statements, database.OperationalError)
-                cursor = conn.cursor
-                for sql, params in statements:
-                    cursor.execute(sql, params)
-                result = (cursor.fetchall() if cursor.description else []), cursor.rowcount
-                for sql, params in after:
-                    cursor.execute(sql, params)
-                return result
+                    result = conn.libpq.execute(statements, database.OperationalError)
+                else:
+                    cursor = conn.cursor
+                    for sql, params in statements:
+                        cursor.execute(sql, params)
+                    result = (cursor.fetchall() if cursor.description else []), cursor.rowcount
+                    for sql, params in after:
+                        cursor.execute(sql, params)
             except database.Error as exc:
-                if isinstance(exc, database.DataError) and not after:
+                timed_out = deadline.disarm()
+                if isinstance(exc, database.DataError) and not after and not timed_out:
                     raise self._refused(exc, key, holder) from exc
                 self._threads.drop()
+                if timed_out:
+                    raise self._timed_out() from exc
                 if fresh or attempt == 2 or not idempotent:
                     raise LockStoreUnavailable(
                         f"lock store {self.alias!r} (database {self.database!r}) failed: {exc}"
                     ) from exc
+                continue
             except BaseException:
+                deadline.disarm()
                 self._threads.drop()
                 raise
+            if deadline.disarm():  # the reply made it just as the socket was cut
+                self._threads.drop()
+            return result
         raise AssertionError("unreachable")
 
     def _execute_joined(
@@ -233,8 +306,8 @@ class DatabaseLockStore(ListeningStore, LockStore):
         """`_connection()`, a failure to connect being LockStoreUnavailable."""
         try:
             return self._connection()
-        except SynchronousOnlyOperation:
-            raise  # a programming error (sync call in async code), not an outage
+        except (SynchronousOnlyOperation, LockStoreUnavailable):
+            raise  # a programming error (sync call in async code), or said already
         except Exception as exc:
             raise LockStoreUnavailable(
                 f"lock store {self.alias!r} cannot connect to database {self.database!r}: {exc}"
@@ -328,13 +401,16 @@ class DatabaseLockStore(ListeningStore, LockStore):
 
 
 class _ThreadConnection:
-    """One thread's connection, the cursor it reuses (not a cursor per call: cheaper) and, on
-    PostgreSQL with psycopg 3, its libpq path."""
+    """One thread's connection, the cursor it reuses (not a cursor per call: cheaper), the
+    deadline its calls run under and, on PostgreSQL with psycopg 3, its libpq path."""
 
-    __slots__ = ("check", "cursor", "libpq", "wrapper")
+    __slots__ = ("check", "cursor", "deadline", "libpq", "wrapper")
 
-    def __init__(self, wrapper: Any, libpq: PreparedStatements | None = None) -> None:
+    def __init__(
+        self, wrapper: Any, deadline: Deadline, libpq: PreparedStatements | None = None
+    ) -> None:
         self.wrapper, self.cursor, self.libpq = wrapper, wrapper.connection.cursor(), libpq
+        self.deadline = deadline
         self.check = SocketCheck()
 
     def stale(self) -> bool:
@@ -350,8 +426,16 @@ class _ThreadConnection:
 
 
 def _close_connection(conn: _ThreadConnection) -> None:
+    _close_raw(conn.wrapper, conn.deadline)
+
+
+def _close_raw(wrapper: Any, deadline: Deadline) -> None:
     """Close the driver connection itself: Django's close() would refuse to run inside an
     event loop (override_settings in an async test, an ASGI shutdown) and leak it."""
-    raw, conn.wrapper.connection = conn.wrapper.connection, None
+    deadline.detach()  # first: the descriptor may be reused once closed
+    raw, wrapper.connection = wrapper.connection, None
     if raw is not None:
-        raw.close()
+        try:
+            raw.close()
+        except Exception:  # broken already: nothing more to free
+            pass

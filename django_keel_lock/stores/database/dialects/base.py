@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 TABLE = "django_keel_lock_lock"
 SEQUENCE = "django_keel_lock_fence"
+#: The owner a released row is left with (SQL): no owner's token, so no extend or release can
+#: match a released row, however its clock reads compare with the release's.
+RELEASED = "''"
 
 
 class Dialect:
@@ -15,7 +19,7 @@ class Dialect:
 
     vendor = ""
     acquire_sql: Sequence[str] = ()  # run in order; the last one's first row is (fence, retry_in)
-    release_sql = ""
+    release_sql = ""  # expires the row and sets its owner to RELEASED
     extend_sql = ""
     get_sql = ""
     page_sql = ""
@@ -35,8 +39,24 @@ class Dialect:
     def remaining(self, column: str) -> str:
         return self.remaining_template.format(column=column)
 
-    def connection_options(self, options: dict[str, Any], wrapper: Any) -> None:
-        """Adjust the OPTIONS of the store's own connections to `wrapper`'s database."""
+    def connection_options(
+        self, options: dict[str, Any], wrapper: Any, socket_timeout: float
+    ) -> None:
+        """Adjust the OPTIONS of the store's own connections to `wrapper`'s database; the
+        store's SOCKET_TIMEOUT also bounds connecting."""
+
+    @staticmethod
+    def limit_connect_timeout(options: dict[str, Any], seconds: float) -> None:
+        """`connect_timeout` (whole seconds, as PostgreSQL's and MariaDB's drivers take it) to
+        `seconds` rounded up, or the project's own if that is shorter."""
+        limit = max(1, math.ceil(seconds))
+        theirs = options.get("connect_timeout")
+        try:
+            if theirs is not None and 0 < int(theirs) < limit:
+                limit = int(theirs)
+        except (TypeError, ValueError):
+            pass  # not a number: the driver will say so
+        options["connect_timeout"] = limit
 
     def session_sql(self, durable: bool) -> Sequence[str]:
         """Statements run once on each new connection of the store."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .base import SEQUENCE, TABLE, Dialect
+from .base import RELEASED, SEQUENCE, TABLE, Dialect
 
 
 class MySQLDialect(Dialect):
@@ -32,8 +32,11 @@ class MySQLDialect(Dialect):
         f"SELECT IF(owner = %s, fence, NULL), IF(owner = %s, NULL, {_remaining}) "
         f"FROM {TABLE} WHERE `key` = %s",
     )
+    # UTC_TIMESTAMP() is read once, when a statement starts: an extend that started before a
+    # release but gets the row after it would still find the released row unexpired. It finds
+    # no owner of its own there (see Dialect.release_sql), so it cannot bring the lock back.
     release_sql = (
-        f"UPDATE {TABLE} SET expires_at = {_now} "
+        f"UPDATE {TABLE} SET owner = {RELEASED}, expires_at = {_now} "
         f"WHERE `key` = %s AND owner = %s AND expires_at > {_now}"
     )
     extend_sql = f"""
@@ -65,9 +68,12 @@ class MySQLDialect(Dialect):
     def extend_params(self, key: str, owner: str, ttl: float) -> Sequence[Any]:
         return (round(ttl * 1_000_000), key, owner)
 
-    def connection_options(self, options: dict[str, Any], wrapper: Any) -> None:
+    def connection_options(
+        self, options: dict[str, Any], wrapper: Any, socket_timeout: float
+    ) -> None:
         from MySQLdb.constants.CLIENT import FOUND_ROWS
 
+        self.limit_connect_timeout(options, socket_timeout)
         # Keys may hold any Unicode character: talk utf8mb4 whatever the project's charset.
         options["charset"] = "utf8mb4"
         # Rows matched, not rows changed: an extend that leaves expires_at as it was still

@@ -6,7 +6,7 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
-from .base import INFO, SEQUENCE, TABLE, Dialect
+from .base import INFO, RELEASED, SEQUENCE, TABLE, Dialect
 
 # A release NOTIFYs on its key's own channel: CHANNEL_PREFIX + md5(key), a valid identifier
 # whatever the key, so a process LISTENs only to the keys it waits for.
@@ -45,12 +45,13 @@ class PostgresDialect(Dialect):
                   CASE WHEN owner <> %s THEN {_remaining} END
         """,
     )
-    # Release marks the row expired rather than deleting it, so the next acquirer goes through
-    # the UPDATE branch and draws its fence after it holds the row lock. The channel is md5 of
-    # the key's UTF-8 bytes, as `notify_channel` computes it for LISTEN: md5(key) would hash
-    # the bytes of the database's encoding (LATIN1: another channel for any non-ASCII key).
+    # Release marks the row expired (and ownerless: see RELEASED) rather than deleting it, so
+    # the next acquirer goes through the UPDATE branch and draws its fence after it holds the
+    # row lock. The channel is md5 of the key's UTF-8 bytes, as `notify_channel` computes it
+    # for LISTEN: md5(key) would hash the bytes of the database's encoding (LATIN1: another
+    # channel for any non-ASCII key).
     release_sql = f"""
-        UPDATE {TABLE} SET expires_at = clock_timestamp()
+        UPDATE {TABLE} SET owner = {RELEASED}, expires_at = clock_timestamp()
         WHERE key = %s AND owner = %s AND expires_at > clock_timestamp()
         RETURNING CASE WHEN waiting IS TRUE
                   THEN pg_notify('{CHANNEL_PREFIX}' || md5(convert_to(key, 'UTF8')), '') END
@@ -85,7 +86,10 @@ class PostgresDialect(Dialect):
     def acquire_params(self, key: str, owner: str, holder: str, ttl: float) -> list[Sequence[Any]]:
         return [(key, owner, holder, ttl, owner, owner)]
 
-    def connection_options(self, options: dict[str, Any], wrapper: Any) -> None:
+    def connection_options(
+        self, options: dict[str, Any], wrapper: Any, socket_timeout: float
+    ) -> None:
+        self.limit_connect_timeout(options, socket_timeout)  # libpq waits at least 2 s
         if is_psycopg3(wrapper):
             # Server-side binding lets psycopg prepare our statements once per connection, so
             # the server stops re-planning them; a user's own choice (pgbouncer) wins.

@@ -8,7 +8,7 @@ from typing import Any
 
 from django.db import connections
 
-from .base import INFO, TABLE, Dialect
+from .base import INFO, RELEASED, TABLE, Dialect
 
 
 class SQLiteDialect(Dialect):
@@ -32,7 +32,7 @@ class SQLiteDialect(Dialect):
         """,
     )
     release_sql = (
-        f"UPDATE {TABLE} SET expires_at = {_now} "
+        f"UPDATE {TABLE} SET owner = {RELEASED}, expires_at = {_now} "
         f"WHERE key = ? AND owner = ? AND expires_at > {_now}"
     )
     extend_sql = f"""
