@@ -20,8 +20,8 @@ Errors
   django_keel_lock.E008  RedisLockStore OPTIONS CONNECTION names no CACHES alias, or a cache
                          that is not a django-redis cache.
   django_keel_lock.E009  KEEL_LOCK_DEFAULT_TTL is not a positive duration.
-  django_keel_lock.E010  DatabaseLockStore OPTIONS SOCKET_TIMEOUT is not a positive number of
-                         seconds.
+  django_keel_lock.E010  A DatabaseLockStore's or RedisLockStore's OPTIONS SOCKET_TIMEOUT is not
+                         a positive duration.
 
 Warnings
   django_keel_lock.W001  MemoryLockStore is the "default" store while DEBUG is False: it does not
@@ -56,6 +56,7 @@ from .conf import UnknownStoreOptions, conf, is_store_config, store_options, val
 from .durations import to_seconds
 from .registry import NotALockStore, import_backend
 from .stores.base import LockStore
+from .stores.connections import socket_timeout_option
 from .stores.database import DatabaseLockStore
 from .stores.database.dialects import DIALECTS
 from .stores.database.dialects.base import TABLE as LOCK_TABLE
@@ -241,12 +242,13 @@ def _check_database(alias: str, options: Mapping[str, Any]) -> list[CheckMessage
 
 def _check_socket_timeout(alias: str, options: Mapping[str, Any]) -> list[CheckMessage]:
     try:
-        DatabaseLockStore.socket_timeout_option(options)
-    except ValueError as exc:
+        socket_timeout_option(alias, options)
+    except ImproperlyConfigured as exc:
         return [
             Error(
-                f"{_where(alias)} OPTIONS SOCKET_TIMEOUT {exc}.",
-                hint="The longest a call waits for the database, in seconds; default 5.",
+                f"{exc}.",
+                hint="The longest one store call waits on the network: a duration such as 5, "
+                '0.5 or "1500ms"; leave it out for the default 5 s.',
                 id=ID.format("E010"),
             )
         ]
@@ -311,6 +313,7 @@ def _check_redis(alias: str, options: Mapping[str, Any]) -> list[CheckMessage]:
     if connection is not None:
         messages.extend(_check_redis_connection(where, connection))
     messages.extend(_check_redis_database(where, options))
+    messages.extend(_check_socket_timeout(alias, options))
     return messages
 
 

@@ -111,9 +111,7 @@ def test_release_after_takeover_returns_false_and_keeps_new_holder(
     assert second.release()
 
 
-def test_the_same_owner_asking_again_gets_its_acquisition_back(
-    store: LockStore, key: str
-) -> None:
+def test_the_same_owner_asking_again_gets_its_acquisition_back(store: LockStore, key: str) -> None:
     # What a retry after a lost reply does: the lock is the asker's already.
     first = store.acquire(key, "owner-a", "h", 30)
     again = store.acquire(key, "owner-a", "h", 30)

@@ -206,33 +206,43 @@ def test_socket_timeout_defaults_to_five_seconds() -> None:
     assert (
         DatabaseLockStore("d", {"DATABASE": "default", "SOCKET_TIMEOUT": 0.5}).socket_timeout == 0.5
     )
+    store = DatabaseLockStore("d", {"DATABASE": "default", "SOCKET_TIMEOUT": "1500ms"})
+    assert store.socket_timeout == 1.5
 
 
-BAD_TIMEOUTS = [0, -1, "5", None, True, float("nan"), float("inf"), [5]]
+# Durations as `ttl` takes them: "1500ms" is one, "soon" is not.
+BAD_TIMEOUTS = [0, -1, "soon", None, True, float("nan"), float("inf"), [5]]
 
 
 @pytest.mark.parametrize("value", BAD_TIMEOUTS, ids=repr)
 def test_socket_timeout_that_is_not_a_positive_number_is_refused(value: Any) -> None:
     with pytest.raises(
         ImproperlyConfigured,
-        match=r"KEEL_LOCK_STORES\['bad'\] OPTIONS SOCKET_TIMEOUT must be a positive number",
+        match=r"KEEL_LOCK_STORES\['bad'\] OPTIONS SOCKET_TIMEOUT (must be|could not be parsed)",
     ):
         DatabaseLockStore("bad", {"DATABASE": "default", "SOCKET_TIMEOUT": value})
 
 
 @pytest.mark.parametrize("value", BAD_TIMEOUTS, ids=repr)
-def test_e010_socket_timeout_that_is_not_a_positive_number(value: Any) -> None:
+@pytest.mark.parametrize(
+    ("backend", "options"),
+    [("DatabaseLockStore", {}), ("RedisLockStore", {"URL": "redis://127.0.0.1:6379/9"})],
+    ids=["database", "redis"],
+)
+def test_e010_socket_timeout_that_is_not_a_positive_number(
+    value: Any, backend: str, options: dict[str, Any]
+) -> None:
     stores = {
         "default": {"BACKEND": "django_keel_lock.stores.DatabaseLockStore"},
         "bad": {
-            "BACKEND": "django_keel_lock.stores.DatabaseLockStore",
-            "OPTIONS": {"SOCKET_TIMEOUT": value},
+            "BACKEND": f"django_keel_lock.stores.{backend}",
+            "OPTIONS": {**options, "SOCKET_TIMEOUT": value},
         },
     }
     with override_settings(KEEL_LOCK_STORES=stores):
         found = check_stores()
     assert [m.id for m in found] == ["django_keel_lock.E010"]
-    assert "KEEL_LOCK_STORES['bad'] OPTIONS SOCKET_TIMEOUT must be" in found[0].msg
+    assert found[0].msg.startswith("KEEL_LOCK_STORES['bad'] OPTIONS SOCKET_TIMEOUT ")
 
 
 def test_sqlite_accepts_a_socket_timeout_and_has_nothing_to_cut(key: str) -> None:

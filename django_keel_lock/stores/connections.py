@@ -10,8 +10,29 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Generic, TypeVar
+
+from django.core.exceptions import ImproperlyConfigured
+
+from ..durations import to_seconds
+
+#: OPTIONS SOCKET_TIMEOUT of the server stores when it is left out: fail fast rather than hang a
+#: request on a frozen server (redis-py before 8 and libpq wait for ever by default).
+DEFAULT_SOCKET_TIMEOUT = 5.0
+
+
+def socket_timeout_option(alias: str, options: Mapping[str, Any]) -> float:
+    """OPTIONS SOCKET_TIMEOUT of a server store, in seconds: the longest one store call waits
+    on the network. A duration as `ttl` takes one (5, 0.5, "1500ms"); anything else is
+    ImproperlyConfigured naming it. None is refused, not "no limit": waiting for ever is what
+    the option prevents."""
+    value = options.get("SOCKET_TIMEOUT", DEFAULT_SOCKET_TIMEOUT)
+    try:
+        return to_seconds(f"KEEL_LOCK_STORES[{alias!r}] OPTIONS SOCKET_TIMEOUT", value)
+    except (TypeError, ValueError) as exc:
+        raise ImproperlyConfigured(str(exc)) from None
+
 
 T = TypeVar("T")
 

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -22,7 +21,7 @@ from django.db import connections
 
 from ...exceptions import LockStoreUnavailable
 from ..base import AcquireResult, LockInfo, LockStore
-from ..connections import Deadline, PerThread, SocketCheck
+from ..connections import Deadline, PerThread, SocketCheck, socket_timeout_option
 from ..wakeups import ListeningStore
 from .dialects import DIALECTS, Dialect
 from .dialects.postgresql import is_psycopg3
@@ -31,7 +30,6 @@ from .listener import PostgresListener
 
 PAGE_SIZE = 1000
 PRUNE_BATCH = 1000
-SOCKET_TIMEOUT = 5.0  # seconds: OPTIONS SOCKET_TIMEOUT when not given
 
 
 class DatabaseLockStore(ListeningStore, LockStore):
@@ -56,19 +54,6 @@ class DatabaseLockStore(ListeningStore, LockStore):
         """The DATABASES alias a store with these OPTIONS keeps its locks in."""
         return options.get("DATABASE", "default")
 
-    @staticmethod
-    def socket_timeout_option(options: Mapping[str, Any]) -> float:
-        """OPTIONS SOCKET_TIMEOUT in seconds; ValueError saying what is wrong with it."""
-        value = options.get("SOCKET_TIMEOUT", SOCKET_TIMEOUT)
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not math.isfinite(value)
-            or value <= 0
-        ):
-            raise ValueError(f"must be a positive number of seconds (e.g. 5 or 0.5), got {value!r}")
-        return float(value)
-
     def __init__(self, alias: str = "default", options: Mapping[str, Any] | None = None) -> None:
         super().__init__(alias, options)
         self.database: str = self.database_option(self.options)
@@ -78,12 +63,7 @@ class DatabaseLockStore(ListeningStore, LockStore):
                 f"DATABASES (configured: {', '.join(connections.settings)})"
             )
         self.durable = bool(self.options.get("DURABLE", True))
-        try:
-            self.socket_timeout = self.socket_timeout_option(self.options)
-        except ValueError as exc:
-            raise ImproperlyConfigured(
-                f"KEEL_LOCK_STORES[{alias!r}] OPTIONS SOCKET_TIMEOUT {exc}"
-            ) from None
+        self.socket_timeout = socket_timeout_option(alias, self.options)
         self._threads: PerThread[_ThreadConnection] = PerThread(_close_connection)
         self.push_possible = True  # False once the driver turned out to have no LISTEN (psycopg2)
 

@@ -45,7 +45,6 @@ __all__ = [
     "POOL_WAIT",
     "SCRIPT_CONNECTIONS",
     "SENTINEL_CONNECTIONS",
-    "SOCKET_TIMEOUT",
     "STORE_ERRORS",
     "AsyncRetry",
     "LoopClient",
@@ -68,10 +67,7 @@ __all__ = [
 
 logger = logging.getLogger("django_keel_lock")
 
-# The default of OPTIONS SOCKET_TIMEOUT: fail fast instead of hanging a request on a frozen
-# server (redis-py before 8 waits forever by default). Connecting takes at most the shorter of
-# the two.
-SOCKET_TIMEOUT = 5.0
+# Connecting takes at most the shorter of this and OPTIONS SOCKET_TIMEOUT.
 CONNECT_TIMEOUT = 2.0
 # Async pools: many concurrent tasks queue for a connection (up to this many seconds) instead of
 # failing with "too many connections", which would look like an outage.

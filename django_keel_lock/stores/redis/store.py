@@ -20,10 +20,9 @@ from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 
-from ...durations import to_seconds
 from ...exceptions import LockStoreUnavailable
 from ..base import AcquireResult, LockInfo, LockStore
-from ..connections import PerThread
+from ..connections import PerThread, socket_timeout_option
 from ..wakeups import ListeningStore
 from .clients import (
     CONNECT_TIMEOUT,
@@ -31,7 +30,6 @@ from .clients import (
     POOL_WAIT,
     SCRIPT_CONNECTIONS,
     SENTINEL_CONNECTIONS,
-    SOCKET_TIMEOUT,
     STORE_ERRORS,
     AsyncRetry,
     LoopClient,
@@ -62,15 +60,6 @@ def _ms(seconds: float) -> int:
 def _seconds(pttl: Any) -> float | None:
     millis = int(pttl)
     return None if millis < 0 else millis / 1000.0
-
-
-def _socket_timeout(alias: str, value: object) -> float:
-    # None is refused, not taken as "no timeout": waiting forever is what this option is for
-    # preventing.
-    try:
-        return to_seconds(f"KEEL_LOCK_STORES[{alias!r}] OPTIONS SOCKET_TIMEOUT", value)
-    except (TypeError, ValueError) as exc:
-        raise ImproperlyConfigured(str(exc)) from None
 
 
 class RedisLockStore(ListeningStore, LockStore):
@@ -128,9 +117,7 @@ class RedisLockStore(ListeningStore, LockStore):
             prefix += ":"
         self.prefix = prefix
         self.channel = f"{prefix}released"
-        self.socket_timeout = _socket_timeout(
-            alias, self.options.get("SOCKET_TIMEOUT", SOCKET_TIMEOUT)
-        )
+        self.socket_timeout = socket_timeout_option(alias, self.options)
         self._mutex = threading.Lock()
         self._client_obj: Any = None
         self._client_pid = 0
