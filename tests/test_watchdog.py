@@ -275,6 +275,8 @@ def test_store_outage_during_renewal_marks_the_lock_lost_after_its_ttl(
         noticed = time.monotonic() - cut_at
         # Not before the last confirmed expiry, and promptly after it.
         assert 0.3 * TTL < noticed < 1.0 * TTL + 0.5, noticed
+        # `lost` is set before the signal goes out, from the watchdog's thread: wait for it.
+        assert wait_until(lambda: lost_events, 1.0)
         assert len(lost_events) == 1 and "ttl ran out" in lost_events[0][1]
         assert any("was lost" in r.message for r in caplog.records)
         with pytest.raises(LockNotHeldError):
