@@ -295,3 +295,21 @@ def test_the_built_site_shows_the_home_page_and_the_capability_matrix(
     assert visible
     assert headers[1:] == STORES, headers
     assert rows >= 9 and set(cells) == {1 + len(STORES)}, cells
+
+
+def test_the_api_reference_shows_the_public_api_and_not_the_internal_hooks(
+    built_site: Path,
+) -> None:
+    html = (built_site / "reference" / "api.html").read_text(encoding="utf-8")
+    for public in ("Lock.acquire", "Lock.is_owned", "Lock.ais_owned", "on_lost", "restore_lock"):
+        assert public in html, public
+    for internal in (
+        "Lock.from_spec",
+        "Lock.confirmed_until",
+        "Lock.renewed",
+        "Lock.renewal_lost",
+        "LockStore.submit",
+        "ensure_listener",
+        "ListeningStore",
+    ):
+        assert internal not in html, f"{internal} is an internal hook, shown in the API reference"

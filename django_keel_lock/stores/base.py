@@ -118,7 +118,7 @@ class LockStore(ABC):
 
     def watch(self, key: str) -> Any:
         """Context manager yielding a `Waiter` for `key`. Stores with a cross-process listener
-        start it here (see `wakeups.ListeningStore`)."""
+        start it here."""
         return self.wake_board.watch(key)
 
     def close(self) -> None:
