@@ -63,19 +63,6 @@ def behind_proxy(alias: str, **options: Any) -> Iterator[tuple[DatabaseLockStore
         proxy.close()
 
 
-def drop_connections(proxy: FaultyProxy) -> None:
-    """Cut every connection through `proxy` and forget what it held back: a frozen link that
-    comes back without the requests that were in flight. New connections still go through."""
-    with proxy._mutex:
-        sockets, proxy._sockets = proxy._sockets, []
-    for sock in sockets:
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        sock.close()
-
-
 def wait_until(condition: Callable[[], object], seconds: float) -> bool:
     deadline = time.monotonic() + seconds
     while not condition():
@@ -137,7 +124,7 @@ def test_frozen_server_fails_each_call_within_the_socket_timeout_and_release_can
             assert_unavailable_within(timed(held.release), "release", "cannot connect")
             assert held.held and held.owner == owner and not held.lost
 
-            drop_connections(proxy)
+            proxy.drop_connections()
             proxy.mode = "pass"
             assert releaser.submit(held.release).result() is True
             assert not held.held and not held.lost
@@ -177,7 +164,7 @@ def test_frozen_server_turns_the_listener_off_and_it_comes_back(
             frozen = time.monotonic()
             assert wait_until(lambda: not store.push_wakeups, 5), "listener still trusted"
             assert time.monotonic() - frozen < 0.3 + 1 + 1.5
-            drop_connections(proxy)
+            proxy.drop_connections()
             proxy.mode = "pass"
             assert wait_until(lambda: store.push_wakeups, 10), "the listener did not reconnect"
         _, took = timed(store.close)

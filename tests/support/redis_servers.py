@@ -354,12 +354,23 @@ class FaultyProxy:
         self._closing.set()
         with self._mutex:
             sockets = [self._listener, *self._sockets]
-        for sock in sockets:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            sock.close()
+        _cut(sockets)
+
+    def drop_connections(self) -> None:
+        """Cut every connection through the proxy and forget what it held back: a frozen link
+        that comes back without the requests that were in flight. New connections still pass."""
+        with self._mutex:
+            sockets, self._sockets = self._sockets, []
+        _cut(sockets)
+
+
+def _cut(sockets: list[socket.socket]) -> None:
+    for sock in sockets:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        sock.close()
 
 
 def check_lost_release_reply(proxy: FaultyProxy, store: Any, key: str) -> None:
