@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 
 from ..conf import validate_store_options
 from .wakeups import WakeBoard
@@ -23,9 +23,43 @@ T = TypeVar("T")
 _executor_mutex = threading.Lock()
 
 
+Kind = Literal["exclusive", "shared", "semaphore"]
+
+
+class Mode(NamedTuple):
+    """How a key is held: one exclusive holder, any number of shared holders (readers), or at
+    most `limit` semaphore permits. Exclusive and shared are one family (a writer excludes
+    readers); a semaphore is the other, and a key is used by one family at a time."""
+
+    kind: Kind
+    limit: int = 1  # semaphore: the most permits at once, as this caller counts them
+
+    @property
+    def family(self) -> str:
+        return "semaphore" if self.kind == "semaphore" else "rw"
+
+    def __str__(self) -> str:
+        return f"semaphore({self.limit})" if self.kind == "semaphore" else self.kind
+
+
+EXCLUSIVE = Mode("exclusive")
+SHARED = Mode("shared")
+
+
+def semaphore_mode(limit: int) -> Mode:
+    return Mode("semaphore", limit)
+
+
+#: The owner a store writes on a key's lock while permits (shared or semaphore) hold it: the
+#: key then looks held to every exclusive acquirer, whose path stays as it was. Owner tokens
+#: are hex, so no caller's owner is ever one of these.
+PERMIT_OWNERS: Mapping[str, Kind] = {"*shared": "shared", "*semaphore": "semaphore"}
+GATE_OWNER: Mapping[Kind, str] = {"shared": "*shared", "semaphore": "*semaphore"}
+
+
 @dataclass(frozen=True)
 class LockInfo:
-    """One held lock as a store sees it at the moment it was read."""
+    """One holder of a key (a lock, or one permit) as a store saw it when it was read."""
 
     key: str
     owner: str
@@ -33,13 +67,22 @@ class LockInfo:
     fence: int
     acquired_at: datetime | None
     expires_in: float  # seconds left, by the store's own clock
+    mode: Kind = "exclusive"
+
+    @property
+    def is_gate(self) -> bool:
+        """True for the stand-in lock of a key held by permits (see PERMIT_OWNERS): its
+        holders are `LockStore.holders(key)`."""
+        return self.owner in PERMIT_OWNERS
 
 
 class AcquireResult(NamedTuple):
-    """What one acquire attempt gave: a fence when acquired, else how long the holder has left."""
+    """What one acquire attempt gave: a fence when acquired, else how long the holder has left
+    and, where the store knows it, how the key is held (`Kind`)."""
 
     fence: int | None
     retry_in: float | None = None  # seconds until the current holder's lock expires, if known
+    held_as: Kind | None = None
 
     @property
     def acquired(self) -> bool:
@@ -57,6 +100,9 @@ class LockStore(ABC):
     max_key_length: int | None = None
     #: Known options (upper-case names in KEEL_LOCK_STORES[alias]["OPTIONS"]).
     option_names: frozenset[str] = frozenset()
+    #: True when the store implements the permit operations (semaphores and shared locks);
+    #: it then sets `AcquireResult.held_as` on every refusal.
+    supports_modes: bool = False
     #: True when the server itself deletes a lock once it expires (Redis key TTLs): `prune()`
     #: then has nothing to do, and `locks prune` says so rather than "pruned 0".
     expires_by_itself: bool = False
@@ -85,24 +131,66 @@ class LockStore(ABC):
     def get(self, key: str) -> LockInfo | None:
         """The live lock on `key`, or None when it is free or expired."""
 
-    def force_release(self, key: str, fence: int | None = None) -> LockInfo | None:
-        """Free `key` whoever holds it (only the acquisition with `fence`, if given); the lock
-        that was freed, or None if none (or another acquisition) was held.
+    # -- permits (stores with supports_modes) ---------------------------------------------
+    # A permit is one holder of a shared lock or a semaphore, with its own owner, fence, ttl.
+    # While any permit of a key lives, the key's lock is held by its GATE_OWNER, with the
+    # latest permit's fence and the latest expiry of them all; the last permit to go frees it.
+    def acquire_permit(
+        self, key: str, owner: str, holder: str, ttl: float, mode: Mode, writer_wait: float = 0
+    ) -> AcquireResult:
+        """Take a permit of `key` in `mode`, with a fence greater than any this store gave
+        `key` before, if the mode allows one more: shared unless an exclusive holder has it or
+        a writer waits; a semaphore while fewer than `mode.limit` permits live. The same
+        owner asking again gets its permit back, ttl renewed.
 
-        Reads the holder, then releases as that owner: a lock taken over in between is left
-        alone, so what is reported is exactly what was freed.
+        With EXCLUSIVE (a writer that found readers): take the lock as `acquire` does; while
+        shared permits hold it, mark `owner` as the writer waiting for it, for `writer_wait`
+        seconds, so no new shared permit is given meanwhile.
+
+        A refusal says how the key is held (`held_as`) and the seconds until the soonest
+        holder's expiry (`retry_in`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no semaphores or shared locks")
+
+    def release_permit(self, key: str, owner: str) -> bool:
+        """Free `owner`'s permit of `key` if it still lives; True if it did. The last one
+        frees the key."""
+        raise NotImplementedError(f"{type(self).__name__} has no semaphores or shared locks")
+
+    def extend_permit(self, key: str, owner: str, ttl: float) -> bool:
+        """Make `owner`'s permit live at least `ttl` more seconds; False if it is gone."""
+        raise NotImplementedError(f"{type(self).__name__} has no semaphores or shared locks")
+
+    def holders(self, key: str) -> list[LockInfo]:
+        """Every live holder of `key`, soonest expiry first: its lock, or each permit."""
+        info = self.get(key)
+        return [] if info is None else [info]
+
+    def force_release(self, key: str, fence: int | None = None) -> LockInfo | None:
+        """Free `key` whoever holds it (only the holder with `fence`, if given); the holder
+        that was freed (with several permits, the first of them), or None if none (or another
+        acquisition) was held.
+
+        Reads the holders, then releases as each one's owner: a lock taken over in between is
+        left alone, so what is reported is exactly what was freed.
         """
         for _ in range(3):
-            info = self.get(key)
-            if info is None or (fence is not None and info.fence != fence):
+            chosen = [i for i in self.holders(key) if fence is None or i.fence == fence]
+            if not chosen:
                 return None
-            if self.release(key, info.owner):
-                return info
+            freed = [info for info in chosen if self._release_holder(info)]
+            if freed:
+                return freed[0]
         return None
+
+    def _release_holder(self, info: LockInfo) -> bool:
+        if info.mode == "exclusive":
+            return self.release(info.key, info.owner)
+        return self.release_permit(info.key, info.owner)
 
     @abstractmethod
     def iter_locks(self, prefix: str = "") -> Iterator[LockInfo]:
-        """Stream the live locks whose key starts with `prefix`, without loading all at once."""
+        """Stream the live holders whose key starts with `prefix`, in key order, without
+        loading all at once: each lock, and each permit of a key held by permits."""
 
     def prune(self) -> int:
         """Delete expired entries the store keeps; how many. Stores that expire by themselves
@@ -163,6 +251,22 @@ class LockStore(ABC):
 
     async def aget(self, key: str) -> LockInfo | None:
         return await asyncio.wrap_future(self.submit(self.get, key))
+
+    async def aacquire_permit(
+        self, key: str, owner: str, holder: str, ttl: float, mode: Mode, writer_wait: float = 0
+    ) -> AcquireResult:
+        return await asyncio.wrap_future(
+            self.submit(self.acquire_permit, key, owner, holder, ttl, mode, writer_wait)
+        )
+
+    async def arelease_permit(self, key: str, owner: str) -> bool:
+        return await asyncio.wrap_future(self.submit(self.release_permit, key, owner))
+
+    async def aextend_permit(self, key: str, owner: str, ttl: float) -> bool:
+        return await asyncio.wrap_future(self.submit(self.extend_permit, key, owner, ttl))
+
+    async def aholders(self, key: str) -> list[LockInfo]:
+        return await asyncio.wrap_future(self.submit(self.holders, key))
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} alias={self.alias!r}>"

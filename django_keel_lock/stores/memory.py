@@ -10,7 +10,16 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from .base import AcquireResult, LockInfo, LockStore
+from .base import (
+    GATE_OWNER,
+    PERMIT_OWNERS,
+    AcquireResult,
+    Kind,
+    LockInfo,
+    LockStore,
+    Mode,
+)
+from .permits import Held, Step, plan_acquire
 
 
 @dataclass
@@ -29,6 +38,9 @@ class MemoryLockStore(LockStore):
         super().__init__(alias, options)
         self._mutex = threading.Lock()
         self._locks: dict[str, _Entry] = {}
+        # A key held by permits: its lock in _locks (owned by the GATE_OWNER), each permit here.
+        self._permits: dict[str, dict[str, _Entry]] = {}
+        self._writers: dict[str, tuple[str, float]] = {}  # key -> (owner, waits until)
         # One counter for every key: strictly increasing per key, and nothing to forget on prune.
         self._fences = itertools.count(1)
         # Wall-clock anchor so acquired_at can be shown as a datetime.
@@ -40,13 +52,15 @@ class MemoryLockStore(LockStore):
             entry = self._locks.get(key)
             if entry is not None and entry.expires_at > now:
                 if entry.owner != owner:
-                    return AcquireResult(None, entry.expires_at - now)
+                    kind = PERMIT_OWNERS.get(entry.owner, "exclusive")
+                    return AcquireResult(None, entry.expires_at - now, kind)
                 # The same owner asking again gets its acquisition back, ttl renewed, as the
                 # contract asks of every store (there, a retry after a lost reply).
                 entry.expires_at = now + ttl
                 return AcquireResult(entry.fence)
             fence = next(self._fences)
             self._locks[key] = _Entry(owner, holder, fence, now, now + ttl)
+            self._permits.pop(key, None)  # expired with the lock that stood for them
         return AcquireResult(fence)
 
     def release(self, key: str, owner: str) -> bool:
@@ -68,6 +82,105 @@ class MemoryLockStore(LockStore):
             entry.expires_at = max(entry.expires_at, now + ttl)
             return True
 
+    # -- permits --------------------------------------------------------------------------
+    supports_modes = True
+
+    def acquire_permit(
+        self, key: str, owner: str, holder: str, ttl: float, mode: Mode, writer_wait: float = 0
+    ) -> AcquireResult:
+        now = time.monotonic()
+        with self._mutex:
+            entry = self._locks.get(key)
+            writer, writer_until = self._writers.get(key, (None, now))
+            permits = self._live_permits(key, now)
+            held = Held(
+                None if entry is None else entry.owner,
+                0.0 if entry is None else entry.expires_at - now,
+                writer,
+                writer_until - now,
+                [(o, p.expires_at - now) for o, p in permits.items()],
+            )
+            plan = plan_acquire(held, owner, mode)
+            if plan.step is Step.REFUSE:
+                return AcquireResult(None, plan.retry_in, plan.held_as)
+            if plan.step is Step.INTEND:
+                if writer is None or writer_until <= now or writer == owner:
+                    self._writers[key] = (owner, now + writer_wait)
+                return AcquireResult(None, plan.retry_in, plan.held_as)
+            if plan.step is Step.TAKE:
+                if writer == owner:
+                    del self._writers[key]
+                if entry is not None and entry.owner == owner and entry.expires_at > now:
+                    entry.expires_at = now + ttl
+                    return AcquireResult(entry.fence)
+                self._permits.pop(key, None)
+                fence = next(self._fences)
+                self._locks[key] = _Entry(owner, holder, fence, now, now + ttl)
+                return AcquireResult(fence)
+            if plan.step is Step.RENEW:
+                permit = permits[owner]
+                permit.expires_at = now + ttl
+            else:
+                permit = _Entry(owner, holder, next(self._fences), now, now + ttl)
+                if held.owner not in PERMIT_OWNERS or held.left <= 0:  # the first permit
+                    self._locks[key] = _Entry(GATE_OWNER[mode.kind], "", 0, now, now)
+                    permits = self._permits[key] = {}
+                permits[owner] = permit
+            gate = self._locks[key]
+            gate.fence = max(gate.fence, permit.fence)
+            gate.expires_at = max(gate.expires_at, permit.expires_at)
+            return AcquireResult(permit.fence)
+
+    def release_permit(self, key: str, owner: str) -> bool:
+        now = time.monotonic()
+        with self._mutex:
+            permits = self._live_permits(key, now)
+            if owner not in permits:
+                return False
+            del permits[owner]
+            gate = self._locks[key]
+            if permits:
+                gate.expires_at = max(p.expires_at for p in permits.values())
+            else:
+                del self._locks[key]
+                self._permits.pop(key, None)
+        self.wake_board.wake(key)
+        return True
+
+    def extend_permit(self, key: str, owner: str, ttl: float) -> bool:
+        now = time.monotonic()
+        with self._mutex:
+            permit = self._live_permits(key, now).get(owner)
+            if permit is None:
+                return False
+            permit.expires_at = max(permit.expires_at, now + ttl)
+            gate = self._locks[key]
+            gate.expires_at = max(gate.expires_at, permit.expires_at)
+            return True
+
+    def holders(self, key: str) -> list[LockInfo]:
+        now = time.monotonic()
+        with self._mutex:
+            entry = self._locks.get(key)
+            if entry is None or entry.expires_at <= now:
+                return []
+            if entry.owner not in PERMIT_OWNERS:
+                return [self._info(key, entry, now)]
+            kind = PERMIT_OWNERS[entry.owner]
+            infos = [self._info(key, p, now, kind) for p in self._live_permits(key, now).values()]
+        return sorted(infos, key=lambda info: (info.expires_in, info.fence))
+
+    def _live_permits(self, key: str, now: float) -> dict[str, _Entry]:
+        """The permits of `key` (its dict, expired ones dropped), when permits hold it."""
+        entry = self._locks.get(key)
+        if entry is None or entry.owner not in PERMIT_OWNERS or entry.expires_at <= now:
+            self._permits.pop(key, None)
+            return {}
+        permits = self._permits.setdefault(key, {})
+        for dead in [o for o, p in permits.items() if p.expires_at <= now]:
+            del permits[dead]
+        return permits
+
     def get(self, key: str) -> LockInfo | None:
         now = time.monotonic()
         with self._mutex:
@@ -81,7 +194,9 @@ class MemoryLockStore(LockStore):
         with self._mutex:
             items = [(k, e) for k, e in self._locks.items() if k.startswith(prefix)]
         for key, entry in sorted(items, key=lambda item: item[0]):
-            if entry.expires_at > now:
+            if entry.owner in PERMIT_OWNERS:
+                yield from self.holders(key)
+            elif entry.expires_at > now:
                 yield self._info(key, entry, now)
 
     def prune(self) -> int:
@@ -90,13 +205,16 @@ class MemoryLockStore(LockStore):
             dead = [k for k, e in self._locks.items() if e.expires_at <= now]
             for key in dead:
                 del self._locks[key]
+                self._permits.pop(key, None)
+            for key in [k for k, (_, until) in self._writers.items() if until <= now]:
+                del self._writers[key]
         return len(dead)
 
     @property
     def push_wakeups(self) -> bool:
         return True  # every holder lives in this process, so every release wakes directly
 
-    def _info(self, key: str, entry: _Entry, now: float) -> LockInfo:
+    def _info(self, key: str, entry: _Entry, now: float, mode: Kind = "exclusive") -> LockInfo:
         acquired = datetime.fromtimestamp(entry.acquired_at + self._wall_offset, tz=UTC)
         return LockInfo(
             key=key,
@@ -105,11 +223,14 @@ class MemoryLockStore(LockStore):
             fence=entry.fence,
             acquired_at=acquired,
             expires_in=max(0.0, entry.expires_at - now),
+            mode=mode,
         )
 
     def advance_clock(self, seconds: float) -> None:
         """Age every lock by `seconds`: lets a test see expiry without sleeping."""
         with self._mutex:
-            for entry in self._locks.values():
+            permits = [p for each in self._permits.values() for p in each.values()]
+            for entry in [*self._locks.values(), *permits]:
                 entry.expires_at -= seconds
                 entry.acquired_at -= seconds
+            self._writers = {k: (o, until - seconds) for k, (o, until) in self._writers.items()}
