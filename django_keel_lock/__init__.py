@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"  # setup.cfg reads it from here
 
-from .core import Lock, LockOutcome, force_release, lock, restore_lock
+from .core import Lock, LockOutcome, force_release, lock, restore_lock, semaphore
 from .decorators import locked
 from .exceptions import (
     InvalidLockToken,
@@ -32,5 +32,6 @@ __all__ = [
     "lock_view",
     "locked",
     "restore_lock",
+    "semaphore",
     "set_lock_store",
 ]

@@ -19,7 +19,7 @@ import math
 import secrets
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Any, Generic, NamedTuple, TypeVar, overload
 
@@ -39,10 +39,10 @@ from .options import (
     validate_key,
 )
 from .registry import get_lock_store
-from .stores.base import AcquireResult, LockInfo, LockStore
+from .stores.base import EXCLUSIVE, AcquireResult, LockInfo, LockStore, Mode
 from .waiting import Turn, next_delay, to_the_end
 
-__all__ = ["Lock", "LockOutcome", "force_release", "lock", "restore_lock"]
+__all__ = ["Lock", "LockOutcome", "force_release", "lock", "restore_lock", "semaphore"]
 
 logger = logging.getLogger("django_keel_lock")
 
@@ -54,6 +54,10 @@ class Lock:
 
     A handle acquires at most once at a time; each acquisition gets a fresh random `owner`
     token and a `fence` strictly greater than every earlier fence of the key in that store.
+
+    Its `mode` is exclusive (the default), shared (`shared=True`: any number of readers, and
+    no writer meanwhile) or a semaphore (`limit=N`: at most N holders, each with a permit of
+    its own). Same API and guarantees in every mode.
     """
 
     def __init__(
@@ -68,6 +72,8 @@ class Lock:
         auto_extend: bool = False,
         max_hold: Duration | None = None,
         on_lost: OnLost = RAISE,
+        limit: int | None = None,
+        shared: bool = False,
     ) -> None:
         spec = LockSpec.parse(
             ttl=ttl,
@@ -78,6 +84,8 @@ class Lock:
             auto_extend=auto_extend,
             max_hold=max_hold,
             on_lost=on_lost,
+            limit=limit,
+            shared=shared,
         )
         self._setup(key, spec, label=None)
 
@@ -98,6 +106,13 @@ class Lock:
         self.auto_extend, self.max_hold = spec.auto_extend, spec.max_hold
         self.on_lost = spec.on_lost
         self.store_alias = spec.store
+        self.mode: Mode = spec.mode
+        if spec.mode is not EXCLUSIVE and not self._store.supports_modes:
+            what = "limit=" if spec.mode.kind == "semaphore" else "shared=True"
+            raise ValueError(
+                f"{what} needs a store with semaphores and shared locks; store {spec.store!r} "
+                f"({type(self._store).__name__}) has none"
+            )
         self.owner: str | None = None
         self._next_owner: str | None = None
         self.fence: int | None = None
@@ -125,13 +140,13 @@ class Lock:
         owner = self._begin()
         if wait <= 0:
             sent = time.monotonic()
-            result = self._store.acquire(self.key, owner, self.holder, self.ttl)
+            result = self._checked(self._ask(owner, None, None))
         else:
             result, sent = self._wait(owner, wait, delay)
         if not self._finish(owner, result, sent):
             if result.fence is not None:  # granted too late: give it back
                 try:
-                    self._store.release(self.key, owner)
+                    self._release_op(self.key, owner)
                 except LockStoreUnavailable:
                     pass  # it is past its ttl already
             return False
@@ -150,6 +165,70 @@ class Lock:
             else to_seconds("retry_delay", retry_delay, allow_zero=True)
         )
         return wait, delay
+
+    def _request(
+        self, owner: str, deadline: float | None, last: AcquireResult | None
+    ) -> tuple[str, tuple[Any, ...]]:
+        """The store operation the next acquire attempt is (its name, its arguments), after
+        the attempt `last` (None: the first), waiting until `deadline` (None: no wait).
+
+        An exclusive lock asks as `acquire` does, the fast path, until it finds readers in
+        its way; then, as a writer waiting for them, through `acquire_permit`, which keeps new
+        readers out for as long as it waits."""
+        if self.mode is EXCLUSIVE and (last is None or last.held_as != "shared"):
+            return "acquire", (self.key, owner, self.holder, self.ttl)
+        wait = 0.0 if deadline is None else max(0.0, deadline - time.monotonic())
+        return "acquire_permit", (self.key, owner, self.holder, self.ttl, self.mode, wait)
+
+    def _ask(self, owner: str, deadline: float | None, last: AcquireResult | None) -> AcquireResult:
+        name, args = self._request(owner, deadline, last)
+        result: AcquireResult = getattr(self._store, name)(*args)
+        return result
+
+    def _checked(self, result: AcquireResult) -> AcquireResult:
+        """`result`, unless it says the key is in use by the other family of modes: a key is
+        a semaphore or a lock (exclusive and shared), not both at once."""
+        held = result.held_as
+        if held is None or result.fence is not None:
+            return result
+        if (held == "semaphore") != (self.mode.kind == "semaphore"):
+            raise ValueError(
+                f"key {self.key!r} is held as {_kind_phrase(held)} and cannot be taken as "
+                f"{_kind_phrase(self.mode.kind)} at the same time: a key is a semaphore or a "
+                "lock, not both (use a key of its own for each); once every holder has gone it "
+                "may be used either way"
+            )
+        return result
+
+    def _pause(self, result: AcquireResult, retry_delay: float, left: float, plain: bool) -> float:
+        """How long to wait after the refusal `result` of a `plain` acquire or not: not at all
+        when an exclusive lock has just found readers (it asks again at once, as a writer who
+        waits, so that new readers stop coming in: see `_request`)."""
+        if plain and self.mode is EXCLUSIVE and result.held_as == "shared":
+            return 0.0
+        return min(left, next_delay(retry_delay, result.retry_in, self._store.push_wakeups))
+
+    @property
+    def _release_op(self) -> Callable[[str, str], bool]:
+        store = self._store
+        return store.release if self.mode is EXCLUSIVE else store.release_permit
+
+    @property
+    def _arelease_op(self) -> Callable[[str, str], Awaitable[bool]]:
+        store = self._store
+        return store.arelease if self.mode is EXCLUSIVE else store.arelease_permit
+
+    @property
+    def extend_op(self) -> Callable[[str, str, float], bool]:
+        """The store operation that extends this handle's acquisition (the watchdog's)."""
+        store = self._store
+        return store.extend if self.mode is EXCLUSIVE else store.extend_permit
+
+    @property
+    def aextend_op(self) -> Callable[[str, str, float], Awaitable[bool]]:
+        """`extend_op` for async code."""
+        store = self._store
+        return store.aextend if self.mode is EXCLUSIVE else store.aextend_permit
 
     def _begin(self) -> str:
         if self._held and time.monotonic() >= self._valid_until:
@@ -195,16 +274,20 @@ class Lock:
                 # that does not answer, so ask the store once ourselves: "held by someone else"
                 # must be the store's word, and an outage must reach every caller as one.
                 sent = time.monotonic()
-                return store.acquire(self.key, owner, self.holder, self.ttl), sent
+                return self._checked(self._ask(owner, None, None)), sent
             with store.watch(self.key) as waiter:
+                last: AcquireResult | None = None
                 while True:
                     sent = time.monotonic()
-                    result = store.acquire(self.key, owner, self.holder, self.ttl)
+                    plain = self._request(owner, deadline, last)[0] == "acquire"
+                    result = self._checked(self._ask(owner, deadline, last))
                     left = deadline - time.monotonic()
                     if result.fence is not None or left <= 0:
                         return result, sent
-                    push = store.push_wakeups
-                    waiter.wait(min(left, next_delay(retry_delay, result.retry_in, push)))
+                    last = result
+                    pause = self._pause(result, retry_delay, left, plain)
+                    if pause > 0:
+                        waiter.wait(pause)
 
     # -- acquiring, async -----------------------------------------------------------------
     async def aacquire(
@@ -216,12 +299,12 @@ class Lock:
         wait, delay = self._wait_args(timeout, retry_delay)
         owner = self._begin()
         if wait <= 0:
-            result, sent = await self._aattempt(owner)
+            result, sent = await self._aattempt(owner, None, None)
         else:
             result, sent = await self._await(owner, wait, delay)
         if not self._finish(owner, result, sent):
             if result.fence is not None:  # granted too late: give it back
-                undo, cancelled = await to_the_end(self._store.arelease(self.key, owner))
+                undo, cancelled = await to_the_end(self._arelease_op(self.key, owner))
                 if not undo.cancelled():
                     undo.exception()  # read, not raised: it is past its ttl already
                 if cancelled is not None:
@@ -232,14 +315,17 @@ class Lock:
             self._renewal.start_task()
         return True
 
-    async def _aattempt(self, owner: str) -> tuple[AcquireResult, float]:
-        """One acquire attempt; if cancelled meanwhile, give back what it took, then re-raise."""
-        store = self._store
+    async def _aattempt(
+        self, owner: str, deadline: float | None, last: AcquireResult | None
+    ) -> tuple[AcquireResult, float]:
+        """One acquire attempt (see `_request`); if cancelled meanwhile, give back what it
+        took, then re-raise."""
+        name, args = self._request(owner, deadline, last)
         sent = time.monotonic()
-        future, cancelled = await to_the_end(store.aacquire(self.key, owner, self.holder, self.ttl))
+        future, cancelled = await to_the_end(getattr(self._store, "a" + name)(*args))
         if cancelled is not None:
             if not future.cancelled() and future.exception() is None and future.result().acquired:
-                undo, _ = await to_the_end(store.arelease(self.key, owner))
+                undo, _ = await to_the_end(self._arelease_op(self.key, owner))
                 if undo.cancelled() or undo.exception() is not None:
                     logger.warning(
                         "lock %r was acquired as its waiter was cancelled and could not be given "
@@ -248,7 +334,7 @@ class Lock:
                         self.ttl,
                     )
             raise cancelled
-        return future.result(), sent
+        return self._checked(future.result()), sent
 
     async def _await(
         self, owner: str, timeout: float, retry_delay: float
@@ -266,21 +352,26 @@ class Lock:
         deadline = time.monotonic() + timeout
         async with Turn.await_for(store, self.key, deadline) as mine:
             if not mine:  # ask the store once ourselves, as `_wait` does
-                return await self._aattempt(owner)
+                return await self._aattempt(owner, None, None)
             # watch() starts the store's cross-process listener; the callback is how an
             # async waiter hears of releases: it cannot block on the Waiter's condition.
             with store.watch(self.key):
                 token = store.wake_board.add_callback(self.key, wake)
                 try:
+                    last: AcquireResult | None = None
                     while True:
                         woken.clear()  # before the attempt: a release right after counts
-                        result, sent = await self._aattempt(owner)
+                        plain = self._request(owner, deadline, last)[0] == "acquire"
+                        result, sent = await self._aattempt(owner, deadline, last)
                         left = deadline - time.monotonic()
                         if result.fence is not None or left <= 0:
                             return result, sent
-                        pause = next_delay(retry_delay, result.retry_in, store.push_wakeups)
+                        last = result
+                        pause = self._pause(result, retry_delay, left, plain)
+                        if pause <= 0:
+                            continue
                         try:
-                            async with asyncio.timeout(min(left, pause)):
+                            async with asyncio.timeout(pause):
                                 await woken.wait()
                         except TimeoutError:
                             pass
@@ -297,7 +388,7 @@ class Lock:
         if not self._held or self.owner is None:
             return False
         self._stop_renewal()
-        return self._released(self._store.release(self.key, self.owner))
+        return self._released(self._release_op(self.key, self.owner))
 
     def _released(self, released: bool) -> bool:
         self._held = False
@@ -314,7 +405,7 @@ class Lock:
         """
         seconds, owner = self._extend_args(ttl)
         sent = time.monotonic()
-        self._extended(self._store.extend(self.key, owner, seconds), sent + seconds)
+        self._extended(self.extend_op(self.key, owner, seconds), sent + seconds)
 
     def _extend_args(self, ttl: Duration | None) -> tuple[float, str]:
         seconds = self.ttl if ttl is None else ttl_seconds(ttl)
@@ -442,10 +533,12 @@ class Lock:
         over; raises LockStoreUnavailable when the store cannot say."""
         if not self._held or self.owner is None:
             return False
-        return self._owned(self._store.get(self.key))
+        if self.mode is EXCLUSIVE:
+            return self._owned([self._store.get(self.key)])
+        return self._owned(self._store.holders(self.key))
 
-    def _owned(self, info: LockInfo | None) -> bool:
-        if info is not None and info.owner == self.owner:
+    def _owned(self, holders: Sequence[LockInfo | None]) -> bool:
+        if any(info is not None and info.owner == self.owner for info in holders):
             return True
         self._lost("the store no longer has it", owner=self.owner)
         return False
@@ -468,7 +561,7 @@ class Lock:
         if not self._held or self.owner is None:
             return False
         self._stop_renewal()
-        future, cancelled = await to_the_end(self._store.arelease(self.key, self.owner))
+        future, cancelled = await to_the_end(self._arelease_op(self.key, self.owner))
         if cancelled is not None:
             if future.cancelled() or future.exception() is not None:
                 logger.warning(
@@ -493,7 +586,7 @@ class Lock:
         Cancelled meanwhile, it still records what the store did, then re-raises."""
         seconds, owner = self._extend_args(ttl)
         sent = time.monotonic()
-        future, cancelled = await to_the_end(self._store.aextend(self.key, owner, seconds))
+        future, cancelled = await to_the_end(self.aextend_op(self.key, owner, seconds))
         if cancelled is not None:
             if not future.cancelled() and future.exception() is None:
                 try:
@@ -509,8 +602,17 @@ class Lock:
 
     # -- inspection -----------------------------------------------------------------------
     def info(self) -> LockInfo | None:
-        """The live lock on this key (ours or another holder's), or None if it is free."""
-        return self._store.get(self.key)
+        """The key's holder (ours or another's; with several, the one that expires first),
+        or None if it is free."""
+        info = self._store.get(self.key)
+        if info is not None and info.is_gate:
+            return _first(self._store.holders(self.key))
+        return info
+
+    def holders(self) -> list[LockInfo]:
+        """Every current holder of the key (each permit, with its mode), soonest expiry
+        first; [] when it is free."""
+        return self._store.holders(self.key)
 
     def is_locked(self) -> bool:
         """Does anyone (not necessarily this handle) hold the key right now?"""
@@ -524,13 +626,21 @@ class Lock:
         return not self.is_owned()
 
     def remaining_time(self) -> float | None:
-        """Seconds until the key's current lock expires, None when nobody holds it."""
-        info = self._store.get(self.key)
+        """Seconds until the key's soonest holder expires (what a Retry-After needs), None
+        when nobody holds it."""
+        info = self.info()
         return None if info is None else info.expires_in
 
     async def ainfo(self) -> LockInfo | None:
-        """`info` for async code: the live lock on this key, or None if it is free."""
-        return await self._store.aget(self.key)
+        """`info` for async code: the key's (first) holder, or None if it is free."""
+        info = await self._store.aget(self.key)
+        if info is not None and info.is_gate:
+            return _first(await self._store.aholders(self.key))
+        return info
+
+    async def aholders(self) -> list[LockInfo]:
+        """`holders` for async code."""
+        return await self._store.aholders(self.key)
 
     async def ais_locked(self) -> bool:
         """`is_locked` for async code: does anyone hold the key right now?"""
@@ -546,11 +656,13 @@ class Lock:
         """`is_owned` for async code: does the store still have this handle's acquisition?"""
         if not self._held or self.owner is None:
             return False
-        return self._owned(await self._store.aget(self.key))
+        if self.mode is EXCLUSIVE:
+            return self._owned([await self._store.aget(self.key)])
+        return self._owned(await self._store.aholders(self.key))
 
     async def aremaining_time(self) -> float | None:
-        """`remaining_time` for async code: seconds until the key's lock expires, or None."""
-        info = await self._store.aget(self.key)
+        """`remaining_time` for async code: seconds until the soonest holder expires, or None."""
+        info = await self.ainfo()
         return None if info is None else info.expires_in
 
     @property
@@ -630,7 +742,7 @@ class Lock:
 
     async def __aenter__(self) -> Lock:
         if not await self.aacquire():
-            raise self._unavailable()
+            raise self.unavailable()
         self._watch_body()
         return self
 
@@ -642,14 +754,24 @@ class Lock:
     ) -> None:
         await self._aleave(exc)
 
-    def _unavailable(self) -> LockUnavailable:
+    def unavailable(self, prefix: str = "") -> LockUnavailable:
+        """The error saying this handle was not acquired in its timeout (after `prefix`,
+        such as "report not run: "): every surface that raises it words it so."""
+        if self.mode.kind == "semaphore":
+            why = f"has no free permit (limit {self.mode.limit})"
+        else:
+            why = "is held by someone else"
         return LockUnavailable(
-            self.key, f"lock {self.key!r} is held by someone else (waited {self.timeout:g}s)"
+            self.key, f"{prefix}{self.describe()} {why} (waited {self.timeout:g}s)"
         )
+
+    def describe(self) -> str:
+        """ "lock 'key'", "shared lock 'key'" or "semaphore 'key'": for messages."""
+        return f"{_kind_phrase(self.mode.kind, article=False)} {self.key!r}"
 
     def __enter__(self) -> Lock:
         if not self.acquire():
-            raise self._unavailable()
+            raise self.unavailable()
         return self
 
     def __exit__(
@@ -668,14 +790,23 @@ class Lock:
         # The deadline travels as wall-clock time: monotonic clocks mean nothing in another
         # process. Clock skew between the two machines shifts it; the store stays the judge.
         expires_at = time.time() + (self._valid_until - time.monotonic())
+        mode = self.mode
         token = tokens.Token(
-            self.key, self.ttl, self.owner, self.fence, self.holder, self.store_alias, expires_at
+            self.key,
+            self.ttl,
+            self.owner,
+            self.fence,
+            self.holder,
+            self.store_alias,
+            expires_at,
+            None if mode is EXCLUSIVE else (mode.limit if mode.kind == "semaphore" else "shared"),
         )
         return tokens.dumps(token)
 
     def __repr__(self) -> str:
         state = f"held fence={self.fence}" if self._held else "not held"
-        return f"<Lock {self.key!r} store={self.store_alias!r} {state}>"
+        mode = "" if self.mode is EXCLUSIVE else f" {self.mode}"
+        return f"<Lock {self.key!r}{mode} store={self.store_alias!r} {state}>"
 
 
 class LockOutcome(NamedTuple, Generic[T]):
@@ -683,6 +814,18 @@ class LockOutcome(NamedTuple, Generic[T]):
 
     acquired: bool
     value: T | None
+
+
+def _kind_phrase(kind: str, *, article: bool = True) -> str:
+    phrase = {"exclusive": "lock", "shared": "shared lock", "semaphore": "semaphore"}[kind]
+    if not article:
+        return phrase
+    return f"a {phrase}" if kind != "exclusive" else "an exclusive lock"
+
+
+def _first(holders: list[LockInfo]) -> LockInfo | None:
+    """The holder that expires first (the store lists them so), None if there is none."""
+    return holders[0] if holders else None
 
 
 def _announce(signal: Signal, **kwargs: Any) -> None:
@@ -704,8 +847,13 @@ def lock(
     auto_extend: bool = False,
     max_hold: Duration | None = None,
     on_lost: OnLost = RAISE,
+    shared: bool = False,
 ) -> Lock:
     """A handle on `key` in `store`; nothing is acquired until acquire/run/`with`.
+
+    `shared=True` makes it a shared (read) lock: any number of shared holders at once, no
+    exclusive one meanwhile; an exclusive acquirer that waits keeps new shared ones out, so
+    readers cannot starve it.
 
     `auto_extend=True` keeps the lock alive while held (extending every ttl/3), for at most
     `max_hold` seconds in all if given. `on_lost` says what happens when the lock is lost while
@@ -721,6 +869,41 @@ def lock(
         auto_extend=auto_extend,
         max_hold=max_hold,
         on_lost=on_lost,
+        shared=shared,
+    )
+
+
+def semaphore(
+    key: str,
+    *,
+    limit: int,
+    ttl: Duration | None = None,
+    timeout: Duration = 0,
+    retry_delay: Duration = DEFAULT_RETRY_DELAY,
+    store: str = "default",
+    holder: str | None = None,
+    auto_extend: bool = False,
+    max_hold: Duration | None = None,
+    on_lost: OnLost = RAISE,
+) -> Lock:
+    """A handle on the semaphore `key`: at most `limit` holders at once, each with a permit
+    of its own (owner, fence, ttl), so one that crashes frees only its own place, at its ttl.
+
+    The same API as `lock()`. Each acquire counts the live permits against the `limit` it was
+    given: every caller of one key should pass the same limit."""
+    if limit is None:
+        raise TypeError("semaphore() needs limit=, the most holders at once (an int >= 1)")
+    return Lock(
+        key,
+        ttl=ttl,
+        timeout=timeout,
+        retry_delay=retry_delay,
+        store=store,
+        holder=holder,
+        auto_extend=auto_extend,
+        max_hold=max_hold,
+        on_lost=on_lost,
+        limit=limit,
     )
 
 
@@ -745,7 +928,15 @@ def restore_lock(token: str) -> Lock:
     Raises InvalidLockToken for garbage, truncated, tampered or foreign tokens.
     """
     data = tokens.loads(token)
-    handle = Lock(data.key, ttl=data.ttl, store=data.store, holder=data.holder)
+    mode = data.mode
+    handle = Lock(
+        data.key,
+        ttl=data.ttl,
+        store=data.store,
+        holder=data.holder,
+        limit=mode if isinstance(mode, int) else None,
+        shared=mode == "shared",
+    )
     handle.owner, handle.fence, handle._held = data.owner, data.fence, True
     # The lock lives as long as it had left when serialized, no longer (a token from before
     # tokens carried it: a whole ttl from now, as then).

@@ -22,7 +22,6 @@ from asgiref.sync import iscoroutinefunction
 
 from .core import Lock
 from .durations import Duration
-from .exceptions import LockUnavailable
 from .options import (
     DEFAULT_RETRY_DELAY,
     RAISE,
@@ -68,6 +67,8 @@ def locked(
     holder: str | None = ...,
     on_locked: Literal["raise"] = ...,
     on_lost: OnLost = ...,
+    limit: int | None = ...,
+    shared: bool = ...,
 ) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
 
 
@@ -82,6 +83,8 @@ def locked(
     holder: str | None = ...,
     on_locked: Literal["skip"],
     on_lost: OnLost = ...,
+    limit: int | None = ...,
+    shared: bool = ...,
 ) -> _Skipping: ...
 
 
@@ -95,6 +98,8 @@ def locked(
     holder: str | None = None,
     on_locked: OnLocked = "raise",
     on_lost: OnLost = RAISE,
+    limit: int | None = None,
+    shared: bool = False,
 ) -> Callable[[Callable[P, R]], Callable[P, Any]] | _Skipping:
     """Hold the lock `key` (a "{name}" template over the call's arguments, or a callable taking
     them) while the function runs; waits up to `timeout` seconds for it.
@@ -104,6 +109,10 @@ def locked(
     the function (logged at INFO). A store that cannot be reached raises LockStoreUnavailable
     either way. A lock lost while the function runs raises LockNotHeldError when it returns
     (`on_lost`, as for `lock()`). Works on `async def` functions, not on generators.
+
+    `limit=N` makes the key a semaphore (at most N calls at once), `shared=True` a shared
+    lock (any number of shared calls, none while an exclusive one runs), as `semaphore()` and
+    `lock(shared=True)`.
     """
     check_on_locked(on_locked, ON_LOCKED_CHOICES)
     check_key_template(key)
@@ -114,6 +123,8 @@ def locked(
         store=store,
         holder=holder,
         on_lost=on_lost,
+        limit=limit,
+        shared=shared,
     )
 
     def decorate(fn: Callable[P, R]) -> Callable[P, Any]:
@@ -142,13 +153,9 @@ def _wrap(
 
     def not_acquired(handle: Lock) -> None:
         if on_locked == SKIP:
-            logger.info("skipped %s: lock %r is held by someone else", name, handle.key)
+            logger.info("skipped %s: %s", name, handle.unavailable())
             return None
-        raise LockUnavailable(
-            handle.key,
-            f"{name} not run: lock {handle.key!r} is held by someone else "
-            f"(waited {handle.timeout:g}s)",
-        )
+        raise handle.unavailable(f"{name} not run: ")
 
     if iscoroutinefunction(fn):
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 
 from .conf import conf
 from .durations import Duration, to_seconds
+from .stores.base import EXCLUSIVE, SHARED, Mode, semaphore_mode
 
 if TYPE_CHECKING:
     from .core import Lock
@@ -195,6 +196,25 @@ def ttl_seconds(ttl: object) -> float:
     return seconds
 
 
+def mode_of(limit: object = None, shared: object = False) -> Mode:
+    """The mode `limit=` and `shared=` ask for: a semaphore of `limit` permits, a shared
+    (read) lock, or (neither) an exclusive lock; a bad value raises naming it."""
+    if not isinstance(shared, bool):
+        raise TypeError(f"shared must be True or False, got {shared!r}")
+    if limit is None:
+        return SHARED if shared else EXCLUSIVE
+    if shared:
+        raise ValueError(
+            "pass limit= for a semaphore (at most N holders) or shared=True for a read lock "
+            "(any number of readers, or one writer), not both"
+        )
+    if not isinstance(limit, int) or isinstance(limit, bool):
+        raise TypeError(f"limit must be an int >= 1, got {limit!r}")
+    if limit < 1:
+        raise ValueError(f"limit must be >= 1 (the most holders at once), got {limit!r}")
+    return semaphore_mode(limit)
+
+
 def check_store(store: object) -> str:
     """`store` if it is an alias, else a TypeError (the alias itself is looked up later)."""
     if not isinstance(store, str):
@@ -220,6 +240,7 @@ class LockSpec:
     auto_extend: bool = False
     max_hold: float | None = None
     on_lost: OnLost = RAISE
+    mode: Mode = EXCLUSIVE
 
     @classmethod
     def parse(
@@ -233,6 +254,8 @@ class LockSpec:
         auto_extend: object = False,
         max_hold: Duration | None = None,
         on_lost: object = RAISE,
+        limit: object = None,
+        shared: object = False,
     ) -> LockSpec:
         """Check and convert what a surface was given; a bad value raises naming it."""
         alias = check_store(store)
@@ -253,6 +276,7 @@ class LockSpec:
             auto_extend=auto_extend,
             max_hold=hold,
             on_lost=check_on_lost(on_lost),
+            mode=mode_of(limit, shared),
         )
 
     def resolved_ttl(self) -> float:

@@ -27,6 +27,8 @@ class Token(NamedTuple):
     #: When the lock runs out unless extended (seconds since the epoch, the signer's clock);
     #: None in tokens made before tokens carried it.
     expires_at: float | None = None
+    #: "shared", or a semaphore's limit; None: exclusive (and tokens made before modes).
+    mode: str | int | None = None
 
 
 # Short payload names keep tokens small; they are part of the token format.
@@ -40,6 +42,7 @@ _FIELDS: dict[str, tuple[str, type | tuple[type, ...]]] = {
 }
 _OPTIONAL: dict[str, tuple[str, type | tuple[type, ...]]] = {
     "e": ("expires_at", (int, float)),
+    "m": ("mode", (str, int)),
 }
 
 

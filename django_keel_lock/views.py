@@ -120,16 +120,24 @@ def wants_json(request: HttpRequest) -> bool:
     return False
 
 
-def conflict_response(request: HttpRequest, key: str, retry_after: float | None) -> HttpResponse:
-    """The default answer while `key` is held: 409 with Retry-After, JSON if the client asks."""
+def conflict_response(
+    request: HttpRequest, key: str, retry_after: float | None, limit: int | None = None
+) -> HttpResponse:
+    """The default answer while `key` is held (with `limit`: while all its permits are
+    taken): 409 with Retry-After, JSON if the client asks."""
     seconds = 0 if retry_after is None else max(0, math.ceil(retry_after))
-    detail = "Another request holds this resource's lock; retry later."
+    if limit is None:
+        detail = "Another request holds this resource's lock; retry later."
+        text = f"{key} is locked by another request"
+    else:
+        detail = f"All {limit} permits of this resource are taken; retry later."
+        text = f"all {limit} permits of {key} are taken by other requests"
     response: HttpResponse
     if wants_json(request):
         response = JsonResponse({"detail": detail, "key": key}, status=409)
     else:
         response = HttpResponse(
-            f"409 Conflict: {key} is locked by another request; retry in {seconds}s.\n",
+            f"409 Conflict: {text}; retry in {seconds}s.\n",
             status=409,
             content_type="text/plain; charset=utf-8",
         )
@@ -165,7 +173,9 @@ class ViewLock:
 
     def refused(self, request: HttpRequest, handle: Lock) -> HttpResponseBase:
         if self.on_locked is None:
-            return conflict_response(request, handle.key, handle.remaining_time())
+            return conflict_response(
+                request, handle.key, handle.remaining_time(), _limit_of(handle)
+            )
         response = self.on_locked(request, handle.key)
         if inspect.isawaitable(response):
             raise ImproperlyConfigured(
@@ -175,7 +185,9 @@ class ViewLock:
 
     async def arefused(self, request: HttpRequest, handle: Lock) -> HttpResponseBase:
         if self.on_locked is None:
-            return conflict_response(request, handle.key, await handle.aremaining_time())
+            return conflict_response(
+                request, handle.key, await handle.aremaining_time(), _limit_of(handle)
+            )
         if iscoroutinefunction(self.on_locked):
             return await cast(Awaitable[HttpResponseBase], self.on_locked(request, handle.key))
         # User code (it may use the ORM): run it where Django runs sync code.
@@ -206,6 +218,10 @@ class ViewLock:
         return outcome.value if outcome.acquired else await self.arefused(request, handle)
 
 
+def _limit_of(handle: Lock) -> int | None:
+    return handle.mode.limit if handle.mode.kind == "semaphore" else None
+
+
 def _view_lock(
     key: ViewKey,
     ttl: Duration | None,
@@ -215,6 +231,8 @@ def _view_lock(
     holder: str | None,
     on_locked: OnLockedView | None,
     on_lost: OnLost,
+    limit: int | None = None,
+    shared: bool = False,
 ) -> ViewLock:
     """`ViewLock` from what `lock_view` and `LockViewMixin` take; a bad value raises naming it."""
     if isinstance(key, str):
@@ -236,6 +254,8 @@ def _view_lock(
         store=store,
         holder=holder,
         on_lost=on_lost,
+        limit=limit,
+        shared=shared,
     )
     return ViewLock(key, spec, on_locked)
 
@@ -260,6 +280,8 @@ def lock_view(
     holder: str | None = None,
     on_locked: OnLockedView | None = None,
     on_lost: OnLost = RAISE,
+    limit: int | None = None,
+    shared: bool = False,
 ) -> Callable[[ViewFunc], ViewFunc]:
     """Run the view only while holding `key`; while another request holds it, answer 409.
 
@@ -269,8 +291,14 @@ def lock_view(
     and on_lost go to `lock()`: a lock lost while the view ran raises LockNotHeldError (a 500,
     and `ATOMIC_REQUESTS` rolls back) unless on_lost says otherwise. Works on sync and
     `async def` views and (via method_decorator on "dispatch") on class-based views.
+
+    `limit=N` lets N requests in at once (a semaphore: the 409's Retry-After is then the
+    soonest permit's expiry), `shared=True` any number of shared ones while no exclusive one
+    runs; the key is the same key `semaphore()` and `lock()` take.
     """
-    config = _view_lock(key, ttl, timeout, retry_delay, store, holder, on_locked, on_lost)
+    config = _view_lock(
+        key, ttl, timeout, retry_delay, store, holder, on_locked, on_lost, limit, shared
+    )
 
     def decorate(view: ViewFunc) -> ViewFunc:
         if iscoroutinefunction(view):
@@ -293,9 +321,10 @@ def lock_view(
 class LockViewMixin(_MixinBase):
     """Class-based view twin of `lock_view`: set `lock_key` (or override `get_lock_key`).
 
-    Attributes lock_ttl, lock_timeout, lock_retry_delay, lock_store, lock_holder and
-    lock_on_lost ("raise", "warn", or a method `(self, lock)`) go to `lock()`; define a method
-    `lock_on_locked(self, request, key)` to answer instead of the 409.
+    Attributes lock_ttl, lock_timeout, lock_retry_delay, lock_store, lock_holder,
+    lock_on_lost ("raise", "warn", or a method `(self, lock)`), lock_limit and lock_shared go
+    to `lock()`; define a method `lock_on_locked(self, request, key)` to answer instead of the
+    409.
     """
 
     lock_key: ViewKey | None = None
@@ -307,6 +336,10 @@ class LockViewMixin(_MixinBase):
     #: A method `(self, request, key) -> HttpResponse` to answer instead of the default 409.
     lock_on_locked: OnLockedView | None = None
     lock_on_lost: OnLost = RAISE
+    #: At most this many requests at once (a semaphore); None: one (a lock).
+    lock_limit: int | None = None
+    #: True: a shared lock (any number of shared requests, no exclusive one meanwhile).
+    lock_shared: bool = False
 
     def get_lock_key(self, request: HttpRequest, *args: Any, **kwargs: Any) -> str:
         """The key for this request: `lock_key` with <name> filled from the URL kwargs."""
@@ -330,6 +363,8 @@ class LockViewMixin(_MixinBase):
             self.lock_holder,
             self.lock_on_locked,
             self.lock_on_lost,
+            self.lock_limit,
+            self.lock_shared,
         )
 
     def dispatch(self, request: HttpRequest, *args: Any, **kwargs: Any) -> Any:

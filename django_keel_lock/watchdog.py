@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -51,6 +52,14 @@ class Renewable(Protocol):
     @property
     def store(self) -> LockStore: ...
 
+    @property
+    def extend_op(self) -> Callable[[str, str, float], bool]:
+        """The store operation that extends the acquisition (a lock's, or a permit's)."""
+        ...
+
+    @property
+    def aextend_op(self) -> Callable[[str, str, float], Awaitable[bool]]: ...
+
     def confirmed_until(self) -> float:
         """Monotonic time of the last expiry the store confirmed for the current acquisition."""
         ...
@@ -74,6 +83,7 @@ class Renewal:
     def __init__(self, handle: Renewable, owner: str, started: float) -> None:
         self._handle = weakref.ref(handle)
         self.store = handle.store
+        self.extend, self.aextend = handle.extend_op, handle.aextend_op
         self.key, self.owner, self.ttl = handle.key, owner, handle.ttl
         self.max_hold = handle.max_hold
         self.interval = handle.ttl / 3
@@ -184,7 +194,7 @@ class Renewal:
                 pause = self.capped()
                 continue
             sent = time.monotonic()
-            future = self.store.submit(self.store.extend, self.key, self.owner, seconds)
+            future = self.store.submit(self.extend, self.key, self.owner, seconds)
             future.add_done_callback(lambda _: self._kick.set())
             # Wait for the answer, but no longer than the lock is known to live.
             deadline = sent + self.time_left()
@@ -209,7 +219,7 @@ class Renewal:
                 pause = self.capped()
                 continue
             sent = time.monotonic()
-            task = asyncio.ensure_future(self.store.aextend(self.key, self.owner, seconds))
+            task = asyncio.ensure_future(self.aextend(self.key, self.owner, seconds))
             _pending.add(task)
             task.add_done_callback(_forget)
             done, _ = await asyncio.wait({task}, timeout=self.time_left())

@@ -16,7 +16,7 @@ from django.core.management import CommandError, call_command
 from django.db import connections
 from django.test import override_settings
 
-from django_keel_lock import get_lock_store, lock
+from django_keel_lock import get_lock_store, lock, semaphore
 from django_keel_lock.conf import conf
 from django_keel_lock.management.commands.locks import list_lines
 from django_keel_lock.stores.database import PAGE_SIZE
@@ -45,19 +45,20 @@ def test_list_shows_locks_held_by_another_process(store_alias: str, key: str) ->
     with held_elsewhere(store_alias, key, ttl=30) as held:
         table = run("list", "--store", store_alias, "--prefix", key).splitlines()
         lines = run("list", "--store", store_alias, "--prefix", key, "--json").splitlines()
-    assert table[0].split() == ["FENCE", "EXPIRES", "IN", "ACQUIRED", "(UTC)", "HOLDER", "KEY"]
+    header = ["FENCE", "MODE", "EXPIRES", "IN", "ACQUIRED", "(UTC)", "HOLDER", "KEY"]
+    assert table[0].split() == header
     assert len(table) == 3, table
-    fence, expires, day, clock, holder, listed_key = table[1].split()
-    assert listed_key == key and int(fence) == held["fence"]
+    fence, mode, expires, day, clock, holder, listed_key = table[1].split()
+    assert listed_key == key and int(fence) == held["fence"] and mode == "exclusive"
     assert 25 <= float(expires.rstrip("s")) <= 30
     acquired = datetime.fromisoformat(f"{day} {clock}").replace(tzinfo=UTC)
     assert abs((datetime.now(UTC) - acquired).total_seconds()) < 60
     assert holder.split(":")[1].isdigit()  # <hostname>:<pid> of the other process
-    assert table[2] == f"1 lock held in store {store_alias!r} with prefix {key!r}."
+    assert table[2] == f"1 holder in store {store_alias!r} with prefix {key!r}."
     assert len(lines) == 1
     row = json.loads(lines[0])
     assert row["key"] == key and row["fence"] == held["fence"]
-    assert set(row) == {"key", "holder", "fence", "acquired_at", "expires_in"}
+    assert set(row) == {"key", "mode", "holder", "fence", "acquired_at", "expires_in"}
     assert 25 <= row["expires_in"] <= 30
 
 
@@ -70,7 +71,7 @@ def test_list_prefix_filters_and_orders(key: str) -> None:
                                                     f"{key}:", "--json").splitlines()]  # fmt: skip
     assert keys == [f"{key}:1", f"{key}:2", f"{key}:3"]
     table = run("list", "--store", "memory", "--prefix", f"{key}:")
-    assert table.splitlines()[-1] == f"3 locks held in store 'memory' with prefix '{key}:'."
+    assert table.splitlines()[-1] == f"3 holders in store 'memory' with prefix '{key}:'."
 
 
 def test_list_keeps_columns_fixed_and_never_cuts_the_key(key: str) -> None:
@@ -138,7 +139,7 @@ def test_list_streams_page_by_page(many_locks: tuple[str, str, str]) -> None:
     _sql(database, "DELETE FROM django_keel_lock_lock WHERE key LIKE %s", (prefix + "%",))
     rest = list(lines)
     assert len(rest) < PAGE_SIZE + 1
-    assert rest[-1] == f"{len(rest)} locks held in store {alias!r} with prefix {prefix!r}."
+    assert rest[-1] == f"{len(rest)} holders in store {alias!r} with prefix {prefix!r}."
 
 
 class _Sink(io.TextIOBase):
@@ -167,7 +168,7 @@ def test_list_memory_stays_bounded(many_locks: tuple[str, str, str], as_json: bo
         tracemalloc.stop()
     assert sink.lines == MANY + (0 if as_json else 2)
     if not as_json:
-        assert sink.last.startswith(f"{MANY} locks held")
+        assert sink.last.startswith(f"{MANY} holders")
     # All rows at once would be ~10 MB of LockInfo and strings; a page is a few hundred KB.
     assert peak < 3_000_000, f"peak {peak / 1e6:.1f} MB"
 
@@ -376,3 +377,40 @@ def test_list_and_show_escape_control_characters_written_by_another_client(key: 
     finally:
         with sqlite3.connect(path) as raw:
             raw.execute("DELETE FROM django_keel_lock_lock WHERE key = ?", (evil_key,))
+
+
+# -- semaphores and shared locks ----------------------------------------------------------
+@pytest.mark.parametrize("store_alias", store_params(["memory"]))
+def test_list_and_show_give_each_permit_with_its_mode(store_alias: str, key: str) -> None:
+    permits = [semaphore(key, limit=3, ttl=ttl, store=store_alias) for ttl in (30, 20)]
+    assert all(p.acquire() for p in permits)
+    table = run("list", "--store", store_alias, "--prefix", key).splitlines()
+    listed = sorted((int(row.split()[0]), row.split()[1]) for row in table[1:3])
+    assert listed == sorted((p.fence, "semaphore") for p in permits)  # type: ignore[misc]
+    assert table[3] == f"2 holders in store {store_alias!r} with prefix {key!r}."
+    shown = run("show", key, "--store", store_alias)
+    assert shown.count("mode:       semaphore") == 2
+    assert [line.split()[1] for line in shown.splitlines() if line.startswith("fence:")] == [
+        str(permits[1].fence),  # soonest expiry first
+        str(permits[0].fence),
+    ]
+    data = json.loads(run("show", key, "--store", store_alias, "--json"))
+    assert data["fence"] == permits[1].fence and data["mode"] == "semaphore"
+    assert [h["fence"] for h in data["holders"]] == [permits[1].fence, permits[0].fence]
+    assert "owner" not in data and all("owner" not in h for h in data["holders"])
+
+
+@pytest.mark.parametrize("store_alias", store_params(["memory"]))
+def test_release_fence_frees_one_permit_and_release_yes_frees_every_holder(
+    store_alias: str, key: str
+) -> None:
+    readers = [lock(key, shared=True, store=store_alias, ttl=30) for _ in range(3)]
+    assert all(r.acquire() for r in readers)
+    out = run("release", key, "--store", store_alias, "--fence", str(readers[1].fence), "--yes")
+    assert f"fence {readers[1].fence}" in out and "shared" in out
+    assert not readers[1].is_owned() and readers[0].is_owned() and readers[2].is_owned()
+    error = fails("release", key, "--store", store_alias, "--fence", str(readers[1].fence))
+    assert error.returncode == 1 and f"no holder with fence {readers[1].fence}" in str(error)
+    out = run("release", key, "--store", store_alias, "--yes")
+    assert out.count("Released") == 2
+    assert readers[0].holders() == []

@@ -35,7 +35,6 @@ except ImportError as exc:  # pragma: no cover - exercised by a subprocess test
 
 from ..core import Lock
 from ..durations import Duration, to_seconds
-from ..exceptions import LockUnavailable
 from ..options import (
     DEFAULT_RETRY_DELAY,
     RAISE,
@@ -83,6 +82,7 @@ def locked_task(
     auto_extend: bool = False,
     max_hold: Duration | None = None,
     on_lost: OnLost = RAISE,
+    limit: int | None = None,
 ) -> Callable[[Callable[P, R]], Callable[P, R | None]]:
     """Run the task body only while holding the lock `key` (formatted from the task's
     arguments, `self` included for bound tasks); put it *under* `@shared_task`.
@@ -98,6 +98,9 @@ def locked_task(
     most `max_hold` in all if given; ttl then only bounds how long a crashed worker blocks.
     A lock lost while the task ran fails the task with LockNotHeldError unless `on_lost`
     ("raise", "warn" or a callable `(lock) -> None`, as for `lock()`) says otherwise.
+
+    `limit=N` lets at most N runs of the key at once across all workers (a semaphore); the
+    others are skipped, raised or retried as `on_locked` says.
     """
     check_on_locked(on_locked, _ON_LOCKED)
     # Fail where the task is defined, not in the worker on its first run.
@@ -110,6 +113,7 @@ def locked_task(
         auto_extend=auto_extend,
         max_hold=max_hold,
         on_lost=on_lost,
+        limit=limit,
     )
     if countdown is not None and on_locked != RETRY:
         raise ValueError('countdown= only applies to on_locked="retry"')
@@ -185,14 +189,14 @@ def _refused(handle: Lock, task: Task | None, on_locked: OnLocked, countdown: fl
     if on_locked == SKIP:
         info = handle.info()
         logger.info(
-            "skipped %s[%s]: lock %r is held by %s",
+            "skipped %s[%s]: %s is held by %s",
             name,
             task_id,
-            handle.key,
+            handle.describe(),
             f"{info.holder} (fence {info.fence}, {info.expires_in:.1f}s left)" if info else "?",
         )
         return None
-    error = LockUnavailable(handle.key, f"{name}: lock {handle.key!r} is held by someone else")
+    error = handle.unavailable(f"{name}: ")
     if on_locked == RAISE or task is None:
         raise error
     if countdown is None:

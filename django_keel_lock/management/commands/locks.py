@@ -2,7 +2,7 @@
 
     manage.py locks list [--store ALIAS] [--prefix P] [--json]
     manage.py locks show KEY [--store ALIAS] [--json] [--show-owner]
-    manage.py locks release KEY [--store ALIAS] [--yes]
+    manage.py locks release KEY [--store ALIAS] [--fence N] [--yes]
     manage.py locks prune [--store ALIAS]
 
 Exit codes: 0 done; 1 the key is not held (show, release) or the release was declined at the
@@ -10,7 +10,8 @@ prompt; 2 usage errors (bad arguments, a key the store cannot hold) and an unkno
 misconfigured store alias; 3 the store could not be reached (the state of the locks is unknown).
 
 `list` streams: rows are printed as the store yields them (page by page for the database store),
-with fixed column widths so the table never needs every row in memory.
+with fixed column widths so the table never needs every row in memory. A key held by a
+semaphore or shared lock has a row per holder (each permit), with its MODE.
 
 Owner tokens are never printed unless `show --show-owner` asks: the token is what a store checks
 before it releases or extends a lock for its holder, so it stays out of terminals, logs and
@@ -41,8 +42,12 @@ EXIT_CONFIG = 2
 EXIT_UNAVAILABLE = 3
 
 HOLDER_WIDTH = 32
-# FENCE, EXPIRES IN, ACQUIRED (UTC), HOLDER are fixed width; KEY comes last and is never cut.
-ROW = "{fence:>12}  {expires:>10}  {acquired:<23}  {holder:<" + str(HOLDER_WIDTH) + "}  {key}"
+# FENCE, MODE, EXPIRES IN, ACQUIRED (UTC), HOLDER are fixed width; KEY comes last, never cut.
+ROW = (
+    "{fence:>12}  {mode:<9}  {expires:>10}  {acquired:<23}  {holder:<"
+    + str(HOLDER_WIDTH)
+    + "}  {key}"
+)
 
 
 def format_acquired(info: LockInfo) -> str:
@@ -58,6 +63,7 @@ def format_expires(seconds: float) -> str:
 def info_dict(info: LockInfo, *, owner: bool = False) -> dict[str, Any]:
     data: dict[str, Any] = {
         "key": info.key,
+        "mode": info.mode,
         "holder": info.holder,
         "fence": info.fence,
         "acquired_at": None if info.acquired_at is None else info.acquired_at.isoformat(),
@@ -74,6 +80,7 @@ def table_row(info: LockInfo) -> str:
         holder = holder[: HOLDER_WIDTH - 1] + "…"
     return ROW.format(
         fence=info.fence,
+        mode=info.mode,
         expires=format_expires(info.expires_in),
         acquired=format_acquired(info),
         holder=holder,
@@ -93,6 +100,7 @@ def list_lines(store: LockStore, prefix: str = "", as_json: bool = False) -> Ite
     if not as_json:
         yield ROW.format(
             fence="FENCE",
+            mode="MODE",
             expires="EXPIRES IN",
             acquired="ACQUIRED (UTC)",
             holder="HOLDER",
@@ -104,7 +112,7 @@ def list_lines(store: LockStore, prefix: str = "", as_json: bool = False) -> Ite
             yield json.dumps(info_dict(info), ensure_ascii=False) if as_json else table_row(info)
     if not as_json:
         what = f" with prefix {prefix!r}" if prefix else ""
-        yield f"{count} lock{'' if count == 1 else 's'} held in store {store.alias!r}{what}."
+        yield f"{count} holder{'' if count == 1 else 's'} in store {store.alias!r}{what}."
 
 
 class Command(BaseCommand):
@@ -123,10 +131,12 @@ class Command(BaseCommand):
             )
             return sub
 
-        listing = add("list", "List every held lock: key, holder, fence, acquired, expires in.")
+        listing = add(
+            "list", "List every holder of a lock: key, mode, holder, fence, acquired, expires in."
+        )
         listing.add_argument("--prefix", default="", help="only keys starting with this")
         listing.add_argument("--json", action="store_true", help="one JSON object per line")
-        show = add("show", "Show one lock in detail.")
+        show = add("show", "Show one lock in detail: each holder of it.")
         show.add_argument("key")
         show.add_argument("--json", action="store_true", help="print a JSON object")
         show.add_argument(
@@ -134,8 +144,11 @@ class Command(BaseCommand):
             action="store_true",
             help="also print the owner token (hidden by default: release and extend check it)",
         )
-        release = add("release", "Force-release a lock, whoever holds it.")
+        release = add("release", "Force-release a lock (each holder of it), whoever holds it.")
         release.add_argument("key")
+        release.add_argument(
+            "--fence", type=int, metavar="N", help="only the holder with this fence (one permit)"
+        )
         release.add_argument("--yes", action="store_true", help="do not ask for confirmation")
         add("prune", "Delete expired locks the store keeps (Redis deletes its own); say how many.")
 
@@ -171,34 +184,54 @@ class Command(BaseCommand):
             self.stdout.write(line)
 
     def do_show(self, store: LockStore, options: dict[str, Any]) -> None:
-        info = self.read(store, self.checked_key(store, options["key"]))
+        holders = self.read(store, self.checked_key(store, options["key"]))
         show_owner: bool = options["show_owner"]
         if options["json"]:
-            data = {"store": store.alias, **info_dict(info, owner=show_owner)}
+            # The first holder (soonest expiry) at the top, as for a lock; all of them below.
+            data = {
+                "store": store.alias,
+                **info_dict(holders[0], owner=show_owner),
+                "holders": [info_dict(info, owner=show_owner) for info in holders],
+            }
             self.stdout.write(json.dumps(data))
             return
-        rows = [
-            ("key", info.key),
-            ("store", store.alias),
-            ("holder", info.holder),
-            ("fence", str(info.fence)),
-            *([("owner", info.owner)] if show_owner else []),
-            ("acquired", f"{format_acquired(info)} UTC"),
-            ("expires in", format_expires(info.expires_in)),
-        ]
-        for label, value in rows:
-            self.stdout.write(f"{label + ':':<12}{printable(value)}")
+        for number, info in enumerate(holders):
+            if number:
+                self.stdout.write("")
+            rows = [
+                ("key", info.key),
+                ("store", store.alias),
+                ("mode", info.mode),
+                ("holder", info.holder),
+                ("fence", str(info.fence)),
+                *([("owner", info.owner)] if show_owner else []),
+                ("acquired", f"{format_acquired(info)} UTC"),
+                ("expires in", format_expires(info.expires_in)),
+            ]
+            for label, value in rows:
+                self.stdout.write(f"{label + ':':<12}{printable(value)}")
 
     def do_release(self, store: LockStore, options: dict[str, Any]) -> None:
+        """Free the holders read now (the one with --fence), each by its fence: a holder that
+        came after they were read (while the person was asked) is left alone."""
         key = self.checked_key(store, options["key"])
-        confirmed: int | None = None  # the fence the person said yes to
+        fence: int | None = options.get("fence")
+        holders = [info for info in self.read(store, key) if fence in (None, info.fence)]
+        if not holders:
+            raise CommandError(
+                f"lock {key!r} has no holder with fence {fence} in store {store.alias!r}",
+                returncode=EXIT_NOT_HELD,
+            )
         if not options["yes"]:
-            info = self.read(store, key)
-            confirmed = info.fence
+            held_by = "; ".join(
+                f"{printable(info.holder)} ({info.mode}, fence {info.fence}, expires in "
+                f"{format_expires(info.expires_in)})"
+                for info in holders
+            )
             question = (
-                f"Force-release {key!r} in store {store.alias!r}, held by {printable(info.holder)} "
-                f"(fence {info.fence}, expires in {format_expires(info.expires_in)})? "
-                "Its holder will keep running without the lock. [y/N] "
+                f"Force-release {key!r} in store {store.alias!r}, held by {held_by}? "
+                f"{'Its holder' if len(holders) == 1 else 'Each holder'} will keep running "
+                "without the lock. [y/N] "
             )
             try:
                 answer = input(question)
@@ -209,19 +242,23 @@ class Command(BaseCommand):
                     "Not released (answer 'y' to release; --yes skips the question).",
                     returncode=EXIT_NOT_HELD,
                 )
-        freed = force_release(key, store=store.alias, fence=confirmed)
-        if freed is None:
-            if confirmed is not None and store.get(key) is not None:
-                raise CommandError(
-                    f"Not released: {key!r} was taken again (no longer fence {confirmed}) "
-                    "while you were asked; run the command again.",
-                    returncode=EXIT_NOT_HELD,
-                )
-            raise self.not_held(store, key)
-        self.stdout.write(
-            f"Released {key!r} in store {store.alias!r} (was held by {printable(freed.holder)}, "
-            f"fence {freed.fence})."
-        )
+        freed = [
+            info
+            for info in holders
+            if force_release(key, store=store.alias, fence=info.fence) is not None
+        ]
+        if not freed:
+            fences = ", ".join(str(info.fence) for info in holders)
+            raise CommandError(
+                f"Not released: {key!r} was released or taken again (no longer fence "
+                f"{fences}) meanwhile; run the command again.",
+                returncode=EXIT_NOT_HELD,
+            )
+        for info in freed:
+            self.stdout.write(
+                f"Released {key!r} in store {store.alias!r} (was held by "
+                f"{printable(info.holder)}, {info.mode}, fence {info.fence})."
+            )
 
     def do_prune(self, store: LockStore, options: dict[str, Any]) -> None:
         if store.expires_by_itself:
@@ -244,11 +281,12 @@ class Command(BaseCommand):
         except (TypeError, ValueError) as exc:
             raise CommandError(f"bad key: {exc}", returncode=EXIT_CONFIG) from exc
 
-    def read(self, store: LockStore, key: str) -> LockInfo:
-        info = store.get(key)
-        if info is None:
+    def read(self, store: LockStore, key: str) -> list[LockInfo]:
+        """The key's holders, soonest expiry first; not held: exit 1."""
+        holders = store.holders(key)
+        if not holders:
             raise self.not_held(store, key)
-        return info
+        return holders
 
     @staticmethod
     def not_held(store: LockStore, key: str) -> CommandError:
