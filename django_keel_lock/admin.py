@@ -42,7 +42,7 @@ from .conf import conf
 from .core import force_release
 from .models import Lock
 from .registry import get_lock_store
-from .stores.base import LockInfo, LockStore
+from .stores.base import PERMIT_OWNERS, LockInfo, LockStore
 from .stores.database.dialects import DIALECTS
 
 logger = logging.getLogger("django_keel_lock")
@@ -118,7 +118,8 @@ def database_store_alias(database: str) -> str | None:
 
 @dataclass(frozen=True)
 class LockRow:
-    """What the admin shows of one held lock: everything but the owner token."""
+    """What the admin shows of one holder of a lock (a permit, for semaphores and shared
+    locks): everything but the owner token."""
 
     key: str
     holder: str
@@ -127,6 +128,7 @@ class LockRow:
     expires_in: float
     remaining: str
     release_url: str | None = None
+    mode: str = "exclusive"
 
     @classmethod
     def from_info(cls, info: LockInfo, release_url: str | None = None) -> LockRow:
@@ -138,6 +140,7 @@ class LockRow:
             expires_in=info.expires_in,
             remaining=format_remaining(info.expires_in),
             release_url=release_url,
+            mode=info.mode,
         )
 
 
@@ -177,12 +180,21 @@ class StateFilter(admin.SimpleListFilter):
 class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     """Read-only view of the database store's table, plus the all-stores page and force release."""
 
-    list_display = ("key", "holder", "fence", "acquired_at", "remaining_display", "state_display")
+    list_display = (
+        "key",
+        "mode_display",
+        "holder_display",
+        "fence",
+        "acquired_at",
+        "remaining_display",
+        "state_display",
+    )
     list_filter = (StateFilter,)
     search_fields = ("key",)
     fields = (
         "key",
-        "holder",
+        "mode_display",
+        "holder_display",
         "fence",
         "acquired_at",
         "expires_at",
@@ -238,6 +250,18 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     @admin.display(description="state")
     def state_display(self, obj: Lock) -> str:
         return "held" if _remaining(obj) > 0 else "expired"
+
+    @admin.display(description="mode")
+    def mode_display(self, obj: Lock) -> str:
+        return PERMIT_OWNERS.get(obj.owner, "exclusive")
+
+    @admin.display(description="holder", ordering="holder")
+    def holder_display(self, obj: Lock) -> str:
+        # A key held by permits has one row here and a holder per permit: the page of every
+        # store's locks (and this row's force release) lists each of them.
+        if obj.owner in PERMIT_OWNERS:
+            return "(permits: each is listed under “Locks in every store”)"
+        return obj.holder
 
     def changelist_view(
         self, request: HttpRequest, extra_context: dict[str, Any] | None = None
@@ -368,7 +392,9 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             return section
         section.note = _store_note(store)
         for info in infos[:size]:
-            url = self._release_url(alias, info.key, next_url=None) if can_release else None
+            url = None
+            if can_release:
+                url = self._release_url(alias, info.key, next_url=None, fence=info.fence)
             section.rows.append(LockRow.from_info(info, url))
         query = {"store": alias, **({"prefix": prefix} if prefix else {})}
         if len(infos) > size:
@@ -382,8 +408,9 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
     # -- force release (all-stores page and change view) -----------------------------------
     def force_release_view(self, request: HttpRequest) -> HttpResponse:
-        """GET: confirm releasing one key of one store. POST with post=yes: release it, if the
-        holder is still the one the user confirmed (same fence)."""
+        """GET: confirm releasing one key of one store (with `fence`: its holder with that
+        fence only). POST with post=yes: release what the user confirmed, no more (see
+        `_release_one`)."""
         if not self.has_force_release_permission(request):
             raise PermissionDenied
         data = request.POST if request.method == "POST" else request.GET
@@ -392,22 +419,26 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         if alias not in conf.STORES:
             self.message_user(request, f"There is no lock store {alias!r}.", messages.ERROR)
             return HttpResponseRedirect(next_url)
+        one = _count(data.get("fence")) if data.get("one") == "1" else None
         if request.method == "POST" and data.get("post") == "yes":
             expected = _count(data.get("fence"))
-            level, text = self._release_one(request, alias, key, expected)
+            level, text = self._release_one(request, alias, key, expected, exact=one is not None)
             self.message_user(request, text, level)
             return HttpResponseRedirect(next_url)
         try:
-            info = get_lock_store(alias).get(key)
+            holders = get_lock_store(alias).holders(key)
         except Exception as exc:
             self.message_user(
                 request, f"Cannot read {key!r} in store {alias!r}: {exc}", messages.ERROR
             )
             return HttpResponseRedirect(next_url)
-        if info is None:
+        if one is not None:
+            holders = [info for info in holders if info.fence == one]
+        if not holders:
             self.message_user(
                 request,
-                f"{key!r} is not held in store {alias!r}: nothing to release.",
+                f"{key!r} is not held in store {alias!r}"
+                f"{'' if one is None else f' by fence {one}'}: nothing to release.",
                 messages.WARNING,
             )
             return HttpResponseRedirect(next_url)
@@ -415,8 +446,10 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             **self._context(request, "Force release a lock"),
             "mode": "single",
             "store": alias,
-            "rows": [LockRow.from_info(info)],
-            "fence": info.fence,
+            "rows": [LockRow.from_info(info) for info in holders],
+            # Each holder shown has a fence no greater than this; one who came later does not.
+            "fence": max(info.fence for info in holders),
+            "one": one is not None,
             "next_url": next_url,
             "cancel_url": next_url,
         }
@@ -425,32 +458,51 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         )
 
     def _release_one(
-        self, request: HttpRequest, alias: str, key: str, expected_fence: int | None
+        self,
+        request: HttpRequest,
+        alias: str,
+        key: str,
+        expected_fence: int | None,
+        *,
+        exact: bool = False,
     ) -> tuple[int, str]:
-        """Force-release `key` in `alias`; (message level, message). A LogEntry per release."""
+        """Force-release the holders of `key` in `alias` the user confirmed: the one with
+        `expected_fence` (`exact`), or each whose fence is no greater (every holder the page
+        showed: fences only grow, so one that came since is left alone); every holder when
+        None. (message level, message); a LogEntry per holder released."""
         try:
-            if expected_fence is not None:
-                # The user confirmed releasing one holder; a lock taken since then is not theirs
-                # to break. This read only words the message: the release below is itself
-                # limited to the confirmed fence.
-                current = get_lock_store(alias).get(key)
-                if current is None:
-                    return messages.WARNING, f"{key!r} in store {alias!r} was no longer held."
-                if current.fence != expected_fence:
-                    return messages.WARNING, (
-                        f"{key!r} in store {alias!r} was taken again since you confirmed "
-                        f"(holder {current.holder}, fence {current.fence}); nothing was released."
-                    )
-            info = force_release(key, store=alias, user=request.user, fence=expected_fence)
+            holders = get_lock_store(alias).holders(key)
+            confirmed = [
+                info
+                for info in holders
+                if expected_fence is None
+                or (info.fence == expected_fence if exact else info.fence <= expected_fence)
+            ]
+            if not holders:
+                return messages.WARNING, f"{key!r} in store {alias!r} was no longer held."
+            if not confirmed:
+                current = holders[0]
+                return messages.WARNING, (
+                    f"{key!r} in store {alias!r} was taken again since you confirmed "
+                    f"(holder {current.holder}, fence {current.fence}); nothing was released."
+                )
+            freed = [
+                info
+                for info in (
+                    force_release(key, store=alias, user=request.user, fence=each.fence)
+                    for each in confirmed
+                )
+                if info is not None
+            ]
         except Exception as exc:  # store down, bad key: report, never a 500
             logger.warning("lock admin could not force-release %r in %r: %s", key, alias, exc)
             return messages.ERROR, f"Could not force-release {key!r} in store {alias!r}: {exc}"
-        if info is None:
+        if not freed:
             return messages.WARNING, f"{key!r} in store {alias!r} was no longer held."
-        self._log_release(request, alias, info)
-        return messages.SUCCESS, (
-            f"Force-released {key!r} in store {alias!r} (holder {info.holder}, fence {info.fence})."
-        )
+        for info in freed:
+            self._log_release(request, alias, info)
+        what = "; ".join(f"holder {info.holder}, fence {info.fence}" for info in freed)
+        return messages.SUCCESS, f"Force-released {key!r} in store {alias!r} ({what})."
 
     def _log_release(self, request: HttpRequest, alias: str, info: LockInfo) -> None:
         # object_id only when the lock is a row this admin shows, so "Recent actions" links
@@ -474,8 +526,13 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             current_app=self.admin_site.name,
         )
 
-    def _release_url(self, alias: str, key: str, *, next_url: str | None) -> str:
+    def _release_url(
+        self, alias: str, key: str, *, next_url: str | None, fence: int | None = None
+    ) -> str:
+        """The confirmation page for releasing `key` (with `fence`: that holder only)."""
         query = {"store": alias, "key": key, **({"next": next_url} if next_url else {})}
+        if fence is not None:
+            query.update(fence=str(fence), one="1")
         return f"{self._url('force_release')}?{urlencode(query)}"
 
     def _next_url(self, request: HttpRequest, candidate: str | None) -> str:
@@ -505,10 +562,11 @@ def _row_from_model(obj: Lock) -> LockRow:
     info = LockInfo(
         key=obj.key,
         owner=obj.owner,
-        holder=obj.holder,
+        holder=obj.holder if obj.owner not in PERMIT_OWNERS else "(each permit)",
         fence=obj.fence,
         acquired_at=obj.acquired_at,
         expires_in=_remaining(obj),
+        mode=PERMIT_OWNERS.get(obj.owner, "exclusive"),
     )
     return LockRow.from_info(info)
 

@@ -28,7 +28,7 @@ from django.contrib.contenttypes.models import ContentType
 from django.test import Client, override_settings
 from django.utils import timezone
 
-from django_keel_lock import get_lock_store, lock
+from django_keel_lock import get_lock_store, lock, semaphore
 from django_keel_lock.admin import LockAdmin, RemainingSeconds, format_remaining
 from django_keel_lock.exceptions import LockStoreUnavailable
 from django_keel_lock.models import Lock as LockRow
@@ -690,3 +690,46 @@ def test_force_release_of_unknown_store_or_free_key_is_a_message(admin_client: C
     assert "There is no lock store &#x27;nope&#x27;" in unknown.content.decode()
     assert "is not held in store" in free.content.decode()
     assert offsite["Location"] == STORES_PAGE
+
+
+# -- semaphores and shared locks ----------------------------------------------------------
+def test_all_stores_page_lists_each_permit_and_releases_one_by_its_fence(
+    admin_client: Client,
+) -> None:
+    key = key_of("permits")
+    permits = [semaphore(key, limit=3, store="memory", ttl=60) for _ in range(3)]
+    assert all(p.acquire() for p in permits)
+    html = section(admin_client.get(STORES_PAGE).content.decode(), "memory")
+    assert html.count(f'data-key="{key}"') == 3 and html.count("<td>semaphore</td>") >= 3
+    target = permits[1]
+    url = f"fence={target.fence}&amp;one=1"
+    assert url in html  # each row's button releases that permit only
+
+    confirm = admin_client.get(RELEASE, {"store": "memory", "key": key, "fence": target.fence,
+                                         "one": "1"}).content.decode()  # fmt: skip
+    assert confirm.count("<td>semaphore</td>") == 1 and f"<td>{target.fence}</td>" in confirm
+    done = admin_client.post(
+        RELEASE,
+        {"store": "memory", "key": key, "fence": target.fence, "one": "1", "post": "yes"},
+        follow=True,
+    )
+    assert f"fence {target.fence}" in done.content.decode()
+    assert not target.is_owned()
+    assert permits[0].is_owned() and permits[2].is_owned()
+    assert LogEntry.objects.filter(object_repr=key).count() == 1
+
+
+def test_releasing_a_key_frees_every_holder_confirmed_and_not_one_that_came_after(
+    admin_client: Client,
+) -> None:
+    key = key_of("readers")
+    readers = [lock(key, shared=True, store="memory", ttl=60) for _ in range(2)]
+    assert all(r.acquire() for r in readers)
+    confirm = admin_client.get(RELEASE, {"store": "memory", "key": key}).content.decode()
+    assert confirm.count("<td>shared</td>") == 2
+    confirmed = max(r.fence for r in readers)  # type: ignore[type-var]
+    late = lock(key, shared=True, store="memory", ttl=60)
+    assert late.acquire()  # while the person was reading the page
+    admin_client.post(RELEASE, {"store": "memory", "key": key, "fence": confirmed, "post": "yes"})
+    assert not readers[0].is_owned() and not readers[1].is_owned()
+    assert late.is_owned() and late.release()
