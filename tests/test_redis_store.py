@@ -20,9 +20,11 @@ import pytest
 import redis
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
+from redis.crc import key_slot
 
 from django_keel_lock import LockStoreUnavailable, get_lock_store, lock
 from django_keel_lock.stores import AcquireResult, LockInfo, RedisLockStore
+from django_keel_lock.stores.base import EXCLUSIVE, GATE_OWNER, SHARED, semaphore_mode
 from django_keel_lock.stores.redis.clients import _text
 from django_keel_lock.stores.redis.scripts import ACQUIRE, SCRIPTS
 
@@ -211,6 +213,53 @@ def test_force_release_frees_and_reports_the_holder(url_store: RedisLockStore, k
     freed = url_store.force_release(key)
     assert freed is not None and freed.owner == "a" * 32 and freed.holder == "someone"
     assert url_store.get(key) is None and url_store.prune() == 0
+
+
+def test_permit_keys_share_the_tag_expire_with_the_latest_permit_and_go_with_the_last(
+    url_store: RedisLockStore, raw: redis.Redis[bytes], key: str
+) -> None:
+    gate, permits, holders, fence, writer = url_store._permit_names(key)
+    names = (gate, permits, holders, fence, writer)
+    assert len({key_slot(name.encode()) for name in names}) == 1  # one script, one Cluster slot
+    short, long = "a" * 32, "b" * 32
+    assert url_store.acquire_permit(key, short, "short", 10, SHARED).acquired
+    assert url_store.acquire_permit(key, long, "long", 20, SHARED).acquired
+    assert raw.hget(gate, "o") == GATE_OWNER["shared"].encode()
+    for name in (gate, permits, holders):
+        assert 19_000 < raw.pttl(name) <= 20_000
+    channel = url_store.release_channel(key)
+    with raw.pubsub() as pubsub:
+        pubsub.subscribe(channel)
+        assert pubsub.get_message(timeout=5) is not None  # the subscription itself
+        assert url_store.release_permit(key, long)  # not the last: announced all the same
+        message = pubsub.get_message(timeout=5)
+        assert message is not None and message["channel"] == channel.encode()
+    for name in (gate, permits, holders):
+        assert 9_000 < raw.pttl(name) <= 10_000
+    assert not url_store.acquire_permit(key, "w" * 32, "w", 5, EXCLUSIVE, 3).acquired
+    assert 2_000 < raw.pttl(writer) <= 3_000 and raw.get(writer) == b"w" * 32
+    assert url_store.release_permit(key, short)
+    assert raw.exists(gate, permits, holders) == 0 and raw.exists(fence) == 1
+
+
+def test_permit_keys_left_by_an_expired_gate_are_ignored_and_cleared(
+    url_store: RedisLockStore, raw: redis.Redis[bytes], key: str
+) -> None:
+    """Redis expires the gate and its helper keys one by one: permits seen without a live gate
+    must not count, nor come back under the next gate."""
+    _, permits, holders, _, _ = url_store._permit_names(key)
+    stale = "s" * 32
+    raw.zadd(permits, {stale: int(time.time() * 1000) + 60_000})
+    raw.hset(holders, stale, "1:1:stale")
+    one = semaphore_mode(1)
+    assert not url_store.holders(key)
+    taken = url_store.acquire(key, "x" * 32, "x", 5)
+    assert taken.acquired and [i.owner for i in url_store.holders(key)] == ["x" * 32]
+    assert url_store.release(key, "x" * 32)
+    assert url_store.acquire_permit(key, "p" * 32, "p", 5, one).acquired
+    assert [(i.owner, i.mode) for i in url_store.holders(key)] == [("p" * 32, "semaphore")]
+    assert raw.zrange(permits, 0, -1) == [b"p" * 32] and raw.hkeys(holders) == [b"p" * 32]
+    assert url_store.release_permit(key, "p" * 32)
 
 
 def test_wrong_type_at_the_lock_key_is_a_store_error_not_contention(

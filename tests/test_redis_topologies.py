@@ -18,6 +18,7 @@ from redis.retry import Retry
 
 from django_keel_lock import LockStoreUnavailable, get_lock_store, lock
 from django_keel_lock.stores import RedisLockStore
+from django_keel_lock.stores.base import SHARED, semaphore_mode
 
 from .conftest import TimeLimit, interrupted_after, needs, serving
 from .support.redis_servers import (
@@ -165,6 +166,54 @@ async def test_cluster_async_methods(cluster_alias: str, key: str) -> None:
     assert info is not None and info.expires_in > 15 and info.fence == got.fence
     assert await store.arelease(key, "a" * 32)
     assert await store.aget(key) is None
+
+
+def test_cluster_semaphore_keeps_its_permit_keys_on_the_key_s_node(
+    cluster: list[RedisServer], cluster_alias: str, key: str
+) -> None:
+    store = get_lock_store(cluster_alias)
+    assert isinstance(store, RedisLockStore)
+    two = semaphore_mode(2)
+    client: redis.RedisCluster[bytes] = redis.RedisCluster.from_url(cluster[0].url)
+    try:
+        keys = [f"{key}:{i:02d}" for i in range(12)]
+        nodes = {
+            client.nodes_manager.get_node_from_slot(  # type: ignore[arg-type]
+                client.keyslot(store._names(name)[0])
+            ).port
+            for name in keys
+        }
+        assert len(nodes) == 3, "the keys should have spread over all three masters"
+        for name in keys:
+            a, b, c = (uuid.uuid4().hex for _ in range(3))
+            fa, fb = (store.acquire_permit(name, o, o, 30, two).fence for o in (a, b))
+            assert fa is not None and fb is not None and fb > fa
+            refused = store.acquire_permit(name, c, "c", 30, two)
+            assert refused.fence is None and refused.held_as == "semaphore"
+            assert store.acquire(name, c, "c", 30).held_as == "semaphore"
+            assert store.release_permit(name, a)
+            assert (store.acquire_permit(name, c, "c", 30, two).fence or 0) > fb
+            holders = store.holders(name)
+            assert sorted(i.owner for i in holders) == sorted([b, c])
+            assert {i.mode for i in holders} == {"semaphore"}
+        listed = list(store.iter_locks(prefix=f"{key}:"))  # SCAN on every master
+        assert len(listed) == 2 * len(keys) and not any(i.is_gate for i in listed)
+        for info in listed:
+            assert store.release_permit(info.key, info.owner)
+        assert all(store.holders(name) == [] for name in keys)
+    finally:
+        client.close()
+
+
+async def test_cluster_async_permit_methods(cluster_alias: str, key: str) -> None:
+    store = get_lock_store(cluster_alias)
+    got = await store.aacquire_permit(key, "a" * 32, "a", 5, SHARED)
+    assert got.fence is not None
+    assert await store.aextend_permit(key, "a" * 32, 20)
+    [info] = await store.aholders(key)
+    assert info.expires_in > 15 and info.fence == got.fence and info.mode == "shared"
+    assert await store.arelease_permit(key, "a" * 32)
+    assert await store.aholders(key) == []
 
 
 @pytest.fixture(scope="module")

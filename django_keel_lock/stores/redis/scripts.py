@@ -5,10 +5,21 @@ of one lock shares the lock key's hash tag, so the scripts run on Redis Cluster.
 
 Layout of one lock on `key` under the default KEY_PREFIX, "keel-lock:" (a prefix that does not
 end with ":" gets one, so "keel-lock" gives the same names):
-    keel-lock:{key}        hash: o = owner, h = holder, f = fence, t = acquired (ms), with PX
-    keel-lock:{key}:fence  the key's last fence, kept a day after its last acquisition
-    keel-lock:released:key pub/sub channel a release publishes on; a process subscribes to it
-                           only while one of its threads or tasks waits for `key`
+    keel-lock:{key}          hash: o = owner, h = holder, f = fence, t = acquired (ms), with PX
+    keel-lock:{key}:fence    the key's last fence, kept a day after its last acquisition
+    keel-lock:released:key   pub/sub channel a release publishes on; a process subscribes to it
+                             only while one of its threads or tasks waits for `key`
+A key held by permits (a shared lock's readers, a semaphore's holders) also has:
+    keel-lock:{key}          the gate: o = the kind's GATE_OWNER ("*shared", "*semaphore"), h
+                             empty, f = the latest permit's fence, t = the first permit's time,
+                             expiring with the latest permit; so ACQUIRE, unchanged, sees the
+                             key held
+    keel-lock:{key}:permits  zset: owner -> expiry (ms since the epoch, by the server's TIME)
+    keel-lock:{key}:holders  hash: owner -> "fence:acquired (ms):holder"
+                             (both expire with the gate; they count only while the gate is a
+                             marker, and the first permit of a new gate clears them)
+    keel-lock:{key}:writer   the owner of the writer waiting for the readers to go, with PX =
+                             its wait: no new shared permit is given meanwhile
 """
 
 from __future__ import annotations
@@ -34,17 +45,24 @@ def _script(text: str) -> Script:
 #   KEYS[1] the lock's hash        KEYS[2] the key's fence counter
 #   ARGV[1] owner  ARGV[2] holder  ARGV[3] ttl (ms)
 #   -> the fence (> 0) when acquired; when someone else holds it, -(pttl + 1) (0 if the key has
-#      no expiry): one integer, as it is simpler for the client to parse than an array.
+#      no expiry): one integer, as it is simpler for the client to parse than an array; when
+#      permits hold it, {-(pttl + 1), the gate's owner}.
 ACQUIRE = _script(
     """
 local current = redis.call('HGET', KEYS[1], 'o')
 if current then
     if current ~= ARGV[1] then
         local pttl = redis.call('PTTL', KEYS[1])
-        if pttl < 0 then
-            return 0
+        local refused = 0
+        if pttl >= 0 then
+            refused = -(pttl + 1)
         end
-        return -(pttl + 1)
+        -- A gate (owners are hex; only a permit kind's GATE_OWNER starts with '*'): say
+        -- which kind of permits hold the key.
+        if string.sub(current, 1, 1) == '*' then
+            return {refused, current}
+        end
+        return refused
     end
     redis.call('PEXPIRE', KEYS[1], ARGV[3])
     return tonumber(redis.call('HGET', KEYS[1], 'f'))
@@ -95,20 +113,228 @@ return 0
 """
 )
 
-# Read the lock atomically.
-#   KEYS[1] the lock's hash
-#   -> {owner, holder, fence, acquired (ms), pttl}, or nil when free
-GET = _script(
-    """
+# GET's and HOLDERS' start: the lock's fields in v, or nil when free.
+_READ = """
 local v = redis.call('HMGET', KEYS[1], 'o', 'h', 'f', 't')
 if not v[1] then
     return false
 end
+"""
+
+# Read the lock atomically.
+#   KEYS[1] the lock's hash
+#   -> {owner, holder, fence, acquired (ms), pttl}, or nil when free
+GET = _script(
+    _READ
+    + """
 return {v[1], v[2], v[3], v[4], redis.call('PTTL', KEYS[1])}
 """
 )
 
-SCRIPTS = (ACQUIRE, RELEASE, EXTEND, GET)
+# The permit scripts (one acquisition of a key held by permits each). Every one starts with
+# _PERMITS: KEYS[1] the gate, KEYS[2] the permits zset, KEYS[3] the holders hash.
+# It reads the clock and the gate, and while the gate is a marker drops the expired permits.
+_PERMITS = """
+local now = redis.call('TIME')
+local now_ms = now[1] * 1000 + math.floor(now[2] / 1000)
+local gate = redis.call('HGET', KEYS[1], 'o')
+-- Permits count only under a live gate: what an expired gate left behind is ignored.
+local marker = nil
+if gate and string.sub(gate, 1, 1) == '*' then
+    marker = gate
+    local dead = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now_ms)
+    if #dead > 0 then
+        redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now_ms)
+        for _, gone in ipairs(dead) do
+            redis.call('HDEL', KEYS[3], gone)
+        end
+    end
+end
+-- The gate and both helper keys expire with the latest permit, so nothing outlives them.
+local function expire_with_latest()
+    local latest = redis.call('ZRANGE', KEYS[2], -1, -1, 'WITHSCORES')[2]
+    local at = string.format('%d', tonumber(latest))
+    for i = 1, 3 do
+        redis.call('PEXPIREAT', KEYS[i], at)
+    end
+end
+"""
+
+# Take a permit in a mode, or (a writer that found readers) the lock itself. The rules are
+# `stores.permits.plan_acquire`'s, in its order; comments name its steps.
+#   KEYS[1..3] as _PERMITS   KEYS[4] the key's fence counter   KEYS[5] the waiting writer
+#   ARGV[1] owner  ARGV[2] holder  ARGV[3] ttl (ms)  ARGV[4] the mode's GATE_OWNER ('' for
+#   exclusive)  ARGV[5] the semaphore's limit  ARGV[6] how long a writer waits (ms)
+#   -> the fence (> 0) when acquired, else as ACQUIRE's refusals: -(ms to the soonest holder's
+#      expiry + 1), an array {that, the gate's owner} when permits hold the key
+ACQUIRE_PERMIT = _script(
+    _PERMITS
+    + """
+local owner, ttl, kind = ARGV[1], tonumber(ARGV[3]), ARGV[4]
+local function refuse(ms, held_by)
+    local value = 0
+    if ms >= 0 then
+        value = -(ms + 1)
+    end
+    if held_by then
+        return {value, held_by}
+    end
+    return value
+end
+local function soonest()
+    local first = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')[2]
+    if first then
+        return tonumber(first) - now_ms
+    end
+    return redis.call('PTTL', KEYS[1])
+end
+local function next_fence()
+    -- ACQUIRE's rule, on the same counter: fences of the key go up whatever the mode.
+    local last = tonumber(redis.call('GET', KEYS[4]) or '0')
+    local fence = math.max(last + 1, now[1] * 1000000 + now[2])
+    redis.call('SET', KEYS[4], string.format('%d', fence), 'PX', math.max(ttl, 86400000))
+    return fence
+end
+if kind == '' then
+    local writer = redis.call('GET', KEYS[5])
+    if not gate or gate == owner then  -- TAKE, as ACQUIRE does
+        if writer == owner then
+            redis.call('DEL', KEYS[5])
+        end
+        if gate then
+            redis.call('PEXPIRE', KEYS[1], ttl)
+            return tonumber(redis.call('HGET', KEYS[1], 'f'))
+        end
+        local fence = next_fence()
+        redis.call('HSET', KEYS[1], 'o', owner, 'h', ARGV[2], 'f', fence, 't', tostring(now_ms))
+        redis.call('PEXPIRE', KEYS[1], ttl)
+        return fence
+    end
+    if marker == '*shared' then  -- INTEND
+        local wait = tonumber(ARGV[6])
+        if wait > 0 and (not writer or writer == owner) then
+            redis.call('SET', KEYS[5], owner, 'PX', wait)
+        end
+    end
+    if marker then
+        return refuse(soonest(), marker)
+    end
+    return refuse(redis.call('PTTL', KEYS[1]), nil)
+end
+if gate and not marker then
+    return refuse(redis.call('PTTL', KEYS[1]), nil)
+end
+if marker and marker ~= kind then
+    return refuse(soonest(), marker)
+end
+local expires = now_ms + ttl
+local packed = marker and redis.call('HGET', KEYS[3], owner)
+if packed and redis.call('ZSCORE', KEYS[2], owner) then  -- RENEW
+    redis.call('ZADD', KEYS[2], expires, owner)
+    expire_with_latest()
+    return tonumber(string.match(packed, '^%d+'))
+end
+if kind == '*shared' then
+    local writer_left = redis.call('PTTL', KEYS[5])
+    if writer_left > 0 then
+        return refuse(writer_left, nil)
+    end
+else
+    local count = 0
+    if marker then
+        count = redis.call('ZCARD', KEYS[2])
+    end
+    if count >= tonumber(ARGV[5]) then
+        return refuse(soonest(), marker or kind)
+    end
+end
+local fence = next_fence()  -- GRANT
+if marker then
+    redis.call('HSET', KEYS[1], 'f', fence)
+else
+    redis.call('DEL', KEYS[2], KEYS[3])
+    redis.call('HSET', KEYS[1], 'o', kind, 'h', '', 'f', fence, 't', tostring(now_ms))
+end
+redis.call('ZADD', KEYS[2], expires, owner)
+redis.call('HSET', KEYS[3], owner,
+           string.format('%d', fence) .. ':' .. string.format('%d', now_ms) .. ':' .. ARGV[2])
+expire_with_latest()
+return fence
+"""
+)
+
+# Free the owner's permit; the last one frees the key. Either way it is announced on the key's
+# release channel: a waiter for a semaphore wants a permit, not the whole key.
+#   KEYS[1..3] as _PERMITS
+#   ARGV[1] owner  ARGV[2] the key's release channel
+#   -> 1 if released (and announced), else 0
+RELEASE_PERMIT = _script(
+    _PERMITS
+    + """
+if not marker or not redis.call('ZSCORE', KEYS[2], ARGV[1]) then
+    return 0
+end
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[3], ARGV[1])
+if redis.call('ZCARD', KEYS[2]) == 0 then
+    redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
+else
+    expire_with_latest()
+end
+redis.call('PUBLISH', ARGV[2], '1')
+return 1
+"""
+)
+
+# Let the owner's permit live at least ttl more: expiry becomes max(current, now + ttl).
+#   KEYS[1..3] as _PERMITS
+#   ARGV[1] owner  ARGV[2] ttl (ms)
+#   -> 1 if the owner's permit lives, else 0
+EXTEND_PERMIT = _script(
+    _PERMITS
+    + """
+local expiry = marker and redis.call('ZSCORE', KEYS[2], ARGV[1])
+if not expiry then
+    return 0
+end
+local wanted = now_ms + tonumber(ARGV[2])
+if tonumber(expiry) < wanted then
+    redis.call('ZADD', KEYS[2], wanted, ARGV[1])
+    expire_with_latest()
+end
+return 1
+"""
+)
+
+# Read every holder of the key atomically, writing nothing.
+#   KEYS[1..3] as _PERMITS
+#   -> nil when free; {owner, holder, fence, acquired (ms), pttl} for a lock; for a gate,
+#      {its owner, then per live permit, soonest expiry first: owner, "fence:acquired:holder",
+#      ms left}
+HOLDERS = _script(
+    _READ
+    + """
+if string.sub(v[1], 1, 1) ~= '*' then
+    return {v[1], v[2], v[3], v[4], redis.call('PTTL', KEYS[1])}
+end
+local now = redis.call('TIME')
+local now_ms = now[1] * 1000 + math.floor(now[2] / 1000)
+local live = redis.call('ZRANGEBYSCORE', KEYS[2], string.format('(%d', now_ms), '+inf',
+                        'WITHSCORES')
+local reply = {v[1]}
+for i = 1, #live, 2 do
+    local packed = redis.call('HGET', KEYS[3], live[i])
+    if packed then
+        table.insert(reply, live[i])
+        table.insert(reply, packed)
+        table.insert(reply, tonumber(live[i + 1]) - now_ms)
+    end
+end
+return reply
+"""
+)
+
+SCRIPTS = (ACQUIRE, RELEASE, EXTEND, GET, ACQUIRE_PERMIT, RELEASE_PERMIT, EXTEND_PERMIT, HOLDERS)
 
 _ESCAPES = {"%": "%25", "{": "%7B", "}": "%7D"}
 _UNESCAPES = {code: char for char, code in _ESCAPES.items()}

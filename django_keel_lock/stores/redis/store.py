@@ -21,7 +21,7 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 
 from ...exceptions import LockStoreUnavailable
-from ..base import AcquireResult, LockInfo, LockStore
+from ..base import GATE_OWNER, PERMIT_OWNERS, AcquireResult, Kind, LockInfo, LockStore, Mode
 from ..connections import PerThread, socket_timeout_option
 from ..wakeups import ListeningStore
 from .clients import (
@@ -47,7 +47,21 @@ from .clients import (
     redis,
 )
 from .listener import RedisListener
-from .scripts import _GLOB_RE, ACQUIRE, EXTEND, GET, RELEASE, SCRIPTS, Script, _escape, _unescape
+from .scripts import (
+    _GLOB_RE,
+    ACQUIRE,
+    ACQUIRE_PERMIT,
+    EXTEND,
+    EXTEND_PERMIT,
+    GET,
+    HOLDERS,
+    RELEASE,
+    RELEASE_PERMIT,
+    SCRIPTS,
+    Script,
+    _escape,
+    _unescape,
+)
 
 DEFAULT_PREFIX = "keel-lock:"
 PAGE_SIZE = 500
@@ -201,6 +215,18 @@ class RedisLockStore(ListeningStore, LockStore):
         lock_name = f"{self.prefix}{{{_escape(key)}}}"
         return lock_name, lock_name + ":fence"
 
+    def _permit_names(self, key: str) -> tuple[str, str, str, str, str]:
+        """The keys of the permit scripts, in their KEYS order: gate, permits, holders, fence
+        counter, waiting writer (`scripts` shows the layout)."""
+        lock_name, fence_name = self._names(key)
+        return (
+            lock_name,
+            lock_name + ":permits",
+            lock_name + ":holders",
+            fence_name,
+            lock_name + ":writer",
+        )
+
     def _run(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
         try:
             own = self._script_connection()
@@ -254,11 +280,15 @@ class RedisLockStore(ListeningStore, LockStore):
         return self._acquired(reply)
 
     def release(self, key: str, owner: str) -> bool:
-        names = self._names(key)
-        released = bool(self._run(RELEASE, names[:1], (owner, self.release_channel(key))))
-        if released:
-            self.wake_board.wake(key)  # our own waiters need not wait for the pub/sub echo
-        return released
+        reply = self._run(RELEASE, self._names(key)[:1], (owner, self.release_channel(key)))
+        return self._released(key, reply)
+
+    def _released(self, key: str, reply: Any) -> bool:
+        """A release script's reply, as a bool; when released, this process's own waiters
+        are woken at once, not by the pub/sub echo."""
+        if reply:
+            self.wake_board.wake(key)
+        return bool(reply)
 
     def extend(self, key: str, owner: str, ttl: float) -> bool:
         return bool(self._run(EXTEND, self._names(key)[:1], (owner, _ms(ttl))))
@@ -267,9 +297,50 @@ class RedisLockStore(ListeningStore, LockStore):
         reply = self._run(GET, self._names(key)[:1], ())
         return None if reply is None else self._info(key, *reply)
 
+    # -- permits --------------------------------------------------------------------------
+    supports_modes = True
+
+    def acquire_permit(
+        self, key: str, owner: str, holder: str, ttl: float, mode: Mode, writer_wait: float = 0
+    ) -> AcquireResult:
+        args = self._permit_args(owner, holder, ttl, mode, writer_wait)
+        return self._acquired(self._run(ACQUIRE_PERMIT, self._permit_names(key), args))
+
+    def release_permit(self, key: str, owner: str) -> bool:
+        keys = self._permit_names(key)[:3]
+        reply = self._run(RELEASE_PERMIT, keys, (owner, self.release_channel(key)))
+        return self._released(key, reply)
+
+    def extend_permit(self, key: str, owner: str, ttl: float) -> bool:
+        return bool(self._run(EXTEND_PERMIT, self._permit_names(key)[:3], (owner, _ms(ttl))))
+
+    def holders(self, key: str) -> list[LockInfo]:
+        return self._holders(key, self._run(HOLDERS, self._permit_names(key)[:3], ()))
+
+    @staticmethod
+    def _permit_args(
+        owner: str, holder: str, ttl: float, mode: Mode, writer_wait: float
+    ) -> tuple[str, str, int, str, int, int]:
+        gate_owner = GATE_OWNER.get(mode.kind, "")  # "" for an exclusive acquire
+        return owner, holder, _ms(ttl), gate_owner, mode.limit, round(max(0.0, writer_wait) * 1000)
+
+    def _holders(self, key: str, reply: Any) -> list[LockInfo]:
+        """HOLDERS' reply as LockInfos, soonest expiry first."""
+        if reply is None:
+            return []
+        kind = PERMIT_OWNERS.get(_text(reply[0]))
+        if kind is None:
+            return [self._info(key, *reply)]
+        infos = []
+        for at in range(1, len(reply), 3):
+            fence, acquired, holder = _text(reply[at + 1]).split(":", 2)
+            infos.append(self._info(key, reply[at], holder, fence, acquired, reply[at + 2], kind))
+        return sorted(infos, key=lambda info: (info.expires_in, info.fence))
+
     def iter_locks(self, prefix: str = "") -> Iterator[LockInfo]:
-        """Live locks under `prefix`, in key order. SCAN collects only the key names (sorting
-        needs them all); the locks themselves are read a page at a time."""
+        """Live locks under `prefix`, in key order (each permit of a key permits hold). SCAN
+        collects only the key names (sorting needs them all); the locks themselves are read a
+        page at a time."""
         start = f"{self.prefix}{{"
         pattern = _GLOB_RE.sub(r"\\\1", start + _escape(prefix)) + "*"
         try:
@@ -293,7 +364,10 @@ class RedisLockStore(ListeningStore, LockStore):
                 if fields[0] is None or fields[2] is None or int(pttl) <= 0:
                     continue
                 owner, holder, fence, acquired = fields
-                yield self._info(key, owner, holder, fence, acquired, pttl)
+                if _text(owner) in PERMIT_OWNERS:  # a gate: its permits are the holders
+                    yield from self.holders(key)
+                else:
+                    yield self._info(key, owner, holder, fence, acquired, pttl)
 
     def _scan(self, pattern: str) -> list[Any]:
         """The name of every key matching `pattern`, SCANned a page at a time (on this
@@ -333,13 +407,25 @@ class RedisLockStore(ListeningStore, LockStore):
 
     @staticmethod
     def _acquired(reply: Any) -> AcquireResult:
+        held_as: Kind = "exclusive"
+        if isinstance(reply, list):  # refused by permits: [-(ms + 1), the gate's owner]
+            reply, gate_owner = reply
+            held_as = PERMIT_OWNERS[_text(gate_owner)]
         value = int(reply)
         if value > 0:
             return AcquireResult(value)
-        return AcquireResult(None, None if value == 0 else (-value - 1) / 1000.0)
+        return AcquireResult(None, None if value == 0 else (-value - 1) / 1000.0, held_as)
 
     @staticmethod
-    def _info(key: str, owner: Any, holder: Any, fence: Any, acquired: Any, pttl: Any) -> LockInfo:
+    def _info(
+        key: str,
+        owner: Any,
+        holder: Any,
+        fence: Any,
+        acquired: Any,
+        pttl: Any,
+        mode: Kind = "exclusive",
+    ) -> LockInfo:
         acquired_at = (
             None if acquired is None else datetime.fromtimestamp(int(acquired) / 1000.0, tz=UTC)
         )
@@ -350,6 +436,7 @@ class RedisLockStore(ListeningStore, LockStore):
             fence=int(fence),
             acquired_at=acquired_at,
             expires_in=max(0.0, _seconds(pttl) or 0.0),
+            mode=mode,
         )
 
     # -- wake-ups -------------------------------------------------------------------------
@@ -477,9 +564,7 @@ class RedisLockStore(ListeningStore, LockStore):
         if not self._native_async():
             return await super().arelease(key, owner)
         reply = await self._arun(RELEASE, self._names(key)[:1], (owner, self.release_channel(key)))
-        if reply:
-            self.wake_board.wake(key)
-        return bool(reply)
+        return self._released(key, reply)
 
     async def aextend(self, key: str, owner: str, ttl: float) -> bool:
         if not self._native_async():
@@ -491,3 +576,29 @@ class RedisLockStore(ListeningStore, LockStore):
             return await super().aget(key)
         reply = await self._arun(GET, self._names(key)[:1], ())
         return None if reply is None else self._info(key, *reply)
+
+    async def aacquire_permit(
+        self, key: str, owner: str, holder: str, ttl: float, mode: Mode, writer_wait: float = 0
+    ) -> AcquireResult:
+        if not self._native_async():
+            return await super().aacquire_permit(key, owner, holder, ttl, mode, writer_wait)
+        args = self._permit_args(owner, holder, ttl, mode, writer_wait)
+        return self._acquired(await self._arun(ACQUIRE_PERMIT, self._permit_names(key), args))
+
+    async def arelease_permit(self, key: str, owner: str) -> bool:
+        if not self._native_async():
+            return await super().arelease_permit(key, owner)
+        keys = self._permit_names(key)[:3]
+        reply = await self._arun(RELEASE_PERMIT, keys, (owner, self.release_channel(key)))
+        return self._released(key, reply)
+
+    async def aextend_permit(self, key: str, owner: str, ttl: float) -> bool:
+        if not self._native_async():
+            return await super().aextend_permit(key, owner, ttl)
+        keys = self._permit_names(key)[:3]
+        return bool(await self._arun(EXTEND_PERMIT, keys, (owner, _ms(ttl))))
+
+    async def aholders(self, key: str) -> list[LockInfo]:
+        if not self._native_async():
+            return await super().aholders(key)
+        return self._holders(key, await self._arun(HOLDERS, self._permit_names(key)[:3], ()))
