@@ -17,7 +17,7 @@ from django_keel_lock.stores.base import EXCLUSIVE, SHARED, semaphore_mode
 from tests.conftest import store_params
 
 # Each store joins as it implements the permit operations.
-MODAL_STORES = store_params(["memory"])
+MODAL_STORES = store_params(["memory", "sqlite", "postgres", "mariadb"])
 THREE = semaphore_mode(3)
 
 
