@@ -19,7 +19,7 @@ from django_keel_lock.models import Permit
 from django_keel_lock.stores import DatabaseLockStore
 from django_keel_lock.stores.base import EXCLUSIVE, SHARED, semaphore_mode
 
-from .conftest import DATABASE_STORES, database_of, needs_store, store_params
+from .conftest import DATABASE_STORES, database_like, database_of, needs_store, store_params
 
 THREE = semaphore_mode(3)
 
@@ -211,3 +211,39 @@ def test_prune_deletes_expired_permits_and_fences_still_increase(db_alias: str, 
     assert fences[1] > fences[0]
     after = store.acquire(key, owner(), "x", 1).fence
     assert after is not None and after > fences[1]
+
+
+@needs_store("postgres")
+def test_postgres_permits_work_without_the_libpq_path(key: str) -> None:
+    """With prepared statements off (pgbouncer) the functions are called through psycopg's
+    cursor, with its own parameter types."""
+    with database_like("postgres", "postgres-unprepared", OPTIONS={"prepare_threshold": None}):
+        store = DatabaseLockStore("unprepared", {"DATABASE": "postgres-unprepared"})
+        try:
+            a, b = owner(), owner()
+            assert store.acquire_permit(key, a, "a", 30, semaphore_mode(1)).acquired
+            refused = store.acquire_permit(key, b, "b", 30.5, semaphore_mode(1), writer_wait=1)
+            assert refused.held_as == "semaphore" and refused.retry_in is not None
+            assert store.extend_permit(key, a, 60)
+            assert store.acquire(key, b, "b", 30).held_as == "semaphore"
+            assert store.release_permit(key, a) and not store.release_permit(key, a)
+            assert store._connection()[0].libpq is None
+        finally:
+            store.close()
+
+
+@pytest.mark.parametrize("server", store_params(["postgres", "mariadb"]))
+def test_key_the_column_cannot_hold_is_a_value_error_and_the_store_goes_on(
+    server: str, key: str
+) -> None:
+    store = get_lock_store(server)
+    too_long = "k" * 300
+    for call in (
+        lambda: store.acquire_permit(too_long, owner(), "h", 30, THREE),
+        lambda: store.acquire_permit(too_long, owner(), "h", 30, EXCLUSIVE),
+    ):
+        with pytest.raises(ValueError, match="cannot store key"):
+            call()
+    me = owner()
+    assert store.acquire_permit(key, me, "h", 30, THREE).acquired
+    assert store.release_permit(key, me)

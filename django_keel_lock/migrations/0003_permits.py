@@ -21,9 +21,12 @@ def _one_line(sql: str) -> str:
 # are `stores.permits.plan_acquire`'s, step for step (GRANT, RENEW, TAKE, INTEND, REFUSE); keep
 # the two alike. Each function first locks the key's lock row (creating it, free, if missing),
 # so the operations of one key run one at a time and every fence is drawn while the row is
-# held. Permit rows count only while the lock row is owned by a marker and unexpired; rows left
-# from an expired one are deleted. A refusal raises the row's `waiting` flag, and a release
-# that finds it raised lowers it and NOTIFYs the key's channel (as release_sql does).
+# held. Permit rows count only while the lock row is owned by a marker and unexpired. The lock
+# row outlives each of its permits, so a permit row found under any other lock row has
+# expired: the next acquire that counts a key's permits deletes such rows (or prune does),
+# and a permit taken under a new gate replaces its owner's old row. A refusal raises the row's
+# `waiting` flag, and a release that finds it raised lowers it and NOTIFYs the key's channel
+# (as release_sql does).
 ACQUIRE = _one_line(
     f"""
 CREATE OR REPLACE FUNCTION django_keel_lock_acquire_permit(
@@ -40,10 +43,13 @@ DECLARE
     soonest timestamptz;
     mine bigint;
 BEGIN
-    INSERT INTO {LOCK} (key, owner, holder, fence, acquired_at, expires_at)
-    VALUES (p_key, '', '', 0, clock_timestamp(), clock_timestamp())
-    ON CONFLICT (key) DO NOTHING;
     SELECT * INTO l FROM {LOCK} WHERE key = p_key FOR UPDATE;
+    IF NOT FOUND THEN
+        INSERT INTO {LOCK} (key, owner, holder, fence, acquired_at, expires_at)
+        VALUES (p_key, '', '', 0, clock_timestamp(), clock_timestamp())
+        ON CONFLICT (key) DO NOTHING;
+        SELECT * INTO l FROM {LOCK} WHERE key = p_key FOR UPDATE;
+    END IF;
     t := clock_timestamp();
     until := t + make_interval(secs => p_ttl);
     soonest := l.expires_at;
@@ -71,7 +77,6 @@ BEGIN
                 granted := l.fence;
                 RETURN;
             END IF;
-            DELETE FROM {PERMIT} WHERE key = p_key;
             UPDATE {LOCK} SET owner = p_owner, holder = p_holder, fence = nextval('{SEQUENCE}'),
                 acquired_at = t, expires_at = until,
                 waiting = l.waiting AND l.owner = p_owner,
@@ -107,7 +112,6 @@ BEGIN
     ELSE
         granted := nextval('{SEQUENCE}');
         IF kind IS NULL THEN
-            DELETE FROM {PERMIT} WHERE key = p_key;
             UPDATE {LOCK} SET owner = '*' || p_kind, holder = '', fence = granted,
                 acquired_at = t, expires_at = until, waiting = false
             WHERE key = p_key;
@@ -116,7 +120,10 @@ BEGIN
             WHERE key = p_key;
         END IF;
         INSERT INTO {PERMIT} (key, owner, holder, fence, acquired_at, expires_at)
-        VALUES (p_key, p_owner, p_holder, granted, t, until);
+        VALUES (p_key, p_owner, p_holder, granted, t, until)
+        ON CONFLICT (key, owner) DO UPDATE SET holder = EXCLUDED.holder,
+            fence = EXCLUDED.fence, acquired_at = EXCLUDED.acquired_at,
+            expires_at = EXCLUDED.expires_at;
         RETURN;
     END IF;
     IF l.waiting IS NOT TRUE THEN
@@ -157,7 +164,6 @@ BEGIN
     END IF;
     SELECT max(expires_at) INTO later FROM {PERMIT} WHERE key = p_key AND expires_at > t;
     IF later IS NULL THEN
-        DELETE FROM {PERMIT} WHERE key = p_key;
         UPDATE {LOCK} SET owner = '', expires_at = t, waiting = false WHERE key = p_key;
     ELSE
         UPDATE {LOCK} SET expires_at = later, waiting = false WHERE key = p_key;

@@ -8,6 +8,10 @@
 - One statement per operation (MariaDB: two for acquire), talking to the driver directly; on
   PostgreSQL with psycopg 3, acquire, release and extend go straight to libpq as statements
   prepared once per connection, skipping the cursor layer (see `libpq`).
+- Permits (semaphores, shared locks) live in the `Permit` table, behind their key's lock row
+  (see `LockStore.acquire_permit`). On PostgreSQL each permit operation is one call of a
+  function of migration 0003, by the same libpq path; elsewhere one transaction that
+  `database.permits` decides.
 - The SQL itself is each vendor's dialect (`dialects`).
 """
 
