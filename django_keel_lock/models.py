@@ -22,6 +22,10 @@ class Lock(models.Model):
     #: elsewhere. Nullable, so adding the column is instant and a process still running a
     #: release without it can go on inserting rows.
     waiting = models.BooleanField(null=True, default=None)
+    #: A writer waiting for the shared permits that hold this key, and until when: no new
+    #: shared permit is given meanwhile. Nullable, without a default, as `waiting` is.
+    writer_owner = models.CharField(max_length=64, null=True)  # noqa: DJ001 (NULL: none waits)
+    writer_until = models.DateTimeField(null=True)
 
     class Meta:
         db_table = "django_keel_lock_lock"
@@ -33,3 +37,36 @@ class Lock(models.Model):
 
     def __str__(self) -> str:
         return self.key
+
+
+class Permit(models.Model):
+    """One permit of a key held by permits (a shared lock's reader, a semaphore's holder).
+
+    While any lives, the key's `Lock` row is owned by the kind's marker (see
+    `stores.base.PERMIT_OWNERS`) with the latest permit's fence and the latest expiry of them
+    all, so exclusive acquirers see the key as held. Rows of a key whose lock is not such a
+    marker any more are leftovers of an expired one, ignored and deleted by the store.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    key = models.CharField(max_length=255)
+    owner = models.CharField(max_length=64)
+    holder = models.CharField(max_length=MAX_HOLDER_LENGTH)
+    fence = models.BigIntegerField()
+    acquired_at = models.DateTimeField()
+    expires_at = models.DateTimeField()
+
+    class Meta:
+        db_table = "django_keel_lock_permit"
+        verbose_name = "permit"
+        verbose_name_plural = "permits"
+        ordering = ("key", "expires_at")
+        default_permissions = ("view",)
+        constraints = (
+            models.UniqueConstraint(
+                fields=("key", "owner"), name="django_keel_lock_permit_key_owner"
+            ),
+        )
+
+    def __str__(self) -> str:
+        return f"{self.key} ({self.holder})"

@@ -223,6 +223,34 @@ def empty_database(based_on: str, name: str) -> Iterator[str]:
             cursor.execute(f"DROP DATABASE {quoted}")
 
 
+@pytest.fixture
+def postgres_notifications() -> Iterator[Callable[[str], Callable[[], int]]]:
+    """LISTEN on a key's release channel from a connection of our own; a counter of NOTIFYs."""
+    import psycopg
+
+    from django_keel_lock.stores.database.dialects.postgresql import notify_channel
+
+    settings = connections["postgres"].settings_dict
+    raw = psycopg.connect(
+        host=settings["HOST"],
+        port=settings["PORT"],
+        user=settings["USER"],
+        dbname=settings["NAME"],
+        autocommit=True,
+    )
+
+    def listen(key: str) -> Callable[[], int]:
+        raw.execute(f"LISTEN {notify_channel(key)}")
+
+        def count() -> int:
+            return len(list(raw.notifies(timeout=0.3)))
+
+        return count
+
+    yield listen
+    raw.close()
+
+
 class TimeLimit(BaseException):
     """What `interrupted_after` raises: like a task's time limit, not an Exception."""
 

@@ -667,34 +667,6 @@ def test_a_forked_child_closing_the_store_leaves_the_parents_connection_alone(ke
     store.close()
 
 
-@pytest.fixture
-def postgres_notifications() -> Iterator[Callable[[str], Callable[[], int]]]:
-    """LISTEN on a key's release channel from a connection of our own; a counter of NOTIFYs."""
-    import psycopg
-
-    from django_keel_lock.stores.database.dialects.postgresql import notify_channel
-
-    settings = connections["postgres"].settings_dict
-    raw = psycopg.connect(
-        host=settings["HOST"],
-        port=settings["PORT"],
-        user=settings["USER"],
-        dbname=settings["NAME"],
-        autocommit=True,
-    )
-
-    def listen(key: str) -> Callable[[], int]:
-        raw.execute(f"LISTEN {notify_channel(key)}")
-
-        def count() -> int:
-            return len(list(raw.notifies(timeout=0.3)))
-
-        return count
-
-    yield listen
-    raw.close()
-
-
 @needs_store("postgres")
 @pytest.mark.django_db(databases="__all__", transaction=True)
 def test_postgres_release_notifies_only_when_someone_failed_to_get_the_lock(

@@ -32,6 +32,16 @@ VENDOR_PARTS = {
     ],
 }
 
+# What the permit migration does beyond its table and columns.
+PERMIT_FUNCTIONS = [f"django_keel_lock_{op}_permit" for op in ("acquire", "release", "extend")]
+PERMIT_PARTS = {
+    "postgresql": [f"CREATE OR REPLACE FUNCTION {function}(" for function in PERMIT_FUNCTIONS],
+    "mysql": [
+        "ALTER TABLE django_keel_lock_permit MODIFY `key` VARCHAR(255) CHARACTER SET utf8mb4 "
+        "COLLATE utf8mb4_nopad_bin NOT NULL",
+    ],
+}
+
 
 def migration_names(database: str) -> list[str]:
     """Every migration of the app, in the order they apply."""
@@ -56,7 +66,7 @@ def apply_by_hand(database: str, sql: str) -> None:
 
 def schema(database: str) -> dict[str, Any]:
     """Everything of the app's in `database`: its tables' columns (with collations), indexes and
-    constraints, and the sequences on the server."""
+    constraints, and the sequences and functions on the server."""
     connection = connections[database]
     introspection = connection.introspection
     with connection.cursor() as cursor:
@@ -85,6 +95,15 @@ def schema(database: str) -> dict[str, Any]:
             )
             sequences = [row[0] for row in cursor.fetchall()]
         found["sequences"] = sorted(sequences)
+        functions: list[str] = []  # PostgreSQL's only
+        if connection.vendor == "postgresql":
+            cursor.execute(
+                "SELECT proname FROM pg_proc JOIN pg_namespace ON pg_namespace.oid = pronamespace "
+                "WHERE nspname = current_schema() AND starts_with(proname, %s)",
+                [APP],
+            )
+            functions = [row[0] for row in cursor.fetchall()]
+        found["functions"] = sorted(functions)
     return found
 
 
@@ -95,7 +114,7 @@ def test_sqlmigrate_prints_every_operation_of_every_migration_both_ways(server: 
     forwards = {name: sqlmigrate(database, name) for name in names}
     backwards = {name: sqlmigrate(database, name, backwards=True) for name in names}
 
-    assert names[:2] == ["0001_initial", "0002_lock_waiting"]
+    assert names[:3] == ["0001_initial", "0002_lock_waiting", "0003_permits"]
     for name in names:
         assert "CANNOT BE WRITTEN AS SQL" not in forwards[name], name
         assert "CANNOT BE WRITTEN AS SQL" not in backwards[name], name
@@ -104,6 +123,11 @@ def test_sqlmigrate_prints_every_operation_of_every_migration_both_ways(server: 
     if connections[database].vendor != "sqlite":
         assert "DROP SEQUENCE IF EXISTS django_keel_lock_fence;" in backwards["0001_initial"]
     assert "waiting" in forwards["0002_lock_waiting"]
+    for statement in PERMIT_PARTS.get(connections[database].vendor, []):
+        assert statement in forwards["0003_permits"]
+    if connections[database].vendor == "postgresql":
+        for function in PERMIT_FUNCTIONS:
+            assert f"DROP FUNCTION IF EXISTS {function}(" in backwards["0003_permits"]
 
 
 @pytest.mark.parametrize("server", store_params(DATABASE_STORES))
@@ -127,17 +151,20 @@ def test_sqlmigrate_output_applied_by_hand_builds_and_removes_what_migrate_does(
         removed, removed_by_hand = schema(migrated), schema(by_hand)
 
     assert built_by_hand == built
-    assert removed_by_hand == removed == {"sequences": []}
+    assert removed_by_hand == removed == {"sequences": [], "functions": []}
     # What the vendor SQL adds really is there (so the comparison above covers it).
     table = built["django_keel_lock_lock"]
     if vendor == "sqlite":
         assert "django_keel_lock_lock_fence" in table["constraints"]
     else:
         assert built["sequences"] == ["django_keel_lock_fence"]
+    if vendor == "postgresql":
+        assert built["functions"] == sorted(PERMIT_FUNCTIONS)
     if vendor == "mysql":
-        collations = {name: collation for name, _, collation in table["columns"]}
-        assert collations["key"] == "utf8mb4_nopad_bin"
-        assert collations["holder"] == "utf8mb4_bin"
+        for name in ("django_keel_lock_lock", "django_keel_lock_permit"):
+            collations = {column: collation for column, _, collation in built[name]["columns"]}
+            assert collations["key"] == "utf8mb4_nopad_bin", name
+            assert collations["holder"] == "utf8mb4_bin", name
 
 
 def readme_router() -> Any:
@@ -172,7 +199,8 @@ def test_the_documented_router_puts_the_lock_table_in_its_database_only() -> Non
         row = LockRow.objects.get(key=handle.key)  # the ORM reads it where the store wrote it
         handle.release()
 
-    assert in_locks - {"django_migrations"} == {"django_keel_lock_lock"}
-    assert "django_keel_lock_lock" not in in_elsewhere and "auth_user" in in_elsewhere
+    assert in_locks - {"django_migrations"} == {"django_keel_lock_lock", "django_keel_lock_permit"}
+    assert not {"django_keel_lock_lock", "django_keel_lock_permit"} & in_elsewhere
+    assert "auth_user" in in_elsewhere
     assert problems == []
     assert acquired and row.holder == handle.holder and row._state.db == "locks"

@@ -16,8 +16,7 @@ from django_keel_lock.stores import LockStore
 from django_keel_lock.stores.base import EXCLUSIVE, SHARED, semaphore_mode
 from tests.conftest import store_params
 
-# Each store joins as it implements the permit operations.
-MODAL_STORES = store_params(["memory", "redis"])
+MODAL_STORES = store_params(["memory", "sqlite", "postgres", "mariadb", "redis"])
 THREE = semaphore_mode(3)
 
 

@@ -8,28 +8,36 @@
 - One statement per operation (MariaDB: two for acquire), talking to the driver directly; on
   PostgreSQL with psycopg 3, acquire, release and extend go straight to libpq as statements
   prepared once per connection, skipping the cursor layer (see `libpq`).
+- Permits (semaphores, shared locks) live in the `Permit` table, behind their key's lock row
+  (see `LockStore.acquire_permit`). On PostgreSQL each permit operation is one call of a
+  function of migration 0003, by the same libpq path; elsewhere one transaction that
+  `database.permits` decides.
 - The SQL itself is each vendor's dialect (`dialects`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import suppress
+from typing import Any, TypeVar, cast
 
 from django.core.exceptions import ImproperlyConfigured, SynchronousOnlyOperation
 from django.db import connections
 
 from ...exceptions import LockStoreUnavailable
-from ..base import AcquireResult, LockInfo, LockStore
+from ..base import PERMIT_OWNERS, AcquireResult, Kind, LockInfo, LockStore, Mode
 from ..connections import Deadline, PerThread, SocketCheck, socket_timeout_option
 from ..wakeups import ListeningStore
 from .dialects import DIALECTS, Dialect
 from .dialects.postgresql import is_psycopg3
 from .libpq import PreparedStatements, Row, Statement
 from .listener import PostgresListener
+from .permits import Transaction
 
 PAGE_SIZE = 1000
 PRUNE_BATCH = 1000
+T = TypeVar("T")
+_Result = tuple[list[Row], int]
 
 
 class DatabaseLockStore(ListeningStore, LockStore):
@@ -203,9 +211,49 @@ class DatabaseLockStore(ListeningStore, LockStore):
         would only make the caller wait as long again.
         """
         assert not (hot and after), "the libpq path runs no closing statements"
+
+        def work(cursor: Any, libpq: PreparedStatements | None, database: Any) -> _Result:
+            if hot and libpq is not None:
+                return libpq.execute(statements, database.OperationalError)
+            for sql, params in statements:
+                cursor.execute(sql, params)
+            result = (cursor.fetchall() if cursor.description else []), cursor.rowcount
+            for sql, params in after:
+                cursor.execute(sql, params)
+            return result
+
+        return self._run(work, idempotent=idempotent, closing=bool(after), key=key, holder=holder)
+
+    def _transaction(
+        self,
+        body: Callable[[Any], T],
+        *,
+        idempotent: bool = True,
+        key: str | None = None,
+        holder: str | None = None,
+    ) -> T:
+        """`body(cursor)` inside one transaction (the dialect's `begin_sql` ... COMMIT), by
+        `_execute`'s rules. Inside the caller's transaction (SQLite), in a savepoint of it
+        instead: a failure midway leaves the caller's transaction as it was."""
+        return self._run(body, transaction=True, idempotent=idempotent, key=key, holder=holder)
+
+    def _run(
+        self,
+        work: Callable[..., T],
+        *,
+        transaction: bool = False,
+        idempotent: bool = True,
+        closing: bool = False,
+        key: str | None = None,
+        holder: str | None = None,
+    ) -> T:
+        """What `_execute` and `_transaction` share: `work(cursor, libpq, driver)` (or, in a
+        `transaction`, `work(cursor)`) with the deadline, retry and error rules `_execute`
+        states. `closing`: work ends by closing a guard, so even a data exception drops the
+        connection."""
         joined = self.dialect.callers_transaction(self.database)
         if joined is not None:
-            return self._execute_joined(joined, statements, after, key, holder)
+            return self._run_joined(joined, work, transaction, key, holder)
         for attempt in (1, 2):
             conn, fresh = self._open()
             if not idempotent and not fresh and conn.stale():
@@ -214,18 +262,13 @@ class DatabaseLockStore(ListeningStore, LockStore):
             database, deadline = conn.wrapper.Database, conn.deadline
             deadline.arm()
             try:
-                if hot and conn.libpq is not None:
-                    result = conn.libpq.execute(statements, database.OperationalError)
+                if transaction:
+                    result = _in_transaction(conn.cursor, self.dialect.begin_sql, work)
                 else:
-                    cursor = conn.cursor
-                    for sql, params in statements:
-                        cursor.execute(sql, params)
-                    result = (cursor.fetchall() if cursor.description else []), cursor.rowcount
-                    for sql, params in after:
-                        cursor.execute(sql, params)
+                    result = work(conn.cursor, conn.libpq, database)
             except database.Error as exc:
                 timed_out = deadline.disarm()
-                if isinstance(exc, database.DataError) and not after and not timed_out:
+                if isinstance(exc, database.DataError) and not closing and not timed_out:
                     raise self._refused(exc, key, holder) from exc
                 self._threads.drop()
                 if timed_out:
@@ -244,26 +287,23 @@ class DatabaseLockStore(ListeningStore, LockStore):
             return result
         raise AssertionError("unreachable")
 
-    def _execute_joined(
+    def _run_joined(
         self,
         raw: Any,
-        statements: Sequence[Statement],
-        after: Sequence[Statement],
+        work: Callable[..., T],
+        transaction: bool,
         key: str | None,
         holder: str | None,
-    ) -> tuple[list[Row], int]:
-        """`_execute` on the caller's driver connection `raw`, inside its transaction: no
-        retry, and the connection is the caller's to keep whatever happens."""
+    ) -> T:
+        """`_run` on the caller's driver connection `raw`, inside its transaction: no retry,
+        and the connection is the caller's to keep whatever happens."""
         base: Any = connections[self.database]
         database = base.Database
         cursor = raw.cursor()
         try:
-            for sql, params in statements:
-                cursor.execute(sql, params)
-            result = (cursor.fetchall() if cursor.description else []), cursor.rowcount
-            for sql, params in after:
-                cursor.execute(sql, params)
-            return result
+            if transaction:
+                return _in_savepoint(cursor, work)
+            return work(cursor, None, database)
         except database.DataError as exc:
             raise self._refused(exc, key, holder) from exc
         except database.Error as exc:
@@ -300,12 +340,16 @@ class DatabaseLockStore(ListeningStore, LockStore):
         rows, _ = self._execute(
             list(zip(dialect.acquire_sql, params, strict=True)), hot=True, key=key, holder=holder
         )
-        if not rows:
-            return AcquireResult(None)
-        fence, retry_in = rows[0][0], rows[0][1]
+        if not rows and dialect.refused_sql:  # only a refusal pays for this read
+            rows, _ = self._execute([(dialect.refused_sql, (key,))], key=key)
+        if not rows:  # freed since: worth trying again at once
+            return AcquireResult(None, 0.0, "exclusive")
+        fence, retry_in, marker = rows[0][:3]
         if fence is not None:
             return AcquireResult(int(fence))
-        return AcquireResult(None, None if retry_in is None else max(0.0, float(retry_in)))
+        return AcquireResult(
+            None, _seconds(retry_in), PERMIT_OWNERS.get(_text(marker) or "", "exclusive")
+        )
 
     def release(self, key: str, owner: str) -> bool:
         _, count = self._execute(
@@ -323,29 +367,101 @@ class DatabaseLockStore(ListeningStore, LockStore):
         )
         return count > 0
 
+    # -- permits --------------------------------------------------------------------------
+    # PostgreSQL: one call of a function of migration 0003 each; elsewhere one transaction,
+    # decided in Python (`database.permits`).
+    supports_modes = True
+
+    def acquire_permit(
+        self, key: str, owner: str, holder: str, ttl: float, mode: Mode, writer_wait: float = 0
+    ) -> AcquireResult:
+        dialect = self.dialect
+        if dialect.acquire_permit_sql:
+            params = (key, owner, holder, ttl, mode.kind, mode.limit, writer_wait)
+            rows, _ = self._execute(
+                [(dialect.acquire_permit_sql, params)], hot=True, key=key, holder=holder
+            )
+            fence, retry_in, held_as = rows[0][:3]
+            if fence is not None:
+                return AcquireResult(int(fence))
+            return AcquireResult(None, _seconds(retry_in), cast(Kind, _text(held_as)))
+        return self._transaction(
+            lambda cursor: Transaction(dialect, cursor).acquire(
+                key, owner, holder, ttl, mode, writer_wait
+            ),
+            key=key,
+            holder=holder,
+        )
+
+    def release_permit(self, key: str, owner: str) -> bool:
+        dialect = self.dialect
+        if dialect.release_permit_sql:
+            rows, _ = self._execute(
+                [(dialect.release_permit_sql, (key, owner))], hot=True, idempotent=False, key=key
+            )
+            released = bool(int(rows[0][0]))
+        else:
+            released = self._transaction(
+                lambda cursor: Transaction(dialect, cursor).release(key, owner),
+                idempotent=False,
+                key=key,
+            )
+        if released:
+            self.wake_board.wake(key)
+        return released
+
+    def extend_permit(self, key: str, owner: str, ttl: float) -> bool:
+        dialect = self.dialect
+        if dialect.extend_permit_sql:
+            rows, _ = self._execute(
+                [(dialect.extend_permit_sql, (key, owner, ttl))], hot=True, key=key
+            )
+            return bool(int(rows[0][0]))
+        return self._transaction(
+            lambda cursor: Transaction(dialect, cursor).extend(key, owner, ttl), key=key
+        )
+
+    def holders(self, key: str) -> list[LockInfo]:
+        rows, _ = self._execute([(self.dialect.permit_listing.holders, (key, key))], key=key)
+        return [self._info(row, PERMIT_OWNERS.get(row[6], "exclusive")) for row in rows]
+
     def get(self, key: str) -> LockInfo | None:
         rows, _ = self._execute([(self.dialect.get_sql, (key,))], key=key)
         return self._info(rows[0]) if rows else None
 
     def iter_locks(self, prefix: str = "") -> Iterator[LockInfo]:
+        listing = self.dialect.permit_listing
         last = ""
         while True:
             rows, _ = self._execute(
                 [(self.dialect.page_sql, (last, len(prefix), prefix, PAGE_SIZE))]
             )
+            # A gated key's lock stands for its permits: each permit is listed in its place,
+            # those of the whole page read with one statement.
+            gated = [row[0] for row in rows if row[1] in PERMIT_OWNERS]
+            permits: dict[str, list[LockInfo]] = {}
+            if gated:
+                found, _ = self._execute([(listing.permits_of_keys(len(gated)), gated)])
+                for row in found:
+                    permits.setdefault(row[0], []).append(self._info(row, PERMIT_OWNERS[row[6]]))
             for row in rows:
-                yield self._info(row)
+                if row[1] in PERMIT_OWNERS:
+                    yield from permits.get(row[0], [])
+                else:
+                    yield self._info(row)
             if len(rows) < PAGE_SIZE:
                 return
             last = rows[-1][0]
 
     def prune(self) -> int:
-        """Delete expired rows, PRUNE_BATCH at a time; how many.
+        """Delete expired rows, PRUNE_BATCH at a time; how many (locks and permits).
 
         An acquire draws the fence it would insert before it looks for the key's row. Were that
         row deleted in between, the insert would carry a fence lower than the deleted row's; so
         each batch first waits for the acquires in flight to commit (new ones wait for the
-        batch), and raises LockStoreUnavailable if that takes more than a second.
+        batch), and raises LockStoreUnavailable if that takes more than a second. Permits
+        need no guard: their fences are drawn while their key's lock row is held, and that
+        row carries the latest of them.
         """
         dialect = self.dialect
         statements: list[Statement] = [
@@ -354,13 +470,18 @@ class DatabaseLockStore(ListeningStore, LockStore):
         ]
         unguard: list[Statement] = [(sql, ()) for sql in dialect.prune_unguard]
         pruned = 0
-        while True:
-            _, count = self._execute(statements, after=unguard)
-            pruned += max(count, 0)
-            if count < PRUNE_BATCH:
-                return pruned
+        for batch, after in (
+            (statements, unguard),
+            ([(dialect.permit_listing.prune, (PRUNE_BATCH,))], []),
+        ):
+            while True:
+                _, count = self._execute(batch, after=after)
+                pruned += max(count, 0)
+                if count < PRUNE_BATCH:
+                    break
+        return pruned
 
-    def _info(self, row: Row) -> LockInfo:
+    def _info(self, row: Row, mode: Kind = "exclusive") -> LockInfo:
         key, owner, holder, fence, acquired_at, remaining = row[:6]
         return LockInfo(
             key=key,
@@ -369,6 +490,7 @@ class DatabaseLockStore(ListeningStore, LockStore):
             fence=int(fence),
             acquired_at=self.dialect.datetime(acquired_at),
             expires_in=max(0.0, float(remaining or 0.0)),
+            mode=mode,
         )
 
     # -- wake-ups -------------------------------------------------------------------------
@@ -419,3 +541,41 @@ def _close_raw(wrapper: Any, deadline: Deadline) -> None:
             raw.close()
         except Exception:  # broken already: nothing more to free
             pass
+
+
+def _in_transaction(cursor: Any, begin: str, body: Callable[[Any], T]) -> T:
+    """`body(cursor)` between `begin` and COMMIT on the store's own connection."""
+    cursor.execute(begin)
+    try:
+        result = body(cursor)
+        cursor.execute("COMMIT")
+    except Exception:
+        # A data exception keeps the connection (see `_execute`): its transaction must end
+        # here. After anything worse the connection is dropped, and the server rolls back.
+        with suppress(Exception):
+            cursor.execute("ROLLBACK")
+        raise
+    return result
+
+
+def _in_savepoint(cursor: Any, body: Callable[[Any], T]) -> T:
+    """`body(cursor)` in a savepoint of the caller's open transaction."""
+    cursor.execute("SAVEPOINT keel_lock_permit")
+    try:
+        result = body(cursor)
+    except Exception:
+        with suppress(Exception):
+            cursor.execute("ROLLBACK TO SAVEPOINT keel_lock_permit")
+            cursor.execute("RELEASE SAVEPOINT keel_lock_permit")
+        raise
+    cursor.execute("RELEASE SAVEPOINT keel_lock_permit")
+    return result
+
+
+def _seconds(value: Any) -> float | None:
+    return None if value is None else max(0.0, float(value))
+
+
+def _text(value: Any) -> str | None:
+    """A text column's value (the libpq path gives bytes)."""
+    return value.decode() if isinstance(value, bytes) else value

@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 TABLE = "django_keel_lock_lock"
+PERMIT_TABLE = "django_keel_lock_permit"
 SEQUENCE = "django_keel_lock_fence"
 #: The owner a released row is left with (SQL): no owner's token, so no extend or release can
 #: match a released row, however its clock reads compare with the release's.
@@ -28,6 +29,20 @@ class Dialect:
     # DatabaseLockStore.prune), and give up after a second rather than stall acquires longer.
     prune_guard: Sequence[str] = ()
     prune_unguard: Sequence[str] = ()
+    #: Run when `acquire_sql` returned no row (SQLite's upsert says nothing on a refusal):
+    #: (NULL, retry_in, the owner if it is a PERMIT_OWNERS marker) of the live lock, if any.
+    refused_sql = ""
+
+    # -- permits (semaphores and shared locks) --------------------------------------------
+    #: Reading: every dialect. Deciding: PostgreSQL calls the functions of migration 0003, one
+    #: statement per operation (`*_permit_sql`); the others run `transaction` (see
+    #: `database.permits`), starting it with `begin_sql`.
+    permit_listing: PermitListing
+    transaction: PermitTransaction | None = None
+    begin_sql = "BEGIN"
+    acquire_permit_sql = ""  # -> (fence, retry_in, held_as)
+    release_permit_sql = ""  # -> (1 or 0,)
+    extend_permit_sql = ""  # -> (1 or 0,)
 
     #: Seconds until `{column}` (a timestamp) passes, by the database's clock; the admin's
     #: changelist uses it too, so the two never disagree about whether a lock is held.
@@ -72,7 +87,11 @@ class Dialect:
         raise NotImplementedError
 
     def extend_params(self, key: str, owner: str, ttl: float) -> Sequence[Any]:
-        return (ttl, key, owner)
+        return (self.interval(ttl), key, owner)
+
+    def interval(self, seconds: float) -> Any:
+        """`seconds` as the dialect's interval placeholder (`until` below) takes it."""
+        return seconds
 
     def datetime(self, value: Any) -> datetime | None:
         if value is None:
@@ -86,3 +105,135 @@ class Dialect:
 
 # Columns every reading query returns, in this order.
 INFO = "key, owner, holder, fence, acquired_at, {remaining}"
+
+
+#: The permit holding a key, with the same columns as INFO and then the lock's owner (its
+#: PERMIT_OWNERS marker tells the permit's kind).
+PERMIT_INFO = "p.key, p.owner, p.holder, p.fence, p.acquired_at, {remaining}, l.owner"
+
+
+class PermitListing(NamedTuple):
+    """The statements that read permits, one dialect's spelling."""
+
+    holders: str  # (key, key) -> the live holders of key: INFO + owner of the lock, soonest first
+    permits_of: str  # {keys}: placeholders, one per key -> PERMIT_INFO rows, by key, soonest first
+    prune: str  # (limit) -> deletes at most limit expired permits
+    placeholder: str
+
+    def permits_of_keys(self, count: int) -> str:
+        return self.permits_of.format(keys=", ".join([self.placeholder] * count))
+
+
+def permit_listing(*, p: str, key: str, now: str, remaining: str, prune: str) -> PermitListing:
+    """The PermitListing of a dialect whose placeholder is `p`, key column `key` (quoted as it
+    must be), clock `now` and seconds-left template `remaining` ({column})."""
+    lock_left = remaining.format(column="l.expires_at")
+    permit_left = remaining.format(column="p.expires_at")
+    markers = "('*shared', '*semaphore')"
+    gate_live = f"l.owner IN {markers} AND l.expires_at > {now} AND p.expires_at > {now}"
+    holders = (
+        f"SELECT {PERMIT_INFO.format(remaining=permit_left)} "
+        f"FROM {TABLE} l JOIN {PERMIT_TABLE} p ON p.{key} = l.{key} "
+        f"WHERE l.{key} = {p} AND {gate_live} "
+        "UNION ALL "
+        f"SELECT l.{key}, l.owner, l.holder, l.fence, l.acquired_at, {lock_left}, l.owner "
+        f"FROM {TABLE} l WHERE l.{key} = {p} AND l.owner NOT IN {markers} "
+        f"AND l.expires_at > {now} "
+        "ORDER BY 6, 4"
+    )
+    permits_of = (
+        f"SELECT {PERMIT_INFO.format(remaining=permit_left)} "
+        f"FROM {TABLE} l JOIN {PERMIT_TABLE} p ON p.{key} = l.{key} "
+        f"WHERE l.{key} IN ({{keys}}) AND {gate_live} ORDER BY p.{key}, 6, p.fence"
+    )
+    return PermitListing(holders, permits_of, prune, p)
+
+
+class PermitTransaction(NamedTuple):
+    """The statements of a permit operation decided in Python, inside one transaction that
+    first locks the key's lock row (`ensure_row`, `read`). Parameters as named."""
+
+    ensure_row: str  # (key): a free row for key unless it has one; the row stays locked
+    # (key) -> rows of (lock owner, seconds left, writer owner, writer's seconds left, lock
+    # fence, permit owner, permit's seconds left, permit fence, permit expires_at), one per
+    # permit row of the key (permit columns NULL when it has none)
+    read: str
+    next_fence: str  # () -> (fence,)
+    delete_permits: str  # (key): every permit row of key
+    delete_dead: str  # (key): its expired permit rows
+    delete_permit: str  # (key, owner)
+    insert_permit: str  # (key, owner, holder, fence, interval)
+    renew_permit: str  # (interval, key, owner): expires after interval
+    extend_permit: str  # (interval, key, owner): expires after interval, if that is later
+    open_gate: str  # (marker, fence, interval, key): the first permit's
+    widen_gate: str  # (fence, interval, key): fence and expiry at least these
+    gate_until: str  # (expires_at, key)
+    free: str  # (key): as release_sql leaves a row
+    take: str  # (owner, holder, fence, interval, key): an exclusive acquire's
+    renew: str  # (interval, key): the owner's exclusive lock expires after interval
+    set_writer: str  # (owner, interval, key)
+    clear_writer: str  # (key)
+
+
+def permit_transaction(
+    *,
+    p: str,
+    key: str,
+    now: str,
+    until: str,
+    greatest: str,
+    next_fence: str,
+    remaining: str,
+    keep_existing: str,
+    for_update: str,
+) -> PermitTransaction:
+    """The PermitTransaction of a dialect: placeholder `p`, key column `key`, clock `now`,
+    `until` (the timestamp `p` interval from now), `greatest` (the SQL function), the SELECT
+    expression of a new fence, seconds-left template `remaining` ({column}), the clause that
+    makes an INSERT of an existing key do nothing, and the suffix that locks what a SELECT
+    reads."""
+    where = f"WHERE {key} = {p}"
+    left = remaining.format
+    return PermitTransaction(
+        ensure_row=(
+            f"INSERT INTO {TABLE} ({key}, owner, holder, fence, acquired_at, expires_at) "
+            f"VALUES ({p}, {RELEASED}, '', 0, {now}, {now}) {keep_existing}"
+        ),
+        read=(
+            f"SELECT l.owner, {left(column='l.expires_at')}, l.writer_owner, "
+            f"{left(column='l.writer_until')}, l.fence, "
+            f"p.owner, {left(column='p.expires_at')}, p.fence, p.expires_at "
+            f"FROM {TABLE} l LEFT JOIN {PERMIT_TABLE} p ON p.{key} = l.{key} "
+            f"WHERE l.{key} = {p}{for_update}"
+        ),
+        next_fence=f"SELECT {next_fence}",
+        delete_permits=f"DELETE FROM {PERMIT_TABLE} {where}",
+        delete_dead=f"DELETE FROM {PERMIT_TABLE} {where} AND expires_at <= {now}",
+        delete_permit=f"DELETE FROM {PERMIT_TABLE} {where} AND owner = {p}",
+        insert_permit=(
+            f"INSERT INTO {PERMIT_TABLE} ({key}, owner, holder, fence, acquired_at, expires_at) "
+            f"VALUES ({p}, {p}, {p}, {p}, {now}, {until})"
+        ),
+        renew_permit=f"UPDATE {PERMIT_TABLE} SET expires_at = {until} {where} AND owner = {p}",
+        extend_permit=(
+            f"UPDATE {PERMIT_TABLE} SET expires_at = {greatest}(expires_at, {until}) "
+            f"{where} AND owner = {p}"
+        ),
+        open_gate=(
+            f"UPDATE {TABLE} SET owner = {p}, holder = '', fence = {p}, acquired_at = {now}, "
+            f"expires_at = {until} {where}"
+        ),
+        widen_gate=(
+            f"UPDATE {TABLE} SET fence = {greatest}(fence, {p}), "
+            f"expires_at = {greatest}(expires_at, {until}) {where}"
+        ),
+        gate_until=f"UPDATE {TABLE} SET expires_at = {p} {where}",
+        free=f"UPDATE {TABLE} SET owner = {RELEASED}, expires_at = {now} {where}",
+        take=(
+            f"UPDATE {TABLE} SET owner = {p}, holder = {p}, fence = {p}, acquired_at = {now}, "
+            f"expires_at = {until} {where}"
+        ),
+        renew=f"UPDATE {TABLE} SET expires_at = {until} {where}",
+        set_writer=f"UPDATE {TABLE} SET writer_owner = {p}, writer_until = {until} {where}",
+        clear_writer=f"UPDATE {TABLE} SET writer_owner = NULL, writer_until = NULL {where}",
+    )

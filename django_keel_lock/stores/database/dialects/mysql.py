@@ -5,7 +5,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .base import RELEASED, SEQUENCE, TABLE, Dialect
+from .base import (
+    PERMIT_TABLE,
+    RELEASED,
+    SEQUENCE,
+    TABLE,
+    Dialect,
+    permit_listing,
+    permit_transaction,
+)
 
 
 class MySQLDialect(Dialect):
@@ -29,8 +37,8 @@ class MySQLDialect(Dialect):
             owner = IF({_free}, VALUES(owner), owner),
             expires_at = IF(owner = VALUES(owner), VALUES(expires_at), expires_at)
         """,
-        f"SELECT IF(owner = %s, fence, NULL), IF(owner = %s, NULL, {_remaining}) "
-        f"FROM {TABLE} WHERE `key` = %s",
+        f"SELECT IF(owner = %s, fence, NULL), IF(owner = %s, NULL, {_remaining}), "
+        f"IF(LEFT(owner, 1) = '*', owner, NULL) FROM {TABLE} WHERE `key` = %s",
     )
     # UTC_TIMESTAMP() is read once, when a statement starts: an extend that started before a
     # release but gets the row after it would still find the released row unexpired. It finds
@@ -62,11 +70,33 @@ class MySQLDialect(Dialect):
     )
     prune_unguard = ("UNLOCK TABLES", "SET SESSION lock_wait_timeout = @keel_lock_wait")
 
+    # Permits: one transaction, decided in Python (`database.permits`). The no-op update of an
+    # existing key locks its row as a plain INSERT would not (INSERT IGNORE would also turn a
+    # key the column cannot hold into a warning and a truncated key, not an error).
+    permit_listing = permit_listing(
+        p="%s",
+        key="`key`",
+        now=_now,
+        remaining=remaining_template,
+        prune=f"DELETE FROM {PERMIT_TABLE} WHERE expires_at <= {_now} LIMIT %s",
+    )
+    transaction = permit_transaction(
+        p="%s",
+        key="`key`",
+        now=_now,
+        until=f"{_now} + INTERVAL %s MICROSECOND",
+        greatest="GREATEST",
+        next_fence=f"NEXTVAL({SEQUENCE})",
+        remaining=remaining_template,
+        keep_existing="ON DUPLICATE KEY UPDATE `key` = `key`",
+        for_update=" FOR UPDATE",
+    )
+
     def acquire_params(self, key: str, owner: str, holder: str, ttl: float) -> list[Sequence[Any]]:
         return [(key, owner, holder, round(ttl * 1_000_000)), (owner, owner, key)]
 
-    def extend_params(self, key: str, owner: str, ttl: float) -> Sequence[Any]:
-        return (round(ttl * 1_000_000), key, owner)
+    def interval(self, seconds: float) -> Any:
+        return round(seconds * 1_000_000)  # microseconds
 
     def connection_options(
         self, options: dict[str, Any], wrapper: Any, socket_timeout: float

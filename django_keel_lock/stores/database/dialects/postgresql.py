@@ -6,7 +6,7 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
-from .base import INFO, RELEASED, SEQUENCE, TABLE, Dialect
+from .base import INFO, PERMIT_TABLE, RELEASED, SEQUENCE, TABLE, Dialect, permit_listing
 
 # A release NOTIFYs on its key's own channel: CHANNEL_PREFIX + md5(key), a valid identifier
 # whatever the key, so a process LISTENs only to the keys it waits for.
@@ -27,7 +27,8 @@ class PostgresDialect(Dialect):
     # "Now" is read once, as EXCLUDED.acquired_at, so every CASE agrees on whether the row was
     # free (a later clock read could disagree). The owner column then tells what happened: ours
     # (the new fence) or someone else's (seconds left on their lock).
-    # No CTE, no second statement: the plan is as cheap as a plain UPDATE's.
+    # No CTE, no second statement: the plan is as cheap as a plain UPDATE's. A refusal also
+    # says whether permits hold the key (their marker owner, see PERMIT_OWNERS).
     _free = "(l.expires_at <= EXCLUDED.acquired_at OR l.owner = EXCLUDED.owner)"
     acquire_sql = (
         f"""
@@ -42,7 +43,8 @@ class PostgresDialect(Dialect):
             expires_at = CASE WHEN {_free} THEN EXCLUDED.expires_at ELSE l.expires_at END,
             waiting = CASE WHEN {_free} THEN l.waiting AND l.owner = EXCLUDED.owner ELSE true END
         RETURNING CASE WHEN owner = %s THEN fence END,
-                  CASE WHEN owner <> %s THEN {_remaining} END
+                  CASE WHEN owner <> %s THEN {_remaining} END,
+                  CASE WHEN left(owner, 1) = '*' THEN owner END
         """,
     )
     # Release marks the row expired (and ownerless: see RELEASED) rather than deleting it, so
@@ -82,6 +84,23 @@ class PostgresDialect(Dialect):
         f"LOCK TABLE {TABLE} IN SHARE ROW EXCLUSIVE MODE",
     )
     prune_unguard = ("COMMIT",)
+
+    # Permits: each operation is one call of a function migration 0003 creates (one round
+    # trip; its rules are `stores.permits.plan_acquire`'s).
+    acquire_permit_sql = (
+        "SELECT granted, retry_in, held_as "
+        "FROM django_keel_lock_acquire_permit(%s, %s, %s, %s, %s, %s, %s)"
+    )
+    release_permit_sql = "SELECT django_keel_lock_release_permit(%s, %s)"
+    extend_permit_sql = "SELECT django_keel_lock_extend_permit(%s, %s, %s)"
+    permit_listing = permit_listing(
+        p="%s",
+        key="key",
+        now="clock_timestamp()",
+        remaining=remaining_template,
+        prune=f"DELETE FROM {PERMIT_TABLE} WHERE id IN (SELECT id FROM {PERMIT_TABLE} "
+        "WHERE expires_at <= clock_timestamp() LIMIT %s)",
+    )
 
     def acquire_params(self, key: str, owner: str, holder: str, ttl: float) -> list[Sequence[Any]]:
         return [(key, owner, holder, ttl, owner, owner)]

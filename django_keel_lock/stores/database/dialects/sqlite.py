@@ -8,7 +8,7 @@ from typing import Any
 
 from django.db import connections
 
-from .base import INFO, RELEASED, TABLE, Dialect
+from .base import INFO, PERMIT_TABLE, RELEASED, TABLE, Dialect, permit_listing, permit_transaction
 
 
 class SQLiteDialect(Dialect):
@@ -28,7 +28,7 @@ class SQLiteDialect(Dialect):
             owner = excluded.owner, holder = excluded.holder, fence = {_next_fence},
             acquired_at = excluded.acquired_at, expires_at = excluded.expires_at
         WHERE l.expires_at <= {_now} OR l.owner = excluded.owner
-        RETURNING fence, NULL
+        RETURNING fence, NULL, NULL
         """,
     )
     release_sql = (
@@ -55,15 +55,42 @@ class SQLiteDialect(Dialect):
         f"AND fence < (SELECT MAX(fence) FROM {TABLE}) LIMIT ?)"
     )
 
-    @staticmethod
-    def _modifier(ttl: float) -> str:
-        return f"+{ttl:.3f} seconds"
+    # The upsert returns no row when it refuses: this reads what it found.
+    refused_sql = (
+        f"SELECT NULL, {_remaining}, CASE WHEN substr(owner, 1, 1) = '*' THEN owner END "
+        f"FROM {TABLE} WHERE key = ? AND expires_at > {_now}"
+    )
+
+    # Permits: one transaction, decided in Python (`database.permits`); BEGIN IMMEDIATE takes
+    # the one writer's place at once, so the rows read stay as read until COMMIT. The gate
+    # row carries the latest permit's fence, so MAX(fence) + 1 over the lock table stays
+    # above every permit's.
+    begin_sql = "BEGIN IMMEDIATE"
+    permit_listing = permit_listing(
+        p="?",
+        key="key",
+        now=_now,
+        remaining=remaining_template,
+        prune=f"DELETE FROM {PERMIT_TABLE} WHERE id IN (SELECT id FROM {PERMIT_TABLE} "
+        f"WHERE expires_at <= {_now} LIMIT ?)",
+    )
+    transaction = permit_transaction(
+        p="?",
+        key="key",
+        now=_now,
+        until="strftime('%Y-%m-%d %H:%M:%f', 'now', ?)",
+        greatest="max",
+        next_fence=_next_fence,
+        remaining=remaining_template,
+        keep_existing="ON CONFLICT (key) DO NOTHING",
+        for_update="",
+    )
+
+    def interval(self, seconds: float) -> Any:
+        return f"+{seconds:.3f} seconds"  # a strftime modifier
 
     def acquire_params(self, key: str, owner: str, holder: str, ttl: float) -> list[Sequence[Any]]:
-        return [(key, owner, holder, self._modifier(ttl))]
-
-    def extend_params(self, key: str, owner: str, ttl: float) -> Sequence[Any]:
-        return (self._modifier(ttl), key, owner)
+        return [(key, owner, holder, self.interval(ttl))]
 
     def callers_transaction(self, database: str) -> Any:
         """The calling thread's Django connection to the same file while it is in a transaction.

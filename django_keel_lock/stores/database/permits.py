@@ -1,0 +1,155 @@
+"""The permit operations where the store decides them, each one transaction (MariaDB, SQLite).
+
+Each reads the key's lock row, locked, with its permit rows (`PermitTransaction.read`), asks
+`stores.permits.plan_acquire` (acquire) and writes what it says. PostgreSQL makes the same
+decisions in the functions of migration 0003 instead, in one round trip.
+
+Permit rows count only while the lock row is owned by a PERMIT_OWNERS marker and unexpired:
+rows of a key whose lock expired (and may since have been taken) are leftovers, deleted here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from ..base import GATE_OWNER, PERMIT_OWNERS, AcquireResult, Mode
+from ..permits import Held, Step, plan_acquire
+from .dialects import Dialect
+from .dialects.base import PermitTransaction
+
+
+class _Permit(NamedTuple):
+    owner: str
+    left: float
+    fence: int
+    expires_at: Any  # as the driver reads it, to write back
+
+
+class _Key:
+    """A key's lock row and permits as `read` returned them."""
+
+    def __init__(self, rows: Sequence[Sequence[Any]]) -> None:
+        first = rows[0]
+        self.owner: str = first[0]
+        self.left = float(first[1] or 0.0)
+        self.writer: str | None = first[2]
+        self.writer_left = float(first[3] or 0.0)
+        self.fence = int(first[4])
+        self.gated = self.owner in PERMIT_OWNERS and self.left > 0
+        every = [_Permit(r[5], float(r[6] or 0.0), int(r[7]), r[8]) for r in rows if r[5]]
+        self.leftovers = bool(every) and not self.gated
+        self.permits = [p for p in every if p.left > 0] if self.gated else []
+        self.dead = self.gated and len(self.permits) < len(every)
+
+    def held(self) -> Held:
+        return Held(
+            self.owner,
+            self.left,
+            self.writer,
+            self.writer_left,
+            [(p.owner, p.left) for p in self.permits],
+        )
+
+    def permit(self, owner: str) -> _Permit | None:
+        return next((p for p in self.permits if p.owner == owner), None)
+
+
+class Transaction:
+    """One permit operation's statements on `cursor`, inside the transaction the store opened."""
+
+    def __init__(self, dialect: Dialect, cursor: Any) -> None:
+        assert dialect.transaction is not None
+        self.sql: PermitTransaction = dialect.transaction
+        self.interval = dialect.interval
+        self.cursor = cursor
+
+    def run(self, sql: str, *params: Any) -> list[Any]:
+        self.cursor.execute(sql, params)
+        return list(self.cursor.fetchall()) if self.cursor.description else []
+
+    def read(self, key: str) -> _Key | None:
+        rows = self.run(self.sql.read, key)
+        return _Key(rows) if rows else None
+
+    def next_fence(self) -> int:
+        return int(self.run(self.sql.next_fence)[0][0])
+
+    def acquire(
+        self, key: str, owner: str, holder: str, ttl: float, mode: Mode, writer_wait: float
+    ) -> AcquireResult:
+        sql, interval = self.sql, self.interval
+        self.run(sql.ensure_row, key)
+        found = self.read(key)
+        assert found is not None  # ensure_row made it, and holds it
+        plan = plan_acquire(found.held(), owner, mode)
+        refused = AcquireResult(None, plan.retry_in, plan.held_as)
+        if plan.step is Step.REFUSE:
+            return refused
+        if plan.step is Step.INTEND:
+            if found.writer is None or found.writer_left <= 0 or found.writer == owner:
+                self.run(sql.set_writer, owner, interval(writer_wait), key)
+            return refused
+        if plan.step is Step.TAKE:
+            if found.writer == owner:
+                self.run(sql.clear_writer, key)
+            if found.owner == owner and found.left > 0:
+                self.run(sql.renew, interval(ttl), key)
+                return AcquireResult(found.fence)
+            if found.leftovers:
+                self.run(sql.delete_permits, key)
+            fence = self.next_fence()
+            self.run(sql.take, owner, holder, fence, interval(ttl), key)
+            return AcquireResult(fence)
+        if plan.step is Step.RENEW:
+            mine = found.permit(owner)
+            assert mine is not None
+            self.run(sql.renew_permit, interval(ttl), key, owner)
+            self.run(sql.widen_gate, mine.fence, interval(ttl), key)
+            return AcquireResult(mine.fence)
+        # GRANT. The gate is written after the permit, so its clock reads later: its expiry is
+        # never before the permit's.
+        fence = self.next_fence()
+        if found.leftovers:
+            self.run(sql.delete_permits, key)
+        elif found.dead:
+            self.run(sql.delete_dead, key)
+        self.run(sql.insert_permit, key, owner, holder, fence, interval(ttl))
+        if found.gated:
+            self.run(sql.widen_gate, fence, interval(ttl), key)
+        else:
+            self.run(sql.open_gate, GATE_OWNER[mode.kind], fence, interval(ttl), key)
+        return AcquireResult(fence)
+
+    def held_by_permits(self, key: str) -> _Key | None:
+        """The key, read and locked, if permits hold it; its leftover permit rows deleted."""
+        found = self.read(key)
+        if found is not None and found.leftovers:
+            self.run(self.sql.delete_permits, key)
+        return found if found is not None and found.gated else None
+
+    def release(self, key: str, owner: str) -> bool:
+        sql = self.sql
+        found = self.held_by_permits(key)
+        if found is None or found.permit(owner) is None:
+            return False
+        others = [p for p in found.permits if p.owner != owner]
+        if not others:
+            self.run(sql.delete_permits, key)
+            self.run(sql.free, key)
+            return True
+        if found.dead:
+            self.run(sql.delete_dead, key)
+        self.run(sql.delete_permit, key, owner)
+        # The rows read stay locked until COMMIT: the latest of the others is still the latest.
+        self.run(sql.gate_until, max(p.expires_at for p in others), key)
+        return True
+
+    def extend(self, key: str, owner: str, ttl: float) -> bool:
+        found = self.held_by_permits(key)
+        mine = None if found is None else found.permit(owner)
+        if mine is None:
+            return False
+        self.run(self.sql.extend_permit, self.interval(ttl), key, owner)
+        self.run(self.sql.widen_gate, mine.fence, self.interval(ttl), key)
+        return True
