@@ -491,3 +491,16 @@ def test_sigkill_of_the_worker_process_holding_a_lock_frees_it_at_ttl(
     assert len(charges(run, 1)) == 1
     result_of(doomed, 15)
     assert doomed.state == "FAILURE"  # WorkerLostError: the process died mid-task
+
+
+def test_limit_2_runs_at_most_2_of_20_queued_tasks_at_once_across_4_workers(
+    worker: Worker, run: str
+) -> None:
+    sent = [tasks.limited_export.delay(run, 0.2) for _ in range(20)]
+    results = [result_of(result, 90) for result in sent]
+    assert all(isinstance(r, dict) for r in results), results
+    peak = max(r["inside"] for r in results)
+    assert peak == 2, f"{peak} ran at once: " + str(sorted(r["inside"] for r in results))
+    assert len({r["fence"] for r in results}) == 20  # a permit each, each its own fence
+    assert len({r["pid"] for r in results}) > 2, "fewer than 3 worker processes ran them"
+    assert int(tasks.provider().get(tasks.inside_key(run)) or 0) == 0

@@ -380,7 +380,7 @@ def test_list_and_show_escape_control_characters_written_by_another_client(key: 
 
 
 # -- semaphores and shared locks ----------------------------------------------------------
-@pytest.mark.parametrize("store_alias", store_params(["memory", "redis"]))
+@pytest.mark.parametrize("store_alias", ALL_STORES)
 def test_list_and_show_give_each_permit_with_its_mode(store_alias: str, key: str) -> None:
     permits = [semaphore(key, limit=3, ttl=ttl, store=store_alias) for ttl in (30, 20)]
     assert all(p.acquire() for p in permits)
@@ -400,7 +400,7 @@ def test_list_and_show_give_each_permit_with_its_mode(store_alias: str, key: str
     assert "owner" not in data and all("owner" not in h for h in data["holders"])
 
 
-@pytest.mark.parametrize("store_alias", store_params(["memory", "redis"]))
+@pytest.mark.parametrize("store_alias", ALL_STORES)
 def test_release_fence_frees_one_permit_and_release_yes_frees_every_holder(
     store_alias: str, key: str
 ) -> None:

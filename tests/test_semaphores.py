@@ -32,7 +32,7 @@ from django_keel_lock import (
 from tests.conftest import serving, store_params
 from tests.support.third_party_store import DictLockStore
 
-MODAL_STORES = store_params(["memory", "redis"])
+MODAL_STORES = store_params(["memory", "sqlite", "postgres", "mariadb", "redis"])
 
 
 @pytest.fixture(params=MODAL_STORES)

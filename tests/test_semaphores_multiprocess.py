@@ -19,7 +19,7 @@ from django_keel_lock import lock, semaphore
 
 from .conftest import store_params
 
-CROSS_PROCESS_STORES = store_params(["redis"])
+CROSS_PROCESS_STORES = store_params(["sqlite", "postgres", "mariadb", "redis"])
 PROCESSES = 16
 LIMIT = 3
 ROUNDS = 4

@@ -83,3 +83,22 @@ def charge_retry_once(self: Task, run: str, invoice_id: int) -> dict[str, Any]:
 def charge_slowly(self: Task, run: str, invoice_id: int, seconds: float) -> dict[str, Any]:
     """Holds the lock (ttl 4 s) for `seconds`: the test SIGKILLs the process meanwhile."""
     return _charge(self, run, invoice_id, seconds)
+
+
+def inside_key(run: str) -> str:
+    return f"keel-lock-test:{run}:inside"
+
+
+@shared_task(bind=True)
+@locked_task("export:{run}", ttl=30, limit=2, timeout=60, on_locked="raise", store=STORE)
+def limited_export(self: Task, run: str, work: float = 0.2) -> dict[str, Any]:
+    """At most 2 at once: counts itself in (INCR answers how many are inside, itself
+    included) and out, around its work."""
+    held = current_lock()
+    client = provider()
+    inside = client.incr(inside_key(run))
+    try:
+        time.sleep(work)
+    finally:
+        client.decr(inside_key(run))
+    return {"pid": os.getpid(), "fence": held.fence if held else None, "inside": inside}

@@ -16,7 +16,7 @@ from django.test import Client  # noqa: E402
 from invoices.models import Invoice  # noqa: E402
 from invoices.tasks import charge_invoice  # noqa: E402
 
-from django_keel_lock import get_lock_store, lock  # noqa: E402
+from django_keel_lock import get_lock_store, lock, semaphore  # noqa: E402
 
 
 def main() -> None:
@@ -48,6 +48,17 @@ def main() -> None:
     assert client.post(url, {"seconds": "0"}).status_code == 302  # paid already: no charge
     assert invoice.charges.count() == 1
     assert client.get(url).status_code == 405
+
+    # The export: at most 2 at once, the view's permits shared with semaphore() on its key.
+    assert client.get("/exports/invoices.csv").content.startswith(b"invoice,amount,paid\n")
+    exports = [semaphore("exports", limit=2, ttl=60) for _ in range(2)]
+    assert all(permit.acquire() for permit in exports)
+    busy = client.get("/exports/invoices.csv")
+    assert busy.status_code == 409 and b"all 2 permits" in busy.content, busy.content
+    assert 55 <= int(busy["Retry-After"]) <= 60
+    page = client.get("/").content.decode()  # each permit is listed with the locks
+    assert page.count("<tr><td>exports</td>") == 2, page
+    assert all(permit.release() for permit in exports)
 
     # The Celery task (eager here): charges under the lock and passes the fence on.
     paid = Invoice.objects.create(customer="task", amount="20.00")
