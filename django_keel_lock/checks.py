@@ -59,6 +59,7 @@ from .stores.base import LockStore
 from .stores.connections import socket_timeout_option
 from .stores.database import DatabaseLockStore
 from .stores.database.dialects import DIALECTS
+from .stores.database.dialects.base import PERMIT_TABLE
 from .stores.database.dialects.base import TABLE as LOCK_TABLE
 
 ID = "django_keel_lock.{}"
@@ -501,14 +502,25 @@ def check_store_tables(
                 )
             )
             continue
+        migrate = f"Run: python manage.py migrate django_keel_lock --database {database}"
         if LOCK_TABLE not in tables:
             messages.append(
                 Warning(
                     f"{stores} locks in table {LOCK_TABLE} of database {database!r}, "
                     "which does not have that table: every lock taken there fails with "
                     "LockStoreUnavailable.",
-                    hint=f"Run: python manage.py migrate django_keel_lock --database {database}",
+                    hint=migrate,
                     id=ID.format("W003"),
+                )
+            )
+        elif PERMIT_TABLE not in tables:
+            messages.append(
+                Warning(
+                    f"{stores} locks in database {database!r}, which has no {PERMIT_TABLE} "
+                    "table (migration 0003 is not applied there): every semaphore and shared "
+                    "lock taken there fails with LockStoreUnavailable; exclusive locks work.",
+                    hint=migrate,
+                    id=ID.format("W006"),
                 )
             )
     return messages

@@ -15,7 +15,7 @@ from django.core.management import call_command
 from django.core.management.base import SystemCheckError
 from django.test import override_settings
 
-from django_keel_lock import LockStoreUnavailable, checks, lock
+from django_keel_lock import LockStoreUnavailable, checks, lock, semaphore
 from django_keel_lock.checks import check_store_tables, check_stores
 
 from .conftest import (
@@ -311,3 +311,26 @@ def test_every_id_is_documented_in_the_module_docstring() -> None:
     documented = set(re.findall(r"django_keel_lock\.([EW]\d{3})", checks.__doc__ or ""))
     assert used == documented
     assert {"E001", "E009", "W001", "W002"} <= used
+
+
+@pytest.mark.parametrize("server", store_params(DATABASE_STORES))
+def test_w006_a_database_migrated_to_0002_only_has_no_semaphores_until_0003(server: str) -> None:
+    locks = stores(locks={"BACKEND": DB, "OPTIONS": {"DATABASE": "locks"}})
+    with (
+        empty_database(database_of(server), "locks"),
+        override_settings(KEEL_LOCK_STORES=locks),
+    ):
+        call_command("migrate", "django_keel_lock", "0002", database="locks", verbosity=0)
+        found = check_store_tables(databases=["locks"])
+        assert lock("checks:w006", store="locks").run(lambda: "exclusive") == (True, "exclusive")
+        with pytest.raises(LockStoreUnavailable):
+            semaphore("checks:w006:permits", limit=2, store="locks").acquire()
+        call_command("migrate", "django_keel_lock", database="locks", verbosity=0)
+        after = check_store_tables(databases=["locks"])
+        permits = semaphore("checks:w006:permits", limit=2, store="locks")
+        acquired = permits.acquire() and permits.release()
+
+    assert [m.id for m in found] == ["django_keel_lock.W006"]
+    assert "django_keel_lock_permit" in found[0].msg and "exclusive locks work" in found[0].msg
+    assert found[0].hint == "Run: python manage.py migrate django_keel_lock --database locks"
+    assert after == [] and acquired
