@@ -1,6 +1,6 @@
 """System checks for the django-keel-lock settings.
 
-The settings checks read settings only: they never connect. The database check (W003, W004)
+The settings checks read settings only: they never connect. The database check (W003, W004, W006)
 follows Django's convention for checks tagged `database`: it runs only for the databases a
 command asks for (`check --database locks`, and `migrate`, which checks the database it
 migrates), and it looks at the schema only, taking no lock. Both are registered in
@@ -33,6 +33,8 @@ Warnings
                          (unreachable, or a missing driver).
   django_keel_lock.W005  A RedisLockStore keeps its locks in the Redis database of a Django
                          cache: that cache's clear() (FLUSHDB) deletes every lock.
+  django_keel_lock.W006  A DatabaseLockStore's database has the lock table but not the permit
+                         table (migration 0003): its semaphores and shared locks fail.
 """
 
 from __future__ import annotations
