@@ -140,7 +140,7 @@ class Lock:
         owner = self._begin()
         if wait <= 0:
             sent = time.monotonic()
-            result = self._checked(self._ask(owner, None, None))
+            result = self._ask(owner, None, None)
         else:
             result, sent = self._wait(owner, wait, delay)
         if not self._finish(owner, result, sent):
@@ -181,9 +181,13 @@ class Lock:
         return "acquire_permit", (self.key, owner, self.holder, self.ttl, self.mode, wait)
 
     def _ask(self, owner: str, deadline: float | None, last: AcquireResult | None) -> AcquireResult:
-        name, args = self._request(owner, deadline, last)
-        result: AcquireResult = getattr(self._store, name)(*args)
-        return result
+        """One acquire attempt (see `_request`), checked (`_checked`)."""
+        if self.mode is EXCLUSIVE and last is None:  # the fast path, without the indirection
+            result = self._store.acquire(self.key, owner, self.holder, self.ttl)
+        else:
+            name, args = self._request(owner, deadline, last)
+            result = getattr(self._store, name)(*args)
+        return result if result.held_as is None else self._checked(result)
 
     def _checked(self, result: AcquireResult) -> AcquireResult:
         """`result`, unless it says the key is in use by the other family of modes: a key is
@@ -274,13 +278,13 @@ class Lock:
                 # that does not answer, so ask the store once ourselves: "held by someone else"
                 # must be the store's word, and an outage must reach every caller as one.
                 sent = time.monotonic()
-                return self._checked(self._ask(owner, None, None)), sent
+                return self._ask(owner, None, None), sent
             with store.watch(self.key) as waiter:
                 last: AcquireResult | None = None
                 while True:
                     sent = time.monotonic()
                     plain = self._request(owner, deadline, last)[0] == "acquire"
-                    result = self._checked(self._ask(owner, deadline, last))
+                    result = self._ask(owner, deadline, last)
                     left = deadline - time.monotonic()
                     if result.fence is not None or left <= 0:
                         return result, sent
@@ -388,7 +392,9 @@ class Lock:
         if not self._held or self.owner is None:
             return False
         self._stop_renewal()
-        return self._released(self._release_op(self.key, self.owner))
+        store = self._store
+        release = store.release if self.mode is EXCLUSIVE else store.release_permit
+        return self._released(release(self.key, self.owner))
 
     def _released(self, released: bool) -> bool:
         self._held = False

@@ -60,7 +60,8 @@ class MemoryLockStore(LockStore):
                 return AcquireResult(entry.fence)
             fence = next(self._fences)
             self._locks[key] = _Entry(owner, holder, fence, now, now + ttl)
-            self._permits.pop(key, None)  # expired with the lock that stood for them
+            if self._permits:  # an expired gate's permits expired with it
+                self._permits.pop(key, None)
         return AcquireResult(fence)
 
     def release(self, key: str, owner: str) -> bool:
