@@ -301,13 +301,16 @@ def test_the_api_reference_shows_the_public_api_and_not_the_internal_hooks(
     built_site: Path,
 ) -> None:
     html = (built_site / "reference" / "api.html").read_text(encoding="utf-8")
-    for public in ("Lock.acquire", "Lock.is_owned", "Lock.ais_owned", "on_lost", "restore_lock"):
+    public_names = ("Lock.acquire", "Lock.is_owned", "Lock.ais_owned", "on_lost", "restore_lock")
+    public_names += ("semaphore", "Lock.holders", "LockStore.acquire_permit", "plan_acquire")
+    for public in public_names:
         assert public in html, public
     for internal in (
         "Lock.from_spec",
         "Lock.confirmed_until",
         "Lock.renewed",
         "Lock.renewal_lost",
+        "Lock.extend_op",
         "LockStore.submit",
         "ensure_listener",
         "ListeningStore",

@@ -4,20 +4,29 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .base import AcquireResult, LockInfo, LockStore
+from .base import EXCLUSIVE, SHARED, AcquireResult, LockInfo, LockStore, Mode, semaphore_mode
 from .memory import MemoryLockStore
+from .permits import Held, Plan, Step, plan_acquire
 
 if TYPE_CHECKING:
     from .database import DatabaseLockStore
     from .redis import RedisLockStore
 
 __all__ = [
+    "EXCLUSIVE",
+    "SHARED",
     "AcquireResult",
     "DatabaseLockStore",
+    "Held",
     "LockInfo",
     "LockStore",
     "MemoryLockStore",
+    "Mode",
+    "Plan",
     "RedisLockStore",
+    "Step",
+    "plan_acquire",
+    "semaphore_mode",
 ]
 
 
