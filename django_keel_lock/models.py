@@ -40,16 +40,25 @@ class Lock(models.Model):
 
 
 class Permit(models.Model):
-    """One permit of a key held by permits (a shared lock's reader, a semaphore's holder).
+    """One permit slot of a key held by permits (a shared lock's reader, a semaphore's holder).
 
     While any lives, the key's `Lock` row is owned by the kind's marker (see
     `stores.base.PERMIT_OWNERS`) with the latest permit's fence and the latest expiry of them
-    all, so exclusive acquirers see the key as held. Rows of a key whose lock is not such a
-    marker any more are leftovers of an expired one, ignored and deleted by the store.
+    all, so exclusive acquirers see the key as held. A key's slots are numbered 0, 1, 2, …; a
+    slot is live while that gate is and the slot's own `expires_at` has not passed. A grant
+    takes the lowest slot that is not live and rewrites it in place, adding one only when all
+    are live; a release expires its slot (owner RELEASED) rather than deleting it. So a busy
+    key keeps as many rows as it once had permits at a time, each updated in place, which on
+    PostgreSQL is a HOT update (no index holds a column it writes): deleting and inserting a
+    row per permit would leave dead rows and index entries that slow every later permit of the
+    key until vacuum. `locks prune` deletes expired slots; they are added back as needed.
     """
 
     id = models.BigAutoField(primary_key=True)
     key = models.CharField(max_length=255)
+    slot = models.IntegerField()
+    # Not indexed: a grant or release rewrites it, and an index on it would take every such
+    # update off PostgreSQL's HOT path. Lookups by owner scan the key's few slots.
     owner = models.CharField(max_length=64)
     holder = models.CharField(max_length=MAX_HOLDER_LENGTH)
     fence = models.BigIntegerField()
@@ -63,9 +72,7 @@ class Permit(models.Model):
         ordering = ("key", "expires_at")
         default_permissions = ("view",)
         constraints = (
-            models.UniqueConstraint(
-                fields=("key", "owner"), name="django_keel_lock_permit_key_owner"
-            ),
+            models.UniqueConstraint(fields=("key", "slot"), name="django_keel_lock_permit_slot"),
         )
 
     def __str__(self) -> str:

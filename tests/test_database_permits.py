@@ -1,5 +1,5 @@
 """What only the database store must get right about permits: its round trips, its NOTIFYs, the
-caller's transaction, and the permit rows an expired gate leaves behind."""
+caller's transaction, and the permit slots a key keeps (those of an expired gate too)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import pytest
 from django.contrib.auth.models import Group
-from django.db import transaction
+from django.db import connections, transaction
 
 from django_keel_lock import get_lock_store
 from django_keel_lock.models import Permit
@@ -129,7 +129,7 @@ def test_sqlite_permit_taken_inside_the_callers_transaction_is_undone_by_its_rol
     assert store.release_permit(key, kept)
 
 
-def test_permits_left_by_an_expired_gate_count_for_nothing_and_are_deleted(
+def test_permits_left_by_an_expired_gate_count_for_nothing_and_their_slots_are_reused(
     db_alias: str, key: str
 ) -> None:
     store = get_lock_store(db_alias)
@@ -140,7 +140,7 @@ def test_permits_left_by_an_expired_gate_count_for_nothing_and_are_deleted(
     assert taken.acquired and permit_rows(db_alias, key) == 1
     assert not store.extend_permit(key, left, 30)
     assert not store.release_permit(key, left)
-    assert permit_rows(db_alias, key) == 0
+    assert permit_rows(db_alias, key) == 1  # a free slot now
     assert [(i.owner, i.mode) for i in store.holders(key)] == [(writer, "exclusive")]
     assert store.release(key, writer)
     assert store.acquire(key, writer, "w", 0.3).acquired
@@ -150,7 +150,52 @@ def test_permits_left_by_an_expired_gate_count_for_nothing_and_are_deleted(
     assert again.acquired and again.fence is not None and taken.fence is not None
     assert again.fence > taken.fence
     assert [i.holder for i in store.holders(key)] == ["again"]
+    assert permit_rows(db_alias, key) == 1  # the leftover's slot, filled again
     assert store.release_permit(key, left)
+
+
+def test_permit_cycles_rewrite_the_keys_slots_instead_of_adding_rows(
+    db_alias: str, key: str
+) -> None:
+    """A busy key keeps one row per permit it held at a time, each rewritten in place: rows
+    deleted and inserted per permit would leave PostgreSQL dead rows and index entries that
+    slow every later permit of the key until vacuum."""
+    store = get_lock_store(db_alias)
+    rows = Permit.objects.using(database_of(db_alias)).filter(key=key)
+    three = [owner() for _ in range(3)]
+    for me in three:
+        assert store.acquire_permit(key, me, "h", 30, THREE).acquired
+    assert not store.acquire_permit(key, owner(), "h", 30, THREE).acquired
+    for me in three:
+        assert store.release_permit(key, me)
+    ids = set(rows.values_list("id", flat=True))
+    assert len(ids) == 3  # released, they stay: free slots
+    for cycle in range(300):
+        held = [owner() for _ in range(cycle % 3 + 1)]
+        for me in held:
+            assert store.acquire_permit(key, me, "h", 30, THREE).acquired
+        assert len(store.holders(key)) == len(held)
+        for me in held[cycle % 2 :] + held[: cycle % 2]:
+            assert store.release_permit(key, me)
+    assert set(rows.values_list("id", flat=True)) == ids
+    assert sorted(rows.values_list("slot", flat=True)) == [0, 1, 2]
+    assert store.holders(key) == []
+
+
+def test_no_index_holds_a_column_a_grant_or_release_writes(db_alias: str) -> None:
+    """So that on PostgreSQL rewriting a slot is a HOT update, which its pages make room for."""
+    database = database_of(db_alias)
+    connection = connections[database]
+    with connection.cursor() as cursor:
+        found = connection.introspection.get_constraints(cursor, Permit._meta.db_table)
+        indexes = [c for c in found.values() if c["index"] or c["unique"] or c["primary_key"]]
+        indexed = {column for index in indexes for column in index["columns"]}
+        assert indexed == {"id", "key", "slot"}
+        if connection.vendor == "postgresql":
+            cursor.execute(
+                "SELECT reloptions FROM pg_class WHERE relname = %s", ["django_keel_lock_permit"]
+            )
+            assert cursor.fetchone()[0] == ["fillfactor=50"]
 
 
 def test_exclusive_refusal_says_how_long_and_how_the_key_is_held(db_alias: str, key: str) -> None:

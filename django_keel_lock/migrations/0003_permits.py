@@ -21,12 +21,14 @@ def _one_line(sql: str) -> str:
 # are `stores.permits.plan_acquire`'s, step for step (GRANT, RENEW, TAKE, INTEND, REFUSE); keep
 # the two alike. Each function first locks the key's lock row (creating it, free, if missing),
 # so the operations of one key run one at a time and every fence is drawn while the row is
-# held. Permit rows count only while the lock row is owned by a marker and unexpired. The lock
-# row outlives each of its permits, so a permit row found under any other lock row has
-# expired: the next acquire that counts a key's permits deletes such rows (or prune does),
-# and a permit taken under a new gate replaces its owner's old row. A refusal raises the row's
-# `waiting` flag, and a release that finds it raised lowers it and NOTIFYs the key's channel
-# (as release_sql does).
+# held. A permit slot is live while the lock row is owned by a marker and unexpired and the
+# slot's own expiry has not passed (a released slot expired when it was released). A grant
+# rewrites the key's lowest slot that is not live, and adds slot max + 1 only when all are
+# live (or when prune deleted the slot meanwhile: prune takes no lock row); a release expires
+# its slot. Every write of a slot is then an update of a row whose indexed columns (id, key,
+# slot) stay as they were: a HOT update, which leaves no index entry and no row that vacuum
+# must clear before the page is reused. A refusal raises the row's `waiting` flag, and a
+# release that finds it raised lowers it and NOTIFYs the key's channel (as release_sql does).
 ACQUIRE = _one_line(
     f"""
 CREATE OR REPLACE FUNCTION django_keel_lock_acquire_permit(
@@ -38,10 +40,12 @@ DECLARE
     until timestamptz;
     l {LOCK}%ROWTYPE;
     kind text;
+    gated boolean;
     live bigint := 0;
-    dead bigint := 0;
     soonest timestamptz;
     mine bigint;
+    free integer;
+    top integer;
 BEGIN
     SELECT * INTO l FROM {LOCK} WHERE key = p_key FOR UPDATE;
     IF NOT FOUND THEN
@@ -57,15 +61,14 @@ BEGIN
         kind := CASE l.owner WHEN '*shared' THEN 'shared' WHEN '*semaphore' THEN 'semaphore'
                 ELSE 'exclusive' END;
     END IF;
-    IF kind IN ('shared', 'semaphore') THEN
-        SELECT count(*) FILTER (WHERE expires_at > t), count(*) FILTER (WHERE expires_at <= t),
-               min(expires_at) FILTER (WHERE expires_at > t),
-               max(fence) FILTER (WHERE owner = p_owner AND expires_at > t)
-        INTO live, dead, soonest, mine FROM {PERMIT} WHERE key = p_key;
+    gated := kind IS NOT NULL AND kind <> 'exclusive';
+    IF gated OR (kind IS NULL AND p_kind <> 'exclusive') THEN
+        SELECT count(*) FILTER (WHERE gated AND expires_at > t),
+               min(expires_at) FILTER (WHERE gated AND expires_at > t),
+               max(fence) FILTER (WHERE gated AND owner = p_owner AND expires_at > t),
+               min(slot) FILTER (WHERE NOT gated OR expires_at <= t), max(slot)
+        INTO live, soonest, mine, free, top FROM {PERMIT} WHERE key = p_key;
         soonest := coalesce(soonest, l.expires_at);
-        IF dead > 0 THEN
-            DELETE FROM {PERMIT} WHERE key = p_key AND expires_at <= t;
-        END IF;
     END IF;
     IF p_kind = 'exclusive' THEN
         IF kind IS NULL OR l.owner = p_owner THEN
@@ -99,7 +102,8 @@ BEGIN
         held_as := kind;
         retry_in := EXTRACT(EPOCH FROM (soonest - t));
     ELSIF mine IS NOT NULL THEN
-        UPDATE {PERMIT} SET expires_at = until WHERE key = p_key AND owner = p_owner;
+        UPDATE {PERMIT} SET expires_at = until
+        WHERE key = p_key AND owner = p_owner AND expires_at > t;
         UPDATE {LOCK} SET expires_at = GREATEST(expires_at, until) WHERE key = p_key;
         granted := mine;
         RETURN;
@@ -119,11 +123,15 @@ BEGIN
             UPDATE {LOCK} SET fence = granted, expires_at = GREATEST(expires_at, until)
             WHERE key = p_key;
         END IF;
-        INSERT INTO {PERMIT} (key, owner, holder, fence, acquired_at, expires_at)
-        VALUES (p_key, p_owner, p_holder, granted, t, until)
-        ON CONFLICT (key, owner) DO UPDATE SET holder = EXCLUDED.holder,
-            fence = EXCLUDED.fence, acquired_at = EXCLUDED.acquired_at,
-            expires_at = EXCLUDED.expires_at;
+        IF free IS NOT NULL THEN
+            UPDATE {PERMIT} SET owner = p_owner, holder = p_holder, fence = granted,
+                acquired_at = t, expires_at = until
+            WHERE key = p_key AND slot = free;
+        END IF;
+        IF free IS NULL OR NOT FOUND THEN
+            INSERT INTO {PERMIT} (key, slot, owner, holder, fence, acquired_at, expires_at)
+            VALUES (p_key, coalesce(free, top + 1, 0), p_owner, p_holder, granted, t, until);
+        END IF;
         RETURN;
     END IF;
     IF l.waiting IS NOT TRUE THEN
@@ -133,8 +141,7 @@ END $$
 """
 )
 
-# How release and extend begin: lock the key's row; return 0 unless permits hold it (deleting
-# permit rows left from an expired gate).
+# How release and extend begin: lock the key's row; return 0 unless permits hold it.
 HELD_BY_PERMITS = f"""
     SELECT * INTO l FROM {LOCK} WHERE key = p_key FOR UPDATE;
     IF NOT FOUND THEN
@@ -142,12 +149,12 @@ HELD_BY_PERMITS = f"""
     END IF;
     t := clock_timestamp();
     IF l.owner NOT IN {MARKERS} OR l.expires_at <= t THEN
-        DELETE FROM {PERMIT} WHERE key = p_key;
         RETURN 0;
     END IF;
 """
 
-# 1 if `p_owner`'s live permit was deleted; the last one frees the lock row as release_sql does.
+# 1 if `p_owner`'s live permit was released (its slot expired, owner '' as the lock table's
+# RELEASED); the last one frees the lock row as release_sql does.
 RELEASE = _one_line(
     f"""
 CREATE OR REPLACE FUNCTION django_keel_lock_release_permit(p_key text, p_owner text)
@@ -158,7 +165,8 @@ DECLARE
     later timestamptz;
 BEGIN
     {HELD_BY_PERMITS}
-    DELETE FROM {PERMIT} WHERE key = p_key AND owner = p_owner AND expires_at > t;
+    UPDATE {PERMIT} SET owner = '', expires_at = t
+    WHERE key = p_key AND owner = p_owner AND expires_at > t;
     IF NOT FOUND THEN
         RETURN 0;
     END IF;
@@ -225,6 +233,7 @@ class Migration(migrations.Migration):
             fields=[
                 ("id", models.BigAutoField(primary_key=True, serialize=False)),
                 ("key", models.CharField(max_length=255)),
+                ("slot", models.IntegerField()),
                 ("owner", models.CharField(max_length=64)),
                 ("holder", models.CharField(max_length=255)),
                 ("fence", models.BigIntegerField()),
@@ -239,17 +248,23 @@ class Migration(migrations.Migration):
                 "default_permissions": ("view",),
                 "constraints": [
                     models.UniqueConstraint(
-                        fields=("key", "owner"), name="django_keel_lock_permit_key_owner"
+                        fields=("key", "slot"), name="django_keel_lock_permit_slot"
                     )
                 ],
             },
         ),
         # MariaDB compares the permits' keys byte for byte, as the lock table's (0001); the
-        # PostgreSQL functions above. Plain SQL through the schema editor, so `sqlmigrate`
-        # prints all of it.
+        # PostgreSQL functions above, and room left on each page of the permit table for the
+        # new versions of its slots (a HOT update needs room on the row's own page). Plain SQL
+        # through the schema editor, so `sqlmigrate` prints all of it.
         VendorSQL(
             forwards={
-                "postgresql": [ACQUIRE, RELEASE, EXTEND],
+                "postgresql": [
+                    f"ALTER TABLE {PERMIT} SET (fillfactor = 50)",
+                    ACQUIRE,
+                    RELEASE,
+                    EXTEND,
+                ],
                 "mysql": [
                     f"ALTER TABLE {PERMIT} MODIFY `key` VARCHAR(255) "
                     "CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin NOT NULL, "
@@ -266,7 +281,7 @@ class Migration(migrations.Migration):
                     "DROP FUNCTION IF EXISTS django_keel_lock_extend_permit(text, text, float8)",
                 ],
             },
-            description="Permit functions (PostgreSQL), byte-wise key and holder collations "
-            "of the permit table (MariaDB)",
+            description="Permit functions and the permit table's fillfactor (PostgreSQL), "
+            "byte-wise key and holder collations of the permit table (MariaDB)",
         ),
     ]

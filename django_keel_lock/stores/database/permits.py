@@ -4,8 +4,12 @@ Each reads the key's lock row, locked, with its permit rows (`PermitTransaction.
 `stores.permits.plan_acquire` (acquire) and writes what it says. PostgreSQL makes the same
 decisions in the functions of migration 0003 instead, in one round trip.
 
-Permit rows count only while the lock row is owned by a PERMIT_OWNERS marker and unexpired:
-rows of a key whose lock expired (and may since have been taken) are leftovers, deleted here.
+Each permit is a slot of its key (see `models.Permit`), live only while the lock row is owned
+by a PERMIT_OWNERS marker and unexpired and the slot itself unexpired and not released: the
+slots of a key whose lock expired (and may since have been taken) are all free. A grant fills
+the lowest free slot, a release expires its own; no operation here deletes one (prune does).
+The rows `read` returns stay locked until COMMIT (MariaDB's FOR UPDATE, SQLite's one writer),
+so prune cannot delete a slot between the read and the write.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from .dialects import Dialect
 from .dialects.base import PermitTransaction
 
 
-class _Permit(NamedTuple):
+class _Slot(NamedTuple):
+    slot: int
     owner: str
     left: float
     fence: int
@@ -27,7 +32,7 @@ class _Permit(NamedTuple):
 
 
 class _Key:
-    """A key's lock row and permits as `read` returned them."""
+    """A key's lock row and permit slots as `read` returned them."""
 
     def __init__(self, rows: Sequence[Sequence[Any]]) -> None:
         first = rows[0]
@@ -37,10 +42,12 @@ class _Key:
         self.writer_left = float(first[3] or 0.0)
         self.fence = int(first[4])
         self.gated = self.owner in PERMIT_OWNERS and self.left > 0
-        every = [_Permit(r[5], float(r[6] or 0.0), int(r[7]), r[8]) for r in rows if r[5]]
-        self.leftovers = bool(every) and not self.gated
-        self.permits = [p for p in every if p.left > 0] if self.gated else []
-        self.dead = self.gated and len(self.permits) < len(every)
+        self.slots = [
+            _Slot(int(r[5]), r[6], float(r[7] or 0.0), int(r[8]), r[9])
+            for r in rows
+            if r[5] is not None
+        ]
+        self.permits = [s for s in self.slots if s.owner and s.left > 0] if self.gated else []
 
     def held(self) -> Held:
         return Held(
@@ -51,8 +58,16 @@ class _Key:
             [(p.owner, p.left) for p in self.permits],
         )
 
-    def permit(self, owner: str) -> _Permit | None:
+    def permit(self, owner: str) -> _Slot | None:
         return next((p for p in self.permits if p.owner == owner), None)
+
+    def free_slot(self) -> int | None:
+        """The lowest slot that holds no live permit; None when every slot does."""
+        live = {p.slot for p in self.permits}
+        return min((s.slot for s in self.slots if s.slot not in live), default=None)
+
+    def new_slot(self) -> int:
+        return max((s.slot for s in self.slots), default=-1) + 1
 
 
 class Transaction:
@@ -96,25 +111,23 @@ class Transaction:
             if found.owner == owner and found.left > 0:
                 self.run(sql.renew, interval(ttl), key)
                 return AcquireResult(found.fence)
-            if found.leftovers:
-                self.run(sql.delete_permits, key)
             fence = self.next_fence()
             self.run(sql.take, owner, holder, fence, interval(ttl), key)
             return AcquireResult(fence)
         if plan.step is Step.RENEW:
             mine = found.permit(owner)
             assert mine is not None
-            self.run(sql.renew_permit, interval(ttl), key, owner)
+            self.run(sql.renew_permit, interval(ttl), key, mine.slot)
             self.run(sql.widen_gate, mine.fence, interval(ttl), key)
             return AcquireResult(mine.fence)
         # GRANT. The gate is written after the permit, so its clock reads later: its expiry is
         # never before the permit's.
         fence = self.next_fence()
-        if found.leftovers:
-            self.run(sql.delete_permits, key)
-        elif found.dead:
-            self.run(sql.delete_dead, key)
-        self.run(sql.insert_permit, key, owner, holder, fence, interval(ttl))
+        slot = found.free_slot()
+        if slot is None:
+            self.run(sql.insert_permit, key, found.new_slot(), owner, holder, fence, interval(ttl))
+        else:
+            self.run(sql.fill_slot, owner, holder, fence, interval(ttl), key, slot)
         if found.gated:
             self.run(sql.widen_gate, fence, interval(ttl), key)
         else:
@@ -122,27 +135,24 @@ class Transaction:
         return AcquireResult(fence)
 
     def held_by_permits(self, key: str) -> _Key | None:
-        """The key, read and locked, if permits hold it; its leftover permit rows deleted."""
+        """The key, read and locked, if permits hold it."""
         found = self.read(key)
-        if found is not None and found.leftovers:
-            self.run(self.sql.delete_permits, key)
         return found if found is not None and found.gated else None
 
     def release(self, key: str, owner: str) -> bool:
         sql = self.sql
         found = self.held_by_permits(key)
-        if found is None or found.permit(owner) is None:
+        mine = None if found is None else found.permit(owner)
+        if found is None or mine is None:
             return False
+        self.run(sql.release_slot, key, mine.slot)
         others = [p for p in found.permits if p.owner != owner]
-        if not others:
-            self.run(sql.delete_permits, key)
+        if others:
+            # The rows read stay locked until COMMIT: the latest of the others is still the
+            # latest.
+            self.run(sql.gate_until, max(p.expires_at for p in others), key)
+        else:
             self.run(sql.free, key)
-            return True
-        if found.dead:
-            self.run(sql.delete_dead, key)
-        self.run(sql.delete_permit, key, owner)
-        # The rows read stay locked until COMMIT: the latest of the others is still the latest.
-        self.run(sql.gate_until, max(p.expires_at for p in others), key)
         return True
 
     def extend(self, key: str, owner: str, ttl: float) -> bool:
@@ -150,6 +160,6 @@ class Transaction:
         mine = None if found is None else found.permit(owner)
         if mine is None:
             return False
-        self.run(self.sql.extend_permit, self.interval(ttl), key, owner)
+        self.run(self.sql.extend_permit, self.interval(ttl), key, mine.slot)
         self.run(self.sql.widen_gate, mine.fence, self.interval(ttl), key)
         return True

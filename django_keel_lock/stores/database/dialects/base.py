@@ -151,20 +151,20 @@ def permit_listing(*, p: str, key: str, now: str, remaining: str, prune: str) ->
 
 class PermitTransaction(NamedTuple):
     """The statements of a permit operation decided in Python, inside one transaction that
-    first locks the key's lock row (`ensure_row`, `read`). Parameters as named."""
+    first locks the key's lock row (`ensure_row`, `read`). Parameters as named. A permit is
+    a slot of its key, rewritten in place (see `models.Permit`)."""
 
     ensure_row: str  # (key): a free row for key unless it has one; the row stays locked
     # (key) -> rows of (lock owner, seconds left, writer owner, writer's seconds left, lock
-    # fence, permit owner, permit's seconds left, permit fence, permit expires_at), one per
-    # permit row of the key (permit columns NULL when it has none)
+    # fence, slot, permit owner, permit's seconds left, permit fence, permit expires_at), one
+    # per permit slot of the key (the slot's columns NULL when it has none)
     read: str
     next_fence: str  # () -> (fence,)
-    delete_permits: str  # (key): every permit row of key
-    delete_dead: str  # (key): its expired permit rows
-    delete_permit: str  # (key, owner)
-    insert_permit: str  # (key, owner, holder, fence, interval)
-    renew_permit: str  # (interval, key, owner): expires after interval
-    extend_permit: str  # (interval, key, owner): expires after interval, if that is later
+    insert_permit: str  # (key, slot, owner, holder, fence, interval): a new slot
+    fill_slot: str  # (owner, holder, fence, interval, key, slot): a slot that is not live
+    release_slot: str  # (key, slot): expired now, its owner RELEASED
+    renew_permit: str  # (interval, key, slot): expires after interval
+    extend_permit: str  # (interval, key, slot): expires after interval, if that is later
     open_gate: str  # (marker, fence, interval, key): the first permit's
     widen_gate: str  # (fence, interval, key): fence and expiry at least these
     gate_until: str  # (expires_at, key)
@@ -193,6 +193,7 @@ def permit_transaction(
     makes an INSERT of an existing key do nothing, and the suffix that locks what a SELECT
     reads."""
     where = f"WHERE {key} = {p}"
+    slot = f"{where} AND slot = {p}"
     left = remaining.format
     return PermitTransaction(
         ensure_row=(
@@ -202,22 +203,23 @@ def permit_transaction(
         read=(
             f"SELECT l.owner, {left(column='l.expires_at')}, l.writer_owner, "
             f"{left(column='l.writer_until')}, l.fence, "
-            f"p.owner, {left(column='p.expires_at')}, p.fence, p.expires_at "
+            f"p.slot, p.owner, {left(column='p.expires_at')}, p.fence, p.expires_at "
             f"FROM {TABLE} l LEFT JOIN {PERMIT_TABLE} p ON p.{key} = l.{key} "
             f"WHERE l.{key} = {p}{for_update}"
         ),
         next_fence=f"SELECT {next_fence}",
-        delete_permits=f"DELETE FROM {PERMIT_TABLE} {where}",
-        delete_dead=f"DELETE FROM {PERMIT_TABLE} {where} AND expires_at <= {now}",
-        delete_permit=f"DELETE FROM {PERMIT_TABLE} {where} AND owner = {p}",
         insert_permit=(
-            f"INSERT INTO {PERMIT_TABLE} ({key}, owner, holder, fence, acquired_at, expires_at) "
-            f"VALUES ({p}, {p}, {p}, {p}, {now}, {until})"
+            f"INSERT INTO {PERMIT_TABLE} ({key}, slot, owner, holder, fence, acquired_at, "
+            f"expires_at) VALUES ({p}, {p}, {p}, {p}, {p}, {now}, {until})"
         ),
-        renew_permit=f"UPDATE {PERMIT_TABLE} SET expires_at = {until} {where} AND owner = {p}",
+        fill_slot=(
+            f"UPDATE {PERMIT_TABLE} SET owner = {p}, holder = {p}, fence = {p}, "
+            f"acquired_at = {now}, expires_at = {until} {slot}"
+        ),
+        release_slot=f"UPDATE {PERMIT_TABLE} SET owner = {RELEASED}, expires_at = {now} {slot}",
+        renew_permit=f"UPDATE {PERMIT_TABLE} SET expires_at = {until} {slot}",
         extend_permit=(
-            f"UPDATE {PERMIT_TABLE} SET expires_at = {greatest}(expires_at, {until}) "
-            f"{where} AND owner = {p}"
+            f"UPDATE {PERMIT_TABLE} SET expires_at = {greatest}(expires_at, {until}) {slot}"
         ),
         open_gate=(
             f"UPDATE {TABLE} SET owner = {p}, holder = '', fence = {p}, acquired_at = {now}, "

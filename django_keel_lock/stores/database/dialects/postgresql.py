@@ -93,13 +93,16 @@ class PostgresDialect(Dialect):
     )
     release_permit_sql = "SELECT django_keel_lock_release_permit(%s, %s)"
     extend_permit_sql = "SELECT django_keel_lock_extend_permit(%s, %s, %s)"
+    # Prune tests the expiry on the row it deletes too: a grant may have filled the slot
+    # since the subquery read it, and a row it waits for is rechecked only against the
+    # conditions on the table it deletes from.
     permit_listing = permit_listing(
         p="%s",
         key="key",
         now="clock_timestamp()",
         remaining=remaining_template,
         prune=f"DELETE FROM {PERMIT_TABLE} WHERE id IN (SELECT id FROM {PERMIT_TABLE} "
-        "WHERE expires_at <= clock_timestamp() LIMIT %s)",
+        "WHERE expires_at <= clock_timestamp() LIMIT %s) AND expires_at <= clock_timestamp()",
     )
 
     def acquire_params(self, key: str, owner: str, holder: str, ttl: float) -> list[Sequence[Any]]:
