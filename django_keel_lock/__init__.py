@@ -7,6 +7,7 @@ __version__ = "0.1.0"  # setup.cfg reads it from here
 from .core import Lock, LockOutcome, force_release, lock, restore_lock, semaphore
 from .decorators import locked
 from .exceptions import (
+    AlreadyQueued,
     InvalidLockToken,
     LockError,
     LockNotHeldError,
@@ -17,6 +18,7 @@ from .registry import get_lock_store, set_lock_store
 from .views import LockViewMixin, lock_view
 
 __all__ = [
+    "AlreadyQueued",
     "InvalidLockToken",
     "Lock",
     "LockError",

@@ -28,3 +28,13 @@ class LockStoreUnavailable(LockError):
 
 class InvalidLockToken(LockError, ValueError):
     """A serialized lock token was garbage, truncated, tampered with or signed by another key."""
+
+
+class AlreadyQueued(LockError):
+    """Nothing was sent: a task with the same key is already queued (or, with
+    `dedupe="until_done"`, running). `task_id` is that task's id (None if it cannot be told)."""
+
+    def __init__(self, key: str, task_id: str | None, message: str | None = None) -> None:
+        self.key = key
+        self.task_id = task_id
+        super().__init__(message or f"a task with key {key!r} is already queued: {task_id}")

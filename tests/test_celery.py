@@ -13,6 +13,7 @@ import logging
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,13 +26,24 @@ from urllib.parse import urlsplit
 import pytest
 from celery import Celery, Task, shared_task
 from celery.exceptions import Retry
+from django.test import override_settings
+from kombu.exceptions import OperationalError
 
-from django_keel_lock import LockUnavailable, get_lock_store, lock
-from django_keel_lock.contrib.celery import current_lock, locked_task
+from django_keel_lock import (
+    AlreadyQueued,
+    LockError,
+    LockStoreUnavailable,
+    LockUnavailable,
+    get_lock_store,
+    lock,
+)
+from django_keel_lock.conf import conf
+from django_keel_lock.contrib import celery as contrib_celery
+from django_keel_lock.contrib.celery import CLAIM_SUFFIX, current_lock, locked_task
 from tests.conftest import require_reachable
 from tests.support import ROOT
 from tests.support import celery_tasks as tasks
-from tests.support.celery_app import BROKER_URL, QUEUE, RUN_ID, STORE
+from tests.support.celery_app import BROKER_URL, QUEUE, RUN_ID, STORE, app
 
 # -- in-process: an eager app on the per-process memory store ------------------------------
 
@@ -287,6 +299,132 @@ print("ok", skipped)
     assert done.stdout.startswith("ok")
 
 
+# -- dedupe, in-process: a broker nobody consumes, so a sent task stays queued ---------------
+
+parked_app = Celery("keel-lock-parked", set_as_current=False, broker="memory://")
+DOWN_STORES = {"down": {"BACKEND": "django_keel_lock.stores.RedisLockStore",
+                        "OPTIONS": {"URL": "redis://127.0.0.1:1/0"}}}  # fmt: skip
+
+
+@parked_app.task(bind=True, name="keel-lock-parked.report")
+@locked_task("report:{date}", store="memory", dedupe="queued", dedupe_ttl=60)
+def parked_report(self: Task, date: str) -> str:
+    return date
+
+
+def test_already_queued_is_a_lock_error_exported_from_both_modules() -> None:
+    assert contrib_celery.AlreadyQueued is AlreadyQueued
+    assert issubclass(AlreadyQueued, LockError)
+
+
+def test_a_duplicate_send_returns_the_queued_tasks_result_and_sends_nothing() -> None:
+    with parked_app.connection_for_write() as connection:
+        queue = connection.default_channel.queue_declare("celery", passive=False)
+        before = queue.message_count
+    first = parked_report.delay("d1")
+    again = parked_report.apply_async(("d1",))
+    other = parked_report.delay("d2")
+    with parked_app.connection_for_write() as connection:
+        after = connection.default_channel.queue_declare("celery", passive=False).message_count
+    assert again.id == first.id
+    assert other.id != first.id
+    assert after - before == 2
+    claim = get_lock_store("memory").get("report:d1" + CLAIM_SUFFIX)
+    assert claim is not None
+    assert claim.holder == f"{parked_report.name}[{first.id}]"
+    assert 59 < claim.expires_in <= 60  # dedupe_ttl, not the default ttl
+    first.revoke()  # frees the claim at once
+    assert get_lock_store("memory").get("report:d1" + CLAIM_SUFFIX) is None
+    assert parked_report.delay("d1").id != first.id
+
+
+def test_with_limit_2_two_are_queued_and_a_third_send_returns_the_newest() -> None:
+    @parked_app.task(bind=True, name="keel-lock-parked.limited")
+    @locked_task("export:{day}", store="memory", limit=2, dedupe="queued")
+    def export(self: Task, day: str) -> str:
+        return day
+
+    first, second = export.delay("l1"), export.delay("l1")
+    assert first.id != second.id
+    assert export.delay("l1").id == second.id
+    assert len(get_lock_store("memory").holders("export:l1" + CLAIM_SUFFIX)) == 2
+    second.revoke()  # frees its own permit of the claim, not the first's
+    third = export.delay("l1")
+    assert third.id not in (first.id, second.id)
+    assert export.delay("l1").id in (first.id, third.id)
+
+
+def test_arguments_are_checked_before_a_claim_is_taken() -> None:
+    with pytest.raises(TypeError, match="too many positional arguments"):
+        parked_report.apply_async(("d3", "extra"))
+    assert get_lock_store("memory").get("report:d3" + CLAIM_SUFFIX) is None
+
+
+def test_a_broker_outage_while_sending_releases_the_claim() -> None:
+    down = Celery("keel-lock-broker-down", set_as_current=False, broker="redis://127.0.0.1:1/0")
+    down.conf.update(broker_connection_retry=False, task_publish_retry=False)
+
+    @down.task(bind=True, name="keel-lock-broker-down.report")
+    @locked_task("report:{date}", store="memory", dedupe="until_done")
+    def unsent(self: Task, date: str) -> str:
+        return date
+
+    with pytest.raises(OperationalError):
+        unsent.delay("b1")
+    assert get_lock_store("memory").get("report:b1" + CLAIM_SUFFIX) is None
+
+
+@override_settings(KEEL_LOCK_STORES={**conf.STORES, **DOWN_STORES})
+def test_a_lock_store_outage_raises_from_delay() -> None:
+    @parked_app.task(bind=True, name="keel-lock-parked.store-down")
+    @locked_task("report:{date}", store="down", dedupe="queued")
+    def unreachable(self: Task, date: str) -> str:
+        return date
+
+    with pytest.raises(LockStoreUnavailable):
+        unreachable.delay("s1")
+
+
+def test_eager_apply_async_runs_and_gives_the_claim_back() -> None:
+    @eager.task(bind=True, name="eager_deduped")
+    @locked_task("job:{name}", store="memory", dedupe="until_done")
+    def deduped(self: Task, name: str) -> str:
+        assert get_lock_store("memory").get(f"job:{name}{CLAIM_SUFFIX}") is not None
+        return f"ran {name}"
+
+    assert deduped.delay("e").get() == "ran e"
+    assert get_lock_store("memory").get("job:e" + CLAIM_SUFFIX) is None
+
+
+def test_dedupe_on_an_unbound_task_refuses_to_run_naming_bind() -> None:
+    @eager.task(name="eager_unbound_deduped")
+    @locked_task(lambda name: f"job:{name}", store="memory", dedupe="queued")
+    def unbound_deduped(name: str) -> str:
+        return name
+
+    result = unbound_deduped.apply(args=("u",))
+    assert result.state == "FAILURE"
+    assert isinstance(result.result, TypeError)
+    assert "bind=True" in str(result.result)
+
+
+@pytest.mark.parametrize(
+    ("options", "error"),
+    [
+        ({"dedupe": "always"}, 'dedupe must be None, "queued" or "until_done"'),
+        ({"dedupe": "queued", "on_duplicate": "skip"}, 'on_duplicate must be "return" or'),
+        ({"on_duplicate": "raise"}, "only apply with dedupe="),
+        ({"dedupe_ttl": 5}, "only apply with dedupe="),
+        ({"dedupe": "queued", "dedupe_ttl": -1}, "dedupe_ttl must be"),
+    ],
+)
+def test_bad_dedupe_options_fail_when_the_task_is_defined(
+    options: dict[str, Any], error: str
+) -> None:
+    with pytest.raises(ValueError, match=error):
+        locked_task("k", **options)
+
+
 # -- a real worker --------------------------------------------------------------------------
 
 
@@ -504,3 +642,147 @@ def test_limit_2_runs_at_most_2_of_20_queued_tasks_at_once_across_4_workers(
     assert len({r["fence"] for r in results}) == 20  # a permit each, each its own fence
     assert len({r["pid"] for r in results}) > 2, "fewer than 3 worker processes ran them"
     assert int(tasks.provider().get(tasks.inside_key(run)) or 0) == 0
+
+
+# -- dedupe with the real worker -------------------------------------------------------------
+
+WORKER_NAME = f"keel-{RUN_ID}@{socket.gethostname()}"
+
+
+def runs(run: str) -> list[dict[str, Any]]:
+    return [json.loads(item) for item in tasks.provider().lrange(tasks.runs_key(run), 0, -1)]
+
+
+def open_gate(run: str) -> None:
+    tasks.provider().set(tasks.gate_key(run), 1)
+
+
+def wait_until(check: Callable[[], bool], seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, f"waited {seconds}s for {what}"
+        time.sleep(0.02)
+
+
+class Parked:
+    """A queue of this test's own that the worker consumes only once `consume()` is called:
+    what is sent there stays queued until then."""
+
+    def __init__(self) -> None:
+        self.name = f"{QUEUE}-parked-{uuid.uuid4().hex[:8]}"
+
+    def consume(self) -> None:
+        replies = app.control.add_consumer(
+            self.name, destination=[WORKER_NAME], reply=True, timeout=10
+        )
+        assert replies, f"worker {WORKER_NAME} did not answer add_consumer"
+
+    def length(self) -> int:
+        return int(tasks.provider().llen(self.name))
+
+
+@pytest.fixture
+def parked(worker: Worker) -> Iterator[Parked]:
+    queue = Parked()
+    yield queue
+    app.control.cancel_consumer(queue.name, destination=[WORKER_NAME], reply=True, timeout=10)
+    client = tasks.provider()
+    client.delete(queue.name, f"_kombu.binding.{queue.name}")
+
+
+def claim_of(run: str) -> Any:
+    return get_lock_store(STORE).get(tasks.DEDUPE_KEY.format(run=run) + CLAIM_SUFFIX)
+
+
+def test_50_sends_while_the_first_is_queued_run_once_and_all_get_its_id(
+    worker: Worker, run: str, parked: Parked
+) -> None:
+    open_gate(run)  # runs do not wait
+    first = tasks.dedupe_queued.apply_async((run,), queue=parked.name)
+    rest = [tasks.dedupe_queued.delay(run) for _ in range(49)]
+    assert {result.id for result in rest} == {first.id}
+    assert parked.length() == 1
+    assert tasks.provider().llen(QUEUE) == 0
+    parked.consume()
+    assert result_of(first)["id"] == first.id
+    assert [r["id"] for r in runs(run)] == [first.id]
+    # Its claim ended as it started: the next send is a task of its own.
+    again = tasks.dedupe_queued.delay(run)
+    assert again.id != first.id
+    assert result_of(again)["id"] == again.id
+    assert claim_of(run) is None
+
+
+def test_on_duplicate_raise_raises_already_queued_with_the_queued_tasks_id(
+    worker: Worker, run: str, parked: Parked
+) -> None:
+    open_gate(run)
+    first = tasks.dedupe_or_raise.apply_async((run,), queue=parked.name)
+    errors = []
+    for _ in range(49):
+        with pytest.raises(AlreadyQueued) as info:
+            tasks.dedupe_or_raise.delay(run)
+        errors.append(info.value)
+    assert {error.task_id for error in errors} == {first.id}
+    assert parked.length() == 1
+    parked.consume()
+    result_of(first)
+    assert [r["id"] for r in runs(run)] == [first.id]
+
+
+def test_queued_10_sends_while_one_runs_make_exactly_one_more_run(worker: Worker, run: str) -> None:
+    first = tasks.dedupe_queued.delay(run)
+    wait_until(lambda: len(runs(run)) == 1, 30, "the first run to start")
+    later = [tasks.dedupe_queued.delay(run) for _ in range(10)]
+    (second_id,) = {result.id for result in later}
+    assert second_id != first.id
+    second = later[0]
+    # It waits for the run lock by retrying, and stays the queued one across its retries.
+    wait_until(lambda: second.state == "RETRY", 30, "the second to retry")
+    assert {tasks.dedupe_queued.delay(run).id for _ in range(5)} == {second_id}
+    open_gate(run)
+    assert result_of(first)["id"] == first.id
+    assert result_of(second)["id"] == second_id
+    assert [r["id"] for r in runs(run)] == [first.id, second_id]
+    assert claim_of(run) is None
+
+
+def test_until_done_sigkill_keeps_the_claim_until_dedupe_ttl_then_a_send_queues_anew(
+    worker: Worker, run: str
+) -> None:
+    doomed = tasks.dedupe_until_done.delay(run)
+    wait_until(lambda: len(runs(run)) == 1, 30, "the run to start")
+    assert tasks.dedupe_until_done.delay(run).id == doomed.id  # running: still the one
+    pid = runs(run)[0]["pid"]
+    assert pid not in (os.getpid(), worker.proc.pid)
+    info = claim_of(run)
+    assert info is not None
+    os.kill(pid, signal.SIGKILL)
+    read_at = time.monotonic()
+    assert tasks.dedupe_until_done.delay(run).id == doomed.id  # until its ttl
+    wait_until(lambda: claim_of(run) is None, info.expires_in + 3, "the claim to expire")
+    assert time.monotonic() - read_at >= info.expires_in - 0.5
+    open_gate(run)
+    fresh = tasks.dedupe_until_done.delay(run)
+    assert fresh.id != doomed.id
+    assert result_of(fresh)["id"] == fresh.id
+    assert claim_of(run) is None  # given back when it ended
+
+
+def test_revoke_of_a_queued_task_frees_its_claim(worker: Worker, run: str, parked: Parked) -> None:
+    first = tasks.dedupe_queued.apply_async((run,), queue=parked.name)
+    assert tasks.dedupe_queued.delay(run).id == first.id
+    first.revoke()  # the result .delay() returned: at once
+    second = tasks.dedupe_queued.apply_async((run,), queue=parked.name)
+    assert second.id != first.id
+    # Any other result's revoke(): when the worker discards the message (task_revoked).
+    app.AsyncResult(second.id).revoke()
+    assert tasks.dedupe_queued.delay(run).id == second.id
+    parked.consume()
+    # Well before the claim's own ttl (30 s): the worker freed it.
+    wait_until(lambda: claim_of(run) is None, 10, "the worker to discard the revoked message")
+    open_gate(run)
+    third = tasks.dedupe_queued.delay(run)
+    assert third.id not in (first.id, second.id)
+    assert result_of(third)["id"] == third.id
+    assert [r["id"] for r in runs(run)] == [third.id]

@@ -102,3 +102,49 @@ def limited_export(self: Task, run: str, work: float = 0.2) -> dict[str, Any]:
     finally:
         client.decr(inside_key(run))
     return {"pid": os.getpid(), "fence": held.fence if held else None, "inside": inside}
+
+
+# -- dedupe: each run records itself, then waits until the test opens its gate ---------------
+DEDUPE_KEY = "dedupe:{run}"
+
+
+def runs_key(run: str) -> str:
+    return f"keel-lock-test:{run}:runs"
+
+
+def gate_key(run: str) -> str:
+    return f"keel-lock-test:{run}:gate"
+
+
+def _record_and_wait(task: Task, run: str) -> dict[str, Any]:
+    client = provider()
+    seen = {"pid": os.getpid(), "id": task.request.id}
+    client.rpush(runs_key(run), json.dumps(seen))
+    deadline = time.monotonic() + 60
+    while not client.exists(gate_key(run)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return seen
+
+
+@shared_task(bind=True, max_retries=500)
+@locked_task(
+    DEDUPE_KEY, ttl=30, on_locked="retry", countdown=0.2, dedupe="queued", store=STORE
+)  # fmt: skip
+def dedupe_queued(self: Task, run: str) -> dict[str, Any]:
+    """One running and one queued: a duplicate of a running one waits by retrying."""
+    return _record_and_wait(self, run)
+
+
+@shared_task(bind=True)
+@locked_task(DEDUPE_KEY, ttl=30, dedupe="queued", on_duplicate="raise", store=STORE)
+def dedupe_or_raise(self: Task, run: str) -> dict[str, Any]:
+    return _record_and_wait(self, run)
+
+
+@shared_task(bind=True, max_retries=100)
+@locked_task(
+    DEDUPE_KEY, ttl=6, on_locked="retry", countdown=0.5, dedupe="until_done", store=STORE
+)  # fmt: skip
+def dedupe_until_done(self: Task, run: str) -> dict[str, Any]:
+    """Its claim (dedupe_ttl = its ttl, 6 s from the start) lasts while it runs."""
+    return _record_and_wait(self, run)
