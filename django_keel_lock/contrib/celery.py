@@ -46,6 +46,7 @@ from ..options import (
     OnLost,
     check_on_locked,
     format_key,
+    template_name,
 )
 
 __all__ = ["DEFAULT_RETRY_COUNTDOWN", "current_lock", "locked_task"]
@@ -114,6 +115,7 @@ def locked_task(
         max_hold=max_hold,
         on_lost=on_lost,
         limit=limit,
+        name=template_name(key),
     )
     if countdown is not None and on_locked != RETRY:
         raise ValueError('countdown= only applies to on_locked="retry"')
@@ -148,7 +150,11 @@ def _wrap(
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R | None:
         task = _running_task(args)
-        handle = spec.lock(format_key(key, fn, args, kwargs), label=_task_label(task))
+        handle = spec.lock(
+            format_key(key, fn, args, kwargs),
+            label=_task_label(task),
+            raises=on_locked == RAISE or task is None,
+        )
 
         def body() -> R:
             token = _current.set(handle)
