@@ -1,6 +1,7 @@
 """What metrics cost: memory-store acquire+release cycles/s with KEEL_LOCK_METRICS off,
-"prometheus" and "otel" (the OpenTelemetry SDK with an in-memory span exporter and metric
-reader), side by side in one run, through one reused handle and through `@locked`.
+"prometheus" and "otel" (the OpenTelemetry SDK: a batch span processor into an in-memory
+exporter, an in-memory metric reader), side by side in one run, through one reused handle
+and through `@locked`.
 
     .venv/bin/python -m bench.bench_metrics [--seconds 6]
 """
@@ -26,12 +27,12 @@ def _otel_sdk() -> None:
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     provider = TracerProvider()
     exporter = InMemorySpanExporter()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
     metrics.set_meter_provider(MeterProvider(metric_readers=[InMemoryMetricReader()]))
     _exporters.append(exporter)

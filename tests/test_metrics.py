@@ -569,3 +569,16 @@ def test_e011_malformed_setting(value: Any) -> None:
     assert "KEEL_LOCK_METRICS must be" in message.msg
     with override_settings(KEEL_LOCK_METRICS=value):
         assert metrics.recorder is None
+
+
+def test_the_grafana_dashboard_queries_metrics_that_exist() -> None:
+    import re
+
+    with open(os.path.join(ROOT, "docs", "grafana", "keel-lock-dashboard.json")) as file:
+        dashboard = json.load(file)
+    families = {family.name: family.type for family in prometheus.collector().collect()}
+    suffixes = {"counter": ["_total"], "gauge": [""], "histogram": ["_bucket", "_count", "_sum"]}
+    exported = {name + end for name, kind in families.items() for end in suffixes[kind]}
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    queried = {name for expr in exprs for name in re.findall(r"keel_lock_[a-z_]+", expr)}
+    assert len(families) == 7 and queried and queried <= exported, queried - exported
