@@ -59,6 +59,7 @@ from ..options import (
     OnLost,
     check_on_locked,
     format_key,
+    template_name,
 )
 from ..stores.base import LockInfo
 
@@ -168,6 +169,7 @@ def locked_task(
         max_hold=max_hold,
         on_lost=on_lost,
         limit=limit,
+        name=template_name(key),
     )
     if countdown is not None and on_locked != RETRY:
         raise ValueError('countdown= only applies to on_locked="retry"')
@@ -209,7 +211,11 @@ def _wrap(
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R | None:
         task = _running_task(args)
-        handle = spec.lock(format_key(key, fn, args, kwargs), label=_task_label(task))
+        handle = spec.lock(
+            format_key(key, fn, args, kwargs),
+            label=_task_label(task),
+            raises=on_locked == RAISE or task is None,
+        )
         claim = _claim_of(task) if dedupe is not None else None
 
         def body() -> R:
