@@ -148,12 +148,13 @@ class TaskOptions:
         """How long a claim lives unless extended: `dedupe_ttl`, else the run lock's ttl."""
         return self.spec.resolved_ttl() if self.dedupe_ttl is None else self.dedupe_ttl
 
-    def claim(self, key: str, holder: str) -> Lock:
+    def claim(self, key: str, holder: str, ttl: float | None = None) -> Lock:
         """The handle on `key`'s claim (the run lock's key) for the task `holder` names:
-        `<task>[<task id>]`, which `claimant` reads back."""
+        `<task>[<task id>]`, which `claimant` reads back; it lives `ttl` (default
+        `claim_ttl()`) once taken."""
         spec = dataclasses.replace(
             self.spec,
-            ttl=self.claim_ttl(),
+            ttl=self.claim_ttl() if ttl is None else ttl,
             timeout=0.0,
             holder=holder,
             auto_extend=False,
