@@ -44,6 +44,8 @@ from tests.conftest import require_reachable
 from tests.support import ROOT
 from tests.support import celery_tasks as tasks
 from tests.support.celery_app import BROKER_URL, QUEUE, RUN_ID, STORE, app
+from tests.support.hidden import check_needs_extra
+from tests.support.workers import Worker
 
 # -- in-process: an eager app on the per-process memory store ------------------------------
 
@@ -257,17 +259,8 @@ def test_auto_extend_keeps_the_lock_of_a_long_task_alive() -> None:
 
 def test_the_app_imports_and_sets_up_without_celery_installed(tmp_path: Path) -> None:
     """Celery is an optional extra: only contrib.celery may import it."""
-    hide = tmp_path / "sitecustomize.py"
-    hide.write_text(
-        "import sys\n"
-        "for name in ('celery', 'kombu', 'billiard'):\n"
-        "    sys.modules[name] = None  # import fails as if not installed\n"
-    )
-    script = """
-import importlib, pkgutil, django
-django.setup()
-import django_keel_lock
-skipped = []
+    others = """
+import importlib, pkgutil
 for info in pkgutil.walk_packages(django_keel_lock.__path__, "django_keel_lock."):
     if info.name == "django_keel_lock.contrib.celery":
         continue
@@ -276,27 +269,9 @@ for info in pkgutil.walk_packages(django_keel_lock.__path__, "django_keel_lock."
     except ImportError as exc:  # a module of another optional extra (redis)
         if "celery" in str(exc):
             raise
-        skipped.append(info.name)
-try:
-    import django_keel_lock.contrib.celery
-except ImportError as exc:
-    assert "django-keel-lock[celery]" in str(exc), exc
-else:
-    raise AssertionError("contrib.celery imported without celery")
-with django_keel_lock.lock("no-celery", store="memory") as held:
-    assert held.fence == 1
-print("ok", skipped)
 """
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]),
-        "DJANGO_SETTINGS_MODULE": "tests.settings",
-    }
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("ok")
+    hidden = ("celery", "kombu", "billiard")
+    check_needs_extra("django_keel_lock.contrib.celery", "celery", hidden, tmp_path, others)
 
 
 # -- dedupe, in-process: a broker nobody consumes, so a sent task stays queued ---------------
@@ -428,33 +403,9 @@ def test_bad_dedupe_options_fail_when_the_task_is_defined(
 # -- a real worker --------------------------------------------------------------------------
 
 
-class Worker:
-    def __init__(self, proc: subprocess.Popen[bytes], log: Path) -> None:
-        self.proc = proc
-        self.log = log
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-
 def _require_redis() -> None:
     parts = urlsplit(BROKER_URL)
     require_reachable(parts.hostname or "127.0.0.1", parts.port or 6379, "Redis (Celery broker)")
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is not None:
-        return
-    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)  # the worker and its pool processes
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 @pytest.fixture(scope="module")
@@ -489,7 +440,7 @@ def worker(tmp_path_factory: pytest.TempPathFactory, django_db_setup: None) -> I
                 time.sleep(0.05)
         yield started
     finally:
-        _stop(proc)
+        started.stop()
         client = tasks.provider()
         client.delete(QUEUE, f"_kombu.binding.{QUEUE}", f"_kombu.binding_permanent.{QUEUE}")
         for name in client.scan_iter(f"keel-lock-test:{RUN_ID}-*"):

@@ -10,7 +10,6 @@ tests.support.tasks_router), and takes their locks in the same database's "postg
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -42,6 +41,8 @@ from django_keel_lock.contrib.tasks import (
 )
 from tests.support import ROOT
 from tests.support import db_tasks as jobs
+from tests.support.hidden import check_needs_extra
+from tests.support.workers import Worker
 
 try:
     from django.tasks import TaskContext, TaskResultStatus, task, task_backends
@@ -53,7 +54,7 @@ from django_tasks_db.models import DBTaskResult
 # -- in-process: the immediate backend (the default here) runs a task inside .enqueue() -------
 
 
-@locked_task("job:{name}:{n}", store="memory", ttl="5m")
+@locked_task("djtasks-job:{name}:{n}", store="memory", ttl="5m")
 @task
 def immediate(name: str, n: int = 1) -> dict[str, Any]:
     held = current_lock()
@@ -61,25 +62,25 @@ def immediate(name: str, n: int = 1) -> dict[str, Any]:
     return {"key": held.key, "fence": held.fence, "holder": held.holder, "ttl": held.ttl}
 
 
-@locked_task("job:{name}:1", store="memory", on_locked="raise")
+@locked_task("djtasks-job:{name}:1", store="memory", on_locked="raise")
 @task
 def immediate_or_raise(name: str) -> str:
     return "ran"
 
 
-@locked_task("job:{name}:1", store="memory", on_locked="retry")
+@locked_task("djtasks-job:{name}:1", store="memory", on_locked="retry")
 @task
 def immediate_retry(name: str) -> str:
     return "ran"
 
 
-@locked_task(lambda context, name: f"job:{name}:1", store="memory")
+@locked_task(lambda context, name: f"djtasks-job:{name}:1", store="memory")
 @task(takes_context=True)
 def with_context(context: TaskContext, name: str) -> str:
     return str(context.task_result.id)
 
 
-@locked_task("job:{name}", store="memory", dedupe="until_done")
+@locked_task("djtasks-job:{name}", store="memory", dedupe="until_done")
 @task
 def immediate_deduped(name: str) -> str:
     return f"ran {name}"
@@ -89,15 +90,15 @@ def test_key_is_formatted_from_the_enqueued_arguments_and_the_lock_is_released()
     result = immediate.enqueue("a", n=7)
     assert result.status == TaskResultStatus.SUCCESSFUL
     ran = result.return_value
-    assert ran["key"] == "job:a:7"
+    assert ran["key"] == "djtasks-job:a:7"
     assert ran["ttl"] == 300
     assert ran["holder"].endswith(f" {immediate.module_path}[{result.id}]")
-    assert get_lock_store("memory").get("job:a:7") is None
+    assert get_lock_store("memory").get("djtasks-job:a:7") is None
     assert current_lock() is None
 
 
 def test_skip_returns_none_while_another_holds_the_lock(caplog: pytest.LogCaptureFixture) -> None:
-    with lock("job:s:1", store="memory", holder="someone-else"):
+    with lock("djtasks-job:s:1", store="memory", holder="someone-else"):
         with caplog.at_level("INFO", logger="django_keel_lock.tasks"):
             result = immediate.enqueue("s")
     assert result.status == TaskResultStatus.SUCCESSFUL
@@ -108,16 +109,16 @@ def test_skip_returns_none_while_another_holds_the_lock(caplog: pytest.LogCaptur
 
 
 def test_raise_fails_the_task_with_lock_unavailable() -> None:
-    with lock("job:r:1", store="memory"):
+    with lock("djtasks-job:r:1", store="memory"):
         result = immediate_or_raise.enqueue("r")
     assert result.status == TaskResultStatus.FAILED
     assert result.errors[0].exception_class_path.endswith(".LockUnavailable")
-    assert "job:r:1" in result.errors[0].traceback
+    assert "djtasks-job:r:1" in result.errors[0].traceback
     assert immediate_or_raise.enqueue("r").return_value == "ran"
 
 
 def test_retry_on_a_backend_that_cannot_defer_fails_with_lock_unavailable() -> None:
-    with lock("job:c:1", store="memory"):
+    with lock("djtasks-job:c:1", store="memory"):
         result = immediate_retry.enqueue("c")
     assert result.status == TaskResultStatus.FAILED
     assert result.errors[0].exception_class_path.endswith(".LockUnavailable")
@@ -127,15 +128,15 @@ def test_a_task_that_takes_the_context_gets_it_and_others_do_not() -> None:
     result = with_context.enqueue("x")
     assert result.return_value == str(result.id)
     assert isinstance(with_context, LockedTask)
-    with lock("job:x:1", store="memory"):
+    with lock("djtasks-job:x:1", store="memory"):
         assert with_context.enqueue("x").return_value is None
 
 
 def test_dedupe_on_the_immediate_backend_runs_each_enqueue_and_leaves_no_claim() -> None:
     first = immediate_deduped.enqueue("e")
     assert first.return_value == "ran e"
-    assert get_lock_store("memory").get("job:e" + CLAIM_SUFFIX) is None
-    assert get_lock_store("memory").get("job:e" + GATE_SUFFIX) is None
+    assert get_lock_store("memory").get("djtasks-job:e" + CLAIM_SUFFIX) is None
+    assert get_lock_store("memory").get("djtasks-job:e" + GATE_SUFFIX) is None
     again = immediate_deduped.enqueue("e")  # the first has ended: nothing to fold into
     assert again.id != first.id
     assert again.return_value == "ran e"
@@ -148,7 +149,7 @@ def test_locked_task_below_task_is_a_type_error_naming_the_order() -> None:
     with pytest.raises(TypeError, match=MISORDERED) as info:
 
         @task
-        @locked_task("job:order", store="memory")
+        @locked_task("djtasks-job:order", store="memory")
         def misordered() -> str:
             return "ran"
 
@@ -175,13 +176,13 @@ def test_bad_options_fail_when_the_task_is_defined(options: dict[str, Any], erro
 # -- in-process dedupe: the dummy backend keeps what is enqueued and never runs it -------------
 
 
-@locked_task("report:{date}", store="memory", dedupe="queued", dedupe_ttl=60)
+@locked_task("djtasks-report:{date}", store="memory", dedupe="queued", dedupe_ttl=60)
 @task(backend="dummy")
 def parked_report(date: str) -> str:
     return date
 
 
-@locked_task("export:{day}", store="memory", limit=2, dedupe="queued", on_duplicate="raise")
+@locked_task("djtasks-export:{day}", store="memory", limit=2, dedupe="queued", on_duplicate="raise")
 @task(backend="dummy")
 def parked_export(day: str) -> str:
     return day
@@ -204,11 +205,11 @@ def test_a_duplicate_enqueue_returns_the_queued_tasks_result_and_enqueues_nothin
     assert again.id == first.id
     assert other.id != first.id
     assert len(dummy.results) == 2
-    claim = get_lock_store("memory").get("report:d1" + CLAIM_SUFFIX)
+    claim = get_lock_store("memory").get("djtasks-report:d1" + CLAIM_SUFFIX)
     assert claim is not None
     assert claim.holder == f"{parked_report.module_path}[{first.id}]"
     assert 59 < claim.expires_in <= 60  # dedupe_ttl, not the default ttl
-    assert get_lock_store("memory").get("report:d1" + GATE_SUFFIX) is None
+    assert get_lock_store("memory").get("djtasks-report:d1" + GATE_SUFFIX) is None
 
 
 def test_with_limit_2_two_are_queued_and_a_third_raises_already_queued(dummy: Any) -> None:
@@ -234,48 +235,11 @@ def test_already_queued_is_the_one_error_of_both_integrations() -> None:
 def test_the_app_imports_without_django_tasks_and_the_module_names_the_extra(
     tmp_path: Path,
 ) -> None:
-    hide = tmp_path / "sitecustomize.py"
-    hide.write_text(
-        "import sys\n"
-        "for name in ('django.tasks', 'django_tasks', 'django_tasks_db'):\n"
-        "    sys.modules[name] = None  # import fails as if not installed\n"
-    )
-    script = """
-import django
-django.setup()
-import django_keel_lock
-try:
-    import django_keel_lock.contrib.tasks
-except ImportError as exc:
-    assert "django-keel-lock[tasks]" in str(exc), exc
-else:
-    raise AssertionError("contrib.tasks imported without django.tasks or django-tasks")
-with django_keel_lock.lock("no-tasks", store="memory") as held:
-    assert held.fence == 1
-print("ok")
-"""
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]),
-        "DJANGO_SETTINGS_MODULE": "tests.settings",
-    }
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("ok")
+    hidden = ("django.tasks", "django_tasks", "django_tasks_db")
+    check_needs_extra("django_keel_lock.contrib.tasks", "tasks", hidden, tmp_path)
 
 
 # -- a real worker ------------------------------------------------------------------------------
-
-
-class Worker:
-    def __init__(self, proc: subprocess.Popen[bytes], log: Path) -> None:
-        self.proc = proc
-        self.log = log
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
 
 
 def _worker_env() -> dict[str, str]:
@@ -291,17 +255,6 @@ def _worker_command(*options: str) -> list[str]:
         *(sys.executable, "-m", "django", "db_worker", "--backend", jobs.BACKEND),
         *("--interval", "0.05", "--no-startup-delay", "--no-reload", "-v", "2", *options),
     ]
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-        if proc.poll() is not None:
-            return
-        os.killpg(proc.pid, sig)
-        try:
-            proc.wait(wait)
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def wait_until(check: Callable[[], bool], seconds: float, what: str, worker: Worker) -> None:
@@ -340,7 +293,7 @@ def worker(tmp_path_factory: pytest.TempPathFactory, django_db_setup: None) -> I
         assert pong.return_value == proc.pid
         yield started
     finally:
-        _stop(proc)
+        started.stop()
         print(f"--- db_worker log (tail) ---\n{started.output()[-3000:]}")
 
 

@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import math
 from collections.abc import Callable
-from typing import Final, Literal, TypeVar
+from typing import Final, Literal, TypedDict, TypeVar, Unpack
 
 from ..core import Lock
 from ..durations import Duration, to_seconds
@@ -31,6 +31,7 @@ __all__ = [
     "UNTIL_DONE",
     "Dedupe",
     "OnDuplicate",
+    "TaskArgs",
     "TaskOptions",
     "current_lock",
 ]
@@ -72,6 +73,30 @@ def call_holding(handle: Lock, fn: Callable[[], T]) -> T:
         _current.reset(token)
 
 
+class LockArgs(TypedDict, total=False):
+    """The arguments of `locked_task` that say how to take the run lock (as for `lock()`)."""
+
+    ttl: Duration | None
+    timeout: Duration
+    retry_delay: Duration
+    store: str
+    holder: str | None
+    auto_extend: bool
+    max_hold: Duration | None
+    on_lost: OnLost
+    limit: int | None
+
+
+class TaskArgs(LockArgs, total=False):
+    """Every argument of `locked_task` but the key (`TaskOptions.parse` reads them)."""
+
+    on_locked: OnLocked
+    countdown: Duration | None
+    dedupe: Dedupe | None
+    on_duplicate: OnDuplicate
+    dedupe_ttl: Duration | None
+
+
 @dataclasses.dataclass(frozen=True)
 class TaskOptions:
     """What a `locked_task` was given besides its key, checked where the task is defined."""
@@ -87,34 +112,16 @@ class TaskOptions:
     def parse(
         cls,
         *,
-        ttl: Duration | None,
-        on_locked: OnLocked,
-        timeout: Duration,
-        retry_delay: Duration,
-        store: str,
-        holder: str | None,
-        countdown: Duration | None,
-        auto_extend: bool,
-        max_hold: Duration | None,
-        on_lost: OnLost,
-        limit: int | None,
-        dedupe: Dedupe | None,
-        on_duplicate: OnDuplicate,
-        dedupe_ttl: Duration | None,
+        on_locked: OnLocked = SKIP,
+        countdown: Duration | None = None,
+        dedupe: Dedupe | None = None,
+        on_duplicate: OnDuplicate = RETURN,
+        dedupe_ttl: Duration | None = None,
+        **lock: Unpack[LockArgs],
     ) -> TaskOptions:
         """Check and convert `locked_task`'s arguments; a bad value raises naming it."""
         check_on_locked(on_locked, ON_LOCKED)
-        spec = LockSpec.parse(
-            ttl=ttl,
-            timeout=timeout,
-            retry_delay=retry_delay,
-            store=store,
-            holder=holder,
-            auto_extend=auto_extend,
-            max_hold=max_hold,
-            on_lost=on_lost,
-            limit=limit,
-        )
+        spec = LockSpec.parse(**lock)
         if countdown is not None and on_locked != RETRY:
             raise ValueError('countdown= only applies to on_locked="retry"')
         if dedupe not in (None, QUEUED, UNTIL_DONE):

@@ -30,7 +30,7 @@ import logging
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Generic, ParamSpec, TypeVar
+from typing import Any, Generic, ParamSpec, TypeVar, Unpack
 
 from asgiref.sync import iscoroutinefunction, sync_to_async
 from django.utils import timezone
@@ -56,15 +56,13 @@ except ImportError:  # Django 5.2: the backport
 
 from .. import tokens
 from ..core import Lock, lock, restore_lock
-from ..durations import Duration
 from ..exceptions import AlreadyQueued
-from ..options import DEFAULT_RETRY_DELAY, RAISE, RETRY, SKIP, KeyTemplate, OnLocked, OnLost
+from ..options import RAISE, RETRY, SKIP, KeyTemplate
 from ..options import format_key as _format_key
 from ..stores.base import LockInfo
 from .common import (
     CLAIM_SUFFIX,
-    Dedupe,
-    OnDuplicate,
+    TaskArgs,
     TaskOptions,
     call_holding,
     claim_holder,
@@ -84,11 +82,6 @@ __all__ = [
     "locked_task",
 ]
 
-logger = logging.getLogger("django_keel_lock.tasks")
-
-P = ParamSpec("P")
-R = TypeVar("R")
-
 #: The keyword argument a retry's TaskResult carries: how many retries came before it. The
 #: task's function never sees it.
 RETRIES_KWARG = "keel_lock_retries"
@@ -99,28 +92,19 @@ GATE_SUFFIX = ":enqueue"
 # its holder died (it then expires).
 _GATE_TTL = 10.0
 
+logger = logging.getLogger("django_keel_lock.tasks")
+P = ParamSpec("P")
+R = TypeVar("R")
+
 
 def locked_task(
-    key: KeyTemplate,
-    *,
-    ttl: Duration | None = None,
-    on_locked: OnLocked = "skip",
-    timeout: Duration = 0,
-    retry_delay: Duration = DEFAULT_RETRY_DELAY,
-    store: str = "default",
-    holder: str | None = None,
-    countdown: Duration | None = None,
-    max_retries: int | None = 3,
-    auto_extend: bool = False,
-    max_hold: Duration | None = None,
-    on_lost: OnLost = RAISE,
-    limit: int | None = None,
-    dedupe: Dedupe | None = None,
-    on_duplicate: OnDuplicate = "return",
-    dedupe_ttl: Duration | None = None,
+    key: KeyTemplate, *, max_retries: int | None = 3, **options: Unpack[TaskArgs]
 ) -> Callable[[Task[P, R]], LockedTask[P, R | None]]:
     """Run the task only while holding the lock `key` (formatted from the arguments the task
-    was enqueued with); put it *above* `@task`.
+    was enqueued with); put it *above* `@task`. It takes the options of the Celery version
+    (`ttl`, `on_locked`, `timeout`, `retry_delay`, `store`, `holder`, `countdown`,
+    `auto_extend`, `max_hold`, `on_lost`, `limit`, `dedupe`, `on_duplicate`, `dedupe_ttl`),
+    with the same defaults and meanings, and `max_retries`.
 
     When the lock stays held for `timeout` seconds (default 0: don't wait), `on_locked`
     decides: "skip" returns None (the TaskResult succeeds with None) and logs at INFO;
@@ -139,22 +123,7 @@ def locked_task(
     enqueue, each retry and the start of an "until_done" run. A task retried by
     `on_locked="retry"` stays the queued one: a duplicate gets the retry's TaskResult.
     """
-    options = TaskOptions.parse(
-        ttl=ttl,
-        on_locked=on_locked,
-        timeout=timeout,
-        retry_delay=retry_delay,
-        store=store,
-        holder=holder,
-        countdown=countdown,
-        auto_extend=auto_extend,
-        max_hold=max_hold,
-        on_lost=on_lost,
-        limit=limit,
-        dedupe=dedupe,
-        on_duplicate=on_duplicate,
-        dedupe_ttl=dedupe_ttl,
-    )
+    parsed = TaskOptions.parse(**options)
     if max_retries is not None and (
         not isinstance(max_retries, int) or isinstance(max_retries, bool) or max_retries < 0
     ):
@@ -170,7 +139,7 @@ def locked_task(
             )
         if iscoroutinefunction(task.func):
             raise TypeError(f"locked_task does not lock async tasks yet ({task.module_path})")
-        locking = _Locking(options, key, task.func, task.takes_context, max_retries)
+        locking = _Locking(parsed, key, task.func, task.takes_context, max_retries)
         fields = {f.name: getattr(task, f.name) for f in dataclasses.fields(task) if f.init}
         # Every run gets the TaskContext: its TaskResult names the run (the holder, the claim)
         # and is what a retry enqueues again.
@@ -398,15 +367,8 @@ class _Locking:
 
 def _adopt(probe: Lock, info: LockInfo) -> Lock:
     """A handle holding the acquisition `info` of `probe`'s key, found in the store."""
-    mode = probe.mode
-    token = tokens.Token(
-        info.key,
-        probe.ttl,
-        info.owner,
-        info.fence,
-        info.holder,
-        probe.store_alias,
-        time.time() + info.expires_in,
-        mode.limit if mode.kind == "semaphore" else None,
-    )
+    mode = probe.mode.limit if probe.mode.kind == "semaphore" else None
+    expires_at = time.time() + info.expires_in
+    key, owner, fence, holder = info.key, info.owner, info.fence, info.holder
+    token = tokens.Token(key, probe.ttl, owner, fence, holder, probe.store_alias, expires_at, mode)
     return restore_lock(tokens.dumps(token))
