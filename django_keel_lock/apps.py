@@ -11,7 +11,8 @@ class KeelLockConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from . import checks
+        from . import checks, metrics
 
         register(checks.check_stores)
+        metrics.load()
         register(checks.check_store_tables, Tags.database)

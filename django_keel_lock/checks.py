@@ -22,6 +22,9 @@ Errors
   django_keel_lock.E009  KEEL_LOCK_DEFAULT_TTL is not a positive duration.
   django_keel_lock.E010  A DatabaseLockStore's or RedisLockStore's OPTIONS SOCKET_TIMEOUT is not
                          a positive duration.
+  django_keel_lock.E011  KEEL_LOCK_METRICS is not "prometheus", "otel", a list of them or None,
+                         or names one whose package is not installed (pip install
+                         django-keel-lock[prometheus] or [otel]).
 
 Warnings
   django_keel_lock.W001  MemoryLockStore is the "default" store while DEBUG is False: it does not
@@ -54,7 +57,14 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 from django.utils.module_loading import import_string
 
-from .conf import UnknownStoreOptions, conf, is_store_config, store_options, validate_store_options
+from .conf import (
+    METRIC_BACKENDS,
+    UnknownStoreOptions,
+    conf,
+    is_store_config,
+    store_options,
+    validate_store_options,
+)
 from .durations import to_seconds
 from .registry import NotALockStore, import_backend
 from .stores.base import LockStore
@@ -84,6 +94,7 @@ def check_stores(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> lis
     """Every mistake in KEEL_LOCK_STORES / KEEL_LOCK_DEFAULT_TTL that can be seen offline."""
     messages: list[CheckMessage] = []
     messages.extend(_check_default_ttl())
+    messages.extend(_check_metrics())
     stores = conf.raw_stores()
     if not isinstance(stores, dict):
         return [
@@ -106,6 +117,37 @@ def check_stores(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> lis
         )
     for alias, config in stores.items():
         messages.extend(_check_alias(alias, config))
+    return messages
+
+
+def _check_metrics() -> list[CheckMessage]:
+    """E011: KEEL_LOCK_METRICS is malformed, or a backend it names cannot be imported (the
+    app then runs with that backend off: see metrics.load)."""
+    try:
+        names = conf.METRICS
+    except ImproperlyConfigured as exc:
+        return [
+            Error(
+                f"{exc}.",
+                hint='e.g. KEEL_LOCK_METRICS = "prometheus" or ["prometheus", "otel"]',
+                id=ID.format("E011"),
+            )
+        ]
+    messages: list[CheckMessage] = []
+    for name in names:
+        module = METRIC_BACKENDS[name]
+        try:
+            import_module(module)
+        except ImportError as exc:
+            messages.append(
+                Error(
+                    f"KEEL_LOCK_METRICS names {name!r} but {module} cannot be imported "
+                    f"({exc}): lock metrics for {name!r} are off.",
+                    hint=f"pip install 'django-keel-lock[{name}]', or take {name!r} out of "
+                    "KEEL_LOCK_METRICS.",
+                    id=ID.format("E011"),
+                )
+            )
     return messages
 
 

@@ -28,6 +28,12 @@ DEFAULT_STORES: dict[str, dict[str, Any]] = {
 }
 #: KEEL_LOCK_DEFAULT_TTL when it is unset: the ttl of a lock that names none.
 DEFAULT_TTL = 30.0
+#: What KEEL_LOCK_METRICS may name, and the module each needs (from the extra of its name:
+#: django-keel-lock[prometheus] installs prometheus_client, [otel] opentelemetry-api).
+METRIC_BACKENDS: dict[str, str] = {
+    "prometheus": "prometheus_client",
+    "otel": "opentelemetry.trace",
+}
 
 
 class Settings:
@@ -46,6 +52,27 @@ class Settings:
     @property
     def DEFAULT_TTL(self) -> float:
         return to_seconds("KEEL_LOCK_DEFAULT_TTL", self.raw_default_ttl())
+
+    @property
+    def METRICS(self) -> tuple[str, ...]:
+        """KEEL_LOCK_METRICS as the backends it names, () when off (unset, None, "" or [])."""
+        value = self.raw_metrics()
+        names = (value,) if isinstance(value, str) else value
+        if not value:
+            return ()
+        if not isinstance(names, (list, tuple)) or not all(
+            name in METRIC_BACKENDS for name in names
+        ):
+            raise ImproperlyConfigured(
+                f'KEEL_LOCK_METRICS must be "prometheus", "otel", a list of them or None, '
+                f"got {value!r}"
+            )
+        return tuple(dict.fromkeys(names))
+
+    @staticmethod
+    def raw_metrics() -> object:
+        """KEEL_LOCK_METRICS as set, not validated (the system checks report what is wrong)."""
+        return getattr(settings, "KEEL_LOCK_METRICS", None)
 
     @staticmethod
     def raw_stores() -> object:

@@ -20,13 +20,14 @@ import secrets
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any, Generic, NamedTuple, TypeVar, overload
 
 from asgiref.sync import iscoroutinefunction, sync_to_async
 from django.dispatch import Signal
 
-from . import signals, tokens, watchdog
+from . import metrics, signals, tokens, watchdog
 from .durations import Duration, to_seconds
 from .exceptions import LockError, LockNotHeldError, LockStoreUnavailable, LockUnavailable
 from .options import (
@@ -35,6 +36,7 @@ from .options import (
     LockSpec,
     OnLost,
     check_store,
+    lock_name,
     ttl_seconds,
     validate_key,
 )
@@ -74,6 +76,7 @@ class Lock:
         on_lost: OnLost = RAISE,
         limit: int | None = None,
         shared: bool = False,
+        name: str | None = None,
     ) -> None:
         spec = LockSpec.parse(
             ttl=ttl,
@@ -86,18 +89,22 @@ class Lock:
             on_lost=on_lost,
             limit=limit,
             shared=shared,
+            name=name,
         )
         self._setup(key, spec, label=None)
 
     @classmethod
-    def from_spec(cls, key: str, spec: LockSpec, *, label: str | None = None) -> Lock:
+    def from_spec(
+        cls, key: str, spec: LockSpec, *, label: str | None = None, raises: bool = False
+    ) -> Lock:
         """A handle on `key` taken as `spec` says (what `LockSpec.lock` returns); `label`
-        names the caller in the holder when the spec has none."""
+        names the caller in the holder when the spec has none; `raises`: the caller raises
+        LockUnavailable when the lock is not acquired (traces mark that refusal an error)."""
         handle = cls.__new__(cls)
-        handle._setup(key, spec, label=label)
+        handle._setup(key, spec, label=label, raises=raises)
         return handle
 
-    def _setup(self, key: str, spec: LockSpec, *, label: str | None) -> None:
+    def _setup(self, key: str, spec: LockSpec, *, label: str | None, raises: bool = False) -> None:
         self._store = get_lock_store(spec.store)
         self.key = validate_key(key, self._store)
         self.ttl = spec.resolved_ttl()
@@ -129,6 +136,25 @@ class Lock:
         self._valid_until = math.inf  # monotonic, the last expiry the store confirmed
         self._renewal: watchdog.Renewal | None = None
         self._mutex = threading.Lock()  # state shared with the watchdog
+        # What metrics need (see metrics.py): the name (None: the key, normalised when first
+        # asked for), whether a refusal raises, the last acquire's store calls; the recorder
+        # that saw the current acquisition (None: not measured) and when it was sent; the
+        # recorder's own cache, and the span that was current when the acquire began.
+        self._name = spec.name
+        self._raises = raises
+        self._attempts = 0
+        self._metered: metrics.Recorder | None = None  # saw the current acquisition (`_ended`)
+        self._since = 0.0
+        self._meter: Any = None
+        self._trace_caller: Any = None
+
+    @property
+    def name(self) -> str:
+        """What metrics and traces call this lock: the `name=` it was given (a surface's key
+        template), else its key with digits, UUIDs and long hex as `*` (`options.lock_name`)."""
+        if self._name is None:
+            self._name = lock_name(self.key)
+        return self._name
 
     # -- acquiring ------------------------------------------------------------------------
     def acquire(self, timeout: Duration | None = None, retry_delay: Duration | None = None) -> bool:
@@ -138,18 +164,32 @@ class Lock:
         """
         wait, delay = self._wait_args(timeout, retry_delay)
         owner = self._begin()
-        if wait <= 0:
-            sent = time.monotonic()
-            result = self._ask(owner, None, None)
-        else:
-            result, sent = self._wait(owner, wait, delay)
+        recorder = metrics.recorder  # None while metrics are off: their only cost then
+        started = None
+        if recorder is not None:
+            started = recorder.start(self, wait) if recorder.traces else time.monotonic()
+        try:
+            if wait <= 0:
+                sent = time.monotonic()
+                result = self._ask(owner, None, None)
+            else:
+                result, sent = self._wait(owner, wait, delay)
+        except BaseException as error:
+            if recorder is not None:
+                recorder.failed(self, started, error)
+            raise
         if not self._finish(owner, result, sent):
             if result.fence is not None:  # granted too late: give it back
                 try:
                     self._release_op(self.key, owner)
                 except LockStoreUnavailable:
                     pass  # it is past its ttl already
+            if recorder is not None:
+                recorder.refused(self, started, "timeout" if wait > 0 else "contended")
             return False
+        if recorder is not None:
+            self._metered, self._since = recorder, sent
+            recorder.acquired(self, started)
         if self.auto_extend:
             self._renewal = watchdog.Renewal(self, owner, sent)
             self._renewal.start_thread()
@@ -272,6 +312,7 @@ class Lock:
     def _wait(self, owner: str, timeout: float, retry_delay: float) -> tuple[AcquireResult, float]:
         store = self._store
         deadline = time.monotonic() + timeout
+        self._attempts = 1
         with Turn.wait_for(store, self.key, deadline) as mine:
             if not mine:
                 # The turn did not come by the deadline. Whoever has it may be stuck on a store
@@ -281,7 +322,9 @@ class Lock:
                 return self._ask(owner, None, None), sent
             with store.watch(self.key) as waiter:
                 last: AcquireResult | None = None
+                self._attempts = 0
                 while True:
+                    self._attempts += 1
                     sent = time.monotonic()
                     plain = self._request(owner, deadline, last)[0] == "acquire"
                     result = self._ask(owner, deadline, last)
@@ -302,11 +345,22 @@ class Lock:
         Cancelled while waiting or while an attempt is in flight, it leaves no lock behind."""
         wait, delay = self._wait_args(timeout, retry_delay)
         owner = self._begin()
-        if wait <= 0:
-            result, sent = await self._aattempt(owner, None, None)
-        else:
-            result, sent = await self._await(owner, wait, delay)
+        recorder = metrics.recorder
+        started = None
+        if recorder is not None:
+            started = recorder.start(self, wait) if recorder.traces else time.monotonic()
+        try:
+            if wait <= 0:
+                result, sent = await self._aattempt(owner, None, None)
+            else:
+                result, sent = await self._await(owner, wait, delay)
+        except BaseException as error:
+            if recorder is not None:
+                recorder.failed(self, started, error)
+            raise
         if not self._finish(owner, result, sent):
+            if recorder is not None:
+                recorder.refused(self, started, "timeout" if wait > 0 else "contended")
             if result.fence is not None:  # granted too late: give it back
                 undo, cancelled = await to_the_end(self._arelease_op(self.key, owner))
                 if not undo.cancelled():
@@ -314,6 +368,9 @@ class Lock:
                 if cancelled is not None:
                     raise cancelled
             return False
+        if recorder is not None:
+            self._metered, self._since = recorder, sent
+            recorder.acquired(self, started)
         if self.auto_extend:
             self._renewal = watchdog.Renewal(self, owner, sent)
             self._renewal.start_task()
@@ -354,6 +411,7 @@ class Lock:
                 pass
 
         deadline = time.monotonic() + timeout
+        self._attempts = 1
         async with Turn.await_for(store, self.key, deadline) as mine:
             if not mine:  # ask the store once ourselves, as `_wait` does
                 return await self._aattempt(owner, None, None)
@@ -363,7 +421,9 @@ class Lock:
                 token = store.wake_board.add_callback(self.key, wake)
                 try:
                     last: AcquireResult | None = None
+                    self._attempts = 0
                     while True:
+                        self._attempts += 1
                         woken.clear()  # before the attempt: a release right after counts
                         plain = self._request(owner, deadline, last)[0] == "acquire"
                         result, sent = await self._aattempt(owner, deadline, last)
@@ -394,15 +454,40 @@ class Lock:
         self._stop_renewal()
         store = self._store
         release = store.release if self.mode is EXCLUSIVE else store.release_permit
-        return self._released(release(self.key, self.owner))
+        try:
+            released = release(self.key, self.owner)
+        except LockStoreUnavailable:
+            self._store_error("release")
+            raise
+        return self._released(released)
 
     def _released(self, released: bool) -> bool:
         self._held = False
         if released:
+            recorder = self._metered
+            if recorder is not None:  # `_ended` written out: the hot path with metrics on
+                if self.auto_extend:
+                    self._ended("released", None)
+                else:  # no watchdog: no other thread that could end it too
+                    self._metered = None
+                    recorder.ended(self, "released", time.monotonic() - self._since, None)
             _announce(signals.lock_released, lock=self)
         else:
-            self._lost("release found the lock expired or taken over")
+            self._lost("release found the lock expired or taken over", cause="gone")
         return released
+
+    def _ended(self, end: str, reason: str | None) -> None:
+        """Tell the recorder that saw this acquisition how it ended, once: a release and the
+        watchdog finding the lock lost may race."""
+        with self._mutex:
+            recorder, self._metered = self._metered, None
+        if recorder is not None:
+            recorder.ended(self, end, time.monotonic() - self._since, reason)
+
+    def _store_error(self, operation: str) -> None:
+        recorder = self._metered or metrics.recorder
+        if recorder is not None:
+            recorder.store_error(self, operation)
 
     def extend(self, ttl: Duration | None = None) -> None:
         """Make the lock live at least `ttl` more seconds (default: the lock's ttl).
@@ -411,7 +496,12 @@ class Lock:
         """
         seconds, owner = self._extend_args(ttl)
         sent = time.monotonic()
-        self._extended(self.extend_op(self.key, owner, seconds), sent + seconds)
+        try:
+            extended = self.extend_op(self.key, owner, seconds)
+        except LockStoreUnavailable:
+            self._store_error("extend")
+            raise
+        self._extended(extended, sent + seconds)
 
     def _extend_args(self, ttl: Duration | None) -> tuple[float, str]:
         seconds = self.ttl if ttl is None else ttl_seconds(ttl)
@@ -427,7 +517,7 @@ class Lock:
             self._valid_until = max(self._valid_until, until)
             return
         self._held = False
-        self._lost("extend found the lock expired or taken over")
+        self._lost("extend found the lock expired or taken over", cause="gone")
         raise LockNotHeldError(
             f"cannot extend {self.key!r}: the lock expired or was taken over (fence {self.fence})"
         )
@@ -443,16 +533,25 @@ class Lock:
             if self._held and self.owner == owner:
                 self._valid_until = max(self._valid_until, until)
 
-    def renewal_lost(self, owner: str, reason: str) -> None:
-        """The watchdog found the acquisition of `owner` gone; ignored if it is not current."""
-        if self._lost(reason, owner=owner):
+    def renewal_lost(self, owner: str, reason: str, cause: str = "gone") -> None:
+        """The watchdog found the acquisition of `owner` gone (`cause`, one of
+        metrics.LOST_REASONS); ignored if it is not current."""
+        if self._lost(reason, owner=owner, cause=cause):
             self._cancel_body()
 
-    def _lost(self, reason: str, owner: str | None = None) -> bool:
+    def count_renewal(self, outcome: str) -> None:
+        """One watchdog extend came back as `outcome` (one of metrics.RENEWAL_OUTCOMES)."""
+        recorder = self._metered
+        if recorder is not None:
+            recorder.renewal(self, outcome)
+
+    def _lost(self, reason: str, owner: str | None = None, cause: str = "expired") -> bool:
         """Mark the current acquisition lost, once: `lost`, a WARNING, `lock_lost`, and the
         on_lost callable if there is one. True if this call was the one that found it.
 
-        With `owner` (the watchdog reporting), only if that acquisition is still current."""
+        With `owner` (the watchdog reporting), only if that acquisition is still current.
+        `cause` is the reason metrics show (metrics.LOST_REASONS): "gone" when the store no
+        longer has it, which is an expiry once the ttl has run out by the handle's clock."""
         with self._mutex:
             if self.lost or (owner is not None and (owner != self.owner or not self._held)):
                 return False
@@ -462,6 +561,10 @@ class Lock:
             renewal, self._renewal = self._renewal, None
         if renewal is not None:
             renewal.stop()
+        if self._metered is not None:
+            if cause == "gone" and time.monotonic() >= self._valid_until:
+                cause = "expired"
+            self._ended("lost" if cause == "gone" else "expired", cause)
         logger.warning("lock %r (fence %s) was lost: %s", self.key, self.fence, reason)
         _announce(signals.lock_lost, lock=self, reason=reason)
         if callable(self.on_lost):
@@ -546,7 +649,7 @@ class Lock:
     def _owned(self, holders: Sequence[LockInfo | None]) -> bool:
         if any(info is not None and info.owner == self.owner for info in holders):
             return True
-        self._lost("the store no longer has it", owner=self.owner)
+        self._lost("the store no longer has it", owner=self.owner, cause="gone")
         return False
 
     def ensure_held(self) -> None:
@@ -568,6 +671,8 @@ class Lock:
             return False
         self._stop_renewal()
         future, cancelled = await to_the_end(self._arelease_op(self.key, self.owner))
+        if not future.cancelled() and isinstance(future.exception(), LockStoreUnavailable):
+            self._store_error("release")
         if cancelled is not None:
             if future.cancelled() or future.exception() is not None:
                 logger.warning(
@@ -593,6 +698,8 @@ class Lock:
         seconds, owner = self._extend_args(ttl)
         sent = time.monotonic()
         future, cancelled = await to_the_end(self.aextend_op(self.key, owner, seconds))
+        if not future.cancelled() and isinstance(future.exception(), LockStoreUnavailable):
+            self._store_error("extend")
         if cancelled is not None:
             if not future.cancelled() and future.exception() is None:
                 try:
@@ -747,7 +854,12 @@ class Lock:
         return LockOutcome(True, value)
 
     async def __aenter__(self) -> Lock:
-        if not await self.aacquire():
+        raises, self._raises = self._raises, True  # a refusal here raises: traces say so
+        try:
+            acquired = await self.aacquire()
+        finally:
+            self._raises = raises
+        if not acquired:
             raise self.unavailable()
         self._watch_body()
         return self
@@ -776,7 +888,12 @@ class Lock:
         return f"{_kind_phrase(self.mode.kind, article=False)} {self.key!r}"
 
     def __enter__(self) -> Lock:
-        if not self.acquire():
+        raises, self._raises = self._raises, True  # a refusal here raises: traces say so
+        try:
+            acquired = self.acquire()
+        finally:
+            self._raises = raises
+        if not acquired:
             raise self.unavailable()
         return self
 
@@ -854,6 +971,7 @@ def lock(
     max_hold: Duration | None = None,
     on_lost: OnLost = RAISE,
     shared: bool = False,
+    name: str | None = None,
 ) -> Lock:
     """A handle on `key` in `store`; nothing is acquired until acquire/run/`with`.
 
@@ -864,7 +982,10 @@ def lock(
     `auto_extend=True` keeps the lock alive while held (extending every ttl/3), for at most
     `max_hold` seconds in all if given. `on_lost` says what happens when the lock is lost while
     held: "raise" (leaving `with`/`run` raises LockNotHeldError), "warn" (log only), or a
-    callable `(lock) -> None` called once when the loss is found."""
+    callable `(lock) -> None` called once when the loss is found.
+
+    `name` is what metrics and traces call the lock ("invoice" for "invoice:42"); without
+    it they show the key with its digits, UUIDs and long hex as `*`."""
     return Lock(
         key,
         ttl=ttl,
@@ -876,6 +997,7 @@ def lock(
         max_hold=max_hold,
         on_lost=on_lost,
         shared=shared,
+        name=name,
     )
 
 
@@ -891,12 +1013,13 @@ def semaphore(
     auto_extend: bool = False,
     max_hold: Duration | None = None,
     on_lost: OnLost = RAISE,
+    name: str | None = None,
 ) -> Lock:
     """A handle on the semaphore `key`: at most `limit` holders at once, each with a permit
     of its own (owner, fence, ttl), so one that crashes frees only its own place, at its ttl.
 
-    The same API as `lock()`. Each acquire counts the live permits against the `limit` it was
-    given: every caller of one key should pass the same limit."""
+    The same API as `lock()` (`name` too). Each acquire counts the live permits against the
+    `limit` it was given: every caller of one key should pass the same limit."""
     if limit is None:
         raise TypeError("semaphore() needs limit=, the most holders at once (an int >= 1)")
     return Lock(
@@ -910,6 +1033,7 @@ def semaphore(
         max_hold=max_hold,
         on_lost=on_lost,
         limit=limit,
+        name=name,
     )
 
 
@@ -973,5 +1097,11 @@ def force_release(
             info.fence,
             user if user is not None else "a script",
         )
+    recorder = metrics.recorder
+    if info is not None and recorder is not None:
+        held = None
+        if info.acquired_at is not None:
+            held = max(0.0, (datetime.now(UTC) - info.acquired_at).total_seconds())
+        recorder.forced(store, lock_name(key), held)
     _announce(signals.lock_force_released, key=key, store=store, info=info, user=user)
     return info

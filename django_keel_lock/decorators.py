@@ -32,6 +32,7 @@ from .options import (
     check_key_template,
     check_on_locked,
     format_key,
+    template_name,
 )
 
 logger = logging.getLogger("django_keel_lock")
@@ -125,6 +126,7 @@ def locked(
         on_lost=on_lost,
         limit=limit,
         shared=shared,
+        name=template_name(key),
     )
 
     def decorate(fn: Callable[P, R]) -> Callable[P, Any]:
@@ -149,7 +151,7 @@ def _wrap(
 
     def handle_for(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Lock:
         # Made per call: a forked worker names its own pid in the holder.
-        return spec.lock(format_key(key, fn, args, kwargs), label=name)
+        return spec.lock(format_key(key, fn, args, kwargs), label=name, raises=on_locked == RAISE)
 
     def not_acquired(handle: Lock) -> None:
         if on_locked == SKIP:

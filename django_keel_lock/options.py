@@ -155,6 +155,41 @@ def format_key(
         ) from None
 
 
+# -- names ---------------------------------------------------------------------------------
+# A key's parts that differ from lock to lock: UUIDs, long hex (digests, tokens) and runs of
+# digits (primary keys, dates). Metrics and traces show `*` in their place.
+_VARYING = re.compile(
+    r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|[0-9a-f]{12,}|[0-9]+",
+    re.IGNORECASE,
+)
+
+
+def lock_name(key: str) -> str:
+    """The name metrics and traces show for a lock taken without one: `key` with its UUIDs,
+    long hex and runs of digits as `*` ("invoice:42" -> "invoice:*"), so that many keys
+    make few names."""
+    return _VARYING.sub("*", key)
+
+
+def check_name(name: object) -> str | None:
+    """`name` if it is None or a usable lock name (what metrics and traces show), else a
+    ValueError or TypeError naming the argument."""
+    if name is None:
+        return None
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str (what metrics show for the lock), got {name!r}")
+    if not name or len(name) > MAX_HOLDER_LENGTH:
+        raise ValueError(f"name must be 1 to {MAX_HOLDER_LENGTH} characters, got {name!r:.80}")
+    _check_printable("name", name)
+    return name
+
+
+def template_name(template: object) -> str | None:
+    """The name a surface gives the locks of a key template: the template itself when it is
+    a string ("invoice:<pk>", "report:{date}"); None for a callable (the key is normalised)."""
+    return template if isinstance(template, str) else None
+
+
 # -- holders --------------------------------------------------------------------------------
 def default_holder() -> str:
     """`<hostname>:<pid>`, computed now so a forked child names itself."""
@@ -241,6 +276,8 @@ class LockSpec:
     max_hold: float | None = None
     on_lost: OnLost = RAISE
     mode: Mode = EXCLUSIVE
+    #: What metrics and traces call the locks (None: each key normalised, see `lock_name`).
+    name: str | None = None
 
     @classmethod
     def parse(
@@ -256,6 +293,7 @@ class LockSpec:
         on_lost: object = RAISE,
         limit: object = None,
         shared: object = False,
+        name: object = None,
     ) -> LockSpec:
         """Check and convert what a surface was given; a bad value raises naming it."""
         alias = check_store(store)
@@ -277,6 +315,7 @@ class LockSpec:
             max_hold=hold,
             on_lost=check_on_lost(on_lost),
             mode=mode_of(limit, shared),
+            name=check_name(name),
         )
 
     def resolved_ttl(self) -> float:
@@ -291,9 +330,10 @@ class LockSpec:
             return default_holder()
         return validate_holder(labelled_holder(label))
 
-    def lock(self, key: str, *, label: str | None = None) -> Lock:
+    def lock(self, key: str, *, label: str | None = None, raises: bool = False) -> Lock:
         """A handle on `key` taken as this spec says; `label` names the caller in its holder
-        when the spec has no holder of its own."""
+        when the spec has no holder of its own. `raises`: the surface raises LockUnavailable
+        when the lock is not acquired (traces then mark the refusal an error)."""
         from .core import Lock  # core builds on this module
 
-        return Lock.from_spec(key, self, label=label)
+        return Lock.from_spec(key, self, label=label, raises=raises)

@@ -28,7 +28,7 @@ from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonRespons
 
 from .core import Lock
 from .durations import Duration
-from .options import DEFAULT_RETRY_DELAY, RAISE, LockSpec, OnLost, validate_key
+from .options import DEFAULT_RETRY_DELAY, RAISE, LockSpec, OnLost, template_name, validate_key
 
 if TYPE_CHECKING:
     from django.views import View
@@ -233,6 +233,7 @@ def _view_lock(
     on_lost: OnLost,
     limit: int | None = None,
     shared: bool = False,
+    name: str | None = None,
 ) -> ViewLock:
     """`ViewLock` from what `lock_view` and `LockViewMixin` take; a bad value raises naming it."""
     if isinstance(key, str):
@@ -256,6 +257,7 @@ def _view_lock(
         on_lost=on_lost,
         limit=limit,
         shared=shared,
+        name=template_name(key) if name is None else name,
     )
     return ViewLock(key, spec, on_locked)
 
@@ -365,6 +367,7 @@ class LockViewMixin(_MixinBase):
             self.lock_on_lost,
             self.lock_limit,
             self.lock_shared,
+            template_name(self.lock_key),
         )
 
     def dispatch(self, request: HttpRequest, *args: Any, **kwargs: Any) -> Any:

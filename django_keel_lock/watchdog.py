@@ -68,8 +68,13 @@ class Renewable(Protocol):
         """An extend for `owner` landed: the lock lives at least until `until` (monotonic)."""
         ...
 
-    def renewal_lost(self, owner: str, reason: str) -> None:
-        """The acquisition of `owner` is gone, for `reason` (ignored if no longer current)."""
+    def renewal_lost(self, owner: str, reason: str, cause: str = "gone") -> None:
+        """The acquisition of `owner` is gone, for `reason` (ignored if no longer current);
+        `cause` is the word metrics show (metrics.LOST_REASONS)."""
+        ...
+
+    def count_renewal(self, outcome: str) -> None:
+        """One extend came back as `outcome` (metrics.RENEWAL_OUTCOMES), for the metrics."""
         ...
 
 
@@ -146,7 +151,7 @@ class Renewal:
         left = self.time_left()
         if left > 0:
             return left
-        self._report_lost(f"max_hold of {self.max_hold:g}s reached; the lock expired")
+        self._report_lost(f"max_hold of {self.max_hold:g}s reached; the lock expired", "max_hold")
         return None
 
     def settle(
@@ -158,24 +163,30 @@ class Renewal:
         if handle is None or self.stopped:
             return None
         if outcome is True:
+            handle.count_renewal("extended")
             handle.renewed(self.owner, sent + seconds)
             return self.interval
         if outcome is False:
-            self._report_lost("the watchdog's extend found the lock expired or taken over")
+            handle.count_renewal("lost")
+            self._report_lost("the watchdog's extend found the lock expired or taken over", "gone")
             return None
+        handle.count_renewal("error")
         left = self.time_left()
         why = "no answer" if outcome is None else f"{type(outcome).__name__}: {outcome}"
         if left <= 0:
-            self._report_lost(f"the store did not confirm an extend before the ttl ran out ({why})")
+            self._report_lost(
+                f"the store did not confirm an extend before the ttl ran out ({why})",
+                "unreachable",
+            )
             return None
         logger.info("could not extend lock %r (%s); retrying, %.1fs left", self.key, why, left)
         return min(self.retry, left)
 
-    def _report_lost(self, reason: str) -> None:
+    def _report_lost(self, reason: str, cause: str) -> None:
         handle = self._handle()
         if handle is not None and not self.stopped:
             try:
-                handle.renewal_lost(self.owner, reason)
+                handle.renewal_lost(self.owner, reason, cause)
             except Exception:  # the holder's on_lost callable: nobody here to raise to
                 logger.exception("on_lost of lock %r raised", self.key)
 

@@ -1,9 +1,9 @@
-"""locked_task: in-process behaviour, then a real prefork Celery worker on Redis.
+"""locked_task: in-process behaviour, then a real prefork Celery worker on each broker.
 
-The worker tests start `celery worker --pool=prefork --concurrency=4` as a subprocess (Redis as
-broker and result backend, DB 5, a queue named after the test run) on
-tests/support/worker_settings.py, so its four processes take locks in the same test database as
-this process.
+The worker tests run once per broker, Redis and RabbitMQ: each time they start `celery worker
+--pool=prefork --concurrency=4` as a subprocess (Redis as result backend, DB 5, a queue named
+after the test run) on tests/support/worker_settings.py, so its four processes take locks in the
+same test database as this process.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 
 import pytest
 from celery import Celery, Task, shared_task
+from celery import _state as celery_state
 from celery.exceptions import Retry
 from django.test import override_settings
 from kombu.exceptions import OperationalError
@@ -43,9 +44,8 @@ from django_keel_lock.contrib.celery import CLAIM_SUFFIX, current_lock, locked_t
 from tests.conftest import require_reachable
 from tests.support import ROOT
 from tests.support import celery_tasks as tasks
-from tests.support.celery_app import BROKER_URL, QUEUE, RUN_ID, STORE, app
+from tests.support.celery_app import BROKERS, QUEUE, REDIS_URL, RUN_ID, STORE, app_for
 from tests.support.hidden import check_needs_extra
-from tests.support.workers import Worker
 
 # -- in-process: an eager app on the per-process memory store ------------------------------
 
@@ -403,19 +403,77 @@ def test_bad_dedupe_options_fail_when_the_task_is_defined(
 # -- a real worker --------------------------------------------------------------------------
 
 
-def _require_redis() -> None:
-    parts = urlsplit(BROKER_URL)
-    require_reachable(parts.hostname or "127.0.0.1", parts.port or 6379, "Redis (Celery broker)")
+class Worker:
+    """A running `celery worker` subprocess and the app that sends to its broker (the current
+    app while the worker runs, so `task.delay()` goes there)."""
+
+    def __init__(self, app: Celery, proc: subprocess.Popen[bytes], log: Path, name: str) -> None:
+        self.app = app
+        self.proc = proc
+        self.log = log
+        self.name = name
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def queue_length(self, queue: str) -> int:
+        """How many messages wait in `queue` on this worker's broker."""
+        with self.app.connection_for_write() as connection:
+            try:
+                declared = connection.default_channel.queue_declare(queue, passive=True)
+            except connection.channel_errors:
+                return 0  # never declared (or, on Redis, an empty list)
+            return int(declared.message_count)
+
+    def delete_queue(self, queue: str) -> None:
+        """Delete `queue`, its binding and the exchange of its name from the broker."""
+        with self.app.connection_for_write() as connection:
+            # Declared first, as Celery declares it: a virtual transport (Redis) deletes only
+            # the bindings its channel knows of.
+            bound = self.app.amqp.queues[queue](connection.default_channel)
+            bound.declare()
+            bound.delete()
+            bound.exchange.delete()
 
 
-@pytest.fixture(scope="module")
-def worker(tmp_path_factory: pytest.TempPathFactory, django_db_setup: None) -> Iterator[Worker]:
-    _require_redis()
-    log = tmp_path_factory.mktemp("celery") / "worker.log"
+BROKER_LABELS = {"redis": "Redis", "rabbitmq": "RabbitMQ"}
+
+
+def _require(url: str, what: str) -> None:
+    parts = urlsplit(url)
+    default_port = 5672 if parts.scheme.startswith("amqp") else 6379
+    require_reachable(parts.hostname or "127.0.0.1", parts.port or default_port, what)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)  # the worker and its pool processes
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@pytest.fixture(scope="module", params=list(BROKERS))
+def worker(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, django_db_setup: None
+) -> Iterator[Worker]:
+    broker: str = request.param
+    _require(REDIS_URL, "Redis (Celery results)")
+    _require(BROKERS[broker], f"{BROKER_LABELS[broker]} (Celery broker)")
+    log = tmp_path_factory.mktemp(f"celery-{broker}") / "worker.log"
+    name = f"keel-{RUN_ID}-{broker}@{socket.gethostname()}"
     env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "tests.support.worker_settings",
         "KEEL_TEST_RUN_ID": RUN_ID,
+        "KEEL_CELERY_BROKER_URL": BROKERS[broker],
         "CELERY_SKIP_CHECKS": "1",
         "PYTHONPATH": str(ROOT),
     }
@@ -423,13 +481,16 @@ def worker(tmp_path_factory: pytest.TempPathFactory, django_db_setup: None) -> I
         *(sys.executable, "-m", "celery", "-A", "tests.support.celery_app", "worker"),
         *("--pool=prefork", "--concurrency=4", "-Q", QUEUE, "--loglevel=INFO"),
         *("--without-gossip", "--without-mingle", "--without-heartbeat"),
-        *("-n", f"keel-{RUN_ID}@%h"),
+        *("-n", name),
     ]
     with log.open("wb") as out:
         proc = subprocess.Popen(
             command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
-    started = Worker(proc, log)
+    sender = app_for(BROKERS[broker])
+    previous = celery_state.get_current_app()
+    sender.set_current()  # the shared tasks of celery_tasks now send to this broker
+    started = Worker(sender, proc, log, name)
     try:
         pending = [tasks.ping.delay() for _ in range(8)]
         deadline = time.monotonic() + 30
@@ -440,12 +501,13 @@ def worker(tmp_path_factory: pytest.TempPathFactory, django_db_setup: None) -> I
                 time.sleep(0.05)
         yield started
     finally:
-        started.stop()
+        _stop(proc)
+        previous.set_current()
+        started.delete_queue(QUEUE)
         client = tasks.provider()
-        client.delete(QUEUE, f"_kombu.binding.{QUEUE}", f"_kombu.binding_permanent.{QUEUE}")
-        for name in client.scan_iter(f"keel-lock-test:{RUN_ID}-*"):
-            client.delete(name)
-        print(f"--- celery worker log (tail) ---\n{started.output()[-3000:]}")
+        for key in client.scan_iter(f"keel-lock-test:{RUN_ID}-*"):
+            client.delete(key)
+        print(f"--- celery worker log ({broker}, tail) ---\n{started.output()[-3000:]}")
 
 
 @pytest.fixture
@@ -597,8 +659,6 @@ def test_limit_2_runs_at_most_2_of_20_queued_tasks_at_once_across_4_workers(
 
 # -- dedupe with the real worker -------------------------------------------------------------
 
-WORKER_NAME = f"keel-{RUN_ID}@{socket.gethostname()}"
-
 
 def runs(run: str) -> list[dict[str, Any]]:
     return [json.loads(item) for item in tasks.provider().lrange(tasks.runs_key(run), 0, -1)]
@@ -619,26 +679,28 @@ class Parked:
     """A queue of this test's own that the worker consumes only once `consume()` is called:
     what is sent there stays queued until then."""
 
-    def __init__(self) -> None:
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
         self.name = f"{QUEUE}-parked-{uuid.uuid4().hex[:8]}"
 
     def consume(self) -> None:
-        replies = app.control.add_consumer(
-            self.name, destination=[WORKER_NAME], reply=True, timeout=10
+        replies = self.worker.app.control.add_consumer(
+            self.name, destination=[self.worker.name], reply=True, timeout=10
         )
-        assert replies, f"worker {WORKER_NAME} did not answer add_consumer"
+        assert replies, f"worker {self.worker.name} did not answer add_consumer"
 
     def length(self) -> int:
-        return int(tasks.provider().llen(self.name))
+        return self.worker.queue_length(self.name)
 
 
 @pytest.fixture
 def parked(worker: Worker) -> Iterator[Parked]:
-    queue = Parked()
+    queue = Parked(worker)
     yield queue
-    app.control.cancel_consumer(queue.name, destination=[WORKER_NAME], reply=True, timeout=10)
-    client = tasks.provider()
-    client.delete(queue.name, f"_kombu.binding.{queue.name}")
+    worker.app.control.cancel_consumer(
+        queue.name, destination=[worker.name], reply=True, timeout=10
+    )
+    worker.delete_queue(queue.name)
 
 
 def claim_of(run: str) -> Any:
@@ -653,7 +715,7 @@ def test_50_sends_while_the_first_is_queued_run_once_and_all_get_its_id(
     rest = [tasks.dedupe_queued.delay(run) for _ in range(49)]
     assert {result.id for result in rest} == {first.id}
     assert parked.length() == 1
-    assert tasks.provider().llen(QUEUE) == 0
+    assert worker.queue_length(QUEUE) == 0
     parked.consume()
     assert result_of(first)["id"] == first.id
     assert [r["id"] for r in runs(run)] == [first.id]
@@ -727,7 +789,7 @@ def test_revoke_of_a_queued_task_frees_its_claim(worker: Worker, run: str, parke
     second = tasks.dedupe_queued.apply_async((run,), queue=parked.name)
     assert second.id != first.id
     # Any other result's revoke(): when the worker discards the message (task_revoked).
-    app.AsyncResult(second.id).revoke()
+    worker.app.AsyncResult(second.id).revoke()
     assert tasks.dedupe_queued.delay(run).id == second.id
     parked.consume()
     # Well before the claim's own ttl (30 s): the worker freed it.

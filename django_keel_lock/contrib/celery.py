@@ -55,6 +55,7 @@ from ..options import (
     OnLocked,
     OnLost,
     format_key,
+    template_name,
 )
 from ..stores.base import LockInfo
 from .common import (
@@ -159,6 +160,7 @@ def locked_task(
         dedupe=dedupe,
         on_duplicate=on_duplicate,
         dedupe_ttl=dedupe_ttl,
+        name=template_name(key),
     )
 
     def decorate(fn: Callable[P, R]) -> Callable[P, R | None]:
@@ -187,7 +189,11 @@ def _wrap(fn: Callable[P, R], key: KeyTemplate, options: TaskOptions) -> Callabl
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R | None:
         task = _running_task(args)
-        handle = spec.lock(format_key(key, fn, args, kwargs), label=_task_label(task))
+        handle = spec.lock(
+            format_key(key, fn, args, kwargs),
+            label=_task_label(task),
+            raises=options.on_locked == RAISE or task is None,
+        )
         claim = _claim_of(task) if dedupe is not None else None
 
         def body() -> R:

@@ -117,11 +117,13 @@ class TaskOptions:
         dedupe: Dedupe | None = None,
         on_duplicate: OnDuplicate = RETURN,
         dedupe_ttl: Duration | None = None,
+        name: str | None = None,
         **lock: Unpack[LockArgs],
     ) -> TaskOptions:
-        """Check and convert `locked_task`'s arguments; a bad value raises naming it."""
+        """Check and convert `locked_task`'s arguments; a bad value raises naming it. `name`
+        is what metrics and traces call the locks (the key template's `template_name`)."""
         check_on_locked(on_locked, ON_LOCKED)
-        spec = LockSpec.parse(**lock)
+        spec = LockSpec.parse(**lock, name=name)
         if countdown is not None and on_locked != RETRY:
             raise ValueError('countdown= only applies to on_locked="retry"')
         if dedupe not in (None, QUEUED, UNTIL_DONE):
@@ -166,6 +168,7 @@ class TaskOptions:
             holder=holder,
             auto_extend=False,
             max_hold=None,
+            name=None if self.spec.name is None else self.spec.name + CLAIM_SUFFIX,
         )
         return spec.lock(key + CLAIM_SUFFIX)
 

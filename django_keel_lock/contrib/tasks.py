@@ -57,7 +57,7 @@ except ImportError:  # Django 5.2: the backport
 from .. import tokens
 from ..core import Lock, lock, restore_lock
 from ..exceptions import AlreadyQueued
-from ..options import RAISE, RETRY, SKIP, KeyTemplate
+from ..options import RAISE, RETRY, SKIP, KeyTemplate, template_name
 from ..options import format_key as _format_key
 from ..stores.base import LockInfo
 from .common import (
@@ -123,7 +123,7 @@ def locked_task(
     enqueue, each retry and the start of an "until_done" run. A task retried by
     `on_locked="retry"` stays the queued one: a duplicate gets the retry's TaskResult.
     """
-    parsed = TaskOptions.parse(**options)
+    parsed = TaskOptions.parse(**options, name=template_name(key))
     if max_retries is not None and (
         not isinstance(max_retries, int) or isinstance(max_retries, bool) or max_retries < 0
     ):
@@ -227,7 +227,7 @@ class _Locking:
         task = result.task
         label = claim_holder(task.module_path, result.id)
         key = self.format_key(args, kwargs)
-        handle = self.options.spec.lock(key, label=label)
+        handle = self.options.spec.lock(key, label=label, raises=self.options.on_locked == RAISE)
         dedupe = self.options.dedupe
         claim = self.claim_of(key, label) if dedupe is not None else None
 

@@ -16,13 +16,13 @@ import redis
 from celery import Task, shared_task
 
 from django_keel_lock.contrib.celery import current_lock, locked_task
-from tests.support.celery_app import BROKER_URL, STORE
+from tests.support.celery_app import REDIS_URL, STORE
 
 KEY = "invoice:{run}:{invoice_id}"
 
 
 def provider() -> redis.Redis:
-    return redis.Redis.from_url(BROKER_URL)
+    return redis.Redis.from_url(REDIS_URL)
 
 
 def charges_key(run: str, invoice_id: int) -> str:

@@ -1,0 +1,171 @@
+"""What the core tells Prometheus and OpenTelemetry, when `KEEL_LOCK_METRICS` asks for them.
+
+`core.Lock` calls the one `recorder` at each step of an acquisition: acquired or refused,
+failed, renewed, ended (released, lost, expired) and forced free. Every surface goes through
+`core.Lock`, so each is measured alike. With metrics off (the default) `recorder` is None,
+the core's one check, and neither prometheus_client nor opentelemetry is imported.
+
+The setting is read when the app starts and again whenever it changes (`override_settings`);
+a backend whose package is missing is left out, and the system check E011 says so.
+
+Metrics show a lock's *name* (`Lock.name`: a surface's key template, `name=`, or the key
+normalised by `options.lock_name`), its store alias and bounded outcome words, never its key,
+owner or holder: a label's values must stay few.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+from django.core.exceptions import ImproperlyConfigured
+from django.core.signals import setting_changed
+from django.dispatch import receiver
+
+from .conf import METRIC_BACKENDS, conf
+
+if TYPE_CHECKING:
+    from .core import Lock
+
+__all__ = ["ACQUIRE_OUTCOMES", "ENDS", "LOST_REASONS", "RENEWAL_OUTCOMES", "Recorder", "load"]
+
+logger = logging.getLogger("django_keel_lock")
+
+#: How an acquire ended: taken; found held and not waited for (timeout 0); waited for and
+#: given up; the store failed (LockStoreUnavailable).
+ACQUIRE_OUTCOMES = ("acquired", "contended", "timeout", "error")
+#: How a held acquisition ended: released by its holder; found gone from the store while its
+#: ttl had time left (taken over, forced free, forgotten); run out of its ttl; forced free
+#: (counted by the process that forced it: `force_release`, `manage.py locks release`, admin).
+ENDS = ("released", "lost", "expired", "forced")
+#: Why a lock was lost: its ttl ran out with no extend confirmed; the store no longer had it;
+#: the watchdog reached max_hold; the watchdog could not reach the store before the ttl ran out.
+LOST_REASONS = ("expired", "gone", "max_hold", "unreachable")
+#: A watchdog extend: confirmed; it found the lock gone; no answer or a store error.
+RENEWAL_OUTCOMES = ("extended", "lost", "error")
+
+
+class Recorder:
+    """Receives what the core does with locks; a backend overrides what it shows.
+
+    `start` returns what the backend needs to finish the acquire (a span): the core passes
+    it back to exactly one of `acquired`, `refused` and `failed`. A backend without `traces`
+    is passed the monotonic time the acquire began instead: one call less on the hot path."""
+
+    #: Whether the core calls `start` (else `started` is the time the acquire began).
+    traces = True
+
+    def start(self, handle: Lock, timeout: float) -> Any:
+        return time.monotonic()
+
+    def acquired(self, handle: Lock, started: Any) -> None:
+        """The acquire that `start` began took the lock (`handle.fence` is its fence)."""
+
+    def refused(self, handle: Lock, started: Any, outcome: str) -> None:
+        """It did not: `outcome` is "contended" or "timeout"."""
+
+    def failed(self, handle: Lock, started: Any, error: BaseException) -> None:
+        """It raised `error` (LockStoreUnavailable: the store failed)."""
+
+    def ended(self, handle: Lock, end: str, seconds: float, reason: str | None) -> None:
+        """The acquisition held for `seconds` ended as `end` (one of ENDS); `reason` (one of
+        LOST_REASONS) when it was lost or expired."""
+
+    def renewal(self, handle: Lock, outcome: str) -> None:
+        """One watchdog extend of `handle`'s acquisition came back as `outcome`."""
+
+    def store_error(self, handle: Lock, operation: str) -> None:
+        """`operation` ("release", "extend") failed with LockStoreUnavailable."""
+
+    def forced(self, store: str, name: str, seconds: float | None) -> None:
+        """`force_release` freed a lock of `name` held for `seconds` (None: unknown)."""
+
+
+class _All(Recorder):
+    """Several backends at once (KEEL_LOCK_METRICS = ["prometheus", "otel"])."""
+
+    def __init__(self, recorders: list[Recorder]) -> None:
+        self.recorders = recorders
+        self.traces = True
+
+    def start(self, handle: Lock, timeout: float) -> Any:
+        return [each.start(handle, timeout) for each in self.recorders]
+
+    def acquired(self, handle: Lock, started: Any) -> None:
+        for each, state in zip(self.recorders, started, strict=True):
+            each.acquired(handle, state)
+
+    def refused(self, handle: Lock, started: Any, outcome: str) -> None:
+        for each, state in zip(self.recorders, started, strict=True):
+            each.refused(handle, state, outcome)
+
+    def failed(self, handle: Lock, started: Any, error: BaseException) -> None:
+        for each, state in zip(self.recorders, started, strict=True):
+            each.failed(handle, state, error)
+
+    def ended(self, handle: Lock, end: str, seconds: float, reason: str | None) -> None:
+        for each in self.recorders:
+            each.ended(handle, end, seconds, reason)
+
+    def renewal(self, handle: Lock, outcome: str) -> None:
+        for each in self.recorders:
+            each.renewal(handle, outcome)
+
+    def store_error(self, handle: Lock, operation: str) -> None:
+        for each in self.recorders:
+            each.store_error(handle, operation)
+
+    def forced(self, store: str, name: str, seconds: float | None) -> None:
+        for each in self.recorders:
+            each.forced(store, name, seconds)
+
+
+#: The recorder the core reports to; None while metrics are off.
+recorder: Recorder | None = None
+
+
+def _build(name: str) -> Recorder:
+    # The package first: our module may have been imported while the package still was.
+    import_module(METRIC_BACKENDS[name])
+    if name == "prometheus":
+        from .instruments import prometheus
+
+        return prometheus.recorder()
+    from .instruments import otel
+
+    return otel.OtelRecorder()
+
+
+def load() -> Recorder | None:
+    """(Re)read KEEL_LOCK_METRICS and make `recorder` what it asks for. A backend whose
+    package is missing, or a malformed setting, is logged and left out: the app still starts,
+    and `manage.py check` reports it (E011)."""
+    global recorder
+    try:
+        names = conf.METRICS
+    except ImproperlyConfigured as exc:
+        logger.error("metrics are off: %s", exc)
+        names = ()
+    built = []
+    for name in names:
+        try:
+            built.append(_build(name))
+        except ImportError as exc:
+            logger.error(
+                "KEEL_LOCK_METRICS names %r but %s cannot be imported (%s): pip install "
+                "'django-keel-lock[%s]'",
+                name,
+                METRIC_BACKENDS[name],
+                exc,
+                name,
+            )
+    recorder = None if not built else built[0] if len(built) == 1 else _All(built)
+    return recorder
+
+
+@receiver(setting_changed)
+def _on_setting_changed(setting: str, **kwargs: Any) -> None:
+    if setting == "KEEL_LOCK_METRICS":
+        load()
