@@ -46,6 +46,7 @@ from tests.support import ROOT
 from tests.support import celery_tasks as tasks
 from tests.support.celery_app import BROKERS, QUEUE, REDIS_URL, RUN_ID, STORE, app_for
 from tests.support.hidden import check_needs_extra
+from tests.support.workers import stop as _stop
 
 # -- in-process: an eager app on the per-process memory store ------------------------------
 
@@ -443,21 +444,6 @@ def _require(url: str, what: str) -> None:
     parts = urlsplit(url)
     default_port = 5672 if parts.scheme.startswith("amqp") else 6379
     require_reachable(parts.hostname or "127.0.0.1", parts.port or default_port, what)
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is not None:
-        return
-    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)  # the worker and its pool processes
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 @pytest.fixture(scope="module", params=list(BROKERS))
