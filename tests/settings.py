@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+from importlib.util import find_spec
 from urllib.parse import urlsplit
 
 CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
@@ -150,6 +151,21 @@ KEEL_LOCK_STORES = {
         },
     },
 }
+
+# Django Tasks (tests/test_tasks.py): Django 6's own, else the backport; the database backend's
+# table lives on PostgreSQL (tests.support.tasks_router), where its worker runs.
+_TASKS = "django.tasks" if find_spec("django.tasks") else "django_tasks"
+HAS_TASKS = _TASKS == "django.tasks" or find_spec("django_tasks") is not None
+HAS_TASKS_DB = HAS_TASKS and find_spec("django_tasks_db") is not None
+TASKS: dict[str, dict[str, object]] = {
+    "default": {"BACKEND": f"{_TASKS}.backends.immediate.ImmediateBackend"},
+    # Keeps what is enqueued and never runs it: a queue nobody consumes.
+    "dummy": {"BACKEND": f"{_TASKS}.backends.dummy.DummyBackend", "QUEUES": []},
+}
+if HAS_TASKS_DB:
+    INSTALLED_APPS.append("django_tasks_db")
+    TASKS["database"] = {"BACKEND": "django_tasks_db.DatabaseBackend", "QUEUES": []}
+    DATABASE_ROUTERS = ["tests.support.tasks_router.TasksOnPostgres"]
 
 LOGGING = {
     "version": 1,

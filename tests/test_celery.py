@@ -45,6 +45,8 @@ from tests.conftest import require_reachable
 from tests.support import ROOT
 from tests.support import celery_tasks as tasks
 from tests.support.celery_app import BROKERS, QUEUE, REDIS_URL, RUN_ID, STORE, app_for
+from tests.support.hidden import check_needs_extra
+from tests.support.workers import stop as _stop
 
 # -- in-process: an eager app on the per-process memory store ------------------------------
 
@@ -258,17 +260,8 @@ def test_auto_extend_keeps_the_lock_of_a_long_task_alive() -> None:
 
 def test_the_app_imports_and_sets_up_without_celery_installed(tmp_path: Path) -> None:
     """Celery is an optional extra: only contrib.celery may import it."""
-    hide = tmp_path / "sitecustomize.py"
-    hide.write_text(
-        "import sys\n"
-        "for name in ('celery', 'kombu', 'billiard'):\n"
-        "    sys.modules[name] = None  # import fails as if not installed\n"
-    )
-    script = """
-import importlib, pkgutil, django
-django.setup()
-import django_keel_lock
-skipped = []
+    others = """
+import importlib, pkgutil
 for info in pkgutil.walk_packages(django_keel_lock.__path__, "django_keel_lock."):
     if info.name == "django_keel_lock.contrib.celery":
         continue
@@ -277,27 +270,9 @@ for info in pkgutil.walk_packages(django_keel_lock.__path__, "django_keel_lock."
     except ImportError as exc:  # a module of another optional extra (redis)
         if "celery" in str(exc):
             raise
-        skipped.append(info.name)
-try:
-    import django_keel_lock.contrib.celery
-except ImportError as exc:
-    assert "django-keel-lock[celery]" in str(exc), exc
-else:
-    raise AssertionError("contrib.celery imported without celery")
-with django_keel_lock.lock("no-celery", store="memory") as held:
-    assert held.fence == 1
-print("ok", skipped)
 """
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]),
-        "DJANGO_SETTINGS_MODULE": "tests.settings",
-    }
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("ok")
+    hidden = ("celery", "kombu", "billiard")
+    check_needs_extra("django_keel_lock.contrib.celery", "celery", hidden, tmp_path, others)
 
 
 # -- dedupe, in-process: a broker nobody consumes, so a sent task stays queued ---------------
@@ -469,21 +444,6 @@ def _require(url: str, what: str) -> None:
     parts = urlsplit(url)
     default_port = 5672 if parts.scheme.startswith("amqp") else 6379
     require_reachable(parts.hostname or "127.0.0.1", parts.port or default_port, what)
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is not None:
-        return
-    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)  # the worker and its pool processes
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 @pytest.fixture(scope="module", params=list(BROKERS))

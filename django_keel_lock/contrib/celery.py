@@ -27,11 +27,10 @@ import dataclasses
 import functools
 import inspect
 import logging
-import math
 import types
 from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Any, Final, Literal, ParamSpec, TypeVar, cast
+from typing import Any, ParamSpec, TypeVar, cast
 
 try:
     from celery import Task, current_task
@@ -46,22 +45,34 @@ except ImportError as exc:  # pragma: no cover - exercised by a subprocess test
     ) from exc
 
 from ..core import Lock, force_release, restore_lock
-from ..durations import Duration, to_seconds
-from ..exceptions import AlreadyQueued, InvalidLockToken, LockError, LockStoreUnavailable
+from ..durations import Duration
+from ..exceptions import AlreadyQueued, InvalidLockToken
 from ..options import (
     DEFAULT_RETRY_DELAY,
     RAISE,
-    RETRY,
     SKIP,
     KeyTemplate,
-    LockSpec,
     OnLocked,
     OnLost,
-    check_on_locked,
     format_key,
     template_name,
 )
 from ..stores.base import LockInfo
+from .common import (
+    CLAIM_SUFFIX,
+    DEFAULT_RETRY_COUNTDOWN,
+    QUEUED,
+    Dedupe,
+    OnDuplicate,
+    TaskOptions,
+    call_holding,
+    claim_holder,
+    current_lock,
+    log_skipped,
+    take_claim,
+)
+from .common import extend_claim as _extend
+from .common import give_back as _give
 
 __all__ = [
     "CLAIM_HEADER",
@@ -78,37 +89,13 @@ logger = logging.getLogger("django_keel_lock.celery")
 P = ParamSpec("P")
 R = TypeVar("R")
 
-#: Seconds before a retry when the holder's remaining time is unknown (it just released).
-DEFAULT_RETRY_COUNTDOWN = 1.0
-_ON_LOCKED: tuple[OnLocked, ...] = (SKIP, RAISE, RETRY)
-
-_current: contextvars.ContextVar[Lock | None] = contextvars.ContextVar(
-    "django_keel_lock_task_lock", default=None
-)
-
-# -- dedupe: what a duplicate send finds ------------------------------------------------------
-#: Claim released when the task takes its run lock: one running and one queued at most.
-QUEUED: Final = "queued"
-#: Claim released when the task ends: one queued or running at most.
-UNTIL_DONE: Final = "until_done"
-Dedupe = Literal["queued", "until_done"]
-#: What a duplicate `.delay()` does: return the existing task's AsyncResult, or raise.
-RETURN: Final = "return"
-OnDuplicate = Literal["return", "raise"]
 #: The message header that carries a task's claim (a `Lock.serialize` token) to the worker.
 CLAIM_HEADER = "keel_lock_claim"
-#: The claim's key is the run lock's key and this: the two never meet in the store.
-CLAIM_SUFFIX = ":claim"
 
 # The claim the running task holds, which a retry of it hands on to its next message.
 _claim: contextvars.ContextVar[Lock | None] = contextvars.ContextVar(
     "django_keel_lock_task_claim", default=None
 )
-
-
-def current_lock() -> Lock | None:
-    """The lock the running `locked_task` holds (to pass its `fence` on), None outside one."""
-    return _current.get()
 
 
 def locked_task(
@@ -157,47 +144,38 @@ def locked_task(
     of the returned result frees it at once, of any other result when the worker discards the
     message. With `limit=N`, at most N are queued (or running) at once.
     """
-    check_on_locked(on_locked, _ON_LOCKED)
     # Fail where the task is defined, not in the worker on its first run.
-    spec = LockSpec.parse(
+    options = TaskOptions.parse(
         ttl=ttl,
+        on_locked=on_locked,
         timeout=timeout,
         retry_delay=retry_delay,
         store=store,
         holder=holder,
+        countdown=countdown,
         auto_extend=auto_extend,
         max_hold=max_hold,
         on_lost=on_lost,
         limit=limit,
+        dedupe=dedupe,
+        on_duplicate=on_duplicate,
+        dedupe_ttl=dedupe_ttl,
         name=template_name(key),
     )
-    if countdown is not None and on_locked != RETRY:
-        raise ValueError('countdown= only applies to on_locked="retry"')
-    fixed_countdown = (
-        None if countdown is None else to_seconds("countdown", countdown, allow_zero=True)
-    )
-    claim_ttl = _check_dedupe(dedupe, on_duplicate, dedupe_ttl)
 
     def decorate(fn: Callable[P, R]) -> Callable[P, R | None]:
-        wrapper = _wrap(fn, key, spec, on_locked, fixed_countdown, dedupe)
+        wrapper = _wrap(fn, key, options)
         if dedupe is None:
             return wrapper
-        rules = _Dedupe(dedupe, on_duplicate, claim_ttl, key, fn, spec)
-        return cast(Callable[P, R | None], _DedupedBody(wrapper, rules))
+        return cast(Callable[P, R | None], _DedupedBody(wrapper, _Dedupe(options, key, fn)))
 
     return decorate
 
 
-def _wrap(
-    fn: Callable[P, R],
-    key: KeyTemplate,
-    spec: LockSpec,
-    on_locked: OnLocked,
-    countdown: float | None,
-    dedupe: Dedupe | None = None,
-) -> Callable[P, R | None]:
-    """The task body `fn` run under a lock on `key` made from `spec` for each run; with
+def _wrap(fn: Callable[P, R], key: KeyTemplate, options: TaskOptions) -> Callable[P, R | None]:
+    """The task body `fn` run under a lock on `key` made as `options` say for each run; with
     `dedupe`, it also ends the claim its message brought (see `_Dedupe`)."""
+    spec, dedupe = options.spec, options.dedupe
     # Above the task decorator, the lock would wrap the task object in a plain function:
     # workers would run the registered task without the lock, and the name would lose
     # .delay(). The type, not isinstance(): isinstance() on shared_task's Proxy would
@@ -214,7 +192,7 @@ def _wrap(
         handle = spec.lock(
             format_key(key, fn, args, kwargs),
             label=_task_label(task),
-            raises=on_locked == RAISE or task is None,
+            raises=options.on_locked == RAISE or task is None,
         )
         claim = _claim_of(task) if dedupe is not None else None
 
@@ -224,11 +202,7 @@ def _wrap(
                     _give_back(claim)  # the work starts: the next send queues a new one
                 else:
                     _extend_claim(claim, claim.ttl)  # its dedupe_ttl counts from the start
-            token = _current.set(handle)
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                _current.reset(token)
+            return call_holding(handle, lambda: fn(*args, **kwargs))
 
         claimed = _claim.set(claim)
         handed_on = False
@@ -236,7 +210,7 @@ def _wrap(
             outcome = handle.run(body)
             if outcome.acquired:
                 return outcome.value
-            _refused(handle, task, on_locked, countdown)
+            _refused(handle, task, options)
             return None
         except Retry:
             handed_on = True  # the retry's message carries the claim (`_Dedupe.send`)
@@ -266,25 +240,16 @@ def _task_label(task: Task | None) -> str | None:
     return f"{task.name}[{getattr(task.request, 'id', None) or '?'}]"
 
 
-def _refused(handle: Lock, task: Task | None, on_locked: OnLocked, countdown: float | None) -> None:
+def _refused(handle: Lock, task: Task | None, options: TaskOptions) -> None:
     name = task.name if task is not None else "task"
     task_id = getattr(task.request, "id", None) if task is not None else None
-    if on_locked == SKIP:
-        info = handle.info()
-        logger.info(
-            "skipped %s[%s]: %s is held by %s",
-            name,
-            task_id,
-            handle.describe(),
-            f"{info.holder} (fence {info.fence}, {info.expires_in:.1f}s left)" if info else "?",
-        )
+    if options.on_locked == SKIP:
+        log_skipped(logger, f"{name}[{task_id}]", handle)
         return None
     error = handle.unavailable(f"{name}: ")
-    if on_locked == RAISE or task is None:
+    if options.on_locked == RAISE or task is None:
         raise error
-    if countdown is None:
-        remaining = handle.remaining_time()
-        countdown = max(1.0, float(math.ceil(remaining))) if remaining else DEFAULT_RETRY_COUNTDOWN
+    countdown = options.countdown_for(handle)
     retries, limit = getattr(task.request, "retries", 0) or 0, task.max_retries
     if limit is not None and retries >= limit:
         logger.info(
@@ -310,44 +275,13 @@ def _refused(handle: Lock, task: Task | None, on_locked: OnLocked, countdown: fl
 
 
 # -- dedupe ---------------------------------------------------------------------------------
-def _check_dedupe(
-    dedupe: object, on_duplicate: object, dedupe_ttl: Duration | None
-) -> float | None:
-    """The claim's ttl in seconds (None: the task's ttl); a bad value raises naming it."""
-    if dedupe not in (None, QUEUED, UNTIL_DONE):
-        raise ValueError(f'dedupe must be None, "queued" or "until_done", got {dedupe!r}')
-    if on_duplicate not in (RETURN, RAISE):
-        raise ValueError(f'on_duplicate must be "return" or "raise", got {on_duplicate!r}')
-    if dedupe is None and (on_duplicate != RETURN or dedupe_ttl is not None):
-        raise ValueError(
-            'on_duplicate= and dedupe_ttl= only apply with dedupe="queued" or "until_done"'
-        )
-    return None if dedupe_ttl is None else to_seconds("dedupe_ttl", dedupe_ttl)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Dedupe:
     """How a task with `dedupe=` is sent: a claim per key, taken before the message goes."""
 
-    mode: Dedupe
-    on_duplicate: OnDuplicate
-    ttl: float | None
+    options: TaskOptions
     key: KeyTemplate
     fn: Callable[..., Any]
-    spec: LockSpec
-
-    def claim(self, key: str, task_name: str, task_id: str) -> Lock:
-        """The handle on `key`'s claim for the task `task_id`; its holder names that task, so
-        a duplicate can return its AsyncResult (`_claimant` reads it back)."""
-        spec = dataclasses.replace(
-            self.spec,
-            ttl=self.spec.resolved_ttl() if self.ttl is None else self.ttl,
-            timeout=0.0,
-            holder=f"{task_name}[{task_id}]",
-            auto_extend=False,
-            max_hold=None,
-        )
-        return spec.lock(key + CLAIM_SUFFIX)
 
     def send(
         self,
@@ -371,8 +305,8 @@ class _Dedupe:
             return send(args, kwargs, task_id=task_id, headers=headers, **options)
         task_id = task_id or uuid()
         key = format_key(self.key, self.fn, (task, *(args or ())), dict(kwargs or {}))
-        claim = self.claim(key, task.name, task_id)
-        existing = _take(claim, task.name)
+        claim = self.options.claim(key, claim_holder(task.name, task_id))
+        existing = take_claim(claim, task.name)
         if existing is not None:
             return self._duplicate(task, key, claim, existing)
         headers[CLAIM_HEADER] = claim.serialize()
@@ -389,18 +323,13 @@ class _Dedupe:
         )
 
     def _duplicate(self, task: Task, key: str, claim: Lock, existing: LockInfo) -> AsyncResult:
-        task_id = _claimant(existing.holder, task.name)
-        state = "queued" if self.mode == QUEUED else "queued or running"
-        if task_id is None or self.on_duplicate == RAISE:
-            raise AlreadyQueued(
-                key,
-                task_id,
-                f"{task.name}: a task with key {key!r} is already {state} "
-                f"({task_id or existing.holder}); nothing was sent",
-            )
-        logger.info("not sending %s: %s[%s] with key %r is already %s", task.name, task.name,
-                    task_id, key, state)  # fmt: skip
-        return ClaimedResult(task_id, task, claim=(claim.key, claim.store_alias, existing.fence))
+        error = self.options.already_queued(task.name, key, existing)
+        if error.task_id is None or self.options.on_duplicate == RAISE:
+            raise error
+        logger.info("not sending %s: %s", task.name, error)
+        return ClaimedResult(
+            error.task_id, task, claim=(claim.key, claim.store_alias, existing.fence)
+        )
 
 
 class ClaimedResult(AsyncResult):  # type: ignore[misc]
@@ -480,29 +409,6 @@ class _DedupedBody:
         self._hooked = True
 
 
-def _take(claim: Lock, task_name: str) -> LockInfo | None:
-    """Take `claim`: None when taken, else the holder in the way (the newest, with several).
-    LockStoreUnavailable when the store cannot be reached: never a silent drop."""
-    for _ in range(5):
-        if claim.acquire():
-            return None
-        holders = claim.holders()
-        if holders:
-            return holders[-1]
-        # Released between the two calls: try again.
-    raise LockStoreUnavailable(
-        f"claim {claim.key!r} changed hands on every attempt; {task_name} was not sent"
-    )
-
-
-def _claimant(holder: str, task_name: str) -> str | None:
-    """The task id in a claim's holder `<task name>[<task id>]`, None if it is not one."""
-    prefix = f"{task_name}["
-    if holder.startswith(prefix) and holder.endswith("]"):
-        return holder[len(prefix) : -1] or None
-    return None
-
-
 def _claim_of(task: Task | None) -> Lock | None:
     """The claim the running task's message brought, if any."""
     token = _header(getattr(task, "request", None))
@@ -533,23 +439,11 @@ def _delay_of(options: dict[str, Any]) -> float:
 
 
 def _extend_claim(claim: Lock, seconds: float) -> bool:
-    """Make `claim` live `seconds` more; False (logged) when it is gone or unreachable: the
-    task goes on without it, and a duplicate may then be queued."""
-    try:
-        claim.extend(max(seconds, 0.001))
-        return True
-    except LockError as exc:
-        logger.warning("claim %r not kept: %s", claim.key, exc)
-        _give_back(claim)
-        return False
+    return _extend(claim, seconds, logger)
 
 
 def _give_back(claim: Lock) -> None:
-    """Release `claim` if still held; a store outage only logs: it expires at its ttl."""
-    try:
-        claim.release()
-    except LockStoreUnavailable as exc:
-        logger.warning("claim %r not released (%s); it expires in %gs", claim.key, exc, claim.ttl)
+    _give(claim, logger)
 
 
 def _free_claim_of_revoked(request: object = None, **_: Any) -> None:
