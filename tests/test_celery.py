@@ -700,6 +700,7 @@ def test_50_sends_while_the_first_is_queued_run_once_and_all_get_its_id(
     first = tasks.dedupe_queued.apply_async((run,), queue=parked.name)
     rest = [tasks.dedupe_queued.delay(run) for _ in range(49)]
     assert {result.id for result in rest} == {first.id}
+    assert all(result.duplicate for result in rest) and not first.duplicate
     assert parked.length() == 1
     assert worker.queue_length(QUEUE) == 0
     parked.consume()

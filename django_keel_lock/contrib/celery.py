@@ -328,14 +328,18 @@ class _Dedupe:
             raise error
         logger.info("not sending %s: %s", task.name, error)
         return ClaimedResult(
-            error.task_id, task, claim=(claim.key, claim.store_alias, existing.fence)
+            error.task_id,
+            task,
+            claim=(claim.key, claim.store_alias, existing.fence),
+            duplicate=True,
         )
 
 
 class ClaimedResult(AsyncResult):  # type: ignore[misc]
     """What `.delay()` of a task with `dedupe=` returns: an AsyncResult whose `revoke()` also
     frees the task's claim at once (a later send queues anew), not only when a worker
-    discards the revoked message."""
+    discards the revoked message. `duplicate` is True when nothing was sent: this is the task
+    queued before."""
 
     def __init__(
         self,
@@ -344,6 +348,7 @@ class ClaimedResult(AsyncResult):  # type: ignore[misc]
         *,
         claim: tuple[str, str, int],
         parent: AsyncResult | None = None,
+        duplicate: bool = False,
     ) -> None:
         super().__init__(
             task_id,
@@ -353,6 +358,7 @@ class ClaimedResult(AsyncResult):  # type: ignore[misc]
             parent=parent,
         )
         self.claim_key, self.claim_store, self.claim_fence = claim
+        self.duplicate = duplicate
 
     def revoke(self, *args: Any, **kwargs: Any) -> None:
         super().revoke(*args, **kwargs)

@@ -87,6 +87,13 @@ def charge_later(request: HttpRequest, pk: int) -> HttpResponse:
     except Exception as exc:  # the broker is down: say so instead of a 500
         messages.error(request, f"Could not queue the task ({type(exc).__name__}: {exc}).")
     else:
+        if getattr(result, "duplicate", False):  # a ClaimedResult of dedupe=
+            messages.info(
+                request,
+                f"A charge of {invoice} is queued already (task {result.id}): not sent again "
+                '(dedupe="queued").',
+            )
+            return redirect("index")
         messages.success(
             request,
             f"Queued charge of {invoice} as task {result.id}; a Celery worker runs it "
