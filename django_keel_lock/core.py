@@ -202,42 +202,21 @@ class Lock:
         wait, delay = self._wait_args(timeout, retry_delay)
         owner = self._begin()
         recorder = metrics.recorder  # None while metrics are off: their only cost then
-        if recorder is not None:
-            return self._acquire_measured(recorder, owner, wait, delay)
-        if wait <= 0:
-            sent = time.monotonic()
-            result = self._ask(owner, None, None)
-        else:
-            result, sent = self._wait(owner, wait, delay)
-        return self._took(owner, result, sent, wait)
-
-    def _acquire_measured(
-        self, recorder: metrics.Recorder, owner: str, wait: float, delay: float
-    ) -> bool:
-        """`acquire` with metrics on: the same steps, each told to `recorder`."""
-        started = recorder.start(self, wait) if recorder.traces else time.monotonic()
+        started: Any = None
         try:
             if wait <= 0:
                 sent = time.monotonic()
+                if recorder is not None:  # a span opens, or the wait is timed from `sent`
+                    started = recorder.start(self, wait) if recorder.traces else sent
                 result = self._ask(owner, None, None)
             else:
+                if recorder is not None:
+                    started = recorder.start(self, wait) if recorder.traces else time.monotonic()
                 result, sent = self._wait(owner, wait, delay)
         except BaseException as error:
-            recorder.failed(self, started, error)
+            if recorder is not None:
+                recorder.failed(self, started, error)
             raise
-        return self._took(owner, result, sent, wait, recorder, started)
-
-    def _took(
-        self,
-        owner: str,
-        result: AcquireResult,
-        sent: float,
-        wait: float,
-        recorder: metrics.Recorder | None = None,
-        started: Any = None,
-    ) -> bool:
-        """Settle a sync acquire's outcome (see `_finish`): give back a late grant, start the
-        watchdog, tell `recorder` (metrics on) what happened."""
         if not self._finish(owner, result, sent):
             if result.fence is not None:  # granted too late: give it back
                 try:
