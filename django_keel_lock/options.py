@@ -8,6 +8,7 @@ holders, and the key formatter the decorators share, live here too.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import re
@@ -295,7 +296,32 @@ class LockSpec:
         shared: object = False,
         name: object = None,
     ) -> LockSpec:
-        """Check and convert what a surface was given; a bad value raises naming it."""
+        """Check and convert what a surface was given; a bad value raises naming it.
+
+        A handle is often made per call with the same arguments (`with lock(key):`): the
+        spec they give is kept (it is frozen), keyed by the arguments and their types, so
+        True is not taken for 1 nor 0 for False."""
+        args: tuple[Any, ...] = (ttl, timeout, retry_delay, store, holder, auto_extend, max_hold)
+        args += (on_lost, limit, shared, name)
+        if cls is LockSpec and _hashable(args):
+            return _parsed(args, tuple(map(type, args)))
+        return cls._parse(*args)  # an unhashable argument (a bad one, or a callable's)
+
+    @classmethod
+    def _parse(
+        cls,
+        ttl: Duration | None,
+        timeout: Duration,
+        retry_delay: Duration,
+        store: object,
+        holder: str | None,
+        auto_extend: object,
+        max_hold: Duration | None,
+        on_lost: object,
+        limit: object,
+        shared: object,
+        name: object,
+    ) -> LockSpec:
         alias = check_store(store)
         if not isinstance(auto_extend, bool):
             raise TypeError(f"auto_extend must be True or False, got {auto_extend!r}")
@@ -319,8 +345,15 @@ class LockSpec:
         )
 
     def resolved_ttl(self) -> float:
-        """The ttl in seconds: the spec's own, else KEEL_LOCK_DEFAULT_TTL as it is now."""
-        return ttl_seconds(conf.DEFAULT_TTL) if self.ttl is None else self.ttl
+        """The ttl in seconds: the spec's own, else KEEL_LOCK_DEFAULT_TTL as it is now (the
+        setting's value is converted once per value it takes)."""
+        if self.ttl is not None:
+            return self.ttl
+        raw = conf.raw_default_ttl()
+        if raw is not _default_ttl[0]:
+            _default_ttl[:] = [raw, ttl_seconds(conf.DEFAULT_TTL)]
+        seconds: float = _default_ttl[1]
+        return seconds
 
     def holder_for(self, label: str | None = None) -> str:
         """The holder a handle gets: the spec's, else `<hostname>:<pid>` and `label` if any."""
@@ -337,3 +370,21 @@ class LockSpec:
         from .core import Lock  # core builds on this module
 
         return Lock.from_spec(key, self, label=label, raises=raises)
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed(args: tuple[Any, ...], types: tuple[type, ...]) -> LockSpec:
+    """`LockSpec._parse(*args)`, kept; `types` keeps 1 and True (equal, same hash) apart."""
+    return LockSpec._parse(*args)
+
+
+def _hashable(args: tuple[Any, ...]) -> bool:
+    try:
+        hash(args)
+    except TypeError:
+        return False
+    return True
+
+
+#: KEEL_LOCK_DEFAULT_TTL as last seen (the object itself) and its seconds.
+_default_ttl: list[Any] = [object(), 0.0]
