@@ -208,7 +208,7 @@ class Lock:
                 sent = time.monotonic()
                 if recorder is not None:  # a span opens, or the wait is timed from `sent`
                     started = recorder.start(self, wait) if recorder.traces else sent
-                result = self._ask(owner, None, None)
+                result = self._ask(owner, None, self._plain(None))
             else:
                 if recorder is not None:
                     started = recorder.start(self, wait) if recorder.traces else time.monotonic()
@@ -245,27 +245,24 @@ class Lock:
         )
         return wait, delay
 
-    def _request(
-        self, owner: str, deadline: float | None, last: AcquireResult | None
-    ) -> tuple[str, tuple[Any, ...]]:
-        """The store operation the next acquire attempt is (its name, its arguments), after
-        the attempt `last` (None: the first), waiting until `deadline` (None: no wait).
+    def _plain(self, last: AcquireResult | None) -> bool:
+        """Whether the next acquire attempt, after `last` (None: the first), is the store's
+        plain `acquire` (else `acquire_permit`).
 
         An exclusive lock asks as `acquire` does, the fast path, until it finds readers in
         its way; then, as a writer waiting for them, through `acquire_permit`, which keeps new
         readers out for as long as it waits."""
-        if self.mode is EXCLUSIVE and (last is None or last.held_as != "shared"):
-            return "acquire", (self.key, owner, self.holder, self.ttl)
-        wait = 0.0 if deadline is None else max(0.0, deadline - time.monotonic())
-        return "acquire_permit", (self.key, owner, self.holder, self.ttl, self.mode, wait)
+        return self.mode is EXCLUSIVE and (last is None or last.held_as != "shared")
 
-    def _ask(self, owner: str, deadline: float | None, last: AcquireResult | None) -> AcquireResult:
-        """One acquire attempt (see `_request`), checked (`_checked`)."""
-        if self.mode is EXCLUSIVE and last is None:  # the fast path, without the indirection
-            result = self._store.acquire(self.key, owner, self.holder, self.ttl)
+    def _ask(self, owner: str, deadline: float | None, plain: bool) -> AcquireResult:
+        """One acquire attempt (`plain` or not: see `_plain`), waiting as a writer until
+        `deadline` (None: no wait); checked (`_checked`)."""
+        store = self._store
+        if plain:
+            result = store.acquire(self.key, owner, self.holder, self.ttl)
         else:
-            name, args = self._request(owner, deadline, last)
-            result = getattr(self._store, name)(*args)
+            wait = _left(deadline)
+            result = store.acquire_permit(self.key, owner, self.holder, self.ttl, self.mode, wait)
         return result if result.held_as is None else self._checked(result)
 
     def _checked(self, result: AcquireResult) -> AcquireResult:
@@ -286,7 +283,7 @@ class Lock:
     def _pause(self, result: AcquireResult, retry_delay: float, left: float, plain: bool) -> float:
         """How long to wait after the refusal `result` of a `plain` acquire or not: not at all
         when an exclusive lock has just found readers (it asks again at once, as a writer who
-        waits, so that new readers stop coming in: see `_request`)."""
+        waits, so that new readers stop coming in: see `_plain`)."""
         if plain and self.mode is EXCLUSIVE and result.held_as == "shared":
             return 0.0
         return min(left, next_delay(retry_delay, result.retry_in, self._store.push_wakeups))
@@ -358,15 +355,15 @@ class Lock:
                 # that does not answer, so ask the store once ourselves: "held by someone else"
                 # must be the store's word, and an outage must reach every caller as one.
                 sent = time.monotonic()
-                return self._ask(owner, None, None), sent
+                return self._ask(owner, None, self._plain(None)), sent
             with store.watch(self.key) as waiter:
                 last: AcquireResult | None = None
                 self._attempts = 0
                 while True:
                     self._attempts += 1
                     sent = time.monotonic()
-                    plain = self._request(owner, deadline, last)[0] == "acquire"
-                    result = self._ask(owner, deadline, last)
+                    plain = self._plain(last)
+                    result = self._ask(owner, deadline, plain)
                     left = deadline - time.monotonic()
                     if result.fence is not None or left <= 0:
                         return result, sent
@@ -390,7 +387,7 @@ class Lock:
             started = recorder.start(self, wait) if recorder.traces else time.monotonic()
         try:
             if wait <= 0:
-                result, sent = await self._aattempt(owner, None, None)
+                result, sent = await self._aattempt(owner, None, self._plain(None))
             else:
                 result, sent = await self._await(owner, wait, delay)
         except BaseException as error:
@@ -416,13 +413,18 @@ class Lock:
         return True
 
     async def _aattempt(
-        self, owner: str, deadline: float | None, last: AcquireResult | None
+        self, owner: str, deadline: float | None, plain: bool
     ) -> tuple[AcquireResult, float]:
-        """One acquire attempt (see `_request`); if cancelled meanwhile, give back what it
-        took, then re-raise."""
-        name, args = self._request(owner, deadline, last)
+        """`_ask` for async code; if cancelled meanwhile, give back what it took, then
+        re-raise."""
+        store = self._store
         sent = time.monotonic()
-        future, cancelled = await to_the_end(getattr(self._store, "a" + name)(*args))
+        if plain:
+            call = store.aacquire(self.key, owner, self.holder, self.ttl)
+        else:
+            wait = _left(deadline)
+            call = store.aacquire_permit(self.key, owner, self.holder, self.ttl, self.mode, wait)
+        future, cancelled = await to_the_end(call)
         if cancelled is not None:
             if not future.cancelled() and future.exception() is None and future.result().acquired:
                 undo, _ = await to_the_end(self._arelease_op(self.key, owner))
@@ -434,7 +436,8 @@ class Lock:
                         self.ttl,
                     )
             raise cancelled
-        return self._checked(future.result()), sent
+        result = future.result()
+        return (result if result.held_as is None else self._checked(result)), sent
 
     async def _await(
         self, owner: str, timeout: float, retry_delay: float
@@ -453,7 +456,7 @@ class Lock:
         self._attempts = 1
         async with Turn.await_for(store, self.key, deadline) as mine:
             if not mine:  # ask the store once ourselves, as `_wait` does
-                return await self._aattempt(owner, None, None)
+                return await self._aattempt(owner, None, self._plain(None))
             # watch() starts the store's cross-process listener; the callback is how an
             # async waiter hears of releases: it cannot block on the Waiter's condition.
             with store.watch(self.key):
@@ -464,8 +467,8 @@ class Lock:
                     while True:
                         self._attempts += 1
                         woken.clear()  # before the attempt: a release right after counts
-                        plain = self._request(owner, deadline, last)[0] == "acquire"
-                        result, sent = await self._aattempt(owner, deadline, last)
+                        plain = self._plain(last)
+                        result, sent = await self._aattempt(owner, deadline, plain)
                         left = deadline - time.monotonic()
                         if result.fence is not None or left <= 0:
                             return result, sent
@@ -491,10 +494,8 @@ class Lock:
         if not self._held or self.owner is None:
             return False
         self._stop_renewal()
-        store = self._store
-        release = store.release if self.mode is EXCLUSIVE else store.release_permit
         try:
-            released = release(self.key, self.owner)
+            released = self._release_op(self.key, self.owner)
         except LockStoreUnavailable:
             self._store_error("release")
             raise
@@ -976,6 +977,11 @@ class LockOutcome(NamedTuple, Generic[T]):
 
     acquired: bool
     value: T | None
+
+
+def _left(deadline: float | None) -> float:
+    """Seconds until `deadline` (monotonic), 0 for None or past."""
+    return 0.0 if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def _kind_phrase(kind: str, *, article: bool = True) -> str:
