@@ -50,18 +50,24 @@ class MemoryLockStore(LockStore):
         now = time.monotonic()
         with self._mutex:
             entry = self._locks.get(key)
-            if entry is not None and entry.expires_at > now:
-                if entry.owner != owner:
-                    kind = PERMIT_OWNERS.get(entry.owner, "exclusive")
-                    return AcquireResult(None, entry.expires_at - now, kind)
-                # The same owner asking again gets its acquisition back, ttl renewed, as the
-                # contract asks of every store (there, a retry after a lost reply).
-                entry.expires_at = now + ttl
-                return AcquireResult(entry.fence)
-            fence = next(self._fences)
-            self._locks[key] = _Entry(owner, holder, fence, now, now + ttl)
-            if self._permits:  # an expired gate's permits expired with it
-                self._permits.pop(key, None)
+            if entry is not None and entry.expires_at > now and entry.owner != owner:
+                kind = PERMIT_OWNERS.get(entry.owner, "exclusive")
+                return AcquireResult(None, entry.expires_at - now, kind)
+            return self._take(key, entry, owner, holder, ttl, now)
+
+    def _take(
+        self, key: str, entry: _Entry | None, owner: str, holder: str, ttl: float, now: float
+    ) -> AcquireResult:
+        """Give `key` (its lock `entry`: free, expired or `owner`'s) to `owner`, under the
+        mutex. The same owner asking again gets its acquisition back, ttl renewed, as the
+        contract asks of every store (there, a retry after a lost reply)."""
+        if entry is not None and entry.owner == owner and entry.expires_at > now:
+            entry.expires_at = now + ttl
+            return AcquireResult(entry.fence)
+        fence = next(self._fences)
+        self._locks[key] = _Entry(owner, holder, fence, now, now + ttl)
+        if self._permits:  # an expired gate's permits expired with it
+            self._permits.pop(key, None)
         return AcquireResult(fence)
 
     def release(self, key: str, owner: str) -> bool:
@@ -111,13 +117,7 @@ class MemoryLockStore(LockStore):
             if plan.step is Step.TAKE:
                 if writer == owner:
                     del self._writers[key]
-                if entry is not None and entry.owner == owner and entry.expires_at > now:
-                    entry.expires_at = now + ttl
-                    return AcquireResult(entry.fence)
-                self._permits.pop(key, None)
-                fence = next(self._fences)
-                self._locks[key] = _Entry(owner, holder, fence, now, now + ttl)
-                return AcquireResult(fence)
+                return self._take(key, entry, owner, holder, ttl, now)
             if plan.step is Step.RENEW:
                 permit = permits[owner]
                 permit.expires_at = now + ttl
