@@ -198,6 +198,52 @@ def test_held_gauge_goes_up_and_down(prom: Callable[..., float], key: str) -> No
     assert prom("keel_lock_held", **labels) == 0
 
 
+def test_threads_count_apart_and_every_count_survives_its_thread(
+    prom: Callable[..., float], key: str
+) -> None:
+    """Each thread counts into series of its own: none is lost to a race, none when its thread
+    ends (the scrape folds it in), and a handle used by one thread after another counts in the
+    thread that uses it."""
+    name = word()
+    labels = {"store": "memory", "lock": name}
+    shared = lock(f"{key}:shared", store="memory", name=name)
+    go = threading.Barrier(8)
+    kept = []
+
+    def work(n: int) -> None:
+        go.wait()
+        for i in range(2_000):
+            handle = lock(f"{key}:{n}:{i % 7}", store="memory", name=name)
+            assert handle.acquire()
+            handle.release()
+        kept.append(lock(f"{key}:{n}:kept", store="memory", name=name))
+        assert kept[-1].acquire()  # still held when its thread has ended
+
+    def cycle() -> None:
+        assert shared.acquire()
+        shared.release()
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    assert prom("keel_lock_acquire_total", **labels, outcome="acquired") >= 0  # a scrape meanwhile
+    for thread in threads:
+        thread.join()
+    for _ in range(3):  # one handle, three threads in turn
+        mover = threading.Thread(target=cycle)
+        mover.start()
+        mover.join()
+    cycle()
+    for _ in range(2):  # folding the ended threads' series changes nothing shown
+        assert prom("keel_lock_acquire_total", **labels, outcome="acquired") == 16_012
+        assert prom("keel_lock_wait_seconds_count", **labels, outcome="acquired") == 16_012
+        assert prom("keel_lock_held_seconds_count", **labels, end="released") == 16_004
+        assert prom("keel_lock_held", **labels) == 8
+    for handle in kept:
+        handle.release()
+    assert prom("keel_lock_held", **labels) == 0
+
+
 def test_held_seconds_by_how_the_hold_ended(prom: Callable[..., float], key: str) -> None:
     name = word()
     labels = {"store": "memory", "lock": name}

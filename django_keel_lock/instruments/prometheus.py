@@ -10,10 +10,11 @@
 | keel_lock_renewals_total | counter | store, lock, outcome (metrics.RENEWAL_OUTCOMES) |
 | keel_lock_held | gauge | store, lock |
 
-In one process the numbers are kept here, each lock name's under a mutex of its own, and
-`collector()` (registered in prometheus_client's default REGISTRY) reads them at scrape time:
-one mutex per step of a lock instead of prometheus_client's one per sample keeps a
-memory-store cycle within 1.25x of one without metrics. With PROMETHEUS_MULTIPROC_DIR set
+In one process the numbers are kept here, and `collector()` (registered in prometheus_client's
+default REGISTRY) reads them at scrape time. Each thread counts into series of its own, so a
+step of a lock takes no mutex at all (prometheus_client takes one per sample): a series is
+written only by its thread, under the GIL, and read by the scrape, which folds the series of
+threads that ended into one that stays. With PROMETHEUS_MULTIPROC_DIR set
 (gunicorn workers, Celery prefork) each step writes prometheus_client's own metrics, whose
 files `MultiProcessCollector` sums; the gauge counts the live processes' holds ("livesum").
 """
@@ -62,7 +63,7 @@ _DOCS = {
 
 
 class _Histogram:
-    """One histogram's buckets (not cumulative) and sum; its series' mutex guards it."""
+    """One histogram's buckets (not cumulative) and sum."""
 
     __slots__ = ("bounds", "counts", "total")
 
@@ -85,39 +86,39 @@ class _Histogram:
 
 
 class _Series:
-    """One lock name's numbers in one store, in this process. Only histograms: an acquire
-    counter is its wait histogram's count, and the held gauge is the acquisitions less the
-    holds that ended, so each step of a lock updates one histogram."""
+    """One lock name's numbers in one store, counted by one thread. Only histograms: an
+    acquire counter is its wait histogram's count, and the held gauge is the acquisitions less
+    the holds that ended, so each step of a lock updates one histogram."""
 
-    __slots__ = ("held_for", "labels", "lost", "mutex", "renewals", "waits")
+    __slots__ = ("held_for", "labels", "lost", "renewals", "thread", "waits")
 
-    def __init__(self, store: str, lock: str) -> None:
+    def __init__(self, store: str, lock: str, thread: threading.Thread | None) -> None:
         self.labels = (store, lock)
-        self.mutex = threading.Lock()
+        self.thread = thread  # the only writer; None: the scrape's fold of ended threads
         self.waits = [_Histogram(WAIT_BUCKETS) for _ in ACQUIRE_OUTCOMES]
         self.held_for = [_Histogram(HELD_BUCKETS) for _ in ENDS]
         self.lost: dict[str, int] = {}
         self.renewals: dict[str, int] = {}
 
-    # The histogram updates are written out in the recorder's methods, with the mutex's
-    # acquire() and release() rather than `with`: both halve the cost of a step, and a lock
-    # cycle's budget for metrics is well under a microsecond.
     def observe(self, histogram: _Histogram, value: float) -> None:
-        self.mutex.acquire()
-        try:
-            histogram.counts[bisect_left(histogram.bounds, value)] += 1
-            histogram.total += value
-        finally:
-            self.mutex.release()
+        histogram.counts[bisect_left(histogram.bounds, value)] += 1
+        histogram.total += value
 
     def held(self) -> int:
         ended = sum(histogram.count for end, histogram in zip(ENDS, self.held_for, strict=True)
                     if end != "forced")  # fmt: skip
         return self.waits[_ACQUIRED].count - ended
 
-    def count(self, key: str, table: dict[str, int]) -> None:
-        with self.mutex:
-            table[key] = table.get(key, 0) + 1
+    def add(self, other: _Series) -> None:
+        """Take in the numbers of `other`, whose thread ended."""
+        for mine, theirs in zip(
+            (*self.waits, *self.held_for), (*other.waits, *other.held_for), strict=True
+        ):
+            mine.counts = [a + b for a, b in zip(mine.counts, theirs.counts, strict=True)]
+            mine.total += theirs.total
+        for table, more in ((self.lost, other.lost), (self.renewals, other.renewals)):
+            for key, count in more.items():
+                table[key] = table.get(key, 0) + count
 
 
 class _SharedSeries:
@@ -207,20 +208,58 @@ class _SharedMetrics:
         return _one_of(self.series, self.mutex, store, lock, make)
 
 
+class _Local(threading.local):
+    """Each thread's own series, by (store, lock). The dict's identity tells a handle's cached
+    series apart from another thread's (a thread id can be reused; this dict, cached, cannot)."""
+
+    def __init__(self) -> None:
+        self.series: dict[tuple[str, str], _Series] = {}
+
+
 class _Numbers(Collector):
     """Every series of this process, as Prometheus metric families at each scrape."""
 
     def __init__(self) -> None:
-        self.series: dict[tuple[str, str], _Series] = {}
+        #: Per (store, lock): the series of each thread that counted it, the first being the
+        #: fold of the threads that ended.
+        self.series: dict[tuple[str, str], list[_Series]] = {}
         self.store_errors: dict[tuple[str, str], int] = {}
         self.mutex = threading.Lock()
+        self.local = _Local()
 
     def get(self, store: str, lock: str) -> _Series:
-        return _one_of(self.series, self.mutex, store, lock, lambda: _Series(store, lock))
+        """The calling thread's series of (store, lock)."""
+        mine = self.local.series
+        found = mine.get((store, lock))
+        if found is None:
+            found = mine[store, lock] = _Series(store, lock, threading.current_thread())
+            with self.mutex:
+                self.series.setdefault((store, lock), [_Series(store, lock, None)]).append(found)
+        return found
 
     def store_error(self, store: str, operation: str) -> None:
         with self.mutex:
             self.store_errors[store, operation] = self.store_errors.get((store, operation), 0) + 1
+
+    def _gather(self) -> list[_Series]:
+        """One series per (store, lock): the sum of its threads' at this moment. The series of
+        threads that ended are folded into the first for good (nothing writes them now)."""
+        gathered = []
+        with self.mutex:
+            for (store, lock), every in self.series.items():
+                folded = every[0]
+                live = [folded]
+                for one in every[1:]:
+                    if one.thread is not None and one.thread.is_alive():
+                        live.append(one)
+                    else:
+                        folded.add(one)
+                every[:] = live
+                total = _Series(store, lock, None)
+                for one in live:
+                    total.add(one)
+                gathered.append(total)
+        return gathered
 
     def collect(self) -> Iterator[Metric]:
         series = ["store", "lock"]
@@ -242,27 +281,23 @@ class _Numbers(Collector):
             "keel_lock_store_errors", _DOCS["store_errors"], labels=["store", "operation"]
         )
         with self.mutex:
-            every = list(self.series.values())
             for (store, operation), count in self.store_errors.items():
                 errors.add_metric([store, operation], count)
-        for one in every:
-            with one.mutex:
-                labels = list(one.labels)
-                for name, histogram in zip(ACQUIRE_OUTCOMES, one.waits, strict=True):
-                    count = histogram.count
-                    acquire.add_metric([*labels, name], count)
-                    if count:
-                        wait.add_metric([*labels, name], histogram.buckets(), histogram.total)
-                for name, histogram in zip(ENDS, one.held_for, strict=True):
-                    if histogram.count:
-                        held_seconds.add_metric(
-                            [*labels, name], histogram.buckets(), histogram.total
-                        )
-                for reason, count in one.lost.items():
-                    lost.add_metric([*labels, reason], count)
-                for outcome, count in one.renewals.items():
-                    renewals.add_metric([*labels, outcome], count)
-                held.add_metric(labels, one.held())
+        for one in self._gather():
+            labels = list(one.labels)
+            for name, histogram in zip(ACQUIRE_OUTCOMES, one.waits, strict=True):
+                count = histogram.count
+                acquire.add_metric([*labels, name], count)
+                if count:
+                    wait.add_metric([*labels, name], histogram.buckets(), histogram.total)
+            for name, histogram in zip(ENDS, one.held_for, strict=True):
+                if histogram.count:
+                    held_seconds.add_metric([*labels, name], histogram.buckets(), histogram.total)
+            for reason, count in one.lost.items():
+                lost.add_metric([*labels, reason], count)
+            for outcome, count in one.renewals.items():
+                renewals.add_metric([*labels, outcome], count)
+            held.add_metric(labels, one.held())
         yield from (acquire, wait, held_seconds, lost, errors, renewals, held)
 
 
@@ -298,40 +333,40 @@ class LocalRecorder(Recorder):
     traces = False
 
     def _series(self, handle: Lock) -> _Series:
-        """The series of `handle`'s store and name, cached on the handle for this recorder
-        (the setting may change: then a new recorder)."""
+        """The calling thread's series of `handle`'s store and name, cached on the handle for
+        this recorder and thread (the setting may change: then a new recorder)."""
         cached = handle._meter
-        if cached is not None and cached[0] is self:
-            series: _Series = cached[1]
+        mine = _numbers.local.series
+        if cached is not None and cached[0] is self and cached[1] is mine:
+            series: _Series = cached[2]
             return series
         series = _numbers.get(handle.store_alias, handle.name)
-        handle._meter = (self, series)
+        handle._meter = (self, mine, series)
         return series
 
+    # `_series` and `_Series.observe` written out in the two steps of every cycle.
     def acquired(self, handle: Lock, started: Any) -> None:
-        cached = handle._meter  # `_series` and `_Series.observe` written out: the hot path
-        series = cached[1] if cached is not None and cached[0] is self else self._series(handle)
+        cached = handle._meter
+        if cached is not None and cached[0] is self and cached[1] is _numbers.local.series:
+            series = cached[2]
+        else:
+            series = self._series(handle)
         waited = time.monotonic() - started
         histogram = series.waits[_ACQUIRED]
-        series.mutex.acquire()
-        try:
-            histogram.counts[bisect_left(WAIT_BUCKETS, waited)] += 1
-            histogram.total += waited
-        finally:
-            series.mutex.release()
+        histogram.counts[bisect_left(WAIT_BUCKETS, waited)] += 1
+        histogram.total += waited
 
     def ended(self, handle: Lock, end: str, seconds: float, reason: str | None) -> None:
         cached = handle._meter
-        series = cached[1] if cached is not None and cached[0] is self else self._series(handle)
+        if cached is not None and cached[0] is self and cached[1] is _numbers.local.series:
+            series = cached[2]
+        else:
+            series = self._series(handle)
         histogram = series.held_for[_END[end]]
-        series.mutex.acquire()
-        try:
-            histogram.counts[bisect_left(HELD_BUCKETS, seconds)] += 1
-            histogram.total += seconds
-            if reason is not None:
-                series.lost[reason] = series.lost.get(reason, 0) + 1
-        finally:
-            series.mutex.release()
+        histogram.counts[bisect_left(HELD_BUCKETS, seconds)] += 1
+        histogram.total += seconds
+        if reason is not None:
+            series.lost[reason] = series.lost.get(reason, 0) + 1
 
     def refused(self, handle: Lock, started: Any, outcome: str) -> None:
         series = self._series(handle)
@@ -344,8 +379,8 @@ class LocalRecorder(Recorder):
             self.store_error(handle, "acquire")
 
     def renewal(self, handle: Lock, outcome: str) -> None:
-        series = self._series(handle)
-        series.count(outcome, series.renewals)
+        renewals = self._series(handle).renewals
+        renewals[outcome] = renewals.get(outcome, 0) + 1
         if outcome == "error":
             self.store_error(handle, "extend")
 
