@@ -1031,8 +1031,9 @@ def lock(
 
     `name` is what metrics and traces call the lock ("invoice" for "invoice:42"); without
     it they show the key with its digits, UUIDs and long hex as `*`."""
-    return Lock(
-        key,
+    # The spec, then the handle: not through Lock(...), whose keywords would be passed on
+    # once more (a quarter of making a handle).
+    spec = LockSpec.parse(
         ttl=ttl,
         timeout=timeout,
         retry_delay=retry_delay,
@@ -1044,6 +1045,7 @@ def lock(
         shared=shared,
         name=name,
     )
+    return Lock.from_spec(key, spec)
 
 
 def semaphore(
@@ -1067,8 +1069,7 @@ def semaphore(
     `limit` it was given: every caller of one key should pass the same limit."""
     if limit is None:
         raise TypeError("semaphore() needs limit=, the most holders at once (an int >= 1)")
-    return Lock(
-        key,
+    spec = LockSpec.parse(
         ttl=ttl,
         timeout=timeout,
         retry_delay=retry_delay,
@@ -1080,6 +1081,7 @@ def semaphore(
         limit=limit,
         name=name,
     )
+    return Lock.from_spec(key, spec)
 
 
 async def _call(fn: Callable[[], Any]) -> Any:

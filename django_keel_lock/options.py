@@ -8,7 +8,6 @@ holders, and the key formatter the decorators share, live here too.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import os
 import re
@@ -16,6 +15,9 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Literal
+
+from django.core.signals import setting_changed
+from django.dispatch import receiver
 
 from .conf import conf
 from .durations import Duration, to_seconds
@@ -87,11 +89,12 @@ def validate_key(key: object, store: LockStore | None = None) -> str:
         raise TypeError(f"key must be a str, got {type(key).__name__}")
     if not key:
         raise ValueError("key must be a non-empty string")
-    _check_printable("key", key)
-    try:
-        key.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"key must be encodable as UTF-8 ({exc.reason})") from None
+    if not (key.isascii() and key.isprintable()):  # else neither test below can fail
+        _check_printable("key", key)
+        try:
+            key.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"key must be encodable as UTF-8 ({exc.reason})") from None
     limit = store.max_key_length if store is not None else None
     if limit is not None and len(key) > limit:
         raise ValueError(
@@ -193,8 +196,19 @@ def template_name(template: object) -> str | None:
 
 # -- holders --------------------------------------------------------------------------------
 def default_holder() -> str:
-    """`<hostname>:<pid>`, computed now so a forked child names itself."""
-    return f"{_HOSTNAME}:{os.getpid()}"
+    """`<hostname>:<pid>`: a forked child names itself (see `_forked`)."""
+    return _holder[0]
+
+
+#: `default_holder()`, made again in a forked child.
+_holder = [f"{_HOSTNAME}:{os.getpid()}"]
+
+
+def _forked() -> None:
+    _holder[0] = f"{_HOSTNAME}:{os.getpid()}"
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def labelled_holder(label: str) -> str:
@@ -303,9 +317,20 @@ class LockSpec:
         True is not taken for 1 nor 0 for False."""
         args: tuple[Any, ...] = (ttl, timeout, retry_delay, store, holder, auto_extend, max_hold)
         args += (on_lost, limit, shared, name)
-        if cls is LockSpec and _hashable(args):
-            return _parsed(args, tuple(map(type, args)))
-        return cls._parse(*args)  # an unhashable argument (a bad one, or a callable's)
+        if cls is not LockSpec:
+            return cls._parse(*args)
+        known = (args, tuple(map(type, args)))
+        try:
+            return _parsed[known]
+        except KeyError:
+            pass
+        except TypeError:  # an unhashable argument (a bad one, or a callable's)
+            return cls._parse(*args)
+        spec = cls._parse(*args)
+        if len(_parsed) >= PARSED_KEPT:
+            _parsed.clear()  # a program makes a few kinds of handle: a rare reset
+        _parsed[known] = spec
+        return spec
 
     @classmethod
     def _parse(
@@ -345,15 +370,14 @@ class LockSpec:
         )
 
     def resolved_ttl(self) -> float:
-        """The ttl in seconds: the spec's own, else KEEL_LOCK_DEFAULT_TTL as it is now (the
-        setting's value is converted once per value it takes)."""
+        """The ttl in seconds: the spec's own, else KEEL_LOCK_DEFAULT_TTL as it is now (read
+        and converted once each time the setting changes: reading a setting that is not set
+        costs Django an exception, a microsecond a handle)."""
         if self.ttl is not None:
             return self.ttl
-        raw = conf.raw_default_ttl()
-        if raw is not _default_ttl[0]:
-            _default_ttl[:] = [raw, ttl_seconds(conf.DEFAULT_TTL)]
-        seconds: float = _default_ttl[1]
-        return seconds
+        if not _default_ttl:
+            _default_ttl.append(ttl_seconds(conf.DEFAULT_TTL))
+        return _default_ttl[0]
 
     def holder_for(self, label: str | None = None) -> str:
         """The holder a handle gets: the spec's, else `<hostname>:<pid>` and `label` if any."""
@@ -372,19 +396,17 @@ class LockSpec:
         return Lock.from_spec(key, self, label=label, raises=raises)
 
 
-@functools.lru_cache(maxsize=256)
-def _parsed(args: tuple[Any, ...], types: tuple[type, ...]) -> LockSpec:
-    """`LockSpec._parse(*args)`, kept; `types` keeps 1 and True (equal, same hash) apart."""
-    return LockSpec._parse(*args)
+#: Specs parsed, by their arguments and the arguments' types (which keep 1 and True, equal
+#: and of one hash, apart); at most PARSED_KEPT of them.
+_parsed: dict[tuple[tuple[Any, ...], tuple[type, ...]], LockSpec] = {}
+PARSED_KEPT = 256
 
 
-def _hashable(args: tuple[Any, ...]) -> bool:
-    try:
-        hash(args)
-    except TypeError:
-        return False
-    return True
+#: KEEL_LOCK_DEFAULT_TTL in seconds once read; emptied whenever the setting changes.
+_default_ttl: list[float] = []
 
 
-#: KEEL_LOCK_DEFAULT_TTL as last seen (the object itself) and its seconds.
-_default_ttl: list[Any] = [object(), 0.0]
+@receiver(setting_changed)
+def _on_setting_changed(setting: str, **kwargs: Any) -> None:
+    if setting == "KEEL_LOCK_DEFAULT_TTL":
+        _default_ttl.clear()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from datetime import timedelta
 
 import pytest
@@ -277,6 +278,23 @@ def test_derived_holders_escape_control_characters() -> None:
         handle = spec.lock("k", label="GET \x1b[2J\nspoofed")
     assert "\x1b" not in handle.holder and "\n" not in handle.holder
     assert handle.holder.endswith("GET \\x1b[2J\\nspoofed")
+
+
+def test_a_forked_child_names_itself_in_the_default_holder() -> None:
+    parent = lock("k", store="memory").holder
+    assert parent.endswith(f":{os.getpid()}")
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report its handle's holder, then leave without cleanup
+        try:
+            os.write(write, lock("k", store="memory").holder.encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    with os.fdopen(read, "rb") as pipe:
+        child = pipe.read().decode()
+    assert child == parent.rsplit(":", 1)[0] + f":{pid}"
 
 
 @pytest.mark.parametrize("ttl", [1e-300, 0.0009, "0.5ms"])
