@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import os
 import subprocess
@@ -55,15 +56,21 @@ def _until(condition: Any, what: str, seconds: float = 30) -> None:
         time.sleep(0.01)
 
 
-def _wait_in_child(alias: str, key: str, limit: int, retry_delay: float, out: Connection) -> None:
-    """In a forked child: wait for `key` (a semaphore of `limit` permits if `limit`), say when
-    it was acquired and whether the store could hang bells, then release."""
+def _wait_in_child(
+    alias: str, key: str, limit: int, retry_delay: float, awaits: bool, out: Connection
+) -> None:
+    """In a forked child: wait for `key` (a semaphore of `limit` permits if `limit`; in an
+    event loop if `awaits`), say when it was acquired and whether the store could hang bells,
+    then release."""
     handle = (
         semaphore(key, limit=limit, ttl=30, store=alias)
         if limit
         else lock(key, ttl=30, store=alias)
     )
-    acquired = handle.acquire(timeout=30, retry_delay=retry_delay)
+    if awaits:
+        acquired = asyncio.run(handle.aacquire(timeout=30, retry_delay=retry_delay))
+    else:
+        acquired = handle.acquire(timeout=30, retry_delay=retry_delay)
     at = time.monotonic()
     store = get_lock_store(alias)
     out.send({"acquired": acquired, "at": at, "bells": store.push_possible})  # type: ignore[attr-defined]
@@ -73,11 +80,12 @@ def _wait_in_child(alias: str, key: str, limit: int, retry_delay: float, out: Co
 
 @contextmanager
 def waiting_child(
-    alias: str, key: str, *, limit: int = 0, retry_delay: float = POLL
+    alias: str, key: str, *, limit: int = 0, retry_delay: float = POLL, awaits: bool = False
 ) -> Iterator[tuple[Any, Connection]]:
     """A forked child waiting for `key`; (the process, the end it reports on)."""
     ours, theirs = FORK.Pipe()
-    child = FORK.Process(target=_wait_in_child, args=(alias, key, limit, retry_delay, theirs))
+    args = (alias, key, limit, retry_delay, awaits, theirs)
+    child = FORK.Process(target=_wait_in_child, args=args)
     child.start()
     try:
         yield child, ours
@@ -96,10 +104,13 @@ def _released_then_acquired(holder: Any, report: Connection) -> float:
     return float(result["at"] - released_at)
 
 
-def test_a_waiter_in_another_process_acquires_as_soon_as_the_lock_is_released(key: str) -> None:
+@pytest.mark.parametrize("awaits", [False, True], ids=["acquire", "aacquire"])
+def test_a_waiter_in_another_process_acquires_as_soon_as_the_lock_is_released(
+    awaits: bool, key: str
+) -> None:
     holder = lock(key, ttl=30, store="sqlite")
     assert holder.acquire()
-    with waiting_child("sqlite", key) as (_, report):
+    with waiting_child("sqlite", key, awaits=awaits) as (_, report):
         _until(lambda: _hung("sqlite", key), "the child's bell")
         time.sleep(0.3)  # its first attempt was refused: it sleeps on its 5 s poll
         assert lock(f"{key}:other", store="sqlite").run(lambda: None)[0]  # rings nobody there

@@ -290,12 +290,12 @@ class DoorbellListener(ReleaseListener):
         bell, self._bell = self._bell, None
         if bell is None:
             return
-        bell.close()
         _LISTENERS.discard(self)
         if unhang and self.bell_name is not None:
             for key_digest in list(self._keys):
                 self.bells.unhang(key_digest, self.bell_name)
             _remove(self._path)
+        bell.close()
 
 
 _LISTENERS: weakref.WeakSet[DoorbellListener] = weakref.WeakSet()
