@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -228,14 +229,19 @@ def test_a_database_whose_path_is_too_long_for_a_socket_rings_bells_in_the_temp_
         root = _bells(alias).root
         holder = lock(key, ttl=30, store=alias)
         assert holder.acquire()
-        with waiting_child(alias, key) as (_, report):
-            _until(lambda: _hung(alias, key), "the child's bell")
-            time.sleep(0.3)
-            bell = os.readlink(
-                os.path.join(_bells(alias).key_dir(digest(key)), _hung(alias, key)[0])
-            )
-            assert len(bell) <= SUN_PATH_MAX and not bell.startswith(root)
-            assert _released_then_acquired(holder, report) < WOKEN_WITHIN
+        bell = ""
+        try:
+            with waiting_child(alias, key) as (_, report):
+                _until(lambda: _hung(alias, key), "the child's bell")
+                time.sleep(0.3)
+                bell = os.readlink(
+                    os.path.join(_bells(alias).key_dir(digest(key)), _hung(alias, key)[0])
+                )
+                assert len(bell) <= SUN_PATH_MAX and not bell.startswith(root)
+                assert _released_then_acquired(holder, report) < WOKEN_WITHIN
+        finally:
+            if bell:  # outside tmp_path: the killed child's bell is left there
+                shutil.rmtree(os.path.dirname(bell), True)
 
 
 @pytest.mark.parametrize("name", [":memory:", "file:keel_bells_memory?mode=memory&cache=shared"])
