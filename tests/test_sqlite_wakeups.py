@@ -19,12 +19,13 @@ from typing import Any
 import pytest
 from django.conf import settings
 from django.core.management import call_command
-from django.db import connections
+from django.db import connections, transaction
 from django.test import override_settings
 
 from django_keel_lock import get_lock_store, lock, semaphore
 from django_keel_lock.stores import DatabaseLockStore
 from django_keel_lock.stores.database.doorbells import SUN_PATH_MAX, Doorbells, digest
+from tests.testapp.models import Invoice
 
 from .conftest import database_like
 from .support import ROOT
@@ -286,3 +287,25 @@ def test_a_new_listener_sweeps_away_the_bells_of_dead_processes(key: str) -> Non
         sweeper.close()
         holder.release()
     assert not os.path.exists(os.path.join(root, dead[0]))
+
+
+@pytest.mark.django_db(transaction=True)  # writes rows in a real transaction (flushed after)
+def test_a_release_inside_the_callers_transaction_rings_and_the_waiter_gets_in_at_the_commit(
+    key: str,
+) -> None:
+    holder = lock(key, ttl=30, store="sqlite")
+    assert holder.acquire()
+    with waiting_child("sqlite", key) as (_, report):
+        _until(lambda: _hung("sqlite", key), "the child's bell")
+        time.sleep(0.3)
+        with transaction.atomic():
+            Invoice.objects.create()
+            assert holder.release()  # joins the transaction: the others see it at the commit
+            assert not report.poll(0.5), "the release was seen before the commit"
+            committing_at = time.monotonic()
+        assert report.poll(30), "the child never acquired"
+        result = report.recv()
+    assert result["acquired"] is True
+    # Rung before the commit, its attempt waited for it in SQLite's busy handler (which
+    # sleeps up to 100 ms at a time), not for its 5 s poll.
+    assert 0 < result["at"] - committing_at < 1.0
