@@ -155,6 +155,42 @@ def advisory_handoff(rounds: int) -> list[float]:
     return samples
 
 
+def _flock_waiter(path: str, pipe: Connection) -> None:
+    import fcntl
+
+    with open(path, "a") as file:  # its own open file: flock locks belong to one
+        while pipe.recv() == "go":
+            fcntl.flock(file, fcntl.LOCK_EX)
+            returned = time.monotonic()
+            fcntl.flock(file, fcntl.LOCK_UN)
+            pipe.send(returned)
+
+
+def flock_handoff(rounds: int) -> list[float]:
+    """The kernel's own blocking handoff between two processes of one machine (fcntl.flock),
+    the floor for SQLite's."""
+    import fcntl
+    import tempfile
+
+    path = os.path.join(tempfile.gettempdir(), f"keel-lock-bench-{os.getpid()}.flock")
+    parent, child = multiprocessing.Pipe()
+    proc = multiprocessing.get_context("fork").Process(target=_flock_waiter, args=(path, child))
+    proc.daemon = True
+    proc.start()
+    samples = []
+    with open(path, "a") as file:
+        for _ in range(rounds):
+            fcntl.flock(file, fcntl.LOCK_EX)
+            parent.send("go")
+            time.sleep(0.03)
+            released = time.monotonic()
+            fcntl.flock(file, fcntl.LOCK_UN)
+            samples.append((parent.recv() - released) * 1000)
+    parent.send("stop")
+    os.unlink(path)
+    return samples
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seconds", type=float, default=3.0, help="per cycles/s measurement")
@@ -192,6 +228,9 @@ def main() -> None:
             ]
         )
         rows.append(["3-statement recipe (pg)", results["recipe"], "-", "-"])
+    if "sqlite" in aliases:
+        handoff = flock_handoff(args.rounds)
+        rows.append(["fcntl.flock (kernel)", "-", percentile(handoff, 50), percentile(handoff, 90)])
     print_table(["lock", "cycles/s", "handoff p50 ms", "handoff p90 ms"], rows)
     if "recipe" in results and "postgres" in results:
         print(

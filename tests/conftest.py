@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import tempfile
 import uuid
@@ -91,6 +92,8 @@ def django_db_setup(django_test_environment: Any, django_db_blocker: Any) -> Ite
     reset_stores()
     with django_db_blocker.unblock():
         teardown_databases(config, verbosity=0)
+    # The SQLite test database's doorbells (stores.database.doorbells) go with it.
+    shutil.rmtree(f"{settings.DATABASES['default']['TEST']['NAME']}.keel-bells", True)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -12,11 +12,14 @@
   (see `LockStore.acquire_permit`). On PostgreSQL each permit operation is one call of a
   function of migration 0003, by the same libpq path; elsewhere one transaction that
   `database.permits` decides.
+- Other processes' waiters hear of releases through PostgreSQL's LISTEN/NOTIFY (`listener`)
+  or, on SQLite, the doorbells beside the database file (`doorbells`).
 - The SQL itself is each vendor's dialect (`dialects`).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import suppress
 from typing import Any, TypeVar, cast
@@ -27,9 +30,10 @@ from django.db import connections
 from ...exceptions import LockStoreUnavailable
 from ..base import PERMIT_OWNERS, AcquireResult, Kind, LockInfo, LockStore, Mode
 from ..connections import Deadline, PerThread, SocketCheck, socket_timeout_option
-from ..wakeups import ListeningStore
+from ..wakeups import ListeningStore, ReleaseListener
 from .dialects import DIALECTS, Dialect
 from .dialects.postgresql import is_psycopg3
+from .doorbells import DoorbellListener, Doorbells
 from .libpq import PreparedStatements, Row, Statement
 from .listener import PostgresListener
 from .permits import Transaction
@@ -55,7 +59,7 @@ class DatabaseLockStore(ListeningStore, LockStore):
 
     max_key_length = 255
     option_names = frozenset({"DATABASE", "DURABLE", "SOCKET_TIMEOUT"})
-    listener_class = PostgresListener  # for the dialects that push releases
+    listener_class = PostgresListener  # for the dialects that push releases (SQLite: new_listener)
 
     @staticmethod
     def database_option(options: Mapping[str, Any]) -> Any:
@@ -73,7 +77,10 @@ class DatabaseLockStore(ListeningStore, LockStore):
         self.durable = bool(self.options.get("DURABLE", True))
         self.socket_timeout = socket_timeout_option(alias, self.options)
         self._threads: PerThread[_ThreadConnection] = PerThread(_close_connection)
-        self.push_possible = True  # False once the driver turned out to have no LISTEN (psycopg2)
+        # False once the driver turned out to have no LISTEN (psycopg2), or SQLite's doorbells
+        # could not be set up.
+        self.push_possible = True
+        self._doorbells: Doorbells | None = None
 
     # -- connections ----------------------------------------------------------------------
     def _connection_settings(self) -> dict[str, Any]:
@@ -357,7 +364,7 @@ class DatabaseLockStore(ListeningStore, LockStore):
         )
         released = count > 0
         if released:
-            self.wake_board.wake(key)
+            self._announce(key)
         return released
 
     def extend(self, key: str, owner: str, ttl: float) -> bool:
@@ -407,7 +414,7 @@ class DatabaseLockStore(ListeningStore, LockStore):
                 key=key,
             )
         if released:
-            self.wake_board.wake(key)
+            self._announce(key)
         return released
 
     def extend_permit(self, key: str, owner: str, ttl: float) -> bool:
@@ -495,7 +502,39 @@ class DatabaseLockStore(ListeningStore, LockStore):
 
     # -- wake-ups -------------------------------------------------------------------------
     def _listens(self) -> bool:
-        return self.push_possible and self.dialect.pushes_releases
+        return self.push_possible and (self.dialect.pushes_releases or self.doorbells() is not None)
+
+    @property
+    def push_wakeups(self) -> bool:
+        # A doorbell's ring may be missed: waiters woken by them still poll.
+        return self.dialect.pushes_releases and self.listener_ready()
+
+    def new_listener(self) -> ReleaseListener:
+        if self.dialect.rings_doorbells:
+            return DoorbellListener(self)
+        return super().new_listener()
+
+    def doorbells(self) -> Doorbells | None:
+        """Where this machine's processes waiting on this store hang their doorbells (SQLite on
+        a file: see `database.doorbells`); None where there are none."""
+        if not self.dialect.rings_doorbells:
+            return None
+        name = connections[self.database].settings_dict["NAME"]
+        bells = self._doorbells
+        if bells is None or bells.name != name:  # the test runner renames the database
+            bells = self._doorbells = Doorbells.of(name)
+        return bells
+
+    def _announce(self, key: str) -> None:
+        """A release of `key` happened: wake its waiters in this process, and ring the
+        doorbells of the others'."""
+        self.wake_board.wake(key)
+        bells = self.doorbells()
+        if bells is not None:
+            listener, own = self._listener, None
+            if isinstance(listener, DoorbellListener) and listener.pid == os.getpid():
+                own = listener.bell_name
+            bells.ring(key, skip=own)
 
     def close(self) -> None:
         self.stop_listener()

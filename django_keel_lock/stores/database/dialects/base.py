@@ -50,6 +50,9 @@ class Dialect:
     #: Whether releases reach other processes' waiters through the store's listener
     #: (PostgreSQL's LISTEN/NOTIFY); without it they poll.
     pushes_releases = False
+    #: Whether a release rings the doorbells of this machine's other waiting processes (see
+    #: `database.doorbells`): they look at once, and still poll, since a ring may be missed.
+    rings_doorbells = False
 
     def remaining(self, column: str) -> str:
         return self.remaining_template.format(column=column)

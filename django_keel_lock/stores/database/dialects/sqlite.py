@@ -15,6 +15,7 @@ class SQLiteDialect(Dialect):
     """SQLite serialises writers, so MAX(fence) + 1 inside the upsert is race-free."""
 
     vendor = "sqlite"
+    rings_doorbells = True
     _now = "strftime('%Y-%m-%d %H:%M:%f', 'now')"
     remaining_template = "(julianday({column}) - julianday('now')) * 86400.0"
     _remaining = remaining_template.format(column="expires_at")
