@@ -377,8 +377,11 @@ class ListeningStore:
             listener = self._listener
             if listener is None or not listener.usable_here:
                 self.wake_board.watched_hook = self._watched
-                self._listener = self.listener_class(self)
+                self._listener = self._new_listener()
                 self._listener.start()
+
+    def _new_listener(self) -> ReleaseListener:
+        return self.listener_class(self)
 
     def _watched(self, key: str, watched: bool) -> None:
         listener = self._listener

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import suppress
 from typing import Any, TypeVar, cast
@@ -27,12 +28,14 @@ from django.db import connections
 from ...exceptions import LockStoreUnavailable
 from ..base import PERMIT_OWNERS, AcquireResult, Kind, LockInfo, LockStore, Mode
 from ..connections import Deadline, PerThread, SocketCheck, socket_timeout_option
-from ..wakeups import ListeningStore
+from ..wakeups import ListeningStore, ReleaseListener
 from .dialects import DIALECTS, Dialect
 from .dialects.postgresql import is_psycopg3
 from .libpq import PreparedStatements, Row, Statement
-from .listener import PostgresListener
+from .listener import MariaDBListener, PostgresListener
 from .permits import Transaction
+
+logger = logging.getLogger("django_keel_lock")
 
 PAGE_SIZE = 1000
 PRUNE_BATCH = 1000
@@ -55,7 +58,7 @@ class DatabaseLockStore(ListeningStore, LockStore):
 
     max_key_length = 255
     option_names = frozenset({"DATABASE", "DURABLE", "SOCKET_TIMEOUT"})
-    listener_class = PostgresListener  # for the dialects that push releases
+    listener_class = PostgresListener  # PostgreSQL's; MariaDB has its own (see _new_listener)
 
     @staticmethod
     def database_option(options: Mapping[str, Any]) -> Any:
@@ -352,13 +355,56 @@ class DatabaseLockStore(ListeningStore, LockStore):
         )
 
     def release(self, key: str, owner: str) -> bool:
-        _, count = self._execute(
-            [(self.dialect.release_sql, (key, owner))], hot=True, idempotent=False, key=key
-        )
-        released = count > 0
-        if released:
-            self.wake_board.wake(key)
+        dialect = self.dialect
+        if not dialect.ring_sql:
+            _, count = self._execute(
+                [(dialect.release_sql, (key, owner))], hot=True, idempotent=False, key=key
+            )
+            released = count > 0
+            if released:
+                self.wake_board.wake(key)
+            return released
+
+        def work(cursor: Any, libpq: Any, database: Any) -> tuple[bool, bool]:
+            cursor.execute(dialect.release_sql, (key, owner))
+            return cursor.rowcount > 0, dialect.released_waiting(cursor)
+
+        released, waited = self._run(work, idempotent=False, key=key)
+        self._released(key, released, waited)
         return released
+
+    def _released(self, key: str, released: bool, waited: bool) -> None:
+        """Wake this process's waiters for `key`, and ring its doorbell for other processes'
+        if someone was refused it (see `Dialect.ring_sql`)."""
+        if not released:
+            return
+        self.wake_board.wake(key)
+        if waited and self.dialect.ring_sql:
+            self._ring(key)
+
+    def _ring(self, key: str) -> None:
+        """Interrupt the nap of every other listener subscribed to `key`. A failure is only
+        logged: the release went through, and a lost ring costs its waiters one poll."""
+        dialect = self.dialect
+        listener = self._listener
+        mine = getattr(listener, "connection_id", None) if listener is not None else None
+
+        def work(cursor: Any, libpq: Any, database: Any) -> None:
+            cursor.execute(dialect.ring_sql, dialect.bell_names(key))
+            for listening in cursor.fetchall()[0]:
+                if listening is None or int(listening) == mine:
+                    continue
+                try:
+                    cursor.execute(dialect.kill_sql, (int(listening),))
+                except database.OperationalError as exc:
+                    if exc.args[0] not in dialect.kill_refusals:
+                        raise
+                    logger.debug("lock store %r cannot ring %r: %s", self.alias, key, exc)
+
+        try:
+            self._run(work, key=key)
+        except LockStoreUnavailable as exc:
+            logger.debug("lock store %r: ringing for %r failed: %s", self.alias, key, exc)
 
     def extend(self, key: str, owner: str, ttl: float) -> bool:
         dialect = self.dialect
@@ -399,15 +445,14 @@ class DatabaseLockStore(ListeningStore, LockStore):
             rows, _ = self._execute(
                 [(dialect.release_permit_sql, (key, owner))], hot=True, idempotent=False, key=key
             )
-            released = bool(int(rows[0][0]))
+            released, waited = bool(int(rows[0][0])), False  # the function NOTIFYs itself
         else:
-            released = self._transaction(
+            released, waited = self._transaction(
                 lambda cursor: Transaction(dialect, cursor).release(key, owner),
                 idempotent=False,
                 key=key,
             )
-        if released:
-            self.wake_board.wake(key)
+        self._released(key, released, waited)
         return released
 
     def extend_permit(self, key: str, owner: str, ttl: float) -> bool:
@@ -496,6 +541,11 @@ class DatabaseLockStore(ListeningStore, LockStore):
     # -- wake-ups -------------------------------------------------------------------------
     def _listens(self) -> bool:
         return self.push_possible and self.dialect.pushes_releases
+
+    def _new_listener(self) -> ReleaseListener:
+        if self.dialect.vendor == "mysql":
+            return MariaDBListener(self)
+        return self.listener_class(self)
 
     def close(self) -> None:
         self.stop_listener()
