@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import math
+import select
+import time
 from typing import TYPE_CHECKING, Any
 
 from django.db import connections
@@ -116,7 +118,8 @@ class PostgresListener(ReleaseListener):
 class MariaDBListener(ReleaseListener):
     """One listener per process on MariaDB, which has no LISTEN: for each key this process
     waits for it holds a slot of the key's doorbell (see `MySQLDialect`) on its `sleeper`
-    connection, which naps in SELECT SLEEP between its own statements. A release that
+    connection, which naps between its own statements (waits for a named lock that the
+    listener's other connection, `control`, holds: see `MySQLDialect.nap_sql`). A release that
     someone waited for rings the doorbell: KILL QUERY ends the nap, the listener wakes the
     waiters of every key it listens to (a KILL does not say which key rang), and naps again.
 
@@ -126,10 +129,10 @@ class MariaDBListener(ReleaseListener):
     never correctness; so does a key whose doorbell has no free slot (more than BELL_SLOTS
     processes wait for it), which is listened to without one.
 
-    A second connection, `control`, interrupts the nap when the listener needs the sleeper
-    to (un)subscribe. Each nap's reply proves the sleeper alive: with none within `nap` +
-    SOCKET_TIMEOUT the connection counts as dead (`ready` cleared: waiters poll) and is
-    replaced; every other statement waits at most SOCKET_TIMEOUT (see `Deadline`).
+    `control` also interrupts the nap when the listener needs the sleeper to (un)subscribe. Each
+    nap's reply proves the sleeper alive: with none within `nap` + SOCKET_TIMEOUT the connection
+    counts as dead (`ready` cleared: waiters poll) and is replaced; every other statement waits
+    at most SOCKET_TIMEOUT (see `Deadline`).
     """
 
     store: DatabaseLockStore
@@ -154,6 +157,11 @@ class MariaDBListener(ReleaseListener):
             self.disconnect()  # the one that opened, if any
             raise
         self.connection_id = int(self._sleeper[0].thread_id())
+        anchor = self.dialect.anchor_name(int(self._control[0].thread_id()))
+        self._nap = self.dialect.nap_sql.format(anchor=anchor, seconds=self.nap).encode()
+        (taken,) = self._call(self._control, self.dialect.anchor_sql, (anchor,))
+        if taken != 1:
+            raise ConnectionError(f"could not take the listener's anchor {anchor!r}")
         return True
 
     def _open(self) -> tuple[Any, Deadline]:
@@ -202,7 +210,7 @@ class MariaDBListener(ReleaseListener):
     def wait(self, fileno: int, timeout: float) -> tuple[bool, bool]:
         # Rings reach only a napping sleeper: nap before blocking.
         if not self._napping:
-            self._sleeper[0].send_query(self.dialect.nap_sql.format(seconds=self.nap).encode())
+            self._sleeper[0].send_query(self._nap)
             self._napping = True
             board = self.store.wake_board
             for key in self.subscribed:  # a ring may have come since the last nap ended
@@ -215,19 +223,33 @@ class MariaDBListener(ReleaseListener):
         deadline.arm()
         try:
             raw.read_query_result()
-            raw.store_result()
+            ((took,),) = raw.store_result().fetch_row()
         except raw.OperationalError as exc:
             if exc.args[0] != 1317:  # "query execution was interrupted": KILL QUERY
                 raise
+            took = None
         finally:
             self._napping = False
-            self._disarm(deadline, "SLEEP")
+            self._disarm(deadline, "GET_LOCK")
+        if took == 1:  # it would not nap again: the anchor is ours now
+            raise ConnectionError("the listener's anchor was free: its control connection went")
 
     def _halt(self) -> None:
-        """Have the sleeper idle, to run a statement of ours."""
-        if self._napping:
+        """Have the sleeper idle, to run a statement of ours. A KILL that reaches it before
+        its nap began is lost, so it is sent again until the nap ends (SOCKET_TIMEOUT at
+        most)."""
+        if not self._napping:
+            return
+        poller = select.poll()
+        poller.register(self._sleeper[0].fileno(), select.POLLIN)
+        give_up = time.monotonic() + self.store.socket_timeout
+        while True:
             self._call(self._control, self.dialect.kill_sql, (self.connection_id,))
-            self._end_nap()
+            if poller.poll(20):  # the nap's reply came
+                break
+            if time.monotonic() > give_up:
+                raise ConnectionError("the nap outlived KILL QUERY (OPTIONS SOCKET_TIMEOUT)")
+        self._end_nap()
 
     def subscribe(self, keys: list[str]) -> None:
         self._halt()

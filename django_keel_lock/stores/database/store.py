@@ -386,8 +386,10 @@ class DatabaseLockStore(ListeningStore, LockStore):
         """Interrupt the nap of every other listener subscribed to `key`. A failure is only
         logged: the release went through, and a lost ring costs its waiters one poll."""
         dialect = self.dialect
-        listener = self._listener
-        mine = getattr(listener, "connection_id", None) if listener is not None else None
+        listener = self._listener  # a forked child's is its parent's: ring that one too
+        mine = (
+            getattr(listener, "connection_id", None) if listener and listener.usable_here else None
+        )
 
         def work(cursor: Any, libpq: Any, database: Any) -> None:
             cursor.execute(dialect.ring_sql, dialect.bell_names(key))

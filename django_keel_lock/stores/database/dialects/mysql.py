@@ -33,19 +33,21 @@ class MySQLDialect(Dialect):
     waited without another round trip, and one that nobody waited for costs nothing extra.
     One that finds the flag raised then rings the key's doorbell (`ring_sql`, `kill_sql`).
 
-    A doorbell is a set of named locks (GET_LOCK): the listener of each process that waits
-    for the key holds one slot of it on a connection that naps in SELECT SLEEP (see
-    `MariaDBListener`). Ringing reads the slots' holders (IS_USED_LOCK: connection ids) and
-    interrupts each one's nap with KILL QUERY, which needs no privilege for connections of the
-    same user. A named lock lives exactly as long as its connection, so a listener that died
-    leaves no registration behind, and nothing is written to any table to subscribe. Why not
-    a named lock the holder keeps while it holds the key, which waiters would block on: a
-    lock may be released by another connection than the one that took it (another thread, a
-    restored token), which cannot release that connection's named lock.
+    A doorbell is a set of named locks (GET_LOCK): the listener of each process that waits for
+    the key holds one slot of it on a connection that naps, waiting in GET_LOCK for a name its
+    other connection holds (see `MariaDBListener`). Ringing reads the slots' holders
+    (IS_USED_LOCK: connection ids) and interrupts each one's nap with KILL QUERY, which needs
+    no privilege for connections of the same user. A named lock lives exactly as long as its
+    connection, so a listener that died leaves no registration behind, and subscribing writes
+    to no table. Why not a named lock the holder keeps while it holds the key, for waiters to
+    block on: a lock may be released by another connection than the one that took it (another
+    thread, a restored token), which cannot release that connection's named lock.
 
     A KILL QUERY that reaches a connection between two statements does nothing, so a ring can
-    be lost; the listener wakes its waiters each time it starts a new nap (see there). A
-    ring costs the releaser 1 + (waiting processes) round trips, only when someone waited.
+    be lost; the listener wakes its waiters each time it starts a new nap (see there). A ring
+    costs the releaser 1 + (waiting processes) round trips, only when someone waited; a KILL
+    refused (a listener of another database user) is skipped, and its waiters wake at their
+    listener's next nap.
     """
 
     vendor = "mysql"
@@ -92,7 +94,12 @@ class MySQLDialect(Dialect):
         + " END"
     )
     unsubscribe_sql = "SELECT RELEASE_LOCK(%s)"  # (the slot's name)
-    nap_sql = "SELECT SLEEP({seconds:g})"  # 0 when it ran out; 1 or error 1317 when KILLed
+    # A nap waits for the anchor, a name the listener's other connection holds: 0 when it ran
+    # out, NULL when KILLed, 1 if the anchor was free (its holder gone). Not SELECT SLEEP:
+    # MariaDB wakes every SLEEP through one mutex, so KILLs of naps running at once can each
+    # wait up to two seconds for it; a GET_LOCK wait has a mutex of its own.
+    anchor_sql = "SELECT GET_LOCK(%s, 0)"  # (anchor_name)
+    nap_sql = "SELECT GET_LOCK('{anchor}', {seconds:g})"
     #: Errors of a KILL that are not the store's fault: the listener went away meanwhile
     #: (1094), or runs as another user and we may not interrupt it (1095).
     kill_refusals = frozenset({1094, 1095})
@@ -153,6 +160,11 @@ class MySQLDialect(Dialect):
         # characters, whatever the key.
         digest = hashlib.md5(key.encode("utf-8")).hexdigest()
         return [f"{BELL_PREFIX}{digest}:{slot}" for slot in range(BELL_SLOTS)]
+
+    @staticmethod
+    def anchor_name(connection_id: int) -> str:
+        """The anchor of the listener whose other connection is `connection_id`."""
+        return f"{BELL_PREFIX}nap:{connection_id}"
 
     def released_waiting(self, cursor: Any) -> bool:
         return bool(cursor.lastrowid)
