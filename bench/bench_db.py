@@ -1,5 +1,6 @@
 """Database (and memory) store benchmark: uncontended cycles/s and cross-process handoff latency,
-next to a PostgreSQL advisory lock and the common 3-statement recipe on the same server.
+next to a PostgreSQL advisory lock, the common 3-statement recipe on the same server, and
+django-mysql's Lock (GET_LOCK) on MariaDB.
 
     .venv/bin/python -m bench.bench_db [--seconds 3] [--rounds 40]
 """
@@ -21,45 +22,58 @@ from .common import interleaved_rates, percentile, print_table, setup_django
 STORES = ["memory", "sqlite", "postgres", "postgres-fast", "mariadb"]
 
 
-def _handoff_waiter(alias: str, key: str, pipe: Connection) -> None:
-    from django_keel_lock import lock
+#: How one process takes and gives back the lock a handoff passes around.
+Pair = tuple[Callable[[], object], Callable[[], object]]
 
+
+def _pair_waiter(make: Callable[[], Pair], pipe: Connection) -> None:
+    take, give = make()
     while pipe.recv() == "go":
-        handle = lock(key, ttl=30, store=alias)
-        assert handle.acquire(timeout=10), "waiter never got the lock"
+        take()
         returned = time.monotonic()
-        handle.release()
+        give()
         pipe.send(returned)
 
 
-def handoff_store(alias: str, rounds: int) -> list[float]:
-    """Milliseconds from the holder's release to a waiter's acquire returning (other process)."""
-    from django_keel_lock import lock
-
-    key = f"bench:handoff:{uuid.uuid4().hex}"
-    if alias == "memory":  # one process: the waiter is a thread
+def handoff(make: Callable[[], Pair], rounds: int, thread: bool = False) -> list[float]:
+    """Milliseconds from the holder's release to a waiter's acquire returning, the waiter in
+    another process (a thread if `thread`); each side takes and gives with its own make()."""
+    parent, child = multiprocessing.Pipe()
+    if thread:
         import threading
 
-        parent, child = multiprocessing.Pipe()
-        thread = threading.Thread(target=_handoff_waiter, args=(alias, key, child), daemon=True)
-        thread.start()
+        threading.Thread(target=_pair_waiter, args=(make, child), daemon=True).start()
     else:
-        parent, child = multiprocessing.Pipe()
-        proc = multiprocessing.get_context("fork").Process(
-            target=_handoff_waiter, args=(alias, key, child), daemon=True
-        )
-        proc.start()
-    holder = lock(key, ttl=30, store=alias)
+        multiprocessing.get_context("fork").Process(
+            target=_pair_waiter, args=(make, child), daemon=True
+        ).start()
+    take, give = make()
     samples = []
     for _ in range(rounds):
-        assert holder.acquire(timeout=10)
+        take()
         parent.send("go")
         time.sleep(0.03)  # let the waiter start waiting
         released = time.monotonic()
-        holder.release()
+        give()
         samples.append((parent.recv() - released) * 1000)
     parent.send("stop")
     return samples
+
+
+def handoff_store(alias: str, rounds: int) -> list[float]:
+    key = f"bench:handoff:{uuid.uuid4().hex}"
+
+    def make() -> Pair:
+        from django_keel_lock import lock
+
+        handle = lock(key, ttl=30, store=alias)
+
+        def take() -> None:
+            assert handle.acquire(timeout=10), "waiter never got the lock"
+
+        return take, handle.release
+
+    return handoff(make, rounds, thread=alias == "memory")  # memory: one process
 
 
 def store_cycle(alias: str) -> Callable[[], None]:
@@ -128,31 +142,51 @@ def recipe_cycle() -> Callable[[], None]:
     return cycle
 
 
-def _advisory_waiter(pipe: Connection) -> None:
-    conn = _pg_raw()
-    while pipe.recv() == "go":
-        conn.execute("SELECT pg_advisory_lock(77)")
-        returned = time.monotonic()
-        conn.execute("SELECT pg_advisory_unlock(77)")
-        pipe.send(returned)
-
-
 def advisory_handoff(rounds: int) -> list[float]:
-    parent, child = multiprocessing.Pipe()
-    proc = multiprocessing.get_context("fork").Process(target=_advisory_waiter, args=(child,))
-    proc.daemon = True
-    proc.start()
-    conn = _pg_raw()
-    samples = []
-    for _ in range(rounds):
-        conn.execute("SELECT pg_advisory_lock(77)")
-        parent.send("go")
-        time.sleep(0.03)
-        released = time.monotonic()
-        conn.execute("SELECT pg_advisory_unlock(77)")
-        samples.append((parent.recv() - released) * 1000)
-    parent.send("stop")
-    return samples
+    def make() -> Pair:
+        conn = _pg_raw()
+        return (
+            lambda: conn.execute("SELECT pg_advisory_lock(77)"),
+            lambda: conn.execute("SELECT pg_advisory_unlock(77)"),
+        )
+
+    return handoff(make, rounds)
+
+
+#: Django connections set aside unclosed: a forked child's are its parent's sockets, and
+#: closing one (as garbage collection would) would end the parent's session.
+_SET_ASIDE: list[Any] = []
+
+
+def _django_mysql_lock(name: str) -> Any:
+    """django-mysql's Lock (GET_LOCK) on the MariaDB database, on a Django connection of this
+    process's own."""
+    from django.db import connections
+    from django_mysql.locks import Lock
+
+    _SET_ASIDE.append(connections["mariadb"])
+    del connections["mariadb"]
+    return Lock(name, acquire_timeout=10, using="mariadb")
+
+
+def django_mysql_cycle() -> Callable[[], None]:
+    held = _django_mysql_lock(f"bench:cycle:{uuid.uuid4().hex}")
+
+    def cycle() -> None:
+        held.acquire()
+        held.release()
+
+    return cycle
+
+
+def django_mysql_handoff(rounds: int) -> list[float]:
+    name = f"bench:handoff:{uuid.uuid4().hex}"
+
+    def make() -> Pair:
+        held = _django_mysql_lock(name)
+        return held.acquire, held.release
+
+    return handoff(make, rounds)
 
 
 def _flock_waiter(path: str, pipe: Connection) -> None:
@@ -209,25 +243,24 @@ def main() -> None:
     if "postgres" in settings.DATABASES:
         contenders["advisory"] = advisory_cycle()
         contenders["recipe"] = recipe_cycle()
+    if "mariadb" in aliases:
+        contenders["django-mysql"] = django_mysql_cycle()
     # Cycles/s of everything in turns (ratios come from the same minutes), then handoffs.
     results = interleaved_rates(contenders, args.seconds * len(contenders))
     rows: list[list[object]] = []
+    p50: dict[str, float] = {}
+
+    def row(name: str, contender: str, samples: list[float]) -> None:
+        p50[contender] = percentile(samples, 50)
+        rows.append([name, results[contender], p50[contender], percentile(samples, 90)])
+
     for alias in aliases:
-        handoff = handoff_store(alias, args.rounds)
-        rows.append(
-            [f"keel-lock {alias}", results[alias], percentile(handoff, 50), percentile(handoff, 90)]
-        )
+        row(f"keel-lock {alias}", alias, handoff_store(alias, args.rounds))
     if "advisory" in results:
-        handoff = advisory_handoff(args.rounds)
-        rows.append(
-            [
-                "pg advisory lock",
-                results["advisory"],
-                percentile(handoff, 50),
-                percentile(handoff, 90),
-            ]
-        )
+        row("pg advisory lock", "advisory", advisory_handoff(args.rounds))
         rows.append(["3-statement recipe (pg)", results["recipe"], "-", "-"])
+    if "django-mysql" in results:
+        row("django-mysql Lock", "django-mysql", django_mysql_handoff(args.rounds))
     if "sqlite" in aliases:
         handoff = flock_handoff(args.rounds)
         rows.append(["fcntl.flock (kernel)", "-", percentile(handoff, 50), percentile(handoff, 90)])
@@ -237,6 +270,11 @@ def main() -> None:
             "\npostgres (durable) / 3-statement recipe: "
             f"{results['postgres'] / results['recipe']:.2f}x"
             " (target >= 1.2x)"
+        )
+    if "django-mysql" in p50 and "mariadb" in p50:
+        print(
+            "mariadb handoff p50 / django-mysql Lock's: "
+            f"{p50['mariadb'] / p50['django-mysql']:.2f}x (target <= 2x, and <= 5 ms)"
         )
     if "advisory" in results and "postgres-fast" in results:
         print(

@@ -22,7 +22,7 @@ from django_keel_lock import LockStoreUnavailable, lock
 from django_keel_lock.checks import check_stores
 from django_keel_lock.stores import DatabaseLockStore
 from django_keel_lock.stores.connections import SOCKET_DEADLINES, Deadline
-from django_keel_lock.stores.database.listener import PostgresListener
+from django_keel_lock.stores.database.listener import MariaDBListener, PostgresListener
 
 from .conftest import (
     DATABASE_STORES,
@@ -149,15 +149,22 @@ def test_a_late_reply_does_not_hang_the_call_and_the_release_lands_once(
         assert wait_until(lambda: store.get(key) is None, 5)
 
 
-@needs_store("postgres")
+@pytest.mark.parametrize(
+    ("alias", "listener", "quiet"),
+    [
+        pytest.param("postgres", PostgresListener, "ping_after", marks=needs_store("postgres")),
+        pytest.param("mariadb", MariaDBListener, "nap", marks=needs_store("mariadb")),
+    ],
+)
 def test_frozen_server_turns_the_listener_off_and_it_comes_back(
-    key: str, monkeypatch: pytest.MonkeyPatch
+    key: str, monkeypatch: pytest.MonkeyPatch, alias: str, listener: type, quiet: str
 ) -> None:
-    """The LISTEN connection pings after `ping_after` quiet seconds: a frozen server's missing
-    reply must clear `ready` (waiters then poll) within SOCKET_TIMEOUT, not block the listener
-    for good; once the server answers, the listener reconnects."""
-    monkeypatch.setattr(PostgresListener, "ping_after", 0.3)
-    with behind_proxy("postgres", SOCKET_TIMEOUT=1) as (store, proxy):
+    """The listener's connection proves itself alive after `quiet` seconds (PostgreSQL's
+    ping after `ping_after` quiet seconds; the reply of MariaDB's nap): a frozen server's
+    missing reply must clear `ready` (waiters then poll) within SOCKET_TIMEOUT more, not block
+    the listener for good; once the server answers, the listener reconnects."""
+    monkeypatch.setattr(listener, quiet, 0.3)
+    with behind_proxy(alias, SOCKET_TIMEOUT=1) as (store, proxy):
         with store.watch(key):
             assert wait_until(lambda: store.push_wakeups, 10), "the listener never connected"
             proxy.mode = "stall"

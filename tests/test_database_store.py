@@ -22,6 +22,7 @@ from django.db import connections, transaction
 from django.test import override_settings
 
 from django_keel_lock import LockStoreUnavailable, get_lock_store, lock
+from django_keel_lock.models import Lock
 from django_keel_lock.stores import DatabaseLockStore
 
 from .conftest import (
@@ -590,11 +591,13 @@ def test_postgres_listener_socket_has_keepalives_and_a_tcp_user_timeout(key: str
             sock.close()
 
 
-@needs_store("postgres")
-def test_postgres_waiter_in_another_process_wakes_on_release_not_on_its_poll(key: str) -> None:
-    holder = lock(key, ttl=30, store="postgres")
+def test_waiter_in_another_process_wakes_on_release_not_on_its_poll(
+    server_alias: str, key: str
+) -> None:
+    """PostgreSQL's NOTIFY, MariaDB's doorbell (see MySQLDialect)."""
+    holder = lock(key, ttl=30, store=server_alias)
     assert holder.acquire()
-    other = lock(f"{key}:other", ttl=30, store="postgres")
+    other = lock(f"{key}:other", ttl=30, store=server_alias)
     child = subprocess.Popen(
         [
             sys.executable,
@@ -602,7 +605,7 @@ def test_postgres_waiter_in_another_process_wakes_on_release_not_on_its_poll(key
             "tests.support.child",
             "acquire",
             "--store",
-            "postgres",
+            server_alias,
             "--key",
             key,
             "--timeout",
@@ -615,17 +618,26 @@ def test_postgres_waiter_in_another_process_wakes_on_release_not_on_its_poll(key
         text=True,
     )
     try:
-        time.sleep(1.5)  # the child is waiting, LISTENing on its key's channel
+        deadline = time.monotonic() + 20
+        while not _waited_for(server_alias, key) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the child's first attempt, refused, raises the row's flag
+        time.sleep(1.0)  # the child is waiting, its listener subscribed to its key
         assert other.acquire() and other.release()  # another key's release wakes nobody there
         released_at = time.monotonic()
         assert holder.release()
         line = child.stdout.readline() if child.stdout else ""
         result = json.loads(line)
         assert result["acquired"] is True
-        assert result["at"] - released_at < 1.0  # its poll was 10 s: the NOTIFY woke it
+        assert result["at"] - released_at < 1.0  # its poll was 5 s at the soonest: pushed
     finally:
         child.kill()
         child.communicate(timeout=10)
+
+
+def _waited_for(alias: str, key: str) -> bool:
+    """Whether `key`'s row has its `waiting` flag raised."""
+    rows = Lock.objects.using(_database_of(alias)).filter(key=key, waiting=True)
+    return rows.exists()
 
 
 def _backends() -> int:

@@ -1,17 +1,25 @@
-"""PostgreSQL's release listener: LISTEN on the channels of the keys this process waits for."""
+"""The release listeners of the database store: PostgreSQL's LISTENs on the channels of the keys
+this process waits for; MariaDB's holds a slot of their doorbells and naps until rung."""
 
 from __future__ import annotations
 
+import logging
+import math
+import select
+import time
 from typing import TYPE_CHECKING, Any
 
 from django.db import connections
 
 from ..connections import Deadline
 from ..wakeups import ReleaseListener
+from .dialects.mysql import MySQLDialect
 from .dialects.postgresql import notify_channel
 
 if TYPE_CHECKING:
     from .store import DatabaseLockStore
+
+logger = logging.getLogger("django_keel_lock")
 
 # libpq settings of the listener's connection: its ping, or keepalives while quiet, fail within
 # about ten seconds on a link that died silently, not after TCP's ~15 minutes of
@@ -105,3 +113,176 @@ class PostgresListener(ReleaseListener):
         if self._deadline is not None:
             self._deadline.detach()  # first: the descriptor may be reused once closed
         self._raw.close()
+
+
+class MariaDBListener(ReleaseListener):
+    """One listener per process on MariaDB, which has no LISTEN: for each key this process
+    waits for it holds a slot of the key's doorbell (see `MySQLDialect`) on its `sleeper`
+    connection, which naps between its own statements (waits for a named lock that the
+    listener's other connection, `control`, holds: see `MySQLDialect.nap_sql`). A release that
+    someone waited for rings the doorbell: KILL QUERY ends the nap, the listener wakes the
+    waiters of every key it listens to (a KILL does not say which key rang), and naps again.
+
+    A KILL that reaches the sleeper between two statements does nothing, so a ring can be
+    lost in the moment between two naps: each new nap is therefore followed by a wake of
+    every key listened to. A lost ring costs its waiters at most one nap (`nap` seconds),
+    never correctness; so does a key whose doorbell has no free slot (more than BELL_SLOTS
+    processes wait for it), which is listened to without one.
+
+    `control` also interrupts the nap when the listener needs the sleeper to (un)subscribe. Each
+    nap's reply proves the sleeper alive: with none within `nap` + SOCKET_TIMEOUT the connection
+    counts as dead (`ready` cleared: waiters poll) and is replaced; every other statement waits
+    at most SOCKET_TIMEOUT (see `Deadline`).
+    """
+
+    store: DatabaseLockStore
+    replies_inline = True
+    #: Seconds one nap lasts: its reply is the ping (so `ping_after` never comes), and each
+    #: new nap wakes the waiters once (the bound on a lost ring).
+    nap = 5.0
+    ping_after = math.inf
+    connection_id: int | None = None  # the sleeper's: the store skips its own ring to it
+    _napping = False
+
+    def connect(self) -> bool:
+        store = self.store
+        self._deadlines: list[Deadline] = []
+        self._raws: list[Any] = []
+        self._slots: dict[str, int | None] = {}
+        self._napping = False
+        self.dead_after = self.nap + store.socket_timeout
+        try:
+            self._sleeper, self._control = self._open(), self._open()
+        except BaseException:
+            self.disconnect()  # the one that opened, if any
+            raise
+        self.connection_id = int(self._sleeper[0].thread_id())
+        anchor = self.dialect.anchor_name(int(self._control[0].thread_id()))
+        self._nap = self.dialect.nap_sql.format(anchor=anchor, seconds=self.nap).encode()
+        (taken,) = self._call(self._control, self.dialect.anchor_sql, (anchor,))
+        if taken != 1:
+            raise ConnectionError(f"could not take the listener's anchor {anchor!r}")
+        return True
+
+    def _open(self) -> tuple[Any, Deadline]:
+        store = self.store
+        base = connections[store.database]
+        wrapper = type(base)(store._connection_settings(), store.database)
+        raw = wrapper.get_new_connection(wrapper.get_connection_params())
+        self._raws.append(raw)
+        deadline = Deadline(store.socket_timeout)
+        deadline.attach(raw.fileno())
+        self._deadlines.append(deadline)
+        raw.autocommit(True)
+        return raw, deadline
+
+    def _call(self, conn: tuple[Any, Deadline], sql: str, params: Any = None) -> Any:
+        """The first row of `sql` run on `conn`, waiting SOCKET_TIMEOUT at most."""
+        raw, deadline = conn
+        deadline.arm()
+        try:
+            cursor = raw.cursor()
+            cursor.execute(sql, params)
+            return cursor.fetchone()
+        finally:
+            self._disarm(deadline, sql)
+
+    @staticmethod
+    def _disarm(deadline: Deadline, sql: str) -> None:
+        if deadline.disarm():
+            raise ConnectionError(
+                f"no reply to {sql.split()[0]} within {deadline.seconds:g}s "
+                "(OPTIONS SOCKET_TIMEOUT)"
+            )
+
+    @property
+    def dialect(self) -> MySQLDialect:
+        dialect = self.store.dialect
+        assert isinstance(dialect, MySQLDialect)
+        return dialect
+
+    def prepare(self) -> bool:
+        return True
+
+    def socket(self) -> int:
+        return int(self._sleeper[0].fileno())
+
+    def wait(self, fileno: int, timeout: float) -> tuple[bool, bool]:
+        # Rings reach only a napping sleeper: nap before blocking.
+        if not self._napping:
+            self._sleeper[0].send_query(self._nap)
+            self._napping = True
+            board = self.store.wake_board
+            for key in self.subscribed:  # a ring may have come since the last nap ended
+                board.wake(key)
+        return super().wait(fileno, timeout)
+
+    def _end_nap(self) -> None:
+        """Read the nap's reply (it ran out, or was interrupted)."""
+        raw, deadline = self._sleeper
+        deadline.arm()
+        try:
+            raw.read_query_result()
+            ((took,),) = raw.store_result().fetch_row()
+        except raw.OperationalError as exc:
+            if exc.args[0] != 1317:  # "query execution was interrupted": KILL QUERY
+                raise
+            took = None
+        finally:
+            self._napping = False
+            self._disarm(deadline, "GET_LOCK")
+        if took == 1:  # it would not nap again: the anchor is ours now
+            raise ConnectionError("the listener's anchor was free: its control connection went")
+
+    def _halt(self) -> None:
+        """Have the sleeper idle, to run a statement of ours. A KILL that reaches it before
+        its nap began is lost, so it is sent again until the nap ends (SOCKET_TIMEOUT at
+        most)."""
+        if not self._napping:
+            return
+        poller = select.poll()
+        poller.register(self._sleeper[0].fileno(), select.POLLIN)
+        give_up = time.monotonic() + self.store.socket_timeout
+        while True:
+            self._call(self._control, self.dialect.kill_sql, (self.connection_id,))
+            if poller.poll(20):  # the nap's reply came
+                break
+            if time.monotonic() > give_up:
+                raise ConnectionError("the nap outlived KILL QUERY (OPTIONS SOCKET_TIMEOUT)")
+        self._end_nap()
+
+    def subscribe(self, keys: list[str]) -> None:
+        self._halt()
+        dialect = self.dialect
+        for key in keys:
+            (slot,) = self._call(self._sleeper, dialect.subscribe_sql, dialect.bell_names(key))
+            self._slots[key] = slot
+            if slot is None:
+                logger.debug("every doorbell slot of %r is taken: its waiters poll once a nap", key)
+
+    def unsubscribe(self, keys: list[str]) -> None:
+        self._halt()
+        dialect = self.dialect
+        for key in keys:
+            slot = self._slots.pop(key, None)
+            if slot is not None:
+                name = dialect.bell_names(key)[slot]
+                self._call(self._sleeper, dialect.unsubscribe_sql, (name,))
+
+    def ping(self) -> None:
+        self._halt()
+        self._call(self._sleeper, "SELECT 1")
+
+    def dispatch(self, data: bool) -> None:
+        # Whoever rang, the next nap wakes every key listened to (see `wait`).
+        if data and self._napping:
+            self._end_nap()
+
+    def disconnect(self) -> None:
+        for deadline in self._deadlines:
+            deadline.detach()  # first: the descriptor may be reused once closed
+        for raw in self._raws:
+            try:
+                raw.close()
+            except Exception:  # broken already: the server frees its named locks
+                pass

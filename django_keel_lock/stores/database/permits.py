@@ -10,6 +10,9 @@ slots of a key whose lock expired (and may since have been taken) are all free. 
 the lowest free slot, a release expires its own; no operation here deletes one (prune does).
 The rows `read` returns stay locked until COMMIT (MariaDB's FOR UPDATE, SQLite's one writer),
 so prune cannot delete a slot between the read and the write.
+
+Where releases push wake-ups (MariaDB), a refusal raises the lock row's `waiting` flag and a
+release says whether it found it raised, for the store to ring the key's doorbell.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class _Key:
         self.writer: str | None = first[2]
         self.writer_left = float(first[3] or 0.0)
         self.fence = int(first[4])
+        self.waiting = bool(first[10])  # someone was refused since the last take or release
         self.gated = self.owner in PERMIT_OWNERS and self.left > 0
         self.slots = [
             _Slot(int(r[5]), r[6], float(r[7] or 0.0), int(r[8]), r[9])
@@ -99,11 +103,13 @@ class Transaction:
         assert found is not None  # ensure_row made it, and holds it
         plan = plan_acquire(found.held(), owner, mode)
         refused = AcquireResult(None, plan.retry_in, plan.held_as)
-        if plan.step is Step.REFUSE:
-            return refused
-        if plan.step is Step.INTEND:
-            if found.writer is None or found.writer_left <= 0 or found.writer == owner:
+        if plan.step in (Step.REFUSE, Step.INTEND):
+            if plan.step is Step.INTEND and (
+                found.writer is None or found.writer_left <= 0 or found.writer == owner
+            ):
                 self.run(sql.set_writer, owner, interval(writer_wait), key)
+            if sql.raise_waiting and not found.waiting:
+                self.run(sql.raise_waiting, key)
             return refused
         if plan.step is Step.TAKE:
             if found.writer == owner:
@@ -139,12 +145,13 @@ class Transaction:
         found = self.read(key)
         return found if found is not None and found.gated else None
 
-    def release(self, key: str, owner: str) -> bool:
+    def release(self, key: str, owner: str) -> tuple[bool, bool]:
+        """(released, whether someone waited for the key: see the module's docstring)."""
         sql = self.sql
         found = self.held_by_permits(key)
         mine = None if found is None else found.permit(owner)
         if found is None or mine is None:
-            return False
+            return False, False
         self.run(sql.release_slot, key, mine.slot)
         others = [p for p in found.permits if p.owner != owner]
         if others:
@@ -153,7 +160,7 @@ class Transaction:
             self.run(sql.gate_until, max(p.expires_at for p in others), key)
         else:
             self.run(sql.free, key)
-        return True
+        return True, found.waiting
 
     def extend(self, key: str, owner: str, ttl: float) -> bool:
         found = self.held_by_permits(key)

@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import suppress
@@ -35,8 +36,10 @@ from .dialects import DIALECTS, Dialect
 from .dialects.postgresql import is_psycopg3
 from .doorbells import DoorbellListener, Doorbells
 from .libpq import PreparedStatements, Row, Statement
-from .listener import PostgresListener
+from .listener import MariaDBListener, PostgresListener
 from .permits import Transaction
+
+logger = logging.getLogger("django_keel_lock")
 
 PAGE_SIZE = 1000
 PRUNE_BATCH = 1000
@@ -59,7 +62,7 @@ class DatabaseLockStore(ListeningStore, LockStore):
 
     max_key_length = 255
     option_names = frozenset({"DATABASE", "DURABLE", "SOCKET_TIMEOUT"})
-    listener_class = PostgresListener  # for the dialects that push releases (SQLite: new_listener)
+    listener_class = PostgresListener  # PostgreSQL's; MariaDB and SQLite: new_listener
 
     @staticmethod
     def database_option(options: Mapping[str, Any]) -> Any:
@@ -359,13 +362,58 @@ class DatabaseLockStore(ListeningStore, LockStore):
         )
 
     def release(self, key: str, owner: str) -> bool:
-        _, count = self._execute(
-            [(self.dialect.release_sql, (key, owner))], hot=True, idempotent=False, key=key
-        )
-        released = count > 0
-        if released:
-            self._announce(key)
+        dialect = self.dialect
+        if not dialect.ring_sql:
+            _, count = self._execute(
+                [(dialect.release_sql, (key, owner))], hot=True, idempotent=False, key=key
+            )
+            released = count > 0
+            if released:
+                self._announce(key)
+            return released
+
+        def work(cursor: Any, libpq: Any, database: Any) -> tuple[bool, bool]:
+            cursor.execute(dialect.release_sql, (key, owner))
+            return cursor.rowcount > 0, dialect.released_waiting(cursor)
+
+        released, waited = self._run(work, idempotent=False, key=key)
+        self._released(key, released, waited)
         return released
+
+    def _released(self, key: str, released: bool, waited: bool) -> None:
+        """Wake this process's waiters for `key`, and ring its doorbell for other processes'
+        if someone was refused it (see `Dialect.ring_sql`)."""
+        if not released:
+            return
+        self._announce(key)
+        if waited and self.dialect.ring_sql:
+            self._ring(key)
+
+    def _ring(self, key: str) -> None:
+        """Interrupt the nap of every other listener subscribed to `key`. A failure is only
+        logged: the release went through, and a lost ring costs its waiters one poll."""
+        dialect = self.dialect
+        listener = self._listener  # a forked child's is its parent's: ring that one too
+        mine = (
+            getattr(listener, "connection_id", None) if listener and listener.usable_here else None
+        )
+
+        def work(cursor: Any, libpq: Any, database: Any) -> None:
+            cursor.execute(dialect.ring_sql, dialect.bell_names(key))
+            for listening in cursor.fetchall()[0]:
+                if listening is None or int(listening) == mine:
+                    continue
+                try:
+                    cursor.execute(dialect.kill_sql, (int(listening),))
+                except database.OperationalError as exc:
+                    if exc.args[0] not in dialect.kill_refusals:
+                        raise
+                    logger.debug("lock store %r cannot ring %r: %s", self.alias, key, exc)
+
+        try:
+            self._run(work, key=key)
+        except LockStoreUnavailable as exc:
+            logger.debug("lock store %r: ringing for %r failed: %s", self.alias, key, exc)
 
     def extend(self, key: str, owner: str, ttl: float) -> bool:
         dialect = self.dialect
@@ -406,15 +454,14 @@ class DatabaseLockStore(ListeningStore, LockStore):
             rows, _ = self._execute(
                 [(dialect.release_permit_sql, (key, owner))], hot=True, idempotent=False, key=key
             )
-            released = bool(int(rows[0][0]))
+            released, waited = bool(int(rows[0][0])), False  # the function NOTIFYs itself
         else:
-            released = self._transaction(
+            released, waited = self._transaction(
                 lambda cursor: Transaction(dialect, cursor).release(key, owner),
                 idempotent=False,
                 key=key,
             )
-        if released:
-            self._announce(key)
+        self._released(key, released, waited)
         return released
 
     def extend_permit(self, key: str, owner: str, ttl: float) -> bool:
@@ -512,6 +559,8 @@ class DatabaseLockStore(ListeningStore, LockStore):
     def new_listener(self) -> ReleaseListener:
         if self.dialect.rings_doorbells:
             return DoorbellListener(self)
+        if self.dialect.vendor == "mysql":
+            return MariaDBListener(self)
         return super().new_listener()
 
     def doorbells(self) -> Doorbells | None:

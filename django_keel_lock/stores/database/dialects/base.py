@@ -48,11 +48,25 @@ class Dialect:
     #: changelist uses it too, so the two never disagree about whether a lock is held.
     remaining_template = ""
     #: Whether releases reach other processes' waiters through the store's listener
-    #: (PostgreSQL's LISTEN/NOTIFY); without it they poll.
+    #: (PostgreSQL's LISTEN/NOTIFY, MariaDB's doorbells); without it they poll.
     pushes_releases = False
     #: Whether a release rings the doorbells of this machine's other waiting processes (see
     #: `database.doorbells`): they look at once, and still poll, since a ring may be missed.
     rings_doorbells = False
+    #: Set where a release cannot wake other processes by itself (MariaDB): (`bell_names`) ->
+    #: the listeners to interrupt, each with `kill_sql` (their id), run only after a release
+    #: that `released_waiting` says someone waited for. Empty: the release statement does it.
+    ring_sql = ""
+    kill_sql = ""
+    kill_refusals: frozenset[int] = frozenset()  # error codes of a KILL that are not an outage
+
+    def bell_names(self, key: str) -> list[str]:
+        """The parameters of `ring_sql` for `key`."""
+        return []
+
+    def released_waiting(self, cursor: Any) -> bool:
+        """Whether the release that just ran on `cursor` found someone waiting."""
+        return False
 
     def remaining(self, column: str) -> str:
         return self.remaining_template.format(column=column)
@@ -159,8 +173,8 @@ class PermitTransaction(NamedTuple):
 
     ensure_row: str  # (key): a free row for key unless it has one; the row stays locked
     # (key) -> rows of (lock owner, seconds left, writer owner, writer's seconds left, lock
-    # fence, slot, permit owner, permit's seconds left, permit fence, permit expires_at), one
-    # per permit slot of the key (the slot's columns NULL when it has none)
+    # fence, slot, permit owner, permit's seconds left, permit fence, permit expires_at, lock
+    # waiting), one per permit slot of the key (the slot's columns NULL when it has none)
     read: str
     next_fence: str  # () -> (fence,)
     insert_permit: str  # (key, slot, owner, holder, fence, interval): a new slot
@@ -176,6 +190,7 @@ class PermitTransaction(NamedTuple):
     renew: str  # (interval, key): the owner's exclusive lock expires after interval
     set_writer: str  # (owner, interval, key)
     clear_writer: str  # (key)
+    raise_waiting: str  # (key): someone was refused; "" where nobody listens for releases
 
 
 def permit_transaction(
@@ -189,12 +204,15 @@ def permit_transaction(
     remaining: str,
     keep_existing: str,
     for_update: str,
+    raise_waiting: bool = False,
 ) -> PermitTransaction:
     """The PermitTransaction of a dialect: placeholder `p`, key column `key`, clock `now`,
     `until` (the timestamp `p` interval from now), `greatest` (the SQL function), the SELECT
     expression of a new fence, seconds-left template `remaining` ({column}), the clause that
     makes an INSERT of an existing key do nothing, and the suffix that locks what a SELECT
-    reads."""
+    reads; `raise_waiting` where releases push wake-ups (the `waiting` flag is kept as
+    PostgreSQL's functions keep it: raised by a refusal, lowered by a take, a gate's opening
+    and a permit's release)."""
     where = f"WHERE {key} = {p}"
     slot = f"{where} AND slot = {p}"
     left = remaining.format
@@ -206,7 +224,7 @@ def permit_transaction(
         read=(
             f"SELECT l.owner, {left(column='l.expires_at')}, l.writer_owner, "
             f"{left(column='l.writer_until')}, l.fence, "
-            f"p.slot, p.owner, {left(column='p.expires_at')}, p.fence, p.expires_at "
+            f"p.slot, p.owner, {left(column='p.expires_at')}, p.fence, p.expires_at, l.waiting "
             f"FROM {TABLE} l LEFT JOIN {PERMIT_TABLE} p ON p.{key} = l.{key} "
             f"WHERE l.{key} = {p}{for_update}"
         ),
@@ -226,19 +244,20 @@ def permit_transaction(
         ),
         open_gate=(
             f"UPDATE {TABLE} SET owner = {p}, holder = '', fence = {p}, acquired_at = {now}, "
-            f"expires_at = {until} {where}"
+            f"expires_at = {until}, waiting = FALSE {where}"
         ),
         widen_gate=(
             f"UPDATE {TABLE} SET fence = {greatest}(fence, {p}), "
             f"expires_at = {greatest}(expires_at, {until}) {where}"
         ),
-        gate_until=f"UPDATE {TABLE} SET expires_at = {p} {where}",
-        free=f"UPDATE {TABLE} SET owner = {RELEASED}, expires_at = {now} {where}",
+        gate_until=f"UPDATE {TABLE} SET expires_at = {p}, waiting = FALSE {where}",
+        free=f"UPDATE {TABLE} SET owner = {RELEASED}, expires_at = {now}, waiting = FALSE {where}",
         take=(
             f"UPDATE {TABLE} SET owner = {p}, holder = {p}, fence = {p}, acquired_at = {now}, "
-            f"expires_at = {until} {where}"
+            f"expires_at = {until}, waiting = FALSE {where}"
         ),
         renew=f"UPDATE {TABLE} SET expires_at = {until} {where}",
         set_writer=f"UPDATE {TABLE} SET writer_owner = {p}, writer_until = {until} {where}",
         clear_writer=f"UPDATE {TABLE} SET writer_owner = NULL, writer_until = NULL {where}",
+        raise_waiting=f"UPDATE {TABLE} SET waiting = TRUE {where}" if raise_waiting else "",
     )

@@ -1,7 +1,9 @@
-"""MariaDB: an upsert plus a read of the row per acquire."""
+"""MariaDB: an upsert plus a read of the row per acquire; a release that finds a waiter rings
+the key's doorbell (see MySQLDialect)."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,22 +17,54 @@ from .base import (
     permit_transaction,
 )
 
+#: The doorbell of a key is BELL_SLOTS named locks, BELL_PREFIX + md5(key) + ":" + slot: each
+#: listener waiting for the key holds one of them (see `bell_names`).
+BELL_PREFIX = "keel_lock:"
+BELL_SLOTS = 32
+
 
 class MySQLDialect(Dialect):
-    """MariaDB (10.3+: sequences). Acquire is an upsert plus a read of the row."""
+    """MariaDB (10.3+: sequences). Acquire is an upsert plus a read of the row.
+
+    Releases push wake-ups to other processes through doorbells, since MariaDB has no
+    LISTEN/NOTIFY. A refused acquire raises the row's `waiting` flag (as on PostgreSQL). The
+    release writes the flag through LAST_INSERT_ID(expr), whose value comes back in the
+    statement's own OK packet (the driver's `lastrowid`): a release learns whether someone
+    waited without another round trip, and one that nobody waited for costs nothing extra.
+    One that finds the flag raised then rings the key's doorbell (`ring_sql`, `kill_sql`).
+
+    A doorbell is a set of named locks (GET_LOCK): the listener of each process that waits for
+    the key holds one slot of it on a connection that naps, waiting in GET_LOCK for a name its
+    other connection holds (see `MariaDBListener`). Ringing reads the slots' holders
+    (IS_USED_LOCK: connection ids) and interrupts each one's nap with KILL QUERY, which needs
+    no privilege for connections of the same user. A named lock lives exactly as long as its
+    connection, so a listener that died leaves no registration behind, and subscribing writes
+    to no table. Why not a named lock the holder keeps while it holds the key, for waiters to
+    block on: a lock may be released by another connection than the one that took it (another
+    thread, a restored token), which cannot release that connection's named lock.
+
+    A KILL QUERY that reaches a connection between two statements does nothing, so a ring can
+    be lost; the listener wakes its waiters each time it starts a new nap (see there). A ring
+    costs the releaser 1 + (waiting processes) round trips, only when someone waited; a KILL
+    refused (a listener of another database user) is skipped, and its waiters wake at their
+    listener's next nap.
+    """
 
     vendor = "mysql"
+    pushes_releases = True
     _now = "UTC_TIMESTAMP(6)"
     remaining_template = "TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), {column}) / 1000000.0"
     _remaining = remaining_template.format(column="expires_at")
     _free = f"(expires_at <= {_now} OR owner = VALUES(owner))"
     # MySQL applies SET assignments left to right, so `owner` and `expires_at` (which the
-    # condition reads) come last and `expires_at` sees the already-updated owner.
+    # condition reads) come last and `expires_at` sees the already-updated owner. A refusal
+    # raises `waiting`; a take by another owner lowers it (as PostgreSQL's acquire does).
     acquire_sql = (
         f"""
         INSERT INTO {TABLE} (`key`, owner, holder, fence, acquired_at, expires_at)
         VALUES (%s, %s, %s, NEXTVAL({SEQUENCE}), {_now}, {_now} + INTERVAL %s MICROSECOND)
         ON DUPLICATE KEY UPDATE
+            waiting = IF({_free}, IF(owner = VALUES(owner), waiting, NULL), TRUE),
             holder = IF({_free}, VALUES(holder), holder),
             fence = IF({_free}, NEXTVAL({SEQUENCE}), fence),
             acquired_at = IF({_free}, VALUES(acquired_at), acquired_at),
@@ -43,10 +77,32 @@ class MySQLDialect(Dialect):
     # UTC_TIMESTAMP() is read once, when a statement starts: an extend that started before a
     # release but gets the row after it would still find the released row unexpired. It finds
     # no owner of its own there (see Dialect.release_sql), so it cannot bring the lock back.
+    # The flag is written back as it was, through LAST_INSERT_ID(): the reply carries it.
     release_sql = (
-        f"UPDATE {TABLE} SET owner = {RELEASED}, expires_at = {_now} "
+        f"UPDATE {TABLE} SET waiting = LAST_INSERT_ID(IFNULL(waiting, 0)), "
+        f"owner = {RELEASED}, expires_at = {_now} "
         f"WHERE `key` = %s AND owner = %s AND expires_at > {_now}"
     )
+    # (the key's bell_names) -> the connection id holding each slot, NULL for a free one
+    ring_sql = "SELECT " + ", ".join(["IS_USED_LOCK(%s)"] * BELL_SLOTS)
+    kill_sql = "KILL QUERY %s"  # (connection id)
+    # The listener's statements. (bell_names) -> the slot taken, NULL if all are taken: CASE
+    # tries the slots in order and stops at the first it gets.
+    subscribe_sql = (
+        "SELECT CASE "
+        + " ".join(f"WHEN GET_LOCK(%s, 0) THEN {slot}" for slot in range(BELL_SLOTS))
+        + " END"
+    )
+    unsubscribe_sql = "SELECT RELEASE_LOCK(%s)"  # (the slot's name)
+    # A nap waits for the anchor, a name the listener's other connection holds: 0 when it ran
+    # out, NULL when KILLed, 1 if the anchor was free (its holder gone). Not SELECT SLEEP:
+    # MariaDB wakes every SLEEP through one mutex, so KILLs of naps running at once can each
+    # wait up to two seconds for it; a GET_LOCK wait has a mutex of its own.
+    anchor_sql = "SELECT GET_LOCK(%s, 0)"  # (anchor_name)
+    nap_sql = "SELECT GET_LOCK('{anchor}', {seconds:g})"
+    #: Errors of a KILL that are not the store's fault: the listener went away meanwhile
+    #: (1094), or runs as another user and we may not interrupt it (1095).
+    kill_refusals = frozenset({1094, 1095})
     extend_sql = f"""
         UPDATE {TABLE}
         SET expires_at = GREATEST(expires_at, {_now} + INTERVAL %s MICROSECOND)
@@ -90,6 +146,7 @@ class MySQLDialect(Dialect):
         remaining=remaining_template,
         keep_existing="ON DUPLICATE KEY UPDATE `key` = `key`",
         for_update=" FOR UPDATE",
+        raise_waiting=True,
     )
 
     def acquire_params(self, key: str, owner: str, holder: str, ttl: float) -> list[Sequence[Any]]:
@@ -97,6 +154,20 @@ class MySQLDialect(Dialect):
 
     def interval(self, seconds: float) -> Any:
         return round(seconds * 1_000_000)  # microseconds
+
+    def bell_names(self, key: str) -> list[str]:
+        # md5 of the key's UTF-8 bytes, computed here for both sides: a name is at most 64
+        # characters, whatever the key.
+        digest = hashlib.md5(key.encode("utf-8")).hexdigest()
+        return [f"{BELL_PREFIX}{digest}:{slot}" for slot in range(BELL_SLOTS)]
+
+    @staticmethod
+    def anchor_name(connection_id: int) -> str:
+        """The anchor of the listener whose other connection is `connection_id`."""
+        return f"{BELL_PREFIX}nap:{connection_id}"
+
+    def released_waiting(self, cursor: Any) -> bool:
+        return bool(cursor.lastrowid)
 
     def connection_options(
         self, options: dict[str, Any], wrapper: Any, socket_timeout: float
