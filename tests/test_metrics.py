@@ -3,6 +3,7 @@ OpenTelemetry, read through the real libraries; nothing secret in any of them.""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -12,14 +13,22 @@ import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
+import redis
 from django.conf import settings
 from django.core.checks import CheckMessage
+from django.db import connections, transaction
 from django.test import RequestFactory, override_settings
 from opentelemetry import metrics as otel_metrics
 from opentelemetry import trace
+from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
+from opentelemetry.instrumentation.mysqlclient import MySQLClientInstrumentor
+from opentelemetry.instrumentation.psycopg import PsycopgInstrumentor
+from opentelemetry.instrumentation.redis import RedisInstrumentor
+from opentelemetry.instrumentation.sqlite3 import SQLite3Instrumentor
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -44,6 +53,11 @@ from django_keel_lock.contrib.celery import locked_task
 from django_keel_lock.instruments import prometheus
 from django_keel_lock.metrics import Recorder
 from django_keel_lock.options import lock_name
+from django_keel_lock.registry import build_store
+from django_keel_lock.stores import DatabaseLockStore, RedisLockStore
+
+from .conftest import database_like, needs, needs_store, serving, store_params
+from .support.redis_servers import REDIS_SERVER, redis_cluster
 
 DOWN = {"BACKEND": "django_keel_lock.stores.RedisLockStore",
         "OPTIONS": {"URL": "redis://127.0.0.1:1/0"}}  # fmt: skip
@@ -445,27 +459,6 @@ def test_an_acquire_span_under_the_callers_span_with_events(
     assert "error.type" not in (parent.attributes or {})
 
 
-def test_store_spans_nest_under_the_acquire_span(otel: InMemorySpanExporter, key: str) -> None:
-    """What the Redis or psycopg instrumentation's spans do: start while acquire runs."""
-    from django_keel_lock.stores import MemoryLockStore
-
-    tracer = trace.get_tracer("tests")
-    original = MemoryLockStore.acquire
-
-    def traced(self: Any, *args: Any) -> Any:
-        with tracer.start_as_current_span("store call", kind=SpanKind.CLIENT):
-            return original(self, *args)
-
-    MemoryLockStore.acquire = traced  # type: ignore[method-assign]
-    try:
-        lock(key, store="memory", name="nest").run(lambda: None)
-    finally:
-        MemoryLockStore.acquire = original  # type: ignore[method-assign]
-    spans = otel.get_finished_spans()
-    call, acquire = named(spans, "store call"), named(spans, "lock.acquire nest")
-    assert call.parent is not None and call.parent.span_id == acquire.context.span_id
-
-
 def test_a_raising_timeout_is_an_error_and_a_handled_skip_is_not(
     otel: InMemorySpanExporter, key: str
 ) -> None:
@@ -549,6 +542,198 @@ def test_otel_metrics(otel: InMemorySpanExporter, key: str) -> None:
     assert ends == {"released": 1, "expired": 1}
     (lost,) = mine("keel.lock.lost")
     assert lost.value == 1 and lost.attributes["keel.lock.reason"] == "expired"
+
+
+# -- the drivers' own instrumentation, under the acquire span --------------------------------
+# Each store with the official instrumentation of its driver, turned on as an application does
+# (process-wide). A connection opened meanwhile stays traced after uninstrument(), so each test
+# opens its store's connections inside the block and closes them there (`serving`).
+INSTRUMENTORS: dict[str, type[BaseInstrumentor]] = {
+    "sqlite": SQLite3Instrumentor,
+    "postgres": PsycopgInstrumentor,
+    "mariadb": MySQLClientInstrumentor,
+    "redis": RedisInstrumentor,
+}
+
+
+@contextmanager
+def instrumented(driver: str) -> Iterator[None]:
+    """The official instrumentation of `driver`'s client library on while the block runs."""
+    instrumentor = INSTRUMENTORS[driver]()
+    instrumentor.instrument()
+    try:
+        assert instrumentor.is_instrumented_by_opentelemetry, "its dependency check refused"
+        yield
+    finally:
+        instrumentor.uninstrument()
+
+
+def client_spans(spans: tuple[ReadableSpan, ...]) -> list[ReadableSpan]:
+    return [span for span in spans if span.kind is SpanKind.CLIENT]
+
+
+def statement(span: ReadableSpan) -> str:
+    """The statement or command a CLIENT span shows (old and new attribute names)."""
+    attributes = span.attributes or {}
+    return str(attributes.get("db.statement", attributes.get("db.query.text", "")))
+
+
+def under(acquire: ReadableSpan, spans: tuple[ReadableSpan, ...]) -> list[str]:
+    """The statements of the CLIENT spans whose parent is `acquire`."""
+    return [
+        statement(span)
+        for span in client_spans(spans)
+        if span.parent is not None and span.parent.span_id == acquire.context.span_id
+    ]
+
+
+def acquire_once(alias: str, key: str, name: str, *, asynchronous: bool) -> None:
+    """Acquire and release `key` under a span of its own, sync or async."""
+    if asynchronous:
+
+        async def cycle() -> None:
+            async with lock(key, store=alias, name=name):
+                pass
+
+        asyncio.run(cycle())
+    else:
+        with lock(key, store=alias, name=name):
+            pass
+
+
+def assert_no_key_in(spans: tuple[ReadableSpan, ...], key: str) -> None:
+    """The instrumentations' defaults show statements with placeholders, not our values."""
+    for span in client_spans(spans):
+        assert all(key not in str(value) for value in (span.attributes or {}).values()), span
+
+
+@contextmanager
+def database_store(alias: str) -> Iterator[str]:
+    """A new store for database store `alias` (postgres: on the cursor path, prepared
+    statements off as for pgbouncer), serving under an alias of its own."""
+    if alias != "postgres":
+        with serving(build_store(alias)) as serving_alias:
+            yield serving_alias
+        return
+    options = {**(settings.DATABASES["postgres"].get("OPTIONS") or {}), "prepare_threshold": None}
+    with database_like("postgres", f"unprepared-{word()}", OPTIONS=options) as database:
+        with serving(DatabaseLockStore(f"{database}-store", {"DATABASE": database})) as served:
+            yield served
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("alias", store_params(["sqlite", "mariadb", "postgres"]))
+def test_database_statements_nest_under_the_acquire_span(
+    otel: InMemorySpanExporter, key: str, alias: str, asynchronous: bool
+) -> None:
+    """A database store's statements go through the driver's cursor (PostgreSQL: with
+    prepare_threshold None), so its instrumentation shows them under the acquire span; an
+    async acquire's too, on the store's worker thread."""
+    name = word()
+    with instrumented(alias), database_store(alias) as served:
+        acquire_once(served, key, name, asynchronous=False)  # the connection's own set-up
+        otel.clear()
+        acquire_once(served, key, name, asynchronous=asynchronous)
+    spans = otel.get_finished_spans()
+    nested = under(named(spans, f"lock.acquire {name}"), spans)
+    assert any("INSERT INTO django_keel_lock_lock" in sql for sql in nested), nested
+    # The release comes after the acquire span: under the caller's span, here none.
+    assert len(client_spans(spans)) > len(nested)
+    assert_no_key_in(spans, key)
+
+
+def test_sqlite_statements_inside_the_callers_transaction_nest_too(
+    otel: InMemorySpanExporter, key: str
+) -> None:
+    """Inside atomic() the lock statements run on the caller's own connection, traced when
+    it was opened under the instrumentation, as an application's is."""
+    name = word()
+    connections["default"].close()
+    try:
+        with instrumented("sqlite"), transaction.atomic():
+            with lock(key, store="sqlite", name=name):
+                pass
+    finally:
+        connections["default"].close()  # traced: not for the tests after this one
+    spans = otel.get_finished_spans()
+    nested = under(named(spans, f"lock.acquire {name}"), spans)
+    assert any("INSERT INTO django_keel_lock_lock" in sql for sql in nested), nested
+
+
+@pytest.mark.parametrize("durable", [True, False], ids=["durable", "fast"])
+@needs_store("postgres")
+def test_postgres_hot_statements_bypass_psycopg_so_only_connection_set_up_nests(
+    otel: InMemorySpanExporter, key: str, durable: bool
+) -> None:
+    """On PostgreSQL with psycopg 3, acquire, release and extend run through libpq itself
+    (stores.database.libpq), which psycopg's instrumentation does not see: only the set-up
+    statements of a thread's new connection show, under the acquire that opened it."""
+    name = word()
+    store = DatabaseLockStore(f"pg-{word()}", {"DATABASE": "postgres", "DURABLE": durable})
+    with instrumented("postgres"), serving(store) as served:
+        acquire_once(served, key, name, asynchronous=False)
+        first = otel.get_finished_spans()
+        otel.clear()
+        acquire_once(served, key, name, asynchronous=False)
+        later = otel.get_finished_spans()
+    set_up = under(named(first, f"lock.acquire {name}"), first)
+    assert any("SET SESSION CHARACTERISTICS" in sql for sql in set_up), set_up  # seen...
+    assert not any("django_keel_lock" in statement(span) for span in client_spans(first))
+    assert client_spans(later) == []  # ...and nothing once the connection is set up
+
+
+@needs_store("redis")
+def test_redis_sync_scripts_bypass_the_client_so_no_span_shows(
+    otel: InMemorySpanExporter, key: str
+) -> None:
+    """Sync calls on a plain (or Sentinel) server run the scripts on the thread's own
+    connection, not through redis-py's client, which the instrumentation wraps."""
+    name = word()
+    with instrumented("redis"), serving(build_store("redis-url")) as served:
+        acquire_once(served, key, name, asynchronous=False)
+        spans = otel.get_finished_spans()
+        assert named(spans, f"lock.acquire {name}").kind is SpanKind.INTERNAL
+        assert client_spans(spans) == []
+        client = redis.Redis.from_url(settings.REDIS_URL)
+        try:
+            client.ping()  # the instrumentation is on: redis-py's client is traced
+        finally:
+            client.close()
+    assert [span.name for span in client_spans(otel.get_finished_spans())] == ["PING"]
+
+
+@needs_store("redis")
+def test_redis_async_scripts_nest_under_the_acquire_span(
+    otel: InMemorySpanExporter, key: str
+) -> None:
+    name = word()
+    with instrumented("redis"), serving(build_store("redis-url")) as served:
+        acquire_once(served, key, name, asynchronous=True)  # the scripts loaded, if need be
+        otel.clear()
+        acquire_once(served, key, name, asynchronous=True)
+    spans = otel.get_finished_spans()
+    assert [sql.split()[0] for sql in under(named(spans, f"lock.acquire {name}"), spans)] == [
+        "EVALSHA"
+    ]
+    assert_no_key_in(spans, key)
+
+
+@needs(os.path.exists(REDIS_SERVER), "the redis-server binary")
+def test_redis_cluster_scripts_nest_under_the_acquire_span(
+    otel: InMemorySpanExporter, key: str
+) -> None:
+    """A cluster's scripts go through redis-py's RedisCluster client, sync and async."""
+    name = word()
+    with redis_cluster(3) as nodes, instrumented("redis"):
+        store = RedisLockStore(f"cluster-{word()}", {"URL": nodes[0].url, "CLUSTER": True})
+        with serving(store) as served:
+            acquire_once(served, key, name, asynchronous=False)  # loads the scripts
+            for asynchronous in (False, True):
+                otel.clear()
+                acquire_once(served, key, name, asynchronous=asynchronous)
+                spans = otel.get_finished_spans()
+                nested = under(named(spans, f"lock.acquire {name}"), spans)
+                assert [sql.split()[0] for sql in nested] == ["EVALSHA"], (asynchronous, nested)
 
 
 # -- nothing secret anywhere ----------------------------------------------------------------

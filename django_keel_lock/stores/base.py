@@ -7,6 +7,7 @@ decides policy. Waiting, ownership tokens and fencing rules live in `django_keel
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import os
 import threading
 from abc import ABC, abstractmethod
@@ -220,7 +221,9 @@ class LockStore(ABC):
     _executor_pid = 0
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
-        """Run `fn(*args)` on this store's own worker threads, made once per process.
+        """Run `fn(*args)` on this store's own worker threads, made once per process, in the
+        caller's context (contextvars): an async acquire's store call runs under its span, so
+        an instrumented driver's CLIENT spans nest under it there too.
 
         Not asyncio's executor: that one lives and dies with each event loop, and a connection
         a store opens per thread would outlive its thread; these threads live as long as the
@@ -235,7 +238,7 @@ class LockStore(ABC):
                         self.worker_threads, thread_name_prefix=f"keel-lock-{self.alias}"
                     )
                     self._executor_pid = os.getpid()
-        return executor.submit(fn, *args)
+        return executor.submit(contextvars.copy_context().run, fn, *args)
 
     # -- async ----------------------------------------------------------------------------
     # Defaults run the sync operation on the store's worker threads; stores with a native
