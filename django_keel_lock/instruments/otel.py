@@ -2,9 +2,10 @@
 
 Needs `opentelemetry-api` only; what is exported, and where, is the application's SDK set-up.
 
-- An INTERNAL span `lock.acquire <name>` around each acquire, current while it runs (so a
-  store's CLIENT spans, from the Redis or psycopg instrumentation, nest under it), with the
-  attributes keel.lock.store, .name, .ttl, .timeout, .attempts, .outcome and .fence.
+- An INTERNAL span `lock.acquire <name>` around each acquire, current while it runs (so the
+  CLIENT spans a driver's instrumentation makes for the store's calls nest under it; the
+  Redis store's sync scripts and PostgreSQL's libpq path make none: docs/surfaces/metrics.md),
+  with the attributes keel.lock.store, .name, .ttl, .timeout, .attempts, .outcome and .fence.
 - Span events `lock.acquired`, `lock.released` and `lock.lost` on the span that was current
   when the acquire began (the caller's), even when the watchdog finds the loss.
 - `error.type`: on the acquire span when the store failed (the exception's class) or when a
