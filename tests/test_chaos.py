@@ -155,6 +155,21 @@ def test_checker_excuses_an_overlap_whose_holder_was_told_its_lock_was_lost() ->
     assert (report.excused_overlaps, report.lost_notices) == (1, 1)
 
 
+def test_checker_ends_a_section_when_its_ttl_runs_out_by_its_holders_clock() -> None:
+    story = Story()
+    story.section("w1", "w1.s1", "k", 1, 1.0, 4.0, write=False)  # its ttl (2 s) ran out at 2.9
+    story.section("w2", "w2.s1", "k", 2, 3.0, 3.5)
+    assert broken(story.check()) == {}
+
+
+def test_checker_counts_a_confirmed_extend_in_the_holders_ttl() -> None:
+    story = Story()
+    story.section("w1", "w1.s1", "k", 1, 1.0, 4.0, write=False)
+    story.call("w1", "w1.s1", "extend", 2.5, 2.6, "extended")  # held until 4.5 now
+    story.section("w2", "w2.s1", "k", 2, 3.0, 3.5)
+    assert list(broken(story.check())) == [1]
+
+
 def test_checker_reports_a_semaphore_with_more_holders_than_its_limit() -> None:
     story = Story()
     for n in range(3):
@@ -164,10 +179,20 @@ def test_checker_reports_a_semaphore_with_more_holders_than_its_limit() -> None:
 
 def test_checker_reports_a_fence_lower_than_one_the_resource_accepted() -> None:
     story = Story()
-    story.section("w1", "w1.s1", "k", 5, 1.0, 2.0)
-    story.section("w2", "w2.s1", "k", 4, 2.1, 3.0)
+    story.section("w1", "w1.s1", "s", 5, 1.0, 2.0, write=False)
+    story.section("w2", "w2.s1", "s", 4, 1.05, 2.0, write=False)  # began before w1 had it
+    for worker, fence in (("w1", 5), ("w2", 4)):
+        story.call(worker, f"{worker}.s1", "claim", 1.5, 1.6, "accepted")
+        story.accept("s", fence, f"{worker}.s1", "claim")
+    assert broken(story.check()) == {2: ["'s' accepted fence 4 after 5"]}
+
+
+def test_checker_reports_a_fence_that_did_not_grow() -> None:
+    story = Story()
+    story.section("w1", "w1.s1", "s", 7, 1.0, 2.0, write=False)
+    story.section("w2", "w2.s1", "s", 7, 1.5, 2.5, write=False)  # two permits, one fence
     assert broken(story.check()) == {
-        2: ["'k' accepted fence 4 after 5", "'k' accepted fence 4 after 5"]
+        2: ["'s': w2.s1 got fence 7, not above 7 of w1.s1, which had it before"]
     }
 
 

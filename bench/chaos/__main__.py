@@ -63,8 +63,15 @@ def main(argv: list[str]) -> int:
         help="the raw history, JSON lines (one file per store: "
         "the store's name is added before the suffix when there are several)",
     )
+    parser.add_argument(
+        "--check",
+        metavar="HISTORY",
+        help="check a history that --out wrote again (after a change to the checker)",
+    )
     parser.add_argument("--summary", help=argparse.SUPPRESS)  # one store's row, for the parent
     args = parser.parse_args(argv)
+    if args.check:
+        return recheck(args.check)
     names = list(TARGETS) if args.store == "all" else args.store.split(",")
     for name in names:
         if name not in TARGETS:
@@ -147,21 +154,18 @@ def run_one(name: str, args: argparse.Namespace) -> int:
         report, records, audit = _run(target, config, args, folder)
     finally:
         target.close()
-    row = _row(name, args, report)
+    row = _row(name, args.seconds, args.workers, report)
     if not args.summary:
         print_table(HEADERS, [row])
     outcomes = ", ".join(f"{k} {v}" for k, v in sorted(report.outcomes.items()))
     print(f"{name}: calls by outcome: {outcomes}")
     print(f"{name}: history in {folder}" + (f" and {args.out}" if args.out else ""))
-    violations = []
-    for violation in report.violations:
-        lines = excerpt(violation, records, audit)
-        violations.append({"rule": violation.rule, "what": violation.what, "excerpt": lines})
-        print(f"\nrule {violation.rule} broken (store {name}, seed {args.seed}): {violation.what}")
-        for line in lines:
-            print("   ", json.dumps(line))
+    violations = _violations(name, args.seed, report, records, audit)
     if args.out:
         with open(args.out, "w") as handle:
+            run = {"ev": "run", "store": name, "keys": config["keys"], "ttl": args.ttl}
+            run.update(seed=args.seed, seconds=args.seconds, workers=args.workers)
+            handle.write(json.dumps(run) + "\n")
             for record in sorted(
                 records + [dict(r, ev="audit") for r in audit],
                 key=lambda r: r.get("t", r.get("t0", 0)),
@@ -170,6 +174,32 @@ def run_one(name: str, args: argparse.Namespace) -> int:
     if args.summary:
         Path(args.summary).write_text(json.dumps({"row": row, "violations": violations}))
     return 1 if violations else 0
+
+
+def _violations(
+    name: str, seed: int, report: Report, records: list[dict[str, Any]], audit: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Print each violation with the seed and its history excerpt; the same as JSON."""
+    violations = []
+    for violation in report.violations:
+        lines = excerpt(violation, records, audit)
+        violations.append({"rule": violation.rule, "what": violation.what, "excerpt": lines})
+        print(f"\nrule {violation.rule} broken (store {name}, seed {seed}): {violation.what}")
+        for line in lines:
+            print("   ", json.dumps(line))
+    return violations
+
+
+def recheck(path: str) -> int:
+    """The checker again over a history written by --out."""
+    with open(path) as handle:
+        lines = [json.loads(line) for line in handle]
+    run = next(line for line in lines if line["ev"] == "run")
+    audit = [line for line in lines if line["ev"] == "audit"]
+    records = [line for line in lines if line["ev"] not in ("run", "audit")]
+    report = check(records, audit, run)
+    print_table(HEADERS, [_row(run["store"], run["seconds"], run.get("workers", 0), report)])
+    return 1 if _violations(run["store"], run["seed"], report, records, audit) else 0
 
 
 def _prepare(keys: list[str]) -> None:
@@ -229,13 +259,13 @@ def _run(
     return check(records, audit, config), records, audit
 
 
-def _row(name: str, args: argparse.Namespace, report: Report) -> list[object]:
+def _row(name: str, seconds: float, workers: int, report: Report) -> list[object]:
     faults = " ".join(f"{kind}={count}" for kind, count in sorted(report.faults.items()))
     takeover = report.max_takeover
     return [
         name,
-        f"{args.seconds:g}",
-        args.workers,
+        f"{seconds:g}",
+        workers,
         report.operations,
         report.sections,
         faults,

@@ -7,11 +7,14 @@ one clock for every process on the machine.
 
 1. Sections of one key never overlap (a semaphore of limit n: never more than n at once) unless
    one of them was told its lock was lost: `lost` (on_lost), `release()` False, or
-   LockNotHeldError. A section runs from its acquire's return to its release's start (what its
-   holder believed), or to its process's death; one whose holder was paused and then killed
-   before it could be told is excused too (it never acted on the lock again).
+   LockNotHeldError. A section is held from its acquire's return until its release starts,
+   its process dies, or its ttl runs out by its own clock (ttl after its acquire, or after its
+   last extend, began; with auto_extend the watchdog says when it is lost): what its holder
+   may believe. One whose holder was paused and then killed before it could be told is
+   excused too (it never acted on the lock again).
 2. Per key, the resource never accepted a fence lower than one it had accepted; and it
-   accepted exactly the writes the workers were told it accepted.
+   accepted exactly the writes the workers were told it accepted. Fences grow: an
+   acquisition that began after another had returned got a greater fence.
 3. The accepted writes of each holder are contiguous in the resource's order (no other
    holder's accepted write between two of one holder's), and no update was lost (each write is
    the previous value plus one). This is the overlap the resource itself can see: a stale
@@ -75,6 +78,13 @@ class Section:
     died: bool = False
     told: bool = False
     paused: bool = False
+    #: When its ttl runs out by its holder's clock, without auto_extend (inf: with it).
+    valid_until: float = float("inf")
+
+    @property
+    def held_until(self) -> float:
+        """The end of the time its holder may believe it holds the lock (inf: still open)."""
+        return min(float("inf") if self.end is None else self.end, self.valid_until)
 
     @property
     def excused(self) -> bool:
@@ -137,6 +147,7 @@ def check(
         if call is not None and ret["outcome"] in TOLD_LOST:
             told.add(call["sid"])
     report.lost_notices = sum(1 for sid in told if sid in sections)
+    _validity(sections, calls, returns, config)
     for section in sections.values():
         section.told = section.sid in told
         if section.end is None and section.worker in deaths:
@@ -149,6 +160,7 @@ def check(
     limits = {spec["key"]: spec["limit"] or 1 for spec in config["keys"]}
     _overlaps(sections, limits, report)
     _resource(audit, calls, returns, deaths, report)
+    _fences_grow(sections, calls, report)
     _liveness(sections, config, deaths, outages, records_end(calls, returns), report)
     _calls(calls, returns, deaths, pauses, report)
     return report
@@ -181,6 +193,29 @@ def _fault(
         outages.append((record["t0"], record["t1"]))
 
 
+def _validity(
+    sections: dict[str, Section],
+    calls: dict[str, dict[str, Any]],
+    returns: dict[str, dict[str, Any]],
+    config: dict[str, Any],
+) -> None:
+    """Each section's `valid_until`: a ttl after its acquire began, or after the last
+    extend that returned "extended" began (sections of auto_extend keys: no limit)."""
+    auto = {spec["key"] for spec in config["keys"] if spec["auto_extend"]}
+    for cid, call in calls.items():
+        section = sections.get(call["sid"])
+        if section is None or section.key in auto:
+            continue
+        ret = returns.get(cid)
+        granted = call["op"] == "acquire" or (
+            call["op"] == "extend" and ret is not None and ret["outcome"] == "extended"
+        )
+        if granted:
+            until = call["t"] + config["ttl"]
+            if section.valid_until == float("inf") or until > section.valid_until:
+                section.valid_until = until
+
+
 def records_end(calls: dict[str, Any], returns: dict[str, Any]) -> float:
     times = [r["t"] for r in returns.values()] + [c["t"] for c in calls.values()]
     return max(times, default=0.0)
@@ -195,7 +230,7 @@ def _overlaps(sections: dict[str, Section], limits: dict[str, int], report: Repo
         limit = limits.get(key, 1)
         active: list[Section] = []
         for section in sorted(group, key=lambda s: s.start):
-            active = [a for a in active if a.end is None or a.end > section.start]
+            active = [a for a in active if a.held_until > section.start]
             active.append(section)
             if len(active) <= limit:
                 continue
@@ -287,6 +322,35 @@ def _resource(
                     )
                 )
             value = row["value"]
+
+
+def _fences_grow(
+    sections: dict[str, Section], calls: dict[str, dict[str, Any]], report: Report
+) -> None:
+    """Rule 2: a fence greater than every fence handed out before the acquire began."""
+    began = {c["sid"]: c["t"] for c in calls.values() if c["op"] == "acquire"}
+    by_key: dict[str, list[Section]] = defaultdict(list)
+    for section in sections.values():
+        by_key[section.key].append(section)
+    for key, group in by_key.items():
+        earlier = sorted(group, key=lambda s: s.start)
+        at, highest, holder = 0, 0, ""
+        for section in sorted(group, key=lambda s: began.get(s.sid, s.start)):
+            start = began.get(section.sid, section.start)
+            while at < len(earlier) and earlier[at].start < start:
+                if earlier[at].fence > highest:
+                    highest, holder = earlier[at].fence, earlier[at].sid
+                at += 1
+            if section.fence <= highest:
+                report.violations.append(
+                    Violation(
+                        2,
+                        f"{key!r}: {section.sid} got fence {section.fence}, not above "
+                        f"{highest} of {holder}, which had it before",
+                        (section.sid, holder),
+                        section.start,
+                    )
+                )
 
 
 def _liveness(

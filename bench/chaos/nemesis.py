@@ -35,6 +35,28 @@ class FaultLog:
             self._file.flush()
 
 
+def pick(rng: random.Random, workers: list[str], folder: Path) -> str:
+    """A victim: half the time one that holds a lock now (its history's last line is inside
+    a section), so kills test takeovers (rule 4) and not only waiters; else any."""
+    holders = [w for w in workers if _holding(folder / f"{w}.jsonl")]
+    return rng.choice(holders if holders and rng.random() < 0.5 else workers)
+
+
+def _holding(path: Path) -> bool:
+    """Whether the worker of history `path` is inside a section: an enter after its exit."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(max(0, path.stat().st_size - 4096))
+            lines = handle.read().splitlines()[1:]  # the first may be cut
+    except OSError:
+        return False
+    for line in reversed(lines):
+        ev = json.loads(line)["ev"]
+        if ev in ("enter", "exit", "done", "start"):
+            return ev == "enter"
+    return False
+
+
 class Processes:
     """Workers as processes of their own: SIGKILL and SIGSTOP/SIGCONT are the real thing."""
 
@@ -82,7 +104,7 @@ class Processes:
         self.log.log("crash", victim=worker, rc=rc, dead_at=time.monotonic(), stderr=tail)
 
     def kill(self, rng: random.Random) -> dict[str, Any]:
-        worker = rng.choice(sorted(self.running))
+        worker = pick(rng, sorted(self.running), self.folder)
         process, stderr = self.running.pop(worker)
         process.kill()
         dead_at = time.monotonic()
@@ -187,7 +209,7 @@ class Threads:
         pass  # a thread that crashed logged it itself
 
     def kill(self, rng: random.Random) -> dict[str, Any]:
-        worker = rng.choice(sorted(self.running))
+        worker = pick(rng, sorted(self.running), self.folder)
         state = self.running.pop(worker)
         state.kill.set()
         assert state.thread is not None
@@ -235,5 +257,9 @@ def run_nemesis(
         workers.reap()
         kind = rng.choice(names)
         t0 = time.monotonic()
-        info = kinds[kind](rng)
+        try:
+            info = kinds[kind](rng)
+        except Exception as error:  # the fault did not work out: say so, go on with the run
+            log.log(f"{kind}_failed", t0=t0, t1=time.monotonic(), error=repr(error))
+            continue
         log.log(kind, t0=t0, t1=time.monotonic(), **info)

@@ -277,16 +277,26 @@ class RedisCluster(Target):
 class RedisSentinel(Target):
     """A master, a replica and a sentinel; the store finds the master through django-redis'
     SentinelClient. A failover promotes the replica: locks not yet replicated are lost, which
-    the fenced resource must show as refused writes, never accepted stale ones."""
+    the fenced resource must show as refused writes, never accepted stale ones.
+
+    The servers refuse writes without a replica in sync (`GUARD`): after a failover that
+    finds the old master alive (SENTINEL FAILOVER, a partition), Sentinel turns it into a
+    replica only at its next look, up to 10 s later, and until then it goes on granting locks
+    to the clients still connected to it. Without the guard ("redis-sentinel-plain") two
+    holders of one lock for seconds, neither told, are what a failover does (rule 1)."""
 
     name = "redis-sentinel"
     service = "keelchaos"
+    GUARD = ("--min-replicas-to-write", "1", "--min-replicas-max-lag", "1")
 
     def start(self) -> dict[str, Any]:
         setup = self.stack.enter_context(
             redis_sentinel(self.service, down_after_ms=1000, replicas=1)
         )
         servers = {server.port: server for server in (setup.master, *setup.replicas)}
+        for server in servers.values():
+            for name, value in zip(self.GUARD[::2], self.GUARD[1::2], strict=True):
+                server.cli("config", "set", name.lstrip("-"), value)
 
         def current() -> RedisServer:
             port = master_of(setup.sentinel, self.service)
@@ -296,17 +306,27 @@ class RedisSentinel(Target):
         def kill_master(rng: random.Random) -> dict[str, Any]:
             old = current()
             old.kill()
-            wait_for(lambda: master_of(setup.sentinel, self.service) != old.port, what="failover")
+            wait_for(
+                lambda: master_of(setup.sentinel, self.service) != old.port,
+                seconds=60,
+                what="failover",
+            )
             new = current()
             time.sleep(rng.uniform(0.2, 1.0))
-            old.extra = ["--replicaof", "127.0.0.1", str(new.port)]
+            old.extra = ["--replicaof", "127.0.0.1", str(new.port), *self.GUARD]
             old.start()
             return {"old": old.port, "new": new.port}
 
         def failover(rng: random.Random) -> dict[str, Any]:
             old = current()
-            setup.sentinel.cli("sentinel", "failover", self.service)
-            wait_for(lambda: master_of(setup.sentinel, self.service) != old.port, what="failover")
+            reply = setup.sentinel.cli("sentinel", "failover", self.service).strip()
+            if reply != "OK":  # no replica it trusts yet (one restarted a moment ago)
+                raise RuntimeError(f"SENTINEL FAILOVER refused: {reply}")
+            wait_for(
+                lambda: master_of(setup.sentinel, self.service) != old.port,
+                seconds=60,
+                what="failover",
+            )
             return {"old": old.port, "new": current().port}
 
         self.faults.update(master_kill=kill_master, failover=failover)
@@ -329,6 +349,11 @@ class RedisSentinel(Target):
             "OPTIONS": {"CONNECTION": "sentinel", "SOCKET_TIMEOUT": SOCKET_TIMEOUT},
         }
         return {**self.settings(store), "caches": caches}
+
+
+class RedisSentinelPlain(RedisSentinel):
+    name = "redis-sentinel-plain"
+    GUARD = ()
 
 
 TARGETS: dict[str, type[Target]] = {

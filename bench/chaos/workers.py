@@ -53,8 +53,8 @@ class History:
         try:
             result = fn()
             outcome = OUTCOMES[op](result)
-        except LockStoreUnavailable as error:
-            outcome, exc = "unavailable", type(error).__name__
+        except LockStoreUnavailable as error:  # why, for the reader of the history
+            outcome, exc = "unavailable", f"{type(error).__name__}: {str(error)[:300]}"
         except LockNotHeldError as error:
             outcome, exc = "not_held", type(error).__name__
         except Exception as error:  # what rule 5 looks for: recorded, never raised on
