@@ -51,11 +51,13 @@ class Story:
         outcome: str = "",
         budget: float = 10.0,
         exc: str = "",
+        key: str = "",
     ) -> None:
         self.calls += 1
         cid = f"{worker}.c{self.calls}"
         self.records.append(
             {
+                "key": key,
                 "ev": "call",
                 "w": worker,
                 "cid": cid,
@@ -82,7 +84,7 @@ class Story:
         write: bool = True,
     ) -> None:
         """acquire, claim, write, release: the section runs from `start` to `end`."""
-        self.call(worker, sid, "acquire", start - 0.1, start, "acquired")
+        self.call(worker, sid, "acquire", start - 0.1, start, "acquired", key=key)
         self.records.append(
             {"ev": "enter", "w": worker, "sid": sid, "key": key, "fence": fence, "t": start}
         )
@@ -265,10 +267,19 @@ def test_checker_reports_a_key_not_taken_again_in_time_after_its_holder_died() -
     story.section("w1", "w1.s1", "k", 1, 1.0, None)
     story.fault("kill", t0=1.5, t1=1.6, victim="w1", dead_at=1.5)
     late = 1.5 + CONFIG["ttl"] + LIVENESS_MARGIN + 1
+    story.call("w3", "w3.s1", "acquire", late - 0.6, late - 0.5, "not_acquired", key="k")
     story.section("w2", "w2.s1", "k", 2, late, late + 0.5)
     report = story.check()
     assert list(broken(report)) == [4]
     assert report.max_takeover == pytest.approx(late - 1.5)
+
+
+def test_checker_does_not_judge_liveness_where_nobody_asked_for_the_key() -> None:
+    story = Story()
+    story.section("w1", "w1.s1", "k", 1, 1.0, None)
+    story.fault("kill", t0=1.5, t1=1.6, victim="w1", dead_at=1.5)
+    story.call("w3", "w3.s1", "acquire", 2.0, 2.1, "not_acquired", key="k")  # within its ttl
+    assert broken(story.check()) == {}
 
 
 def test_checker_allows_store_faults_the_time_they_kept_the_key_from_being_taken() -> None:
@@ -277,6 +288,7 @@ def test_checker_allows_store_faults_the_time_they_kept_the_key_from_being_taken
     story.fault("kill", t0=1.5, t1=1.6, victim="w1", dead_at=1.5)
     story.fault("server_restart", t0=2.0, t1=4.0)
     late = 1.5 + CONFIG["ttl"] + LIVENESS_MARGIN + 1
+    story.call("w3", "w3.s1", "acquire", late - 0.6, late - 0.5, "not_acquired", key="k")
     story.section("w2", "w2.s1", "k", 2, late, late + 0.5)
     assert broken(story.check()) == {}
 

@@ -19,9 +19,10 @@ one clock for every process on the machine.
    holder's accepted write between two of one holder's), and no update was lost (each write is
    the previous value plus one). This is the overlap the resource itself can see: a stale
    holder's write that lands before the new holder's first write is ordered before it, harmless.
-4. Liveness, exclusive keys: after a holder was killed, the key was acquired again within
-   ttl + `LIVENESS_MARGIN` of the kill (or of the end of the sections that held it then), plus
-   the time store faults overlapped that window.
+4. Liveness, exclusive keys: after a holder was killed, no acquire of the key was refused
+   later than ttl + `LIVENESS_MARGIN` after the kill (or after the end of the sections that
+   held it then), plus the time store faults overlapped that window, before the key was
+   taken again. The takeover delay is from then to the next acquisition.
 5. Every call ended as acquired, not acquired, LockStoreUnavailable or LockNotHeldError (or
    its process died), within its budget (timeout + round trips, time stopped by SIGSTOP not
    counted); no other exception, no worker that crashed.
@@ -161,7 +162,12 @@ def check(
     _overlaps(sections, limits, report)
     _resource(audit, calls, returns, deaths, report)
     _fences_grow(sections, calls, report)
-    _liveness(sections, config, deaths, outages, records_end(calls, returns), report)
+    refusals: dict[str, list[float]] = defaultdict(list)
+    for cid, call in calls.items():
+        ret = returns.get(cid)
+        if call["op"] == "acquire" and ret is not None and ret["outcome"] == "not_acquired":
+            refusals[call.get("key", "")].append(ret["t"])
+    _liveness(sections, config, deaths, outages, refusals, report)
     _calls(calls, returns, deaths, pauses, report)
     return report
 
@@ -214,11 +220,6 @@ def _validity(
             until = call["t"] + config["ttl"]
             if section.valid_until == float("inf") or until > section.valid_until:
                 section.valid_until = until
-
-
-def records_end(calls: dict[str, Any], returns: dict[str, Any]) -> float:
-    times = [r["t"] for r in returns.values()] + [c["t"] for c in calls.values()]
-    return max(times, default=0.0)
 
 
 def _overlaps(sections: dict[str, Section], limits: dict[str, int], report: Report) -> None:
@@ -358,12 +359,12 @@ def _liveness(
     config: dict[str, Any],
     deaths: dict[str, tuple[float, str]],
     outages: list[tuple[float, float]],
-    end: float,
+    refusals: dict[str, list[float]],
     report: Report,
 ) -> None:
-    """Rule 4, exclusive keys: a key whose holder was killed is taken again in time."""
+    """Rule 4, exclusive keys: a key whose holder was killed is taken again in time, or at
+    least nobody was refused it past that time (nobody may have asked)."""
     exclusive = {spec["key"] for spec in config["keys"] if not spec["limit"]}
-    ttl = config["ttl"]
     by_key: dict[str, list[Section]] = defaultdict(list)
     for section in sections.values():
         by_key[section.key].append(section)
@@ -372,38 +373,28 @@ def _liveness(
     for dead in sections.values():
         if not dead.died or dead.key not in exclusive or deaths[dead.worker][1] != "kill":
             continue
-        killed = dead.end or 0.0
+        killed = deaths[dead.worker][0]
         group = by_key[dead.key]
         # Holders that had it meanwhile (the dead one's lock may have expired already).
-        others = [
-            s for s in group if s is not dead and s.start <= killed and (s.end or end) > killed
-        ]
-        free = max([killed, *(s.end or end for s in others)])
-        allowed = ttl + LIVENESS_MARGIN
+        others = [s for s in group if s is not dead and s.start <= killed and s.held_until > killed]
+        free = max([killed, *(s.held_until for s in others)])
+        if free == float("inf"):
+            continue  # another holder never let go: rule 1 and 5 say why
+        allowed = config["ttl"] + LIVENESS_MARGIN
         allowed += sum(max(0.0, min(b, free + allowed) - max(a, free)) for a, b in outages)
-        starts = [s.start for s in group]
-        after = bisect.bisect_right(starts, free)
-        nxt = group[after].start if after < len(group) else None
-        if nxt is None:
-            if end > free + allowed:
-                report.violations.append(
-                    Violation(
-                        4,
-                        f"{dead.key!r} never taken again after {dead.sid} died",
-                        (dead.sid,),
-                        killed,
-                    )
-                )
-            continue
-        delay = nxt - free
-        report.takeovers.append(delay)
-        if delay > allowed:
+        after = bisect.bisect_right([s.start for s in group], free)
+        nxt = group[after].start if after < len(group) else float("inf")
+        if nxt < float("inf"):
+            report.takeovers.append(nxt - free)
+        refused = [t for t in refusals.get(dead.key, ()) if free + allowed < t < nxt]
+        if refused:
+            late = "never taken again" if nxt == float("inf") else f"taken {nxt - free:.2f}s"
             report.violations.append(
                 Violation(
                     4,
-                    f"{dead.key!r} taken again {delay:.2f}s after {dead.sid} died "
-                    f"(allowed {allowed:.2f}s)",
-                    (dead.sid, group[after].sid),
+                    f"{dead.key!r} {late} after {dead.sid} died, refused "
+                    f"{refused[0] - free:.2f}s after (allowed {allowed:.2f}s)",
+                    (dead.sid,),
                     killed,
                 )
             )

@@ -41,13 +41,15 @@ class History:
             self._file.write(line + "\n")
             self._file.flush()
 
-    def call(self, op: str, sid: str, budget: float, fn: Callable[[], Any]) -> tuple[str, Any]:
-        """Run `fn`, recording its start, end, outcome and any exception's type."""
+    def call(
+        self, op: str, sid: str, budget: float, fn: Callable[[], Any], **extra: Any
+    ) -> tuple[str, Any]:
+        """Run `fn`, recording its start (with `extra`), end, outcome and any exception."""
         from django_keel_lock import LockNotHeldError, LockStoreUnavailable
 
         self._calls += 1
         cid = f"{self.worker}.c{self._calls}"
-        self.log(ev="call", cid=cid, op=op, sid=sid, t=time.monotonic(), budget=budget)
+        self.log(ev="call", cid=cid, op=op, sid=sid, t=time.monotonic(), budget=budget, **extra)
         result: Any = None
         exc = ""
         try:
@@ -123,7 +125,7 @@ def section(
         handle = lock(key, **options)
     timeout = 0.0 if rng.random() < 0.3 else rng.uniform(0.1, 2 * ttl)
     outcome, _ = history.call(
-        "acquire", sid, timeout + round_trip, lambda: handle.acquire(timeout=timeout)
+        "acquire", sid, timeout + round_trip, lambda: handle.acquire(timeout=timeout), key=key
     )
     if outcome != "acquired":
         nap(rng.uniform(0.05, 0.3))
