@@ -37,7 +37,7 @@ HEADERS = (
     "rule 3",
     "rule 4",
     "rule 5",
-    "excused overlaps",
+    "told overlaps",
     "lost notices",
     "writes accepted/refused",
     "max takeover (s)",
@@ -132,7 +132,7 @@ def run_one(name: str, args: argparse.Namespace) -> int:
     target = TARGETS[name](run)
     try:
         settings = target.start()
-        keys = [
+        keys: list[dict[str, Any]] = [
             {"key": f"chaos.{run}.{kind}", "limit": limit, "auto_extend": auto}
             for kind, limit, auto in (
                 ("lock", None, False),
@@ -163,9 +163,9 @@ def run_one(name: str, args: argparse.Namespace) -> int:
     violations = _violations(name, args.seed, report, records, audit)
     if args.out:
         with open(args.out, "w") as handle:
-            run = {"ev": "run", "store": name, "keys": config["keys"], "ttl": args.ttl}
-            run.update(seed=args.seed, seconds=args.seconds, workers=args.workers)
-            handle.write(json.dumps(run) + "\n")
+            head = {"ev": "run", "store": name, "keys": config["keys"], "ttl": args.ttl}
+            head.update(seed=args.seed, seconds=args.seconds, workers=args.workers)
+            handle.write(json.dumps(head) + "\n")
             for record in sorted(
                 records + [dict(r, ev="audit") for r in audit],
                 key=lambda r: r.get("t", r.get("t0", 0)),

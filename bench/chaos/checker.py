@@ -164,9 +164,9 @@ def check(
     _fences_grow(sections, calls, report)
     refusals: dict[str, list[float]] = defaultdict(list)
     for cid, call in calls.items():
-        ret = returns.get(cid)
-        if call["op"] == "acquire" and ret is not None and ret["outcome"] == "not_acquired":
-            refusals[call.get("key", "")].append(ret["t"])
+        back = returns.get(cid)
+        if call["op"] == "acquire" and back is not None and back["outcome"] == "not_acquired":
+            refusals[call.get("key", "")].append(back["t"])
     _liveness(sections, config, deaths, outages, refusals, report)
     _calls(calls, returns, deaths, pauses, report)
     return report

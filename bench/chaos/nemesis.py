@@ -51,7 +51,7 @@ def _holding(path: Path) -> bool:
     except OSError:
         return False
     for line in reversed(lines):
-        ev = json.loads(line)["ev"]
+        ev = str(json.loads(line)["ev"])
         if ev in ("enter", "exit", "done", "start"):
             return ev == "enter"
     return False

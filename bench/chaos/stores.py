@@ -28,12 +28,12 @@ from tests.support.redis_servers import (
 )
 
 DATABASE = "keel_lock_chaos"
-PG = {
+PG: dict[str, Any] = {
     "HOST": os.environ.get("PGHOST", "127.0.0.1"),
     "PORT": int(os.environ.get("PGPORT", "5432")),
     "USER": os.environ.get("PGUSER", "postgres"),
 }
-MY = {
+MY: dict[str, Any] = {
     "HOST": os.environ.get("MYSQL_HOST", "127.0.0.1"),
     "PORT": int(os.environ.get("MYSQL_PORT", "3306")),
     "USER": os.environ.get("MYSQL_USER", "root"),
@@ -287,7 +287,7 @@ class RedisSentinel(Target):
 
     name = "redis-sentinel"
     service = "keelchaos"
-    GUARD = ("--min-replicas-to-write", "1", "--min-replicas-max-lag", "1")
+    GUARD: tuple[str, ...] = ("--min-replicas-to-write", "1", "--min-replicas-max-lag", "1")
 
     def start(self) -> dict[str, Any]:
         setup = self.stack.enter_context(
@@ -367,5 +367,6 @@ TARGETS: dict[str, type[Target]] = {
         Redis,
         RedisCluster,
         RedisSentinel,
+        RedisSentinelPlain,
     )
 }

@@ -131,6 +131,7 @@ def section(
         nap(rng.uniform(0.05, 0.3))
         return
     fence = handle.fence
+    assert fence is not None  # acquired: the handle has its fence
     history.log(ev="enter", sid=sid, key=key, fence=fence, t=time.monotonic())
     rows = Resource.objects.filter(key=key)
     history.call(
