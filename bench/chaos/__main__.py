@@ -39,6 +39,7 @@ HEADERS = (
     "rule 5",
     "told overlaps",
     "lost notices",
+    "calls unavailable",
     "writes accepted/refused",
     "max takeover (s)",
 )
@@ -272,6 +273,7 @@ def _row(name: str, seconds: float, workers: int, report: Report) -> list[object
         *(report.count(rule) for rule in RULES),
         report.excused_overlaps,
         report.lost_notices,
+        sum(n for kind, n in report.outcomes.items() if kind.endswith(":unavailable")),
         f"{report.accepted}/{report.refused}",
         "-" if takeover is None else f"{takeover:.2f}",
     ]
