@@ -227,7 +227,9 @@ def test_checker_reports_a_lost_update() -> None:
 def test_checker_reports_a_call_that_outlasted_its_budget() -> None:
     story = Story()
     story.call("w1", "w1.s1", "acquire", 1.0, 9.0, "not_acquired", budget=5.0)
-    assert broken(story.check()) == {5: ["acquire w1.c1 took 8.00s, budget 5.00s (not_acquired)"]}
+    report = story.check()
+    assert broken(report) == {5: ["acquire w1.c1 took 8.00s, budget 5.00s (not_acquired)"]}
+    assert report.overrun == pytest.approx(8.0)
 
 
 def test_checker_reports_a_call_that_never_returned() -> None:

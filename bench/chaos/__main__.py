@@ -42,6 +42,7 @@ HEADERS = (
     "calls unavailable",
     "writes accepted/refused",
     "max takeover (s)",
+    "max past timeout (s)",
 )
 
 
@@ -276,6 +277,7 @@ def _row(name: str, seconds: float, workers: int, report: Report) -> list[object
         sum(n for kind, n in report.outcomes.items() if kind.endswith(":unavailable")),
         f"{report.accepted}/{report.refused}",
         "-" if takeover is None else f"{takeover:.2f}",
+        f"{report.overrun:.2f}",
     ]
 
 

@@ -104,6 +104,8 @@ class Report:
     refused: int = 0
     takeovers: list[float] = field(default_factory=list)
     outcomes: Counter[str] = field(default_factory=Counter)
+    #: The longest a call took past its own timeout (0 for calls without one), seconds.
+    overrun: float = 0.0
 
     def count(self, rule: int) -> int:
         return sum(1 for v in self.violations if v.rule == rule)
@@ -426,6 +428,8 @@ def _calls(
             max(0.0, min(b, ended) - max(a, call["t"])) for a, b in pauses.get(call["w"], ())
         )
         took = ended - call["t"] - stopped
+        if outcome != "died":
+            report.overrun = max(report.overrun, took - call.get("timeout", 0.0))
         if outcome == "died" and death is not None and death[1] == "kill":
             continue  # killed mid-call by the nemesis: that is how it ended
         if took > call["budget"]:

@@ -125,7 +125,12 @@ def section(
         handle = lock(key, **options)
     timeout = 0.0 if rng.random() < 0.3 else rng.uniform(0.1, 2 * ttl)
     outcome, _ = history.call(
-        "acquire", sid, timeout + round_trip, lambda: handle.acquire(timeout=timeout), key=key
+        "acquire",
+        sid,
+        timeout + round_trip,
+        lambda: handle.acquire(timeout=timeout),
+        key=key,
+        timeout=timeout,
     )
     if outcome != "acquired":
         nap(rng.uniform(0.05, 0.3))
