@@ -305,12 +305,20 @@ class RedisSentinel(Target):
 
         def kill_master(rng: random.Random) -> dict[str, Any]:
             old = current()
+            if "state=online" not in old.cli("info", "replication"):
+                # Killed now, it would leave no master at all (Sentinel promotes only a
+                # replica in sync): an outage, not a failover.
+                raise RuntimeError("no replica in sync to fail over to")
             old.kill()
-            wait_for(
-                lambda: master_of(setup.sentinel, self.service) != old.port,
-                seconds=60,
-                what="failover",
-            )
+            try:
+                wait_for(
+                    lambda: master_of(setup.sentinel, self.service) != old.port,
+                    seconds=60,
+                    what="failover",
+                )
+            except RuntimeError:
+                old.start()  # as it was, for the rest of the run
+                raise
             new = current()
             time.sleep(rng.uniform(0.2, 1.0))
             old.extra = ["--replicaof", "127.0.0.1", str(new.port), *self.GUARD]
