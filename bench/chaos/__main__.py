@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -161,7 +162,6 @@ def run_one(name: str, args: argparse.Namespace) -> int:
         print_table(HEADERS, [row])
     outcomes = ", ".join(f"{k} {v}" for k, v in sorted(report.outcomes.items()))
     print(f"{name}: calls by outcome: {outcomes}")
-    print(f"{name}: history in {folder}" + (f" and {args.out}" if args.out else ""))
     violations = _violations(name, args.seed, report, records, audit)
     if args.out:
         with open(args.out, "w") as handle:
@@ -173,6 +173,13 @@ def run_one(name: str, args: argparse.Namespace) -> int:
                 key=lambda r: r.get("t", r.get("t0", 0)),
             ):
                 handle.write(json.dumps(record) + "\n")
+    # The per-worker files stay for a broken run without --out (nothing else has them).
+    if violations and not args.out:
+        print(f"{name}: history in {folder}")
+    else:
+        shutil.rmtree(folder, ignore_errors=True)
+        if args.out:
+            print(f"{name}: history in {args.out}")
     if args.summary:
         Path(args.summary).write_text(json.dumps({"row": row, "violations": violations}))
     return 1 if violations else 0
