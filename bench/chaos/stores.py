@@ -1,0 +1,380 @@
+"""The stores a chaos run can target: each starts what it needs (its own redis-server, cluster
+or sentinel; a database of the run's own behind a fault proxy), says how the run's processes
+reach it (Django settings) and which store faults the nemesis may inject.
+
+Store faults touch only what the run started or owns: its own redis-servers, its proxy, and on
+PostgreSQL and MariaDB the store's own sessions (by application_name, or by the database only
+the run uses), never other sessions of the shared servers.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from typing import Any
+
+from tests.support.redis_servers import (
+    FaultyProxy,
+    RedisServer,
+    master_of,
+    redis_cluster,
+    redis_sentinel,
+    wait_for,
+)
+
+DATABASE = "keel_lock_chaos"
+PG: dict[str, Any] = {
+    "HOST": os.environ.get("PGHOST", "127.0.0.1"),
+    "PORT": int(os.environ.get("PGPORT", "5432")),
+    "USER": os.environ.get("PGUSER", "postgres"),
+}
+MY: dict[str, Any] = {
+    "HOST": os.environ.get("MYSQL_HOST", "127.0.0.1"),
+    "PORT": int(os.environ.get("MYSQL_PORT", "3306")),
+    "USER": os.environ.get("MYSQL_USER", "root"),
+}
+#: Every store call gives up after this long: faults turn into LockStoreUnavailable quickly.
+SOCKET_TIMEOUT = 1.0
+#: A fault's log entry: the nemesis adds its kind and times.
+Fault = Callable[[random.Random], dict[str, Any]]
+
+
+def resource_database(run: str) -> dict[str, Any]:
+    """The fenced resource's database: PostgreSQL, reached directly (never through a proxy
+    and never faulted: it is the judge), its sessions named apart from the store's."""
+    return {
+        "ENGINE": "django.db.backends.postgresql",
+        **PG,
+        "NAME": DATABASE,
+        "OPTIONS": {"application_name": f"keel-chaos-resource-{run}"},
+    }
+
+
+def ensure_postgres_database() -> None:
+    import psycopg
+
+    with psycopg.connect(
+        host=PG["HOST"], port=PG["PORT"], user=PG["USER"], dbname="postgres", autocommit=True
+    ) as conn:
+        if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [DATABASE]).fetchone():
+            conn.execute(f"CREATE DATABASE {DATABASE}")
+
+
+class Target:
+    """A store under test: `start()` brings its servers up and returns the store's and the
+    databases' settings; `faults` the store faults it supports; `close()` stops what it started."""
+
+    name = ""
+    #: Workers are threads of the run's own process (the memory store lives in one process).
+    threads = False
+
+    def __init__(self, run: str) -> None:
+        self.run = run
+        self.stack = ExitStack()
+        self.faults: dict[str, Fault] = {}
+
+    def start(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.stack.close()
+
+    def settings(self, config: dict[str, Any], **databases: dict[str, Any]) -> dict[str, Any]:
+        """The run's settings: the store's `config` (a KEEL_LOCK_STORES entry) and the
+        resource's database next to `databases` (the store's, as "store")."""
+        return {"store": config, "databases": {"default": resource_database(self.run), **databases}}
+
+    def add_proxy(self, port: int) -> FaultyProxy:
+        """A FaultyProxy in front of `port`, with its stall and drop faults."""
+        proxy = FaultyProxy(port)
+        self.stack.callback(proxy.close)
+
+        def stall(rng: random.Random) -> dict[str, Any]:
+            proxy.mode = "stall"
+            time.sleep(rng.uniform(0.5, 3 * SOCKET_TIMEOUT))
+            proxy.mode = "pass"
+            return {}
+
+        def drop(rng: random.Random) -> dict[str, Any]:
+            proxy.drop_connections()
+            return {}
+
+        self.faults.update(proxy_stall=stall, proxy_drop=drop)
+        return proxy
+
+
+class Memory(Target):
+    name = "memory"
+    threads = True
+
+    def start(self) -> dict[str, Any]:
+        return self.settings({"BACKEND": "django_keel_lock.stores.MemoryLockStore"})
+
+
+class SQLite(Target):
+    name = "sqlite"
+
+    def start(self) -> dict[str, Any]:
+        folder = tempfile.mkdtemp(prefix="keel-chaos-sqlite-")
+        path = os.path.join(folder, "locks.sqlite3")
+        self.stack.callback(shutil.rmtree, folder, ignore_errors=True)
+        database = {"ENGINE": "django.db.backends.sqlite3", "NAME": path}
+        return self.settings(_db_store(), store=database)
+
+
+def _db_store(**options: Any) -> dict[str, Any]:
+    return {
+        "BACKEND": "django_keel_lock.stores.DatabaseLockStore",
+        "OPTIONS": {"DATABASE": "store", "SOCKET_TIMEOUT": SOCKET_TIMEOUT, **options},
+    }
+
+
+class Postgres(Target):
+    name = "postgres"
+    durable = True
+
+    def start(self) -> dict[str, Any]:
+        import psycopg
+
+        proxy = self.add_proxy(PG["PORT"])
+        application = f"keel-chaos-store-{self.run}"
+
+        def terminate(rng: random.Random) -> dict[str, Any]:
+            with psycopg.connect(
+                host=PG["HOST"], port=PG["PORT"], user=PG["USER"], dbname=DATABASE, autocommit=True
+            ) as conn:
+                rows = conn.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE application_name = %s",
+                    [application],
+                ).fetchall()
+            return {"sessions": len(rows)}
+
+        self.faults["terminate_sessions"] = terminate
+        database = _behind(proxy, "postgresql", PG["USER"], DATABASE, application_name=application)
+        return self.settings(_db_store(DURABLE=self.durable), store=database)
+
+
+class PostgresFast(Postgres):
+    name = "postgres-fast"
+    durable = False
+
+
+class MariaDB(Target):
+    name = "mariadb"
+
+    def start(self) -> dict[str, Any]:
+        import MySQLdb
+
+        # A database of the run's own: the store's sessions are the ones on it.
+        name = f"{DATABASE}_{self.run.replace('-', '_')}"
+        admin = {"host": MY["HOST"], "port": MY["PORT"], "user": MY["USER"], "passwd": ""}
+
+        def execute(sql: str) -> None:
+            conn = MySQLdb.connect(**admin)
+            try:
+                conn.cursor().execute(sql)
+            finally:
+                conn.close()
+
+        execute(f"CREATE DATABASE {name} CHARACTER SET utf8mb4")
+        self.stack.callback(execute, f"DROP DATABASE IF EXISTS {name}")
+        proxy = self.add_proxy(MY["PORT"])
+
+        def kill(rng: random.Random) -> dict[str, Any]:
+            conn = MySQLdb.connect(**admin)
+            try:
+                cursor = conn.cursor()
+                cursor.execute(
+                    "SELECT ID FROM information_schema.PROCESSLIST "
+                    "WHERE DB = %s AND ID <> CONNECTION_ID()",
+                    [name],
+                )
+                ids = [row[0] for row in cursor.fetchall()]
+                for session in ids:
+                    try:
+                        cursor.execute(f"KILL {int(session)}")
+                    except MySQLdb.OperationalError:
+                        pass  # it ended meanwhile
+            finally:
+                conn.close()
+            return {"sessions": len(ids)}
+
+        self.faults["kill_sessions"] = kill
+        database = _behind(proxy, "mysql", MY["USER"], name, charset="utf8mb4")
+        return self.settings(_db_store(), store=database)
+
+
+def _behind(
+    proxy: FaultyProxy, vendor: str, user: str, name: str, **options: Any
+) -> dict[str, Any]:
+    """The store's database, reached through `proxy`."""
+    return {
+        "ENGINE": f"django.db.backends.{vendor}",
+        "HOST": "127.0.0.1",
+        "PORT": proxy.port,
+        "USER": user,
+        "NAME": name,
+        "OPTIONS": options,
+    }
+
+
+def _restart(server: RedisServer) -> Fault:
+    """Kill `server` (SIGKILL: it forgets everything, there is no persistence) and start it
+    again on its port after a moment."""
+
+    def restart(rng: random.Random) -> dict[str, Any]:
+        server.kill()
+        time.sleep(rng.uniform(0.2, 2.0))
+        server.start()
+        return {"port": server.port}
+
+    return restart
+
+
+class Redis(Target):
+    name = "redis"
+
+    def start(self) -> dict[str, Any]:
+        server = RedisServer().start()
+        self.stack.callback(server.stop)
+        proxy = self.add_proxy(server.port)
+        self.faults["server_restart"] = _restart(server)
+        return self.settings(_redis_store(proxy.url))
+
+
+def _redis_store(url: str, **options: Any) -> dict[str, Any]:
+    return {
+        "BACKEND": "django_keel_lock.stores.RedisLockStore",
+        "OPTIONS": {"URL": url, "SOCKET_TIMEOUT": SOCKET_TIMEOUT, **options},
+    }
+
+
+class RedisCluster(Target):
+    """Three masters, no replicas: a node restarted without persistence comes back (its
+    nodes.conf keeps its slots) having forgotten its locks."""
+
+    name = "redis-cluster"
+
+    def start(self) -> dict[str, Any]:
+        nodes = self.stack.enter_context(redis_cluster(3))
+
+        def restart(rng: random.Random) -> dict[str, Any]:
+            node = rng.choice(nodes)
+            _restart(node)(rng)
+            wait_for(lambda: "cluster_state:ok" in node.cli("cluster", "info"), what="the cluster")
+            return {"port": node.port}
+
+        self.faults["node_restart"] = restart
+        return self.settings(_redis_store(nodes[0].url, CLUSTER=True))
+
+
+class RedisSentinel(Target):
+    """A master, a replica and a sentinel; the store finds the master through django-redis'
+    SentinelClient. A failover promotes the replica: locks not yet replicated are lost, which
+    the fenced resource must show as refused writes, never accepted stale ones.
+
+    The servers refuse writes without a replica in sync (`GUARD`): after a failover that
+    finds the old master alive (SENTINEL FAILOVER, a partition), Sentinel turns it into a
+    replica only at its next look, up to 10 s later, and until then it goes on granting locks
+    to the clients still connected to it. Without the guard ("redis-sentinel-plain") two
+    holders of one lock for seconds, neither told, are what a failover does (rule 1)."""
+
+    name = "redis-sentinel"
+    service = "keelchaos"
+    GUARD: tuple[str, ...] = ("--min-replicas-to-write", "1", "--min-replicas-max-lag", "1")
+
+    def start(self) -> dict[str, Any]:
+        setup = self.stack.enter_context(
+            redis_sentinel(self.service, down_after_ms=1000, replicas=1)
+        )
+        servers = {server.port: server for server in (setup.master, *setup.replicas)}
+        for server in servers.values():
+            for name, value in zip(self.GUARD[::2], self.GUARD[1::2], strict=True):
+                server.cli("config", "set", name.lstrip("-"), value)
+
+        def current() -> RedisServer:
+            port = master_of(setup.sentinel, self.service)
+            assert port is not None
+            return servers[port]
+
+        def kill_master(rng: random.Random) -> dict[str, Any]:
+            old = current()
+            if "state=online" not in old.cli("info", "replication"):
+                # Killed now, it would leave no master at all (Sentinel promotes only a
+                # replica in sync): an outage, not a failover.
+                raise RuntimeError("no replica in sync to fail over to")
+            old.kill()
+            try:
+                wait_for(
+                    lambda: master_of(setup.sentinel, self.service) != old.port,
+                    seconds=60,
+                    what="failover",
+                )
+            except RuntimeError:
+                old.start()  # as it was, for the rest of the run
+                raise
+            new = current()
+            time.sleep(rng.uniform(0.2, 1.0))
+            old.extra = ["--replicaof", "127.0.0.1", str(new.port), *self.GUARD]
+            old.start()
+            return {"old": old.port, "new": new.port}
+
+        def failover(rng: random.Random) -> dict[str, Any]:
+            old = current()
+            reply = setup.sentinel.cli("sentinel", "failover", self.service).strip()
+            if reply != "OK":  # no replica it trusts yet (one restarted a moment ago)
+                raise RuntimeError(f"SENTINEL FAILOVER refused: {reply}")
+            wait_for(
+                lambda: master_of(setup.sentinel, self.service) != old.port,
+                seconds=60,
+                what="failover",
+            )
+            return {"old": old.port, "new": current().port}
+
+        self.faults.update(master_kill=kill_master, failover=failover)
+        caches = {
+            "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+            "sentinel": {
+                "BACKEND": "django_redis.cache.RedisCache",
+                "LOCATION": f"redis://{self.service}/0",
+                "OPTIONS": {
+                    "CLIENT_CLASS": "django_redis.client.SentinelClient",
+                    "CONNECTION_FACTORY": "django_redis.pool.SentinelConnectionFactory",
+                    "SENTINELS": [("127.0.0.1", setup.sentinel.port)],
+                    "SOCKET_TIMEOUT": SOCKET_TIMEOUT,
+                    "SOCKET_CONNECT_TIMEOUT": SOCKET_TIMEOUT,
+                },
+            },
+        }
+        store = {
+            "BACKEND": "django_keel_lock.stores.RedisLockStore",
+            "OPTIONS": {"CONNECTION": "sentinel", "SOCKET_TIMEOUT": SOCKET_TIMEOUT},
+        }
+        return {**self.settings(store), "caches": caches}
+
+
+class RedisSentinelPlain(RedisSentinel):
+    name = "redis-sentinel-plain"
+    GUARD = ()
+
+
+TARGETS: dict[str, type[Target]] = {
+    target.name: target
+    for target in (
+        Memory,
+        SQLite,
+        Postgres,
+        PostgresFast,
+        MariaDB,
+        Redis,
+        RedisCluster,
+        RedisSentinel,
+        RedisSentinelPlain,
+    )
+}
