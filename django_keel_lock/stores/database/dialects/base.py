@@ -29,6 +29,19 @@ class Dialect:
     # DatabaseLockStore.prune), and give up after a second rather than stall acquires longer.
     prune_guard: Sequence[str] = ()
     prune_unguard: Sequence[str] = ()
+    # Clean-up as part of normal work (DatabaseLockStore._sweep): `sweep_sql`, run in
+    # order, the last with `sweep_params`, deletes at most a batch of free rows. Where an
+    # acquire draws its fence before it looks for its key's row (a sequence in the INSERT's
+    # VALUES), only rows whose fence is at most a mark may go, once every transaction that
+    # was writing the table when the mark was drawn has ended: `sweep_mark_sql` draws the
+    # mark, `sweep_busy_sql` names the other transactions writing the table now. Without
+    # them (SQLite) no mark is needed.
+    sweep_sql: Sequence[str] = ()
+    #: Run in order, the last with (limit): deletes at most limit expired permits of keys
+    #: that have no lock row any more (a busy key keeps its slots, rewritten in place).
+    sweep_permits_sql: Sequence[str] = ()
+    sweep_mark_sql = ""  # () -> (a fence drawn now,)
+    sweep_busy_sql = ""  # () -> rows of (an id of a transaction that writes the table now,)
     #: Run when `acquire_sql` returned no row (SQLite's upsert says nothing on a refusal):
     #: (NULL, retry_in, the owner if it is a PERMIT_OWNERS marker) of the live lock, if any.
     refused_sql = ""
@@ -85,6 +98,11 @@ class Dialect:
 
     def acquire_params(self, key: str, owner: str, holder: str, ttl: float) -> list[Sequence[Any]]:
         raise NotImplementedError
+
+    def sweep_params(self, mark: int | None, limit: int) -> Sequence[Any]:
+        """The parameters of `sweep_sql`: delete at most `limit` rows, of fence at most
+        `mark` (None where the dialect has no `sweep_mark_sql`)."""
+        return (mark, limit, mark)
 
     def extend_params(self, key: str, owner: str, ttl: float) -> Sequence[Any]:
         return (self.interval(ttl), key, owner)

@@ -62,6 +62,27 @@ class MySQLDialect(Dialect):
         "ORDER BY `key` LIMIT %s"
     )
     prune_sql = f"DELETE FROM {TABLE} WHERE expires_at <= {_now} LIMIT %s"
+    # READ COMMITTED for the sweep's DELETE only (SET TRANSACTION: the next transaction,
+    # here that one statement): under REPEATABLE READ a DELETE locks every row (and gap) it
+    # reads, so acquires of other keys, and inserts of new ones, would wait for it. An
+    # acquire runs as one statement, which PROCESSLIST shows as executing (with its QUERY_ID)
+    # from before it draws its fence until it has committed. A user without the PROCESS
+    # privilege sees only its own connections: every process locking through this table must
+    # connect as the same user, or have PROCESS.
+    sweep_sql = (
+        "SET TRANSACTION ISOLATION LEVEL READ COMMITTED",
+        f"DELETE FROM {TABLE} WHERE expires_at <= {_now} AND fence <= %s LIMIT %s",
+    )
+    sweep_permits_sql = (
+        "SET TRANSACTION ISOLATION LEVEL READ COMMITTED",
+        f"DELETE FROM {PERMIT_TABLE} WHERE expires_at <= {_now} AND NOT EXISTS "
+        f"(SELECT 1 FROM {TABLE} l WHERE l.`key` = {PERMIT_TABLE}.`key`) LIMIT %s",
+    )
+    sweep_mark_sql = f"SELECT NEXTVAL({SEQUENCE})"
+    sweep_busy_sql = (
+        "SELECT CONCAT(ID, ':', QUERY_ID) FROM information_schema.PROCESSLIST "
+        "WHERE ID <> CONNECTION_ID() AND COMMAND IN ('Query', 'Execute') AND DB = DATABASE()"
+    )
     # A WRITE table lock waits for the metadata lock every acquire holds from before it draws
     # its fence until it commits (LOCK TABLES needs that privilege; ALL PRIVILEGES has it).
     prune_guard = (
@@ -94,6 +115,9 @@ class MySQLDialect(Dialect):
 
     def acquire_params(self, key: str, owner: str, holder: str, ttl: float) -> list[Sequence[Any]]:
         return [(key, owner, holder, round(ttl * 1_000_000)), (owner, owner, key)]
+
+    def sweep_params(self, mark: int | None, limit: int) -> Sequence[Any]:
+        return (mark, limit)
 
     def interval(self, seconds: float) -> Any:
         return round(seconds * 1_000_000)  # microseconds

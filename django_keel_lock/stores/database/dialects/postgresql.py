@@ -76,6 +76,26 @@ class PostgresDialect(Dialect):
         f"DELETE FROM {TABLE} WHERE key IN "
         f"(SELECT key FROM {TABLE} WHERE expires_at <= clock_timestamp() LIMIT %s)"
     )
+    # The rows the subquery locks are skipped by another sweep and skip those an acquire
+    # holds; the conditions are rechecked on the row deleted (an acquire may have taken it
+    # since the subquery read it). Writers of the table hold ROW EXCLUSIVE from before they
+    # draw a fence until they commit; pg_locks lists the fast-path locks too.
+    sweep_sql = (
+        f"DELETE FROM {TABLE} WHERE key IN (SELECT key FROM {TABLE} "
+        "WHERE expires_at <= clock_timestamp() AND fence <= %s LIMIT %s FOR UPDATE SKIP LOCKED) "
+        "AND expires_at <= clock_timestamp() AND fence <= %s",
+    )
+    sweep_permits_sql = (
+        f"DELETE FROM {PERMIT_TABLE} WHERE id IN (SELECT id FROM {PERMIT_TABLE} p "
+        f"WHERE expires_at <= clock_timestamp() AND NOT EXISTS (SELECT FROM {TABLE} l "
+        "WHERE l.key = p.key) LIMIT %s) AND expires_at <= clock_timestamp()",
+    )
+    sweep_mark_sql = f"SELECT nextval('{SEQUENCE}')"
+    sweep_busy_sql = (
+        "SELECT DISTINCT virtualtransaction FROM pg_locks "
+        f"WHERE relation = '{TABLE}'::regclass AND mode = 'RowExclusiveLock' "
+        "AND pid <> pg_backend_pid()"
+    )
     # SHARE ROW EXCLUSIVE conflicts with the ROW EXCLUSIVE lock every acquire holds from before
     # it draws its fence until it commits, and with another prune's.
     prune_guard = (

@@ -55,6 +55,12 @@ class SQLiteDialect(Dialect):
         f"AND fence < (SELECT MAX(fence) FROM {TABLE}) LIMIT ?)"
     )
 
+    sweep_sql = (prune_sql,)
+    sweep_permits_sql = (
+        f"DELETE FROM {PERMIT_TABLE} WHERE id IN (SELECT id FROM {PERMIT_TABLE} p "
+        f"WHERE expires_at <= {_now} AND NOT EXISTS (SELECT 1 FROM {TABLE} l "
+        "WHERE l.key = p.key) LIMIT ?)",
+    )
     # The upsert returns no row when it refuses: this reads what it found.
     refused_sql = (
         f"SELECT NULL, {_remaining}, CASE WHEN substr(owner, 1, 1) = '*' THEN owner END "
@@ -85,6 +91,9 @@ class SQLiteDialect(Dialect):
         keep_existing="ON CONFLICT (key) DO NOTHING",
         for_update="",
     )
+
+    def sweep_params(self, mark: int | None, limit: int) -> Sequence[Any]:
+        return (limit,)
 
     def interval(self, seconds: float) -> Any:
         return f"+{seconds:.3f} seconds"  # a strftime modifier
