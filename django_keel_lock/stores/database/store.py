@@ -40,9 +40,9 @@ PAGE_SIZE = 1000
 PRUNE_BATCH = 1000
 #: Automatic clean-up (`DatabaseLockStore._sweep`): a round every SWEEP_EVERY acquires and
 #: releases of a thread, each deleting at most SWEEP_BATCH free lock rows and as many expired
-#: permits of keys whose lock row is gone. A round is a mark and a list of the table's writers,
-#: then, once the writers of the mark before have ended, the two deletes: two to four
-#: statements on PostgreSQL (six on MariaDB: each delete runs READ COMMITTED), two on SQLite.
+#: permits of keys whose lock row is gone. A round is a mark and a list of the table's writers
+#: (PostgreSQL, MariaDB), then, once the writers of the mark before have ended, a read and a
+#: delete of permits and the same of locks (the deletes only where the read found rows).
 #: A free row waits at most two rounds, so a busy thread leaves about SWEEP_EVERY free rows
 #: behind it (fewer with more threads), within one batch.
 SWEEP_EVERY = 500
@@ -500,8 +500,9 @@ class DatabaseLockStore(ListeningStore, LockStore):
 
     # -- clean-up as part of normal work ---------------------------------------------------
     # Every SWEEP_EVERY acquires and releases a thread runs a sweep round, which deletes free
-    # (released or expired) rows without ever holding acquires off: no table lock, and the
-    # rows it deletes are ones no acquire waits for. Fences must still strictly increase per
+    # (released or expired) rows without holding acquires off: no table lock, a read that
+    # locks nothing, and a delete by key whose row locks an acquire of one of those keys waits
+    # for only until that one short statement commits. Fences must still strictly increase per
     # key, and that is what the sweep must not break: where an acquire draws the fence it
     # would insert before it looks for its key's row (PostgreSQL, MariaDB: a sequence in the
     # INSERT's VALUES), deleting the row in between would let the insert carry a fence lower
@@ -549,14 +550,22 @@ class DatabaseLockStore(ListeningStore, LockStore):
                 return 0  # no mark yet, or some of its writers still write
             sweeps.mark, sweeps.busy = int(row[0]), busy
         # Permits first: those of a key whose lock row goes now wait for the next round, so
-        # a key in use between two rounds keeps its slots.
+        # a key in use between two rounds keeps its slots. Each delete names the rows read
+        # just before: the read, which may scan the whole table, holds no lock.
+        first = dialect.sweep_params(mark)
         deleted = 0
-        for sql, params in (
-            (dialect.sweep_permits_sql, (SWEEP_BATCH,)),
-            (dialect.sweep_sql, dialect.sweep_params(mark, SWEEP_BATCH)),
+        for select, select_params, delete, delete_params in (
+            (dialect.sweep_permits_select, (SWEEP_BATCH,), dialect.sweep_permits_delete, ()),
+            (dialect.sweep_select, (*first, SWEEP_BATCH), dialect.sweep_delete, first),
         ):
-            *before, last = sql
-            _, count = self._execute([*((s, ()) for s in before), (last, params)])
+            rows, _ = self._execute([(select, select_params)])
+            if not rows:
+                continue
+            names = [row[0] for row in rows]
+            marks = ", ".join([dialect.permit_listing.placeholder] * len(names))
+            sql = delete.format(keys=marks, ids=marks)
+            statements = [*((s, ()) for s in dialect.sweep_before), (sql, (*delete_params, *names))]
+            _, count = self._execute(statements)
             deleted += max(count, 0)
         return deleted
 

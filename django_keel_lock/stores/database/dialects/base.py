@@ -29,17 +29,21 @@ class Dialect:
     # DatabaseLockStore.prune), and give up after a second rather than stall acquires longer.
     prune_guard: Sequence[str] = ()
     prune_unguard: Sequence[str] = ()
-    # Clean-up as part of normal work (DatabaseLockStore._sweep): `sweep_sql`, run in
-    # order, the last with `sweep_params`, deletes at most a batch of free rows. Where an
-    # acquire draws its fence before it looks for its key's row (a sequence in the INSERT's
-    # VALUES), only rows whose fence is at most a mark may go, once every transaction that
-    # was writing the table when the mark was drawn has ended: `sweep_mark_sql` draws the
-    # mark, `sweep_busy_sql` names the other transactions writing the table now. Without
-    # them (SQLite) no mark is needed.
-    sweep_sql: Sequence[str] = ()
-    #: Run in order, the last with (limit): deletes at most limit expired permits of keys
-    #: that have no lock row any more (a busy key keeps its slots, rewritten in place).
-    sweep_permits_sql: Sequence[str] = ()
+    # Clean-up as part of normal work (DatabaseLockStore._sweep). A round reads the free rows
+    # it may delete (`sweep_select`, no locks taken), then deletes those still free
+    # (`sweep_delete`, by key): the scan never holds a row lock, so no acquire waits for it.
+    # Where an acquire draws its fence before it looks for its key's row (a sequence in the
+    # INSERT's VALUES), only rows whose fence is at most a mark may go, once every
+    # transaction that was writing the table when the mark was drawn has ended:
+    # `sweep_mark_sql` draws the mark, `sweep_busy_sql` names the other transactions writing
+    # the table now. Without them (SQLite) no mark is needed.
+    sweep_select = ""  # (*sweep_params(mark), limit) -> rows of (key,)
+    sweep_delete = ""  # {keys}: one placeholder per key; (*sweep_params(mark), *keys)
+    #: The same for expired permits of keys that have no lock row any more (a busy key keeps
+    #: its slots, rewritten in place): (limit) -> rows of (id,); {ids}: (*ids).
+    sweep_permits_select = ""
+    sweep_permits_delete = ""
+    sweep_before: Sequence[str] = ()  # run before each delete, in the same round trip's turn
     sweep_mark_sql = ""  # () -> (a fence drawn now,)
     sweep_busy_sql = ""  # () -> rows of (an id of a transaction that writes the table now,)
     #: Run when `acquire_sql` returned no row (SQLite's upsert says nothing on a refusal):
@@ -99,10 +103,10 @@ class Dialect:
     def acquire_params(self, key: str, owner: str, holder: str, ttl: float) -> list[Sequence[Any]]:
         raise NotImplementedError
 
-    def sweep_params(self, mark: int | None, limit: int) -> Sequence[Any]:
-        """The parameters of `sweep_sql`: delete at most `limit` rows, of fence at most
-        `mark` (None where the dialect has no `sweep_mark_sql`)."""
-        return (mark, limit, mark)
+    def sweep_params(self, mark: int | None) -> Sequence[Any]:
+        """The first parameters of `sweep_select` and `sweep_delete`: the mark (None where the
+        dialect has no `sweep_mark_sql`)."""
+        return (mark,)
 
     def extend_params(self, key: str, owner: str, ttl: float) -> Sequence[Any]:
         return (self.interval(ttl), key, owner)

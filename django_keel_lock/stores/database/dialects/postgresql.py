@@ -76,20 +76,22 @@ class PostgresDialect(Dialect):
         f"DELETE FROM {TABLE} WHERE key IN "
         f"(SELECT key FROM {TABLE} WHERE expires_at <= clock_timestamp() LIMIT %s)"
     )
-    # The rows the subquery locks are skipped by another sweep and skip those an acquire
-    # holds; the conditions are rechecked on the row deleted (an acquire may have taken it
-    # since the subquery read it). Writers of the table hold ROW EXCLUSIVE from before they
-    # draw a fence until they commit; pg_locks lists the fast-path locks too.
-    sweep_sql = (
-        f"DELETE FROM {TABLE} WHERE key IN (SELECT key FROM {TABLE} "
-        "WHERE expires_at <= clock_timestamp() AND fence <= %s LIMIT %s FOR UPDATE SKIP LOCKED) "
-        "AND expires_at <= clock_timestamp() AND fence <= %s",
+    # The delete rechecks each row: an acquire may have taken it since it was read. Writers
+    # of the table hold ROW EXCLUSIVE from before they draw a fence until they commit;
+    # pg_locks lists the fast-path locks too.
+    sweep_select = (
+        f"SELECT key FROM {TABLE} WHERE fence <= %s AND expires_at <= clock_timestamp() LIMIT %s"
     )
-    sweep_permits_sql = (
-        f"DELETE FROM {PERMIT_TABLE} WHERE id IN (SELECT id FROM {PERMIT_TABLE} p "
-        f"WHERE expires_at <= clock_timestamp() AND NOT EXISTS (SELECT FROM {TABLE} l "
-        "WHERE l.key = p.key) LIMIT %s) AND expires_at <= clock_timestamp()",
+    sweep_delete = (
+        f"DELETE FROM {TABLE} WHERE fence <= %s AND key IN ({{keys}}) "
+        "AND expires_at <= clock_timestamp()"
     )
+    _orphan = (
+        "expires_at <= clock_timestamp() "
+        f"AND NOT EXISTS (SELECT FROM {TABLE} l WHERE l.key = p.key)"
+    )
+    sweep_permits_select = f"SELECT id FROM {PERMIT_TABLE} p WHERE {_orphan} LIMIT %s"
+    sweep_permits_delete = f"DELETE FROM {PERMIT_TABLE} p WHERE id IN ({{ids}}) AND {_orphan}"
     sweep_mark_sql = f"SELECT nextval('{SEQUENCE}')"
     sweep_busy_sql = (
         "SELECT DISTINCT virtualtransaction FROM pg_locks "

@@ -55,12 +55,19 @@ class SQLiteDialect(Dialect):
         f"AND fence < (SELECT MAX(fence) FROM {TABLE}) LIMIT ?)"
     )
 
-    sweep_sql = (prune_sql,)
-    sweep_permits_sql = (
-        f"DELETE FROM {PERMIT_TABLE} WHERE id IN (SELECT id FROM {PERMIT_TABLE} p "
-        f"WHERE expires_at <= {_now} AND NOT EXISTS (SELECT 1 FROM {TABLE} l "
-        "WHERE l.key = p.key) LIMIT ?)",
+    # The sweep, likewise, keeps the row with the highest fence.
+    _below_top = f"fence < (SELECT MAX(fence) FROM {TABLE})"
+    sweep_select = f"SELECT key FROM {TABLE} WHERE expires_at <= {_now} AND {_below_top} LIMIT ?"
+    sweep_delete = (
+        f"DELETE FROM {TABLE} WHERE key IN ({{keys}}) AND expires_at <= {_now} AND {_below_top}"
     )
+    _orphan = (
+        f"expires_at <= {_now} AND NOT EXISTS "
+        f"(SELECT 1 FROM {TABLE} l WHERE l.key = {PERMIT_TABLE}.key)"
+    )
+    sweep_permits_select = f"SELECT id FROM {PERMIT_TABLE} WHERE {_orphan} LIMIT ?"
+    sweep_permits_delete = f"DELETE FROM {PERMIT_TABLE} WHERE id IN ({{ids}}) AND {_orphan}"
+
     # The upsert returns no row when it refuses: this reads what it found.
     refused_sql = (
         f"SELECT NULL, {_remaining}, CASE WHEN substr(owner, 1, 1) = '*' THEN owner END "
@@ -92,8 +99,8 @@ class SQLiteDialect(Dialect):
         for_update="",
     )
 
-    def sweep_params(self, mark: int | None, limit: int) -> Sequence[Any]:
-        return (limit,)
+    def sweep_params(self, mark: int | None) -> Sequence[Any]:
+        return ()
 
     def interval(self, seconds: float) -> Any:
         return f"+{seconds:.3f} seconds"  # a strftime modifier
