@@ -541,14 +541,14 @@ class DatabaseLockStore(ListeningStore, LockStore):
         dialect = self.dialect
         mark: int | None = None
         if dialect.sweep_mark_sql:
-            (row,), _ = self._execute([(dialect.sweep_mark_sql, ())])
+            (drawn,), _ = self._execute([(dialect.sweep_mark_sql, ())])
             busy = {row[0] for row in self._execute([(dialect.sweep_busy_sql, ())])[0]}
             mark = sweeps.mark
             if mark is None or not sweeps.busy.isdisjoint(busy):
                 if mark is None:
-                    sweeps.mark, sweeps.busy = int(row[0]), busy
+                    sweeps.mark, sweeps.busy = int(drawn[0]), busy
                 return 0  # no mark yet, or some of its writers still write
-            sweeps.mark, sweeps.busy = int(row[0]), busy
+            sweeps.mark, sweeps.busy = int(drawn[0]), busy
         # Permits first: those of a key whose lock row goes now wait for the next round, so
         # a key in use between two rounds keeps its slots. Each delete names the rows read
         # just before: the read, which may scan the whole table, holds no lock.
@@ -561,9 +561,7 @@ class DatabaseLockStore(ListeningStore, LockStore):
             rows, _ = self._execute([(select, select_params)])
             if not rows:
                 continue
-            names = [row[0] for row in rows]
-            marks = ", ".join([dialect.permit_listing.placeholder] * len(names))
-            sql = delete.format(keys=marks, ids=marks)
+            sql, names = dialect.sweep_names(delete, [row[0] for row in rows])
             statements = [*((s, ()) for s in dialect.sweep_before), (sql, (*delete_params, *names))]
             _, count = self._execute(statements)
             deleted += max(count, 0)

@@ -38,9 +38,9 @@ class Dialect:
     # `sweep_mark_sql` draws the mark, `sweep_busy_sql` names the other transactions writing
     # the table now. Without them (SQLite) no mark is needed.
     sweep_select = ""  # (*sweep_params(mark), limit) -> rows of (key,)
-    sweep_delete = ""  # {keys}: one placeholder per key; (*sweep_params(mark), *keys)
+    sweep_delete = ""  # {names}: the keys (see `sweep_names`); (*sweep_params(mark), *those)
     #: The same for expired permits of keys that have no lock row any more (a busy key keeps
-    #: its slots, rewritten in place): (limit) -> rows of (id,); {ids}: (*ids).
+    #: its slots, rewritten in place): (limit) -> rows of (id,); {names}: the ids.
     sweep_permits_select = ""
     sweep_permits_delete = ""
     sweep_before: Sequence[str] = ()  # run before each delete, in the same round trip's turn
@@ -107,6 +107,11 @@ class Dialect:
         """The first parameters of `sweep_select` and `sweep_delete`: the mark (None where the
         dialect has no `sweep_mark_sql`)."""
         return (mark,)
+
+    def sweep_names(self, delete: str, names: Sequence[Any]) -> tuple[str, Sequence[Any]]:
+        """`delete` with its {names} matching any of `names`, and the parameters for them."""
+        marks = ", ".join([self.permit_listing.placeholder] * len(names))
+        return delete.format(names=f"IN ({marks})"), names
 
     def extend_params(self, key: str, owner: str, ttl: float) -> Sequence[Any]:
         return (self.interval(ttl), key, owner)

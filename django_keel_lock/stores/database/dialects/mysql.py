@@ -72,14 +72,14 @@ class MySQLDialect(Dialect):
     sweep_before = ("SET TRANSACTION ISOLATION LEVEL READ COMMITTED",)
     sweep_select = f"SELECT `key` FROM {TABLE} WHERE fence <= %s AND expires_at <= {_now} LIMIT %s"
     sweep_delete = (
-        f"DELETE FROM {TABLE} WHERE fence <= %s AND `key` IN ({{keys}}) AND expires_at <= {_now}"
+        f"DELETE FROM {TABLE} WHERE fence <= %s AND `key` {{names}} AND expires_at <= {_now}"
     )
     _orphan = (
         f"expires_at <= {_now} AND NOT EXISTS "
         f"(SELECT 1 FROM {TABLE} l WHERE l.`key` = {PERMIT_TABLE}.`key`)"
     )
     sweep_permits_select = f"SELECT id FROM {PERMIT_TABLE} WHERE {_orphan} LIMIT %s"
-    sweep_permits_delete = f"DELETE FROM {PERMIT_TABLE} WHERE id IN ({{ids}}) AND {_orphan}"
+    sweep_permits_delete = f"DELETE FROM {PERMIT_TABLE} WHERE id {{names}} AND {_orphan}"
     sweep_mark_sql = f"SELECT NEXTVAL({SEQUENCE})"
     sweep_busy_sql = (
         "SELECT CONCAT(ID, ':', QUERY_ID) FROM information_schema.PROCESSLIST "

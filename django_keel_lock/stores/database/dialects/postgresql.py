@@ -83,7 +83,7 @@ class PostgresDialect(Dialect):
         f"SELECT key FROM {TABLE} WHERE fence <= %s AND expires_at <= clock_timestamp() LIMIT %s"
     )
     sweep_delete = (
-        f"DELETE FROM {TABLE} WHERE fence <= %s AND key IN ({{keys}}) "
+        f"DELETE FROM {TABLE} WHERE fence <= %s AND key {{names}} "
         "AND expires_at <= clock_timestamp()"
     )
     _orphan = (
@@ -91,7 +91,7 @@ class PostgresDialect(Dialect):
         f"AND NOT EXISTS (SELECT FROM {TABLE} l WHERE l.key = p.key)"
     )
     sweep_permits_select = f"SELECT id FROM {PERMIT_TABLE} p WHERE {_orphan} LIMIT %s"
-    sweep_permits_delete = f"DELETE FROM {PERMIT_TABLE} p WHERE id IN ({{ids}}) AND {_orphan}"
+    sweep_permits_delete = f"DELETE FROM {PERMIT_TABLE} p WHERE id {{names}} AND {_orphan}"
     sweep_mark_sql = f"SELECT nextval('{SEQUENCE}')"
     sweep_busy_sql = (
         "SELECT DISTINCT virtualtransaction FROM pg_locks "
@@ -126,6 +126,10 @@ class PostgresDialect(Dialect):
         prune=f"DELETE FROM {PERMIT_TABLE} WHERE id IN (SELECT id FROM {PERMIT_TABLE} "
         "WHERE expires_at <= clock_timestamp() LIMIT %s) AND expires_at <= clock_timestamp()",
     )
+
+    def sweep_names(self, delete: str, names: Sequence[Any]) -> tuple[str, Sequence[Any]]:
+        # One array parameter: one statement text whatever the count, prepared once.
+        return delete.format(names="= ANY(%s)"), (list(names),)
 
     def acquire_params(self, key: str, owner: str, holder: str, ttl: float) -> list[Sequence[Any]]:
         return [(key, owner, holder, ttl, owner, owner)]

@@ -59,14 +59,14 @@ class SQLiteDialect(Dialect):
     _below_top = f"fence < (SELECT MAX(fence) FROM {TABLE})"
     sweep_select = f"SELECT key FROM {TABLE} WHERE expires_at <= {_now} AND {_below_top} LIMIT ?"
     sweep_delete = (
-        f"DELETE FROM {TABLE} WHERE key IN ({{keys}}) AND expires_at <= {_now} AND {_below_top}"
+        f"DELETE FROM {TABLE} WHERE key {{names}} AND expires_at <= {_now} AND {_below_top}"
     )
     _orphan = (
         f"expires_at <= {_now} AND NOT EXISTS "
         f"(SELECT 1 FROM {TABLE} l WHERE l.key = {PERMIT_TABLE}.key)"
     )
     sweep_permits_select = f"SELECT id FROM {PERMIT_TABLE} WHERE {_orphan} LIMIT ?"
-    sweep_permits_delete = f"DELETE FROM {PERMIT_TABLE} WHERE id IN ({{ids}}) AND {_orphan}"
+    sweep_permits_delete = f"DELETE FROM {PERMIT_TABLE} WHERE id {{names}} AND {_orphan}"
 
     # The upsert returns no row when it refuses: this reads what it found.
     refused_sql = (
