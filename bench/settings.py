@@ -9,13 +9,13 @@ SECRET_KEY = "bench-only"
 USE_TZ = True
 INSTALLED_APPS = ["django.contrib.contenttypes", "django.contrib.auth", "django_keel_lock"]
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
-BENCH_DB = "keel_lock_bench"
+BENCH_DB = os.environ.get("KEEL_BENCH_DB", "keel_lock_bench")  # bench_table has its own
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 
 DATABASES = {
     "default": {
         "ENGINE": "django.db.backends.sqlite3",
-        "NAME": os.path.join(tempfile.gettempdir(), "keel-lock-bench.sqlite3"),
+        "NAME": os.path.join(tempfile.gettempdir(), f"{BENCH_DB.replace('_', '-')}.sqlite3"),
     },
     "postgres": {
         "ENGINE": "django.db.backends.postgresql",

@@ -8,8 +8,9 @@ from .options import MAX_HOLDER_LENGTH
 
 
 class Lock(models.Model):
-    """One key's lock. A released or expired row stays until `locks prune` (or the next
-    acquirer takes it over); `expires_at` is always set by the database's own clock."""
+    """One key's lock. A released or expired row stays until the next acquirer takes it over
+    or the store's clean-up deletes it (see `DatabaseLockStore._sweep`; `locks prune` deletes
+    them all at once); `expires_at` is always set by the database's own clock."""
 
     key = models.CharField(max_length=255, primary_key=True)
     owner = models.CharField(max_length=64)
@@ -51,7 +52,8 @@ class Permit(models.Model):
     key keeps as many rows as it once had permits at a time, each updated in place, which on
     PostgreSQL is a HOT update (no index holds a column it writes): deleting and inserting a
     row per permit would leave dead rows and index entries that slow every later permit of the
-    key until vacuum. `locks prune` deletes expired slots; they are added back as needed.
+    key until vacuum. The store's clean-up deletes the expired slots of keys whose lock row it
+    deleted, and `locks prune` all expired slots; they are added back as needed.
     """
 
     id = models.BigAutoField(primary_key=True)

@@ -26,15 +26,12 @@ from django_keel_lock.models import Lock
 from django_keel_lock.stores import DatabaseLockStore
 
 from .conftest import (
-    DATABASE_STORES,
-    SERVER_DATABASES,
     TimeLimit,
     database_like,
     interrupted_after,
     needs,
     needs_store,
     serving,
-    store_params,
 )
 from .support import ROOT
 from .support.redis_servers import FaultyProxy, check_lost_release_reply
@@ -55,16 +52,6 @@ def run_child(*args: str, env: dict[str, str] | None = None, timeout: float = 60
     )
     assert proc.returncode == 0, proc.stderr
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-
-
-@pytest.fixture(params=store_params(DATABASE_STORES))
-def db_alias(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
-@pytest.fixture(params=store_params(SERVER_DATABASES))
-def server_alias(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
 
 
 def _database_of(alias: str) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import suppress
 from typing import Any, TypeVar, cast
@@ -43,8 +44,18 @@ logger = logging.getLogger("django_keel_lock")
 
 PAGE_SIZE = 1000
 PRUNE_BATCH = 1000
+#: Automatic clean-up (`DatabaseLockStore._sweep`): a round every SWEEP_EVERY acquires and
+#: releases of a thread, each deleting at most SWEEP_BATCH free lock rows and as many expired
+#: permits of keys whose lock row is gone. A round is a mark and a list of the table's writers
+#: (PostgreSQL, MariaDB), then, once the writers of the mark before have ended, a read and a
+#: delete of permits and the same of locks (the deletes only where the read found rows).
+#: A free row waits at most two rounds, so a busy thread leaves about SWEEP_EVERY free rows
+#: behind it (fewer with more threads), within one batch.
+SWEEP_EVERY = 500
+SWEEP_BATCH = 1000
 T = TypeVar("T")
 _Result = tuple[list[Row], int]
+logger = logging.getLogger("django_keel_lock")
 
 
 class DatabaseLockStore(ListeningStore, LockStore):
@@ -84,6 +95,7 @@ class DatabaseLockStore(ListeningStore, LockStore):
         # could not be set up.
         self.push_possible = True
         self._doorbells: Doorbells | None = None
+        self._sweeps = _Sweeps()
 
     # -- connections ----------------------------------------------------------------------
     def _connection_settings(self) -> dict[str, Any]:
@@ -352,6 +364,7 @@ class DatabaseLockStore(ListeningStore, LockStore):
         )
         if not rows and dialect.refused_sql:  # only a refusal pays for this read
             rows, _ = self._execute([(dialect.refused_sql, (key,))], key=key)
+        self._tick()
         if not rows:  # freed since: worth trying again at once
             return AcquireResult(None, 0.0, "exclusive")
         fence, retry_in, marker = rows[0][:3]
@@ -370,6 +383,7 @@ class DatabaseLockStore(ListeningStore, LockStore):
             released = count > 0
             if released:
                 self._announce(key)
+            self._tick()
             return released
 
         def work(cursor: Any, libpq: Any, database: Any) -> tuple[bool, bool]:
@@ -378,6 +392,7 @@ class DatabaseLockStore(ListeningStore, LockStore):
 
         released, waited = self._run(work, idempotent=False, key=key)
         self._released(key, released, waited)
+        self._tick()
         return released
 
     def _released(self, key: str, released: bool, waited: bool) -> None:
@@ -431,6 +446,7 @@ class DatabaseLockStore(ListeningStore, LockStore):
         self, key: str, owner: str, holder: str, ttl: float, mode: Mode, writer_wait: float = 0
     ) -> AcquireResult:
         dialect = self.dialect
+        self._tick()
         if dialect.acquire_permit_sql:
             params = (key, owner, holder, ttl, mode.kind, mode.limit, writer_wait)
             rows, _ = self._execute(
@@ -462,6 +478,7 @@ class DatabaseLockStore(ListeningStore, LockStore):
                 key=key,
             )
         self._released(key, released, waited)
+        self._tick()
         return released
 
     def extend_permit(self, key: str, owner: str, ttl: float) -> bool:
@@ -535,6 +552,75 @@ class DatabaseLockStore(ListeningStore, LockStore):
                     break
         return pruned
 
+    # -- clean-up as part of normal work ---------------------------------------------------
+    # Every SWEEP_EVERY acquires and releases a thread runs a sweep round, which deletes free
+    # (released or expired) rows without holding acquires off: no table lock, a read that
+    # locks nothing, and a delete by key whose row locks an acquire of one of those keys waits
+    # for only until that one short statement commits. Fences must still strictly increase per
+    # key, and that is what the sweep must not break: where an acquire draws the fence it
+    # would insert before it looks for its key's row (PostgreSQL, MariaDB: a sequence in the
+    # INSERT's VALUES), deleting the row in between would let the insert carry a fence lower
+    # than the deleted row's. So a round (`_sweep`) first draws a mark M from the sequence and
+    # then lists the other transactions writing the table (B); a later round, once none of B
+    # is writing any more, deletes free rows whose fence is at most M (and draws a new mark).
+    #
+    # Why no acquire A can then insert a fence F_A below a deleted row R's fence F_R <= M:
+    # the sequence hands out increasing values in time order (CACHE 1 on PostgreSQL; MariaDB
+    # shares its cache between connections), so F_A < F_R <= M means A drew F_A before M was
+    # drawn. A writes the table from before it draws its fence until it commits (PostgreSQL:
+    # its ROW EXCLUSIVE table lock, taken before the statement runs; MariaDB: its statement,
+    # executing under one QUERY_ID), and it inserts after R was deleted, so it was writing the
+    # whole time from before M until after the delete, and the list of B, read after M, named
+    # it. The delete ran only after a list showed none of B writing: A had ended before it.
+    # The operations that draw fences after locking the key's row (an acquire's update branch,
+    # every permit operation) need no mark: a row that is locked is not deleted, and a row
+    # deleted before it was locked took its fences with it, all drawn before the new ones.
+    # PostgreSQL's permit function re-reads the row until it holds it (migration 0004), so a
+    # row deleted between its insert and its read cannot leave it without one.
+    # SQLite needs no mark: an acquire computes MAX(fence) + 1 inside its own write, SQLite
+    # runs one write at a time, and the sweep keeps the row of the highest fence.
+    def _tick(self) -> None:
+        """Count one acquire or release of this thread; every SWEEP_EVERY, a sweep round."""
+        sweeps = self._sweeps
+        sweeps.countdown -= 1
+        if sweeps.countdown <= 0:
+            sweeps.countdown = SWEEP_EVERY
+            try:
+                self._sweep(sweeps)
+            except Exception as exc:  # the caller's acquire or release succeeded: keep it so
+                logger.info("lock store %r: clean-up round failed: %s", self.alias, exc)
+
+    def _sweep(self, sweeps: _Sweeps) -> int:
+        """One round of clean-up (see above); how many rows it deleted."""
+        dialect = self.dialect
+        mark: int | None = None
+        if dialect.sweep_mark_sql:
+            (drawn,), _ = self._execute([(dialect.sweep_mark_sql, ())])
+            busy = {row[0] for row in self._execute([(dialect.sweep_busy_sql, ())])[0]}
+            mark = sweeps.mark
+            if mark is None or not sweeps.busy.isdisjoint(busy):
+                if mark is None:
+                    sweeps.mark, sweeps.busy = int(drawn[0]), busy
+                return 0  # no mark yet, or some of its writers still write
+            sweeps.mark, sweeps.busy = int(drawn[0]), busy
+        # Permits first: those of a key whose lock row goes now wait for the next round, so
+        # a key in use between two rounds keeps its slots. Each delete names the rows read
+        # just before: the read, which may scan the whole table, holds no lock.
+        first = dialect.sweep_params(mark)
+        deleted = 0
+        for select, select_params, delete, delete_params in (
+            (dialect.sweep_permits_select, (SWEEP_BATCH,), dialect.sweep_permits_delete, ()),
+            (dialect.sweep_select, (*first, SWEEP_BATCH), dialect.sweep_delete, first),
+        ):
+            rows, _ = self._execute([(select, select_params)])
+            if not rows:
+                continue
+            sql, names = dialect.sweep_names(delete, [row[0] for row in rows])
+            statements = [*((s, ()) for s in dialect.sweep_before), (sql, (*delete_params, *names))]
+            _, count = self._execute(statements)
+            deleted += max(count, 0)
+        return deleted
+
     def _info(self, row: Row, mode: Kind = "exclusive") -> LockInfo:
         key, owner, holder, fence, acquired_at, remaining = row[:6]
         return LockInfo(
@@ -588,6 +674,16 @@ class DatabaseLockStore(ListeningStore, LockStore):
     def close(self) -> None:
         self.stop_listener()
         self._threads.close_all()
+
+
+class _Sweeps(threading.local):
+    """Each thread's count to its next sweep round, and the mark its rounds wait on: a fence
+    drawn, and the transactions that were writing the table just after (see `_sweep`)."""
+
+    def __init__(self) -> None:
+        self.countdown = SWEEP_EVERY
+        self.mark: int | None = None
+        self.busy: set[Any] = set()
 
 
 class _ThreadConnection:

@@ -29,6 +29,23 @@ class Dialect:
     # DatabaseLockStore.prune), and give up after a second rather than stall acquires longer.
     prune_guard: Sequence[str] = ()
     prune_unguard: Sequence[str] = ()
+    # Clean-up as part of normal work (DatabaseLockStore._sweep). A round reads the free rows
+    # it may delete (`sweep_select`, no locks taken), then deletes those still free
+    # (`sweep_delete`, by key): the scan never holds a row lock, so no acquire waits for it.
+    # Where an acquire draws its fence before it looks for its key's row (a sequence in the
+    # INSERT's VALUES), only rows whose fence is at most a mark may go, once every
+    # transaction that was writing the table when the mark was drawn has ended:
+    # `sweep_mark_sql` draws the mark, `sweep_busy_sql` names the other transactions writing
+    # the table now. Without them (SQLite) no mark is needed.
+    sweep_select = ""  # (*sweep_params(mark), limit) -> rows of (key,)
+    sweep_delete = ""  # {names}: the keys (see `sweep_names`); (*sweep_params(mark), *those)
+    #: The same for expired permits of keys that have no lock row any more (a busy key keeps
+    #: its slots, rewritten in place): (limit) -> rows of (id,); {names}: the ids.
+    sweep_permits_select = ""
+    sweep_permits_delete = ""
+    sweep_before: Sequence[str] = ()  # run before each delete, in the same round trip's turn
+    sweep_mark_sql = ""  # () -> (a fence drawn now,)
+    sweep_busy_sql = ""  # () -> rows of (an id of a transaction that writes the table now,)
     #: Run when `acquire_sql` returned no row (SQLite's upsert says nothing on a refusal):
     #: (NULL, retry_in, the owner if it is a PERMIT_OWNERS marker) of the live lock, if any.
     refused_sql = ""
@@ -102,6 +119,16 @@ class Dialect:
 
     def acquire_params(self, key: str, owner: str, holder: str, ttl: float) -> list[Sequence[Any]]:
         raise NotImplementedError
+
+    def sweep_params(self, mark: int | None) -> Sequence[Any]:
+        """The first parameters of `sweep_select` and `sweep_delete`: the mark (None where the
+        dialect has no `sweep_mark_sql`)."""
+        return (mark,)
+
+    def sweep_names(self, delete: str, names: Sequence[Any]) -> tuple[str, Sequence[Any]]:
+        """`delete` with its {names} matching any of `names`, and the parameters for them."""
+        marks = ", ".join([self.permit_listing.placeholder] * len(names))
+        return delete.format(names=f"IN ({marks})"), names
 
     def extend_params(self, key: str, owner: str, ttl: float) -> Sequence[Any]:
         return (self.interval(ttl), key, owner)

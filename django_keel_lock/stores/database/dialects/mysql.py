@@ -118,6 +118,29 @@ class MySQLDialect(Dialect):
         "ORDER BY `key` LIMIT %s"
     )
     prune_sql = f"DELETE FROM {TABLE} WHERE expires_at <= {_now} LIMIT %s"
+    # READ COMMITTED for the sweep's deletes (SET TRANSACTION: the next transaction, here
+    # that one statement): under REPEATABLE READ a delete by a key that is gone locks the gap
+    # there, and inserts of new keys into it would wait. An acquire runs as one statement,
+    # which PROCESSLIST shows as executing (with its QUERY_ID) from before it draws its fence
+    # until it has committed. A user without the PROCESS privilege sees only its own
+    # connections: every process locking through this table must connect as the same user,
+    # or have PROCESS.
+    sweep_before = ("SET TRANSACTION ISOLATION LEVEL READ COMMITTED",)
+    sweep_select = f"SELECT `key` FROM {TABLE} WHERE fence <= %s AND expires_at <= {_now} LIMIT %s"
+    sweep_delete = (
+        f"DELETE FROM {TABLE} WHERE fence <= %s AND `key` {{names}} AND expires_at <= {_now}"
+    )
+    _orphan = (
+        f"expires_at <= {_now} AND NOT EXISTS "
+        f"(SELECT 1 FROM {TABLE} l WHERE l.`key` = {PERMIT_TABLE}.`key`)"
+    )
+    sweep_permits_select = f"SELECT id FROM {PERMIT_TABLE} WHERE {_orphan} LIMIT %s"
+    sweep_permits_delete = f"DELETE FROM {PERMIT_TABLE} WHERE id {{names}} AND {_orphan}"
+    sweep_mark_sql = f"SELECT NEXTVAL({SEQUENCE})"
+    sweep_busy_sql = (
+        "SELECT CONCAT(ID, ':', QUERY_ID) FROM information_schema.PROCESSLIST "
+        "WHERE ID <> CONNECTION_ID() AND COMMAND IN ('Query', 'Execute') AND DB = DATABASE()"
+    )
     # A WRITE table lock waits for the metadata lock every acquire holds from before it draws
     # its fence until it commits (LOCK TABLES needs that privilege; ALL PRIVILEGES has it).
     prune_guard = (

@@ -76,6 +76,28 @@ class PostgresDialect(Dialect):
         f"DELETE FROM {TABLE} WHERE key IN "
         f"(SELECT key FROM {TABLE} WHERE expires_at <= clock_timestamp() LIMIT %s)"
     )
+    # The delete rechecks each row: an acquire may have taken it since it was read. Writers
+    # of the table hold ROW EXCLUSIVE from before they draw a fence until they commit;
+    # pg_locks lists the fast-path locks too.
+    sweep_select = (
+        f"SELECT key FROM {TABLE} WHERE fence <= %s AND expires_at <= clock_timestamp() LIMIT %s"
+    )
+    sweep_delete = (
+        f"DELETE FROM {TABLE} WHERE fence <= %s AND key {{names}} "
+        "AND expires_at <= clock_timestamp()"
+    )
+    _orphan = (
+        "expires_at <= clock_timestamp() "
+        f"AND NOT EXISTS (SELECT FROM {TABLE} l WHERE l.key = p.key)"
+    )
+    sweep_permits_select = f"SELECT id FROM {PERMIT_TABLE} p WHERE {_orphan} LIMIT %s"
+    sweep_permits_delete = f"DELETE FROM {PERMIT_TABLE} p WHERE id {{names}} AND {_orphan}"
+    sweep_mark_sql = f"SELECT nextval('{SEQUENCE}')"
+    sweep_busy_sql = (
+        "SELECT DISTINCT virtualtransaction FROM pg_locks "
+        f"WHERE relation = '{TABLE}'::regclass AND mode = 'RowExclusiveLock' "
+        "AND pid <> pg_backend_pid()"
+    )
     # SHARE ROW EXCLUSIVE conflicts with the ROW EXCLUSIVE lock every acquire holds from before
     # it draws its fence until it commits, and with another prune's.
     prune_guard = (
@@ -104,6 +126,10 @@ class PostgresDialect(Dialect):
         prune=f"DELETE FROM {PERMIT_TABLE} WHERE id IN (SELECT id FROM {PERMIT_TABLE} "
         "WHERE expires_at <= clock_timestamp() LIMIT %s) AND expires_at <= clock_timestamp()",
     )
+
+    def sweep_names(self, delete: str, names: Sequence[Any]) -> tuple[str, Sequence[Any]]:
+        # One array parameter: one statement text whatever the count, prepared once.
+        return delete.format(names="= ANY(%s)"), (list(names),)
 
     def acquire_params(self, key: str, owner: str, holder: str, ttl: float) -> list[Sequence[Any]]:
         return [(key, owner, holder, ttl, owner, owner)]

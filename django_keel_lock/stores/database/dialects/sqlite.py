@@ -56,6 +56,19 @@ class SQLiteDialect(Dialect):
         f"AND fence < (SELECT MAX(fence) FROM {TABLE}) LIMIT ?)"
     )
 
+    # The sweep, likewise, keeps the row with the highest fence.
+    _below_top = f"fence < (SELECT MAX(fence) FROM {TABLE})"
+    sweep_select = f"SELECT key FROM {TABLE} WHERE expires_at <= {_now} AND {_below_top} LIMIT ?"
+    sweep_delete = (
+        f"DELETE FROM {TABLE} WHERE key {{names}} AND expires_at <= {_now} AND {_below_top}"
+    )
+    _orphan = (
+        f"expires_at <= {_now} AND NOT EXISTS "
+        f"(SELECT 1 FROM {TABLE} l WHERE l.key = {PERMIT_TABLE}.key)"
+    )
+    sweep_permits_select = f"SELECT id FROM {PERMIT_TABLE} WHERE {_orphan} LIMIT ?"
+    sweep_permits_delete = f"DELETE FROM {PERMIT_TABLE} WHERE id {{names}} AND {_orphan}"
+
     # The upsert returns no row when it refuses: this reads what it found.
     refused_sql = (
         f"SELECT NULL, {_remaining}, CASE WHEN substr(owner, 1, 1) = '*' THEN owner END "
@@ -86,6 +99,9 @@ class SQLiteDialect(Dialect):
         keep_existing="ON CONFLICT (key) DO NOTHING",
         for_update="",
     )
+
+    def sweep_params(self, mark: int | None) -> Sequence[Any]:
+        return ()
 
     def interval(self, seconds: float) -> Any:
         return f"+{seconds:.3f} seconds"  # a strftime modifier
