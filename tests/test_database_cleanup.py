@@ -292,3 +292,23 @@ def test_clean_up_never_deletes_the_row_of_an_acquire_in_flight_so_fences_increa
         cycles(store, f"{key}:after:{n}:", EVERY)
         store._sweep(store._sweeps)
     assert lock_rows(server_alias, f"{key}:other:") == 0
+
+
+@needs_store("mariadb")
+def test_mariadb_clean_up_is_not_held_off_by_a_napping_listener(
+    key: str, sweeping: Callable[[str], DatabaseLockStore]
+) -> None:
+    """A waiting process's listener naps in a GET_LOCK wait of seconds on the same database:
+    it writes nothing, so the rounds must not wait for it to end."""
+    store = sweeping("mariadb")
+    holder = owner()
+    assert store.acquire(f"{key}:held", holder, "held", 60).acquired
+    with store.watch(f"{key}:held"):  # this process's listener subscribes, then naps
+        deadline = time.monotonic() + 10
+        while not store.listener_ready():
+            assert time.monotonic() < deadline, "the listener never got ready"
+            time.sleep(0.05)
+        time.sleep(0.5)  # well into its nap
+        cycles(store, f"{key}:c:", 600)
+        assert lock_rows("mariadb", f"{key}:c:") <= BOUND
+    assert store.release(f"{key}:held", holder)

@@ -137,9 +137,12 @@ class MySQLDialect(Dialect):
     sweep_permits_select = f"SELECT id FROM {PERMIT_TABLE} WHERE {_orphan} LIMIT %s"
     sweep_permits_delete = f"DELETE FROM {PERMIT_TABLE} WHERE id {{names}} AND {_orphan}"
     sweep_mark_sql = f"SELECT NEXTVAL({SEQUENCE})"
+    # Not the listeners' naps (a GET_LOCK wait of up to a nap, which never writes the table):
+    # they would hold every round off until they end.
     sweep_busy_sql = (
         "SELECT CONCAT(ID, ':', QUERY_ID) FROM information_schema.PROCESSLIST "
-        "WHERE ID <> CONNECTION_ID() AND COMMAND IN ('Query', 'Execute') AND DB = DATABASE()"
+        "WHERE ID <> CONNECTION_ID() AND COMMAND IN ('Query', 'Execute') AND DB = DATABASE() "
+        "AND COALESCE(INFO, '') NOT LIKE 'SELECT GET_LOCK(%%'"
     )
     # A WRITE table lock waits for the metadata lock every acquire holds from before it draws
     # its fence until it commits (LOCK TABLES needs that privilege; ALL PRIVILEGES has it).
