@@ -376,21 +376,18 @@ class DatabaseLockStore(ListeningStore, LockStore):
 
     def release(self, key: str, owner: str) -> bool:
         dialect = self.dialect
-        if not dialect.ring_sql:
+        if dialect.ring_sql:  # MariaDB: the release's own reply says whether someone waited
+
+            def work(cursor: Any, libpq: Any, database: Any) -> tuple[bool, bool]:
+                cursor.execute(dialect.release_sql, (key, owner))
+                return cursor.rowcount > 0, dialect.released_waiting(cursor)
+
+            released, waited = self._run(work, idempotent=False, key=key)
+        else:  # PostgreSQL's release NOTIFYs itself; SQLite rings in `_announce`
             _, count = self._execute(
                 [(dialect.release_sql, (key, owner))], hot=True, idempotent=False, key=key
             )
-            released = count > 0
-            if released:
-                self._announce(key)
-            self._tick()
-            return released
-
-        def work(cursor: Any, libpq: Any, database: Any) -> tuple[bool, bool]:
-            cursor.execute(dialect.release_sql, (key, owner))
-            return cursor.rowcount > 0, dialect.released_waiting(cursor)
-
-        released, waited = self._run(work, idempotent=False, key=key)
+            released, waited = count > 0, False
         self._released(key, released, waited)
         self._tick()
         return released
