@@ -3,12 +3,10 @@ fences still strictly increase per key, even for an acquire in flight while rows
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import pytest
 
@@ -19,6 +17,7 @@ from django_keel_lock.stores.base import SHARED, semaphore_mode
 from django_keel_lock.stores.database import store as store_module
 
 from .conftest import database_of, needs_store
+from .support.threads import call_in_thread
 
 EVERY = 20  # acquires and releases of a thread between two clean-up rounds, here
 BATCH = 50  # rows a round deletes at most, here (more than a round can leave: 2 * EVERY)
@@ -238,31 +237,15 @@ def stalled_inserts(store: DatabaseLockStore) -> Iterator[Callable[[], int]]:
         control.close()
 
 
-def _acquire_in_thread(
-    store: DatabaseLockStore, key: str, who: str
-) -> tuple[threading.Thread, list[Any]]:
-    outcome: list[Any] = []
-
-    def acquire() -> None:
-        try:
-            outcome.append(store.acquire(key, who, "in flight", 30))
-        except Exception as exc:
-            outcome.append(exc)
-        finally:
-            store._threads.drop()
-
-    thread = threading.Thread(target=acquire)
-    thread.start()
-    return thread, outcome
-
-
 def test_clean_up_never_deletes_the_row_of_an_acquire_in_flight_so_fences_increase(
     server_alias: str, key: str, sweeping: Callable[[str], DatabaseLockStore]
 ) -> None:
     store = sweeping(server_alias)
     other = sweeping(server_alias)  # the acquire in flight: a process of its own
     with stalled_inserts(store) as waiting:
-        thread, outcome = _acquire_in_thread(other, key, "stalled")
+        thread, outcome = call_in_thread(
+            other, lambda: other.acquire(key, "stalled", "in flight", 30)
+        )
         deadline = time.monotonic() + 10
         while not waiting() and time.monotonic() < deadline:
             time.sleep(0.01)

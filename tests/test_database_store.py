@@ -35,6 +35,7 @@ from .conftest import (
 )
 from .support import ROOT
 from .support.redis_servers import FaultyProxy, check_lost_release_reply
+from .support.threads import call_in_thread
 
 FAKETIME_LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
 
@@ -273,22 +274,6 @@ def acquire_in_flight(store: DatabaseLockStore, key: str) -> Iterator[None]:
         wrapper.close()
 
 
-def _prune_in_thread(store: DatabaseLockStore) -> tuple[threading.Thread, list[object]]:
-    outcome: list[object] = []
-
-    def prune() -> None:
-        try:
-            outcome.append(store.prune())
-        except Exception as exc:
-            outcome.append(exc)
-        finally:
-            store._threads.drop()
-
-    thread = threading.Thread(target=prune)
-    thread.start()
-    return thread, outcome
-
-
 def test_prune_waits_for_acquires_in_flight(server_alias: str, key: str) -> None:
     # An acquire draws the fence it would insert before it looks for the key's row; had prune
     # deleted that row in between, the insert would carry a fence below the deleted row's.
@@ -297,7 +282,7 @@ def test_prune_waits_for_acquires_in_flight(server_alias: str, key: str) -> None
     assert lock(f"{key}:dead", ttl=0.1, store=server_alias).acquire()
     time.sleep(0.2)
     with acquire_in_flight(store, f"{key}:in-flight"):
-        thread, outcome = _prune_in_thread(store)
+        thread, outcome = call_in_thread(store, store.prune)
         thread.join(0.5)
         assert thread.is_alive() and outcome == []  # held off until the acquire commits
     thread.join(10)
@@ -310,7 +295,7 @@ def test_prune_gives_up_rather_than_stall_acquires(server_alias: str, key: str) 
     store = get_lock_store(server_alias)
     assert isinstance(store, DatabaseLockStore)
     with acquire_in_flight(store, f"{key}:in-flight"):
-        thread, outcome = _prune_in_thread(store)
+        thread, outcome = call_in_thread(store, store.prune)
         thread.join(10)
         assert not thread.is_alive()
         assert len(outcome) == 1 and isinstance(outcome[0], LockStoreUnavailable), outcome
