@@ -41,7 +41,7 @@ from .options import (
     validate_key,
 )
 from .registry import get_lock_store
-from .stores.base import EXCLUSIVE, AcquireResult, LockInfo, LockStore, Mode
+from .stores.base import EXCLUSIVE, QUEUE_LEASE, AcquireResult, LockInfo, LockStore, Mode
 from .waiting import Turn, next_delay, to_the_end
 
 __all__ = ["Lock", "LockOutcome", "force_release", "lock", "restore_lock", "semaphore"]
@@ -254,11 +254,20 @@ class Lock:
         readers out for as long as it waits."""
         return self.mode is EXCLUSIVE and (last is None or last.held_as != "shared")
 
-    def _ask(self, owner: str, deadline: float | None, plain: bool) -> AcquireResult:
-        """One acquire attempt (`plain` or not: see `_plain`), waiting as a writer until
-        `deadline` (None: no wait); checked (`_checked`)."""
+    def _queued(self) -> bool:
+        """Whether this handle's waits stand in the store's line of waiters (see
+        `LockStore.acquire_queued`): exclusive locks, on stores that keep one."""
+        return self.mode is EXCLUSIVE and self._store.queues
+
+    def _ask(
+        self, owner: str, deadline: float | None, plain: bool, queued: bool = False
+    ) -> AcquireResult:
+        """One acquire attempt (`plain` or not: see `_plain`; `queued`: in the key's line of
+        waiters), waiting as a writer until `deadline` (None: no wait); checked (`_checked`)."""
         store = self._store
-        if plain:
+        if plain and queued:
+            result = store.acquire_queued(self.key, owner, self.holder, self.ttl)
+        elif plain:
             result = store.acquire(self.key, owner, self.holder, self.ttl)
         else:
             wait = _left(deadline)
@@ -286,7 +295,9 @@ class Lock:
         waits, so that new readers stop coming in: see `_plain`)."""
         if plain and self.mode is EXCLUSIVE and result.held_as == "shared":
             return 0.0
-        return min(left, next_delay(retry_delay, result.retry_in, self._store.push_wakeups))
+        pause = min(left, next_delay(retry_delay, result.retry_in, self._store.push_wakeups))
+        # A place in the line lasts QUEUE_LEASE from the last attempt: keep it.
+        return min(pause, QUEUE_LEASE / 2) if self._queued() else pause
 
     @property
     def _release_op(self) -> Callable[[str, str], bool]:
@@ -325,6 +336,25 @@ class Lock:
             self._next_owner = secrets.token_hex(16)
         return self._next_owner
 
+    def _leave_queue(self, owner: str) -> None:
+        """Give up `owner`'s place in the key's line (it stops waiting): the next in line is
+        not held up. If the store cannot be reached, the place lapses by itself."""
+        try:
+            self._store.leave_queue(self.key, owner)
+        except LockStoreUnavailable:
+            logger.debug("lock %r: could not leave the line of waiters; it lapses", self.key)
+
+    async def _aleave_queue(self, owner: str) -> None:
+        """`_leave_queue` for async code; runs to its end even if the task is cancelled."""
+        done, cancelled = await to_the_end(self._store.aleave_queue(self.key, owner))
+        error = None if done.cancelled() else done.exception()
+        if isinstance(error, LockStoreUnavailable):
+            logger.debug("lock %r: could not leave the line of waiters; it lapses", self.key)
+        elif error is not None:
+            raise error
+        if cancelled is not None:
+            raise cancelled
+
     def _finish(self, owner: str, result: AcquireResult, sent: float) -> bool:
         """Take on the outcome of an acquire attempt sent at monotonic time `sent`. False when
         not acquired, or acquired too late: the ttl (counted from `sent`) ran out before the
@@ -356,21 +386,26 @@ class Lock:
                 # must be the store's word, and an outage must reach every caller as one.
                 sent = time.monotonic()
                 return self._ask(owner, None, self._plain(None)), sent
+            queued, result = self._queued(), AcquireResult(None)
             with store.watch(self.key) as waiter:
-                last: AcquireResult | None = None
-                self._attempts = 0
-                while True:
-                    self._attempts += 1
-                    sent = time.monotonic()
-                    plain = self._plain(last)
-                    result = self._ask(owner, deadline, plain)
-                    left = deadline - time.monotonic()
-                    if result.fence is not None or left <= 0:
-                        return result, sent
-                    last = result
-                    pause = self._pause(result, retry_delay, left, plain)
-                    if pause > 0:
-                        waiter.wait(pause)
+                try:
+                    last: AcquireResult | None = None
+                    self._attempts = 0
+                    while True:
+                        self._attempts += 1
+                        sent = time.monotonic()
+                        plain = self._plain(last)
+                        result = self._ask(owner, deadline, plain, queued)
+                        left = deadline - time.monotonic()
+                        if result.fence is not None or left <= 0:
+                            return result, sent
+                        last = result
+                        pause = self._pause(result, retry_delay, left, plain)
+                        if pause > 0:
+                            waiter.wait(pause)
+                finally:
+                    if queued and result.fence is None:
+                        self._leave_queue(owner)
 
     # -- acquiring, async -----------------------------------------------------------------
     async def aacquire(
@@ -413,13 +448,15 @@ class Lock:
         return True
 
     async def _aattempt(
-        self, owner: str, deadline: float | None, plain: bool
+        self, owner: str, deadline: float | None, plain: bool, queued: bool = False
     ) -> tuple[AcquireResult, float]:
         """`_ask` for async code; if cancelled meanwhile, give back what it took, then
         re-raise."""
         store = self._store
         sent = time.monotonic()
-        if plain:
+        if plain and queued:
+            call = store.aacquire_queued(self.key, owner, self.holder, self.ttl)
+        elif plain:
             call = store.aacquire(self.key, owner, self.holder, self.ttl)
         else:
             wait = _left(deadline)
@@ -459,6 +496,7 @@ class Lock:
                 return await self._aattempt(owner, None, self._plain(None))
             # watch() starts the store's cross-process listener; the callback is how an
             # async waiter hears of releases: it cannot block on the Waiter's condition.
+            queued, result = self._queued(), AcquireResult(None)
             with store.watch(self.key):
                 token = store.wake_board.add_callback(self.key, wake)
                 try:
@@ -468,7 +506,7 @@ class Lock:
                         self._attempts += 1
                         woken.clear()  # before the attempt: a release right after counts
                         plain = self._plain(last)
-                        result, sent = await self._aattempt(owner, deadline, plain)
+                        result, sent = await self._aattempt(owner, deadline, plain, queued)
                         left = deadline - time.monotonic()
                         if result.fence is not None or left <= 0:
                             return result, sent
@@ -483,6 +521,8 @@ class Lock:
                             pass
                 finally:
                     store.wake_board.remove_callback(token)
+                    if queued and result.fence is None:
+                        await self._aleave_queue(owner)
 
     # -- holding --------------------------------------------------------------------------
     def release(self) -> bool:

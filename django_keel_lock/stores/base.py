@@ -57,6 +57,10 @@ def semaphore_mode(limit: int) -> Mode:
 PERMIT_OWNERS: Mapping[str, Kind] = {"*shared": "shared", "*semaphore": "semaphore"}
 GATE_OWNER: Mapping[Kind, str] = {"shared": "*shared", "semaphore": "*semaphore"}
 
+#: Seconds a waiter's place in a key's line lasts after its last attempt (see
+#: `LockStore.acquire_queued`); waiters in a line ask again at least twice as often.
+QUEUE_LEASE = 2.0
+
 
 @dataclass(frozen=True)
 class LockInfo:
@@ -107,6 +111,9 @@ class LockStore(ABC):
     #: True when the server itself deletes a lock once it expires (Redis key TTLs): `prune()`
     #: then has nothing to do, and `locks prune` says so rather than "pruned 0".
     expires_by_itself: bool = False
+    #: True when the store keeps a line of the callers waiting for each exclusive lock
+    #: (`acquire_queued`, `leave_queue`): a release then wakes only the first of them.
+    queues: bool = False
 
     def __init__(self, alias: str = "default", options: Mapping[str, Any] | None = None) -> None:
         self.alias = alias
@@ -131,6 +138,25 @@ class LockStore(ABC):
     @abstractmethod
     def get(self, key: str) -> LockInfo | None:
         """The live lock on `key`, or None when it is free or expired."""
+
+    # -- the line of waiters (stores with queues) ----------------------------------------
+    # Waiting callers of an exclusive lock stand in a line, in the order they first asked.
+    # A release that finds the line non-empty wakes the first live one in it, in whichever
+    # process it waits (the process's `wake_address`), and nobody else; with the line empty
+    # it wakes as it did before. Each place is held for QUEUE_LEASE seconds from the holder's
+    # last attempt, so a waiter that died without leaving holds the line up that long at most.
+    def acquire_queued(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
+        """`acquire` for a caller that waits its turn: a free lock is taken only by the first
+        live waiter of the key's line, or by anyone while the line is empty. A refusal puts
+        `owner` at the end of the line, or keeps its place, for QUEUE_LEASE seconds more,
+        with this process's wake address; `retry_in` is then at most QUEUE_LEASE. Not queued
+        when permits hold the key (`held_as` set). Taking the lock takes `owner` out of it."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no line of waiters")
+
+    def leave_queue(self, key: str, owner: str) -> None:
+        """Take `owner` out of `key`'s line (it stopped waiting); nothing if it is not in it.
+        The next in line is woken if the lock is free."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no line of waiters")
 
     # -- permits (stores with supports_modes) ---------------------------------------------
     # A permit is one holder of a shared lock or a semaphore, with its own owner, fence, ttl.
@@ -254,6 +280,12 @@ class LockStore(ABC):
 
     async def aget(self, key: str) -> LockInfo | None:
         return await asyncio.wrap_future(self.submit(self.get, key))
+
+    async def aacquire_queued(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
+        return await asyncio.wrap_future(self.submit(self.acquire_queued, key, owner, holder, ttl))
+
+    async def aleave_queue(self, key: str, owner: str) -> None:
+        await asyncio.wrap_future(self.submit(self.leave_queue, key, owner))
 
     async def aacquire_permit(
         self, key: str, owner: str, holder: str, ttl: float, mode: Mode, writer_wait: float = 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import select
 import threading
 import time
@@ -166,6 +167,10 @@ class ReleaseListener:
         self.ready = threading.Event()  # set while connected: releases reach us
         self.stopping = threading.Event()
         self.subscribed: set[str] = set()  # the keys subscribed on the current connection
+        #: This process's wake address for the store's lines of waiters (see
+        #: `LockStore.acquire_queued`): a store's listener also hears, from connecting on, the
+        #: wake-ups sent to it, each naming its key.
+        self.address = secrets.token_hex(8)
         self._mutex = threading.Lock()
         self._changed: set[str] = set()
         self._closed = False
@@ -393,6 +398,13 @@ class ListeningStore:
         """True while this process's listener hears releases (the `push_wakeups` answer)."""
         listener = self._listener
         return listener is not None and listener.ready.is_set() and listener.pid == os.getpid()
+
+    @property
+    def wake_address(self) -> str:
+        """Where a release reaches this process's waiters in a key's line: its listener's
+        address while it hears releases, else "" (they then find out by asking again)."""
+        listener = self._listener
+        return listener.address if listener is not None and self.listener_ready() else ""
 
     def stop_listener(self) -> None:
         with self._listener_mutex:
