@@ -338,7 +338,8 @@ class Lock:
 
     def _leave_queue(self, owner: str) -> None:
         """Give up `owner`'s place in the key's line (it stops waiting): the next in line is
-        not held up. If the store cannot be reached, the place lapses by itself."""
+        not held up. If the store cannot be reached, the place lapses by itself (a wait that
+        ends with an error does not try: the error would come twice as late)."""
         try:
             self._store.leave_queue(self.key, owner)
         except LockStoreUnavailable:
@@ -386,26 +387,24 @@ class Lock:
                 # must be the store's word, and an outage must reach every caller as one.
                 sent = time.monotonic()
                 return self._ask(owner, None, self._plain(None)), sent
-            queued, result = self._queued(), AcquireResult(None)
+            queued = self._queued()
             with store.watch(self.key) as waiter:
-                try:
-                    last: AcquireResult | None = None
-                    self._attempts = 0
-                    while True:
-                        self._attempts += 1
-                        sent = time.monotonic()
-                        plain = self._plain(last)
-                        result = self._ask(owner, deadline, plain, queued)
-                        left = deadline - time.monotonic()
-                        if result.fence is not None or left <= 0:
-                            return result, sent
-                        last = result
-                        pause = self._pause(result, retry_delay, left, plain)
-                        if pause > 0:
-                            waiter.wait(pause)
-                finally:
-                    if queued and result.fence is None:
+                last: AcquireResult | None = None
+                self._attempts = 0
+                while True:
+                    self._attempts += 1
+                    sent = time.monotonic()
+                    plain = self._plain(last)
+                    result = self._ask(owner, deadline, plain, queued)
+                    left = deadline - time.monotonic()
+                    if result.fence is None and left <= 0 and queued:
                         self._leave_queue(owner)
+                    if result.fence is not None or left <= 0:
+                        return result, sent
+                    last = result
+                    pause = self._pause(result, retry_delay, left, plain)
+                    if pause > 0:
+                        waiter.wait(pause)
 
     # -- acquiring, async -----------------------------------------------------------------
     async def aacquire(
@@ -496,7 +495,7 @@ class Lock:
                 return await self._aattempt(owner, None, self._plain(None))
             # watch() starts the store's cross-process listener; the callback is how an
             # async waiter hears of releases: it cannot block on the Waiter's condition.
-            queued, result = self._queued(), AcquireResult(None)
+            queued = self._queued()
             with store.watch(self.key):
                 token = store.wake_board.add_callback(self.key, wake)
                 try:
@@ -508,6 +507,8 @@ class Lock:
                         plain = self._plain(last)
                         result, sent = await self._aattempt(owner, deadline, plain, queued)
                         left = deadline - time.monotonic()
+                        if result.fence is None and left <= 0 and queued:
+                            await self._aleave_queue(owner)
                         if result.fence is not None or left <= 0:
                             return result, sent
                         last = result
@@ -519,10 +520,12 @@ class Lock:
                                 await woken.wait()
                         except TimeoutError:
                             pass
+                        except asyncio.CancelledError:
+                            if queued:  # cancelled while in line: give the place up
+                                await self._aleave_queue(owner)
+                            raise
                 finally:
                     store.wake_board.remove_callback(token)
-                    if queued and result.fence is None:
-                        await self._aleave_queue(owner)
 
     # -- holding --------------------------------------------------------------------------
     def release(self) -> bool:

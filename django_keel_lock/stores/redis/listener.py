@@ -29,6 +29,7 @@ class RedisListener(ReleaseListener):
         self._pool = _pubsub_pool(self.store._client())
         conn = self._conn = _borrow(self._pool)
         self._prefix = self.store.channel + ":"
+        self._wake_channel = self.store.wake_prefix + self.address
         # RESP3 delivers messages as pushes, which read_response() returns only when asked to
         # (older redis-py's Sentinel connections do not even take the argument).
         resp3 = str(getattr(conn, "protocol", 2)) == "3"
@@ -36,7 +37,10 @@ class RedisListener(ReleaseListener):
         return True
 
     def prepare(self) -> bool:
-        self._conn.send_packed_command([_pack(b"SUBSCRIBE", self.store.channel)])
+        # The base channel last: once Redis confirms it, this process's wake channel is
+        # subscribed too (Redis answers a connection's commands in order).
+        wake = self.store.wake_prefix + self.address
+        self._conn.send_packed_command([_pack(b"SUBSCRIBE", wake, self.store.channel)])
         return False  # ready once Redis confirms the base channel (see _handle)
 
     def socket(self) -> int:
@@ -89,8 +93,12 @@ class RedisListener(ReleaseListener):
         kind, channel = _text(reply[0]), _text(reply[1])
         if kind == "message" and channel.startswith(prefix):
             board.wake(channel[len(prefix) :])
+        elif kind == "message" and channel == self._wake_channel and len(reply) > 2:
+            board.wake(_text(reply[2]))  # first in line for this key
         elif kind == "subscribe":
-            if channel.startswith(prefix):
+            if channel == self._wake_channel:
+                pass
+            elif channel.startswith(prefix):
                 # Redis confirms: from now on the key's releases reach us. One may have come
                 # just before, on another connection: its waiters look again.
                 board.wake(channel[len(prefix) :])

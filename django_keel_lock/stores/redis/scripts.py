@@ -9,6 +9,13 @@ end with ":" gets one, so "keel-lock" gives the same names):
     keel-lock:{key}:fence    the key's last fence, kept a day after its last acquisition
     keel-lock:released:key   pub/sub channel a release publishes on; a process subscribes to it
                              only while one of its threads or tasks waits for `key`
+The callers waiting for an exclusive lock stand in its line (see LockStore.acquire_queued):
+    keel-lock:{key}:line     list: their owners, in the order they first asked
+    keel-lock:{key}:places   hash: owner -> "expiry (ms since the epoch):wake address"
+                             (both expire QUEUE_LEASE after the last attempt of any of them)
+    keel-lock:wake:address   pub/sub channel of one process's listener: a release that finds
+                             the line non-empty publishes the key there, for the first in line
+                             only, instead of on the key's release channel
 A key held by permits (a shared lock's readers, a semaphore's holders) also has:
     keel-lock:{key}          the gate: o = the kind's GATE_OWNER ("*shared", "*semaphore"), h
                              empty, f = the latest permit's fence, t = the first permit's time,
@@ -40,57 +47,185 @@ def _script(text: str) -> Script:
     return Script(text, hashlib.sha1(text.encode()).hexdigest())
 
 
+# TAKE: take the free lock (KEYS[1], fence counter KEYS[2]) for ARGV[1], holder ARGV[2], ttl
+# ARGV[3] (ms); the fence. The fence is one more than the key's last one, and never below the
+# server's clock in microseconds. So the counter may vanish (it expires a day after the key's
+# last acquisition, or with a Redis restarted without persistence) and fences still only go
+# up: acquisitions of one key are at least a round trip apart, far more than a microsecond.
+_TAKE = """
+local function take()
+    local now = redis.call('TIME')
+    local last = tonumber(redis.call('GET', KEYS[2]) or '0')
+    local fence = math.max(last + 1, now[1] * 1000000 + now[2])
+    redis.call('SET', KEYS[2], string.format('%d', fence), 'PX',
+               math.max(tonumber(ARGV[3]), 86400000))
+    redis.call('HSET', KEYS[1], 'o', ARGV[1], 'h', ARGV[2], 'f', fence,
+               't', tostring(now[1] * 1000 + math.floor(now[2] / 1000)))
+    redis.call('PEXPIRE', KEYS[1], ARGV[3])
+    return fence
+end
+"""
+
+# The line of waiters (the layout above). first_in_line drops the places at its front that
+# have lapsed and gives the first live one (owner, its address), or nil. wake_first tells the
+# first in line that the lock is free, or the key's release channel when nobody is in line.
+_LINE = """
+local function first_in_line(line, places, now_ms)
+    while true do
+        local first = redis.call('LINDEX', line, 0)
+        if not first then
+            return nil
+        end
+        local place = redis.call('HGET', places, first)
+        if place then
+            local until_ms, address = string.match(place, '^(%d+):(.*)$')
+            if tonumber(until_ms) > now_ms then
+                return first, address, tonumber(until_ms)
+            end
+        end
+        redis.call('LPOP', line)
+        redis.call('HDEL', places, first)
+    end
+end
+local function clock_ms()
+    local now = redis.call('TIME')
+    return now[1] * 1000 + math.floor(now[2] / 1000)
+end
+local function wake_first(line, places, wake_prefix, key, channel)
+    local first, address = first_in_line(line, places, clock_ms())
+    if not first then
+        redis.call('PUBLISH', channel, '1')
+    elseif address ~= '' then
+        redis.call('PUBLISH', wake_prefix .. address, key)
+    end
+end
+"""
+
+# Refusals: -(ms + 1) (0 when the key has no expiry), one integer, as it is simpler for the
+# client to parse than an array; when permits hold the key, {that, the gate's owner}.
+_REFUSE = """
+local function refuse(ms, held_by)
+    local value = 0
+    if ms >= 0 then
+        value = -(ms + 1)
+    end
+    if held_by then
+        return {value, held_by}
+    end
+    return value
+end
+"""
+
 # Take the lock if it is free; the same owner gets its acquisition back (same fence, ttl
 # renewed), so a retry after a lost reply is safe.
 #   KEYS[1] the lock's hash        KEYS[2] the key's fence counter
 #   ARGV[1] owner  ARGV[2] holder  ARGV[3] ttl (ms)
-#   -> the fence (> 0) when acquired; when someone else holds it, -(pttl + 1) (0 if the key has
-#      no expiry): one integer, as it is simpler for the client to parse than an array; when
-#      permits hold it, {-(pttl + 1), the gate's owner}.
+#   -> the fence (> 0) when acquired, else a refusal (_REFUSE) with the holder's pttl
 ACQUIRE = _script(
-    """
+    _TAKE
+    + _REFUSE
+    + """
 local current = redis.call('HGET', KEYS[1], 'o')
-if current then
-    if current ~= ARGV[1] then
-        local pttl = redis.call('PTTL', KEYS[1])
-        local refused = 0
-        if pttl >= 0 then
-            refused = -(pttl + 1)
-        end
-        -- A gate (owners are hex; only a permit kind's GATE_OWNER starts with '*'): say
-        -- which kind of permits hold the key.
-        if string.sub(current, 1, 1) == '*' then
-            return {refused, current}
-        end
-        return refused
-    end
-    redis.call('PEXPIRE', KEYS[1], ARGV[3])
-    return tonumber(redis.call('HGET', KEYS[1], 'f'))
+if not current then
+    return take()
 end
-local now = redis.call('TIME')
--- The fence is one more than the key's last one, and never below the server's clock in
--- microseconds. So the counter may vanish (it expires a day after the key's last acquisition,
--- or with a Redis restarted without persistence) and fences still only go up: acquisitions
--- of one key are at least a round trip apart, far more than a microsecond.
-local last = tonumber(redis.call('GET', KEYS[2]) or '0')
-local fence = math.max(last + 1, now[1] * 1000000 + now[2])
-redis.call('SET', KEYS[2], string.format('%d', fence), 'PX', math.max(tonumber(ARGV[3]), 86400000))
-redis.call('HSET', KEYS[1], 'o', ARGV[1], 'h', ARGV[2], 'f', fence,
-           't', tostring(now[1] * 1000 + math.floor(now[2] / 1000)))
+if current ~= ARGV[1] then
+    -- A gate (owners are hex; only a permit kind's GATE_OWNER starts with '*'): say which
+    -- kind of permits hold the key.
+    local held_by = nil
+    if string.sub(current, 1, 1) == '*' then
+        held_by = current
+    end
+    return refuse(redis.call('PTTL', KEYS[1]), held_by)
+end
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
-return fence
+return tonumber(redis.call('HGET', KEYS[1], 'f'))
 """
 )
 
-# Free the lock if the owner still holds it, and announce it on the key's release channel.
-#   KEYS[1] the lock's hash
-#   ARGV[1] owner  ARGV[2] the key's release channel
+# ACQUIRE for a caller that waits its turn (LockStore.acquire_queued): a free lock goes to the
+# first live waiter in line, or to anyone while the line is empty; a refusal keeps the
+# caller's place, or gives it one at the end, for the lease.
+#   KEYS[1] the lock's hash  KEYS[2] the key's fence counter  KEYS[3] line  KEYS[4] places
+#   ARGV[1] owner  ARGV[2] holder  ARGV[3] ttl (ms)  ARGV[4] the lease (ms)  ARGV[5] this
+#   process's wake address ('' for none)
+#   -> as ACQUIRE; a refusal's ms is at most the lease
+ACQUIRE_QUEUED = _script(
+    _TAKE
+    + _LINE
+    + _REFUSE
+    + """
+local owner, lease = ARGV[1], tonumber(ARGV[4])
+local now_ms = clock_ms()
+local function leave()
+    if redis.call('HDEL', KEYS[4], owner) == 1 then
+        redis.call('LREM', KEYS[3], 1, owner)
+    end
+end
+local function stand(ms)
+    local place = string.format('%d', now_ms + lease) .. ':' .. ARGV[5]
+    if redis.call('HSET', KEYS[4], owner, place) == 1 then
+        redis.call('RPUSH', KEYS[3], owner)
+    end
+    redis.call('PEXPIRE', KEYS[3], lease)
+    redis.call('PEXPIRE', KEYS[4], lease)
+    return refuse(math.min(ms, lease), nil)
+end
+local current = redis.call('HGET', KEYS[1], 'o')
+if current == owner then
+    leave()
+    redis.call('PEXPIRE', KEYS[1], ARGV[3])
+    return tonumber(redis.call('HGET', KEYS[1], 'f'))
+end
+if current then
+    if string.sub(current, 1, 1) == '*' then
+        -- Permits hold it: the caller waits for them as a writer, out of the line.
+        leave()
+        return refuse(redis.call('PTTL', KEYS[1]), current)
+    end
+    local pttl = redis.call('PTTL', KEYS[1])
+    return stand(pttl >= 0 and pttl or lease)
+end
+local first, _, until_ms = first_in_line(KEYS[3], KEYS[4], now_ms)
+if first and first ~= owner then
+    return stand(until_ms - now_ms)
+end
+leave()
+return take()
+"""
+)
+
+# Take the caller out of the key's line; if the lock is free, wake whoever is now first.
+#   KEYS[1] the lock's hash  KEYS[2] line  KEYS[3] places
+#   ARGV[1] owner  ARGV[2] the key's release channel  ARGV[3] the wake channels' prefix
+#   ARGV[4] the key
+#   -> 1 if it was in the line, else 0
+LEAVE_QUEUE = _script(
+    _LINE
+    + """
+if redis.call('HDEL', KEYS[3], ARGV[1]) == 0 then
+    return 0
+end
+redis.call('LREM', KEYS[2], 1, ARGV[1])
+if redis.call('EXISTS', KEYS[1]) == 0 and redis.call('EXISTS', KEYS[2]) == 1 then
+    wake_first(KEYS[2], KEYS[3], ARGV[3], ARGV[4], ARGV[2])
+end
+return 1
+"""
+)
+
+# Free the lock if the owner still holds it, and wake the first in line, or announce it on
+# the key's release channel when nobody is in line.
+#   KEYS[1] the lock's hash  KEYS[2] line  KEYS[3] places
+#   ARGV[1] owner  ARGV[2] the key's release channel  ARGV[3] the wake channels' prefix
+#   ARGV[4] the key
 #   -> 1 if released (and announced), else 0
 RELEASE = _script(
-    """
+    _LINE
+    + """
 if redis.call('HGET', KEYS[1], 'o') == ARGV[1] then
     redis.call('DEL', KEYS[1])
-    redis.call('PUBLISH', ARGV[2], '1')
+    wake_first(KEYS[2], KEYS[3], ARGV[3], ARGV[4], ARGV[2])
     return 1
 end
 return 0
@@ -169,18 +304,9 @@ end
 #      expiry + 1), an array {that, the gate's owner} when permits hold the key
 ACQUIRE_PERMIT = _script(
     _PERMITS
+    + _REFUSE
     + """
 local owner, ttl, kind = ARGV[1], tonumber(ARGV[3]), ARGV[4]
-local function refuse(ms, held_by)
-    local value = 0
-    if ms >= 0 then
-        value = -(ms + 1)
-    end
-    if held_by then
-        return {value, held_by}
-    end
-    return value
-end
 local function soonest()
     local first = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')[2]
     if first then
@@ -334,7 +460,18 @@ return reply
 """
 )
 
-SCRIPTS = (ACQUIRE, RELEASE, EXTEND, GET, ACQUIRE_PERMIT, RELEASE_PERMIT, EXTEND_PERMIT, HOLDERS)
+SCRIPTS = (
+    ACQUIRE,
+    ACQUIRE_QUEUED,
+    LEAVE_QUEUE,
+    RELEASE,
+    EXTEND,
+    GET,
+    ACQUIRE_PERMIT,
+    RELEASE_PERMIT,
+    EXTEND_PERMIT,
+    HOLDERS,
+)
 
 _ESCAPES = {"%": "%25", "{": "%7B", "}": "%7D"}
 _UNESCAPES = {code: char for char, code in _ESCAPES.items()}

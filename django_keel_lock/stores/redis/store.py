@@ -21,7 +21,16 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 
 from ...exceptions import LockStoreUnavailable
-from ..base import GATE_OWNER, PERMIT_OWNERS, AcquireResult, Kind, LockInfo, LockStore, Mode
+from ..base import (
+    GATE_OWNER,
+    PERMIT_OWNERS,
+    QUEUE_LEASE,
+    AcquireResult,
+    Kind,
+    LockInfo,
+    LockStore,
+    Mode,
+)
 from ..connections import PerThread, socket_timeout_option
 from ..wakeups import ListeningStore
 from .clients import (
@@ -51,10 +60,12 @@ from .scripts import (
     _GLOB_RE,
     ACQUIRE,
     ACQUIRE_PERMIT,
+    ACQUIRE_QUEUED,
     EXTEND,
     EXTEND_PERMIT,
     GET,
     HOLDERS,
+    LEAVE_QUEUE,
     RELEASE,
     RELEASE_PERMIT,
     SCRIPTS,
@@ -95,6 +106,7 @@ class RedisLockStore(ListeningStore, LockStore):
     option_names = frozenset({"CONNECTION", "URL", "KEY_PREFIX", "CLUSTER", "SOCKET_TIMEOUT"})
     listener_class = RedisListener
     expires_by_itself = True  # each lock is a key with a PEXPIRE: Redis deletes it at its ttl
+    queues = True
 
     def __init__(self, alias: str = "default", options: Mapping[str, Any] | None = None) -> None:
         super().__init__(alias, options)
@@ -131,6 +143,7 @@ class RedisLockStore(ListeningStore, LockStore):
             prefix += ":"
         self.prefix = prefix
         self.channel = f"{prefix}released"
+        self.wake_prefix = f"{prefix}wake:"  # + a listener's address: its wake channel
         self.socket_timeout = socket_timeout_option(alias, self.options)
         self._mutex = threading.Lock()
         self._client_obj: Any = None
@@ -215,6 +228,24 @@ class RedisLockStore(ListeningStore, LockStore):
         lock_name = f"{self.prefix}{{{_escape(key)}}}"
         return lock_name, lock_name + ":fence"
 
+    def _queued_call(
+        self, key: str, owner: str, holder: str, ttl: float
+    ) -> tuple[Script, tuple[str, ...], tuple[Any, ...]]:
+        """ACQUIRE_QUEUED's script, keys and arguments."""
+        lock_name, fence_name = self._names(key)
+        keys = (lock_name, fence_name, lock_name + ":line", lock_name + ":places")
+        args = (owner, holder, _ms(ttl), _ms(QUEUE_LEASE), self.wake_address)
+        return ACQUIRE_QUEUED, keys, args
+
+    def _line_call(
+        self, script: Script, key: str, owner: str
+    ) -> tuple[Script, tuple[str, ...], tuple[Any, ...]]:
+        """RELEASE's or LEAVE_QUEUE's script, keys and arguments: both may wake the first
+        in line."""
+        lock_name = self._names(key)[0]
+        keys = (lock_name, lock_name + ":line", lock_name + ":places")
+        return script, keys, (owner, self.release_channel(key), self.wake_prefix, key)
+
     def _permit_names(self, key: str) -> tuple[str, str, str, str, str]:
         """The keys of the permit scripts, in their KEYS order: gate, permits, holders, fence
         counter, waiting writer (`scripts` shows the layout)."""
@@ -279,9 +310,14 @@ class RedisLockStore(ListeningStore, LockStore):
         reply = self._run(ACQUIRE, self._names(key), (owner, holder, _ms(ttl)))
         return self._acquired(reply)
 
+    def acquire_queued(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
+        return self._acquired(self._run(*self._queued_call(key, owner, holder, ttl)))
+
+    def leave_queue(self, key: str, owner: str) -> None:
+        self._run(*self._line_call(LEAVE_QUEUE, key, owner))
+
     def release(self, key: str, owner: str) -> bool:
-        reply = self._run(RELEASE, self._names(key)[:1], (owner, self.release_channel(key)))
-        return self._released(key, reply)
+        return self._released(key, self._run(*self._line_call(RELEASE, key, owner)))
 
     def _released(self, key: str, reply: Any) -> bool:
         """A release script's reply, as a bool; when released, this process's own waiters
@@ -560,11 +596,20 @@ class RedisLockStore(ListeningStore, LockStore):
         reply = await self._arun(ACQUIRE, self._names(key), (owner, holder, _ms(ttl)))
         return self._acquired(reply)
 
+    async def aacquire_queued(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
+        if not self._native_async():
+            return await super().aacquire_queued(key, owner, holder, ttl)
+        return self._acquired(await self._arun(*self._queued_call(key, owner, holder, ttl)))
+
+    async def aleave_queue(self, key: str, owner: str) -> None:
+        if not self._native_async():
+            return await super().aleave_queue(key, owner)
+        await self._arun(*self._line_call(LEAVE_QUEUE, key, owner))
+
     async def arelease(self, key: str, owner: str) -> bool:
         if not self._native_async():
             return await super().arelease(key, owner)
-        reply = await self._arun(RELEASE, self._names(key)[:1], (owner, self.release_channel(key)))
-        return self._released(key, reply)
+        return self._released(key, await self._arun(*self._line_call(RELEASE, key, owner)))
 
     async def aextend(self, key: str, owner: str, ttl: float) -> bool:
         if not self._native_async():

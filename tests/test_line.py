@@ -1,0 +1,140 @@
+"""The line of waiters (stores with `queues`): waiting processes get an exclusive lock in the
+order they asked, a release wakes only the first of them, and one that leaves or dies does
+not hold the others up for long."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import signal
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import pytest
+
+from django_keel_lock import lock
+from django_keel_lock.registry import get_lock_store
+from django_keel_lock.stores.base import QUEUE_LEASE
+
+from .conftest import STORE_AVAILABILITY, store_params
+
+QUEUE_STORES = ["redis"]
+#: Polls are 5 s apart: whatever a waiter gets within the bounds below came by a push.
+RETRY_DELAY = 5.0
+CONTEXT = multiprocessing.get_context("fork")
+
+
+def _waiter(
+    alias: str, key: str, timeout: float, hold: float, use_async: bool, pipe: Connection
+) -> None:
+    """Wait for `key` (telling the parent just before), hold it `hold` s, release; send back
+    (acquired, when by the monotonic clock, its fence, attempts made, seconds waited)."""
+    handle = lock(key, ttl=30, store=alias)
+    handle.is_locked()  # connected before it asks
+    pipe.send("asking")
+    asked = time.monotonic()
+    if use_async:
+        got = asyncio.run(handle.aacquire(timeout=timeout, retry_delay=RETRY_DELAY))
+    else:
+        got = handle.acquire(timeout=timeout, retry_delay=RETRY_DELAY)
+    at = time.monotonic()
+    if got:
+        time.sleep(hold)
+        fence = handle.fence
+        handle.release()
+    else:
+        fence = None
+    pipe.send((got, at, fence, handle._attempts, at - asked))
+
+
+def _start(
+    alias: str, key: str, timeout: float = 30, hold: float = 0.02, use_async: bool = False
+) -> tuple[Any, Connection]:
+    parent, child = CONTEXT.Pipe()
+    proc = CONTEXT.Process(
+        target=_waiter, args=(alias, key, timeout, hold, use_async, child), daemon=True
+    )
+    proc.start()
+    assert parent.poll(30) and parent.recv() == "asking"
+    time.sleep(0.25)  # it has asked and stands in line
+    return proc, parent
+
+
+def _holding(alias: str, key: str) -> Any:
+    handle = lock(key, ttl=30, store=alias)
+    assert handle.acquire()
+    get_lock_store(alias).close()  # the children must not share this process's connections
+    return handle
+
+
+@pytest.fixture(params=store_params([a for a in QUEUE_STORES if a in STORE_AVAILABILITY]))
+def line_alias(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def test_waiting_processes_get_the_lock_in_the_order_they_asked_each_woken_once(
+    line_alias: str, key: str
+) -> None:
+    holder = _holding(line_alias, key)
+    waiters = [_start(line_alias, key, use_async=i % 2 == 1) for i in range(6)]
+    released = time.monotonic()
+    assert holder.release()
+    results = [pipe.recv() if pipe.poll(20) else None for _, pipe in waiters]
+    for proc, _ in waiters:
+        proc.join(10)
+    assert all(result is not None and result[0] for result in results), results
+    order = sorted(range(len(results)), key=lambda i: results[i][1])
+    assert order == list(range(len(results)))
+    fences = [results[i][2] for i in order]
+    assert fences == sorted(fences) and len(set(fences)) == len(fences)
+    assert all(fence > holder.fence for fence in fences)
+    # Each asked on arrival, again as its listener came up (connected, then subscribed: a
+    # release may have slipped by meanwhile), once when woken, and once per QUEUE_LEASE / 2
+    # it waited to keep its place: not once more for each release before its turn (woken by
+    # every release, the last would ask 5 more times).
+    for got, _, _, attempts, waited in results:
+        assert attempts <= 4 + int(waited / (QUEUE_LEASE / 2)), results
+    assert results[order[-1]][1] - released < 2.0  # six short holds, each handed over by a push
+
+
+def test_a_waiter_that_gives_up_passes_its_turn_to_the_next(line_alias: str, key: str) -> None:
+    holder = _holding(line_alias, key)
+    quitter = _start(line_alias, key, timeout=0.3)
+    stayer = _start(line_alias, key, timeout=30)
+    assert quitter[1].poll(5) and quitter[1].recv()[0] is False  # gave up, left the line
+    released = time.monotonic()
+    assert holder.release()
+    assert stayer[1].poll(10)
+    got, at, *_ = stayer[1].recv()
+    assert got and at - released < 0.2, at - released
+
+
+def test_a_waiter_killed_first_in_line_holds_the_next_up_at_most_its_lease(
+    line_alias: str, key: str
+) -> None:
+    holder = _holding(line_alias, key)
+    doomed, _ = _start(line_alias, key)
+    stayer = _start(line_alias, key)
+    os.kill(doomed.pid, signal.SIGKILL)
+    doomed.join(5)
+    released = time.monotonic()
+    assert holder.release()
+    assert stayer[1].poll(10)
+    got, at, *_ = stayer[1].recv()
+    # The dead one's place lapses QUEUE_LEASE after its last attempt; the next asks again
+    # at least every QUEUE_LEASE / 2.
+    assert got and at - released < QUEUE_LEASE * 1.5 + 0.5, at - released
+
+
+def test_a_lock_nobody_waits_for_is_taken_by_a_waiting_acquire_at_once(
+    line_alias: str, key: str
+) -> None:
+    first = lock(key, ttl=30, store=line_alias)
+    assert first.acquire(timeout=5)
+    assert first.release()
+    second = lock(key, ttl=30, store=line_alias)
+    assert second.acquire(timeout=5) and second._attempts == 1
+    assert second.fence > first.fence
+    second.release()
