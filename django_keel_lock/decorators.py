@@ -66,6 +66,8 @@ def locked(
     retry_delay: Duration = ...,
     store: str = ...,
     holder: str | None = ...,
+    auto_extend: bool = ...,
+    max_hold: Duration | None = ...,
     on_locked: Literal["raise"] = ...,
     on_lost: OnLost = ...,
     limit: int | None = ...,
@@ -82,6 +84,8 @@ def locked(
     retry_delay: Duration = ...,
     store: str = ...,
     holder: str | None = ...,
+    auto_extend: bool = ...,
+    max_hold: Duration | None = ...,
     on_locked: Literal["skip"],
     on_lost: OnLost = ...,
     limit: int | None = ...,
@@ -97,6 +101,8 @@ def locked(
     retry_delay: Duration = DEFAULT_RETRY_DELAY,
     store: str = "default",
     holder: str | None = None,
+    auto_extend: bool = False,
+    max_hold: Duration | None = None,
     on_locked: OnLocked = "raise",
     on_lost: OnLost = RAISE,
     limit: int | None = None,
@@ -111,6 +117,10 @@ def locked(
     either way. A lock lost while the function runs raises LockNotHeldError when it returns
     (`on_lost`, as for `lock()`). Works on `async def` functions, not on generators.
 
+    `auto_extend=True` keeps the lock alive while the function runs (the watchdog extends it
+    every ttl/3), for at most `max_hold` in all if given, as for `lock()`: ttl then only
+    bounds how long a crashed caller blocks the key.
+
     `limit=N` makes the key a semaphore (at most N calls at once), `shared=True` a shared
     lock (any number of shared calls, none while an exclusive one runs), as `semaphore()` and
     `lock(shared=True)`.
@@ -123,6 +133,8 @@ def locked(
         retry_delay=retry_delay,
         store=store,
         holder=holder,
+        auto_extend=auto_extend,
+        max_hold=max_hold,
         on_lost=on_lost,
         limit=limit,
         shared=shared,

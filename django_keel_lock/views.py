@@ -234,6 +234,8 @@ def _view_lock(
     limit: int | None = None,
     shared: bool = False,
     name: str | None = None,
+    auto_extend: bool = False,
+    max_hold: Duration | None = None,
 ) -> ViewLock:
     """`ViewLock` from what `lock_view` and `LockViewMixin` take; a bad value raises naming it."""
     if isinstance(key, str):
@@ -254,6 +256,8 @@ def _view_lock(
         retry_delay=retry_delay,
         store=store,
         holder=holder,
+        auto_extend=auto_extend,
+        max_hold=max_hold,
         on_lost=on_lost,
         limit=limit,
         shared=shared,
@@ -280,6 +284,8 @@ def lock_view(
     retry_delay: Duration = DEFAULT_RETRY_DELAY,
     store: str = "default",
     holder: str | None = None,
+    auto_extend: bool = False,
+    max_hold: Duration | None = None,
     on_locked: OnLockedView | None = None,
     on_lost: OnLost = RAISE,
     limit: int | None = None,
@@ -294,12 +300,27 @@ def lock_view(
     and `ATOMIC_REQUESTS` rolls back) unless on_lost says otherwise. Works on sync and
     `async def` views and (via method_decorator on "dispatch") on class-based views.
 
+    `auto_extend=True` keeps the lock alive while the view runs (the watchdog), for at most
+    `max_hold` in all if given, as for `lock()`: ttl then only bounds how long a crashed
+    worker blocks the key.
+
     `limit=N` lets N requests in at once (a semaphore: the 409's Retry-After is then the
     soonest permit's expiry), `shared=True` any number of shared ones while no exclusive one
     runs; the key is the same key `semaphore()` and `lock()` take.
     """
     config = _view_lock(
-        key, ttl, timeout, retry_delay, store, holder, on_locked, on_lost, limit, shared
+        key,
+        ttl,
+        timeout,
+        retry_delay,
+        store,
+        holder,
+        on_locked,
+        on_lost,
+        limit,
+        shared,
+        auto_extend=auto_extend,
+        max_hold=max_hold,
     )
 
     def decorate(view: ViewFunc) -> ViewFunc:
@@ -324,9 +345,9 @@ class LockViewMixin(_MixinBase):
     """Class-based view twin of `lock_view`: set `lock_key` (or override `get_lock_key`).
 
     Attributes lock_ttl, lock_timeout, lock_retry_delay, lock_store, lock_holder,
-    lock_on_lost ("raise", "warn", or a method `(self, lock)`), lock_limit and lock_shared go
-    to `lock()`; define a method `lock_on_locked(self, request, key)` to answer instead of the
-    409.
+    lock_auto_extend, lock_max_hold, lock_on_lost ("raise", "warn", or a method
+    `(self, lock)`), lock_limit and lock_shared go to `lock()`; define a method
+    `lock_on_locked(self, request, key)` to answer instead of the 409.
     """
 
     lock_key: ViewKey | None = None
@@ -335,6 +356,9 @@ class LockViewMixin(_MixinBase):
     lock_retry_delay: Duration = DEFAULT_RETRY_DELAY
     lock_store: str = "default"
     lock_holder: str | None = None
+    #: True: the watchdog keeps the lock alive while the view runs (for at most lock_max_hold).
+    lock_auto_extend: bool = False
+    lock_max_hold: Duration | None = None
     #: A method `(self, request, key) -> HttpResponse` to answer instead of the default 409.
     lock_on_locked: OnLockedView | None = None
     lock_on_lost: OnLost = RAISE
@@ -368,6 +392,8 @@ class LockViewMixin(_MixinBase):
             self.lock_limit,
             self.lock_shared,
             template_name(self.lock_key),
+            self.lock_auto_extend,
+            self.lock_max_hold,
         )
 
     def dispatch(self, request: HttpRequest, *args: Any, **kwargs: Any) -> Any:

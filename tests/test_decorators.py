@@ -12,10 +12,16 @@ import pytest
 from asgiref.sync import async_to_sync, iscoroutinefunction, sync_to_async
 from django.test import override_settings
 
-from django_keel_lock import LockStoreUnavailable, LockUnavailable, lock, locked
+from django_keel_lock import (
+    LockNotHeldError,
+    LockStoreUnavailable,
+    LockUnavailable,
+    lock,
+    locked,
+)
 from django_keel_lock.conf import conf
-from tests.conftest import ALL_STORES
-from tests.support.holders import held_elsewhere
+from tests.conftest import ALL_STORES, store_params
+from tests.support.holders import held_elsewhere, takeovers
 
 DOWN_STORES = {"down": {"BACKEND": "django_keel_lock.stores.RedisLockStore",
                         "OPTIONS": {"URL": "redis://127.0.0.1:1/0"}}}  # fmt: skip
@@ -276,3 +282,85 @@ def test_locked_refuses_generator_functions_at_decoration() -> None:
         @locked("export", store="memory")
         async def arows() -> Any:
             yield 1
+
+
+# -- auto_extend and max_hold ---------------------------------------------------------------
+#: A ttl the function outlives three times over, and a max_hold in between.
+TTL, RUN, MAX_HOLD = 0.5, 1.5, 1.0
+EXTEND_STORES = store_params(["memory", "redis"])
+
+
+@pytest.mark.parametrize("store_alias", EXTEND_STORES)
+def test_auto_extend_keeps_the_lock_while_the_function_outlives_its_ttl(
+    store_alias: str, key: str
+) -> None:
+    @locked(key, store=store_alias, ttl=TTL, auto_extend=True)
+    def long_job() -> list[float]:
+        return takeovers(store_alias, key, RUN)
+
+    assert long_job() == []  # and no LockNotHeldError on the way out
+    assert holder_of(key, store_alias) is None
+
+
+@pytest.mark.parametrize("store_alias", EXTEND_STORES)
+def test_without_auto_extend_the_function_loses_the_lock_at_its_ttl(
+    store_alias: str, key: str
+) -> None:
+    taken: list[float] = []
+
+    @locked(key, store=store_alias, ttl=TTL)
+    def long_job() -> None:
+        taken.extend(takeovers(store_alias, key, RUN, until_taken=True))
+
+    with pytest.raises(LockNotHeldError):
+        long_job()
+    assert len(taken) == 1 and TTL * 0.9 <= taken[0] < TTL + 0.4
+
+
+@pytest.mark.parametrize("store_alias", EXTEND_STORES)
+def test_max_hold_stops_the_renewal_and_the_function_loses_the_lock(
+    store_alias: str, key: str
+) -> None:
+    taken: list[float] = []
+
+    @locked(key, store=store_alias, ttl=TTL, auto_extend=True, max_hold=MAX_HOLD)
+    def long_job() -> None:
+        taken.extend(takeovers(store_alias, key, RUN, until_taken=True))
+
+    with pytest.raises(LockNotHeldError, match="max_hold"):
+        long_job()
+    # Kept past its ttl, lost at max_hold.
+    assert len(taken) == 1 and MAX_HOLD * 0.9 <= taken[0] < MAX_HOLD + 0.4
+
+
+async def test_async_auto_extend_runs_until_max_hold_then_the_body_is_cancelled(
+    key: str,
+) -> None:
+    outsider = lock(key, store="memory", ttl=60)
+
+    @locked(key, store="memory", ttl=TTL, auto_extend=True, max_hold=MAX_HOLD)
+    async def long_job() -> None:
+        await asyncio.sleep(TTL * 1.5)
+        assert not outsider.acquire(), "the lock expired at its ttl"
+        await asyncio.sleep(10)
+
+    started = time.monotonic()
+    with pytest.raises(LockNotHeldError, match="max_hold"):
+        await long_job()
+    assert MAX_HOLD * 0.9 <= time.monotonic() - started < MAX_HOLD + 0.5
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"auto_extend": "yes"}, TypeError, "auto_extend must be True or False, got 'yes'"),
+        ({"max_hold": 60}, ValueError, "max_hold caps how long auto_extend keeps a lock alive"),
+        ({"auto_extend": True, "max_hold": -1}, ValueError, "max_hold must be > 0"),
+        ({"auto_extend": True, "max_hold": "soon"}, ValueError, "max_hold could not be parsed"),
+    ],
+)
+def test_bad_auto_extend_and_max_hold_fail_at_decoration_naming_them(
+    kwargs: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        locked("k", **kwargs)

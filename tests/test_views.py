@@ -16,10 +16,17 @@ from django.core.exceptions import ImproperlyConfigured
 from django.http import HttpRequest, HttpResponse
 from django.test import AsyncClient, Client, override_settings
 
-from django_keel_lock import Lock, LockStoreUnavailable, get_lock_store, lock, lock_view
+from django_keel_lock import (
+    Lock,
+    LockNotHeldError,
+    LockStoreUnavailable,
+    get_lock_store,
+    lock,
+    lock_view,
+)
 from django_keel_lock.conf import conf
 from django_keel_lock.views import parse_key_template, render_key_template, wants_json
-from tests.conftest import ALL_STORES
+from tests.conftest import ALL_STORES, store_params
 from tests.support.holders import held_elsewhere
 from tests.testapp import views
 
@@ -34,6 +41,7 @@ def _reset_views() -> Iterator[None]:
     views.CALLS.clear()
     views.GATE.clear()
     views.ENTERED.clear()
+    views.TAKEN.clear()
     yield
     views.GATE.set()  # never leave a request thread blocked
 
@@ -233,6 +241,62 @@ def test_store_outage_is_a_500_not_a_409(key: str) -> None:
     response = Client(raise_request_exception=False).get(f"/views/store/down/{key}/")
     assert response.status_code == 500
     assert views.CALLS == []
+
+
+# -- auto_extend and max_hold ---------------------------------------------------------------
+EXTEND_STORES = store_params(["memory", "postgres"])
+
+
+@pytest.mark.parametrize("store_alias", EXTEND_STORES)
+def test_auto_extend_keeps_the_lock_while_the_view_outlives_its_ttl(
+    client: Client, store_alias: str, key: str
+) -> None:
+    response = client.get(f"/views/extending/auto-extend/{store_alias}/{key}/")
+    assert response.status_code == 200  # no LockNotHeldError
+    assert views.TAKEN == []
+    assert views.CALLS == ["extending"]
+    assert is_free(key, store_alias)
+
+
+@pytest.mark.parametrize("store_alias", EXTEND_STORES)
+def test_without_auto_extend_the_view_loses_the_lock_at_its_ttl(
+    client: Client, store_alias: str, key: str
+) -> None:
+    with pytest.raises(LockNotHeldError):
+        client.get(f"/views/extending/no-extend/{store_alias}/{key}/")
+    assert len(views.TAKEN) == 1
+    assert views.EXTEND_TTL * 0.9 <= views.TAKEN[0] < views.EXTEND_TTL + 0.4
+
+
+@pytest.mark.parametrize("store_alias", EXTEND_STORES)
+def test_max_hold_stops_the_renewal_and_the_view_loses_the_lock(
+    client: Client, store_alias: str, key: str
+) -> None:
+    with pytest.raises(LockNotHeldError, match="max_hold"):
+        client.get(f"/views/extending/max-hold/{store_alias}/{key}/")
+    # Kept past its ttl, lost at max_hold.
+    assert len(views.TAKEN) == 1
+    assert views.EXTEND_MAX_HOLD * 0.9 <= views.TAKEN[0] < views.EXTEND_MAX_HOLD + 0.4
+
+
+def test_mixin_passes_lock_auto_extend_and_lock_max_hold(client: Client, key: str) -> None:
+    response = client.get(f"/views/mixin-extend/{key}/")
+    assert response.json() == {"ran": "mixin_extend", "auto_extend": "True", "max_hold": "300.0"}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"auto_extend": "yes"}, TypeError, "auto_extend must be True or False, got 'yes'"),
+        ({"max_hold": 60}, ValueError, "max_hold caps how long auto_extend keeps a lock alive"),
+        ({"auto_extend": True, "max_hold": 0}, ValueError, "max_hold must be > 0"),
+    ],
+)
+def test_bad_auto_extend_and_max_hold_fail_at_decoration_naming_them(
+    kwargs: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        lock_view("k", **kwargs)
 
 
 # -- async function views -------------------------------------------------------------------

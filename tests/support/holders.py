@@ -1,5 +1,6 @@
 """Hold a lock "somewhere else" for surface tests: another process when the store is shared
-between processes, another handle in this process for the memory store."""
+between processes, another handle in this process for the memory store; or keep trying to take
+one that a surface holds."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -67,3 +69,20 @@ def manage(*args: str, input: str | None = None) -> subprocess.CompletedProcess[
         [sys.executable, "-c", MANAGE, *args],
         cwd=ROOT, env=child_env(), input=input, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
+
+
+def takeovers(store: str, key: str, seconds: float, *, until_taken: bool = False) -> list[float]:
+    """Try to take `key` from another handle every 50 ms for `seconds` (what a long function
+    under a lock does here); the times (seconds in) at which it got it, each released at once.
+    `until_taken`: stop at the first."""
+    started = time.monotonic()
+    taken: list[float] = []
+    while (elapsed := time.monotonic() - started) < seconds:
+        outsider = lock(key, ttl=60, store=store, holder="outsider:1")
+        if outsider.acquire():
+            taken.append(elapsed)
+            outsider.release()
+            if until_taken:
+                break
+        time.sleep(0.05)
+    return taken

@@ -11,6 +11,7 @@ from django.utils.decorators import method_decorator
 from django.views import View
 
 from django_keel_lock import LockViewMixin, lock_view
+from tests.support.holders import takeovers
 
 CALLS: list[str] = []
 # Set by a test to make `slow` / `aslow` wait inside the lock until released.
@@ -99,6 +100,33 @@ async def aslow(request: HttpRequest, key: str) -> HttpResponse:
     return _ran("aslow", key=key)
 
 
+#: What an `extending` view runs for, and its lock's ttl (the view outlives it three times).
+EXTEND_RUN, EXTEND_TTL, EXTEND_MAX_HOLD = 1.5, 0.5, 1.0
+EXTEND_OPTIONS: dict[str, dict[str, Any]] = {
+    "auto-extend": {"auto_extend": True},
+    "no-extend": {},
+    "max-hold": {"auto_extend": True, "max_hold": EXTEND_MAX_HOLD},
+}
+#: The times (seconds in) at which another handle took an `extending` view's key.
+TAKEN: list[float] = []
+EXTEND_VIEWS: dict[tuple[str, str], Any] = {}
+
+
+def extending(request: HttpRequest, options: str, store: str, key: str) -> Any:
+    """A view locked on `key` in `store` with EXTEND_OPTIONS[options] that runs EXTEND_RUN
+    seconds, trying to take its own key from another handle (it stops once it did)."""
+    view = EXTEND_VIEWS.get((options, store))
+    if view is None:
+
+        @lock_view("<key>", ttl=EXTEND_TTL, store=store, **EXTEND_OPTIONS[options])
+        def view(request: HttpRequest, key: str) -> HttpResponse:
+            TAKEN.extend(takeovers(store, key, EXTEND_RUN, until_taken=True))
+            return _ran("extending", key=key)
+
+        EXTEND_VIEWS[options, store] = view
+    return view(request, key=key)
+
+
 ASTORE_VIEWS: dict[str, Any] = {}
 
 
@@ -121,6 +149,17 @@ class MixinView(LockViewMixin, View):
 
     def post(self, request: HttpRequest, key: str) -> HttpResponse:
         return _ran("mixin", key=key)
+
+
+class MixinExtendView(LockViewMixin, View):
+    lock_key = "mixin-extend:<key>"
+    lock_store = "memory"
+    lock_auto_extend = True
+    lock_max_hold = "5m"
+
+    def get(self, request: HttpRequest, key: str) -> HttpResponse:
+        handle = request.keel_lock  # type: ignore[attr-defined]
+        return _ran("mixin_extend", auto_extend=handle.auto_extend, max_hold=handle.max_hold)
 
 
 class MixinCustomView(LockViewMixin, View):
