@@ -94,7 +94,7 @@ def test_waiting_processes_get_the_lock_in_the_order_they_asked_each_woken_once(
     # release may have slipped by meanwhile), once when woken, and once per QUEUE_LEASE / 2
     # it waited to keep its place: not once more for each release before its turn (woken by
     # every release, the last would ask 5 more times).
-    for got, _, _, attempts, waited in results:
+    for _, _, _, attempts, waited in results:
         assert attempts <= 4 + int(waited / (QUEUE_LEASE / 2)), results
     assert results[order[-1]][1] - released < 2.0  # six short holds, each handed over by a push
 
