@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 import redis
-from django.test import override_settings
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -30,6 +29,7 @@ from .support.redis_servers import (
     master_of,
     redis_cluster,
     redis_sentinel,
+    via_sentinel,
     wait_for,
 )
 
@@ -220,35 +220,6 @@ async def test_cluster_async_permit_methods(cluster_alias: str, key: str) -> Non
 def sentinel() -> Iterator[SentinelSetup]:
     with redis_sentinel("keelmaster") as setup:
         yield setup
-
-
-@contextmanager
-def via_sentinel(
-    sentinel_port: int, service: str = "keelmaster", **pool_kwargs: Any
-) -> Iterator[str]:
-    """django-redis' SentinelClient as the project would configure it, and a store reusing it;
-    the store's alias."""
-    caches = {
-        "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
-        "sentinel": {
-            "BACKEND": "django_redis.cache.RedisCache",
-            "LOCATION": f"redis://{service}/0",
-            "OPTIONS": {
-                "CLIENT_CLASS": "django_redis.client.SentinelClient",
-                "CONNECTION_FACTORY": "django_redis.pool.SentinelConnectionFactory",
-                "SENTINELS": [("127.0.0.1", sentinel_port)],
-                "CONNECTION_POOL_KWARGS": pool_kwargs,
-            },
-        },
-    }
-    stores = {
-        "via-sentinel": {
-            "BACKEND": "django_keel_lock.stores.RedisLockStore",
-            "OPTIONS": {"CONNECTION": "sentinel"},
-        }
-    }
-    with override_settings(CACHES=caches, KEEL_LOCK_STORES=stores):
-        yield "via-sentinel"
 
 
 @pytest.fixture

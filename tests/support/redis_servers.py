@@ -232,6 +232,40 @@ def redis_sentinel(
         master.stop()
 
 
+@contextmanager
+def via_sentinel(
+    sentinel_port: int,
+    service: str = "keelmaster",
+    store_options: dict[str, Any] | None = None,
+    **pool_kwargs: Any,
+) -> Iterator[str]:
+    """django-redis' SentinelClient as the project would configure it, and a store reusing it
+    (with `store_options` besides its CONNECTION); the store's alias."""
+    from django.test import override_settings
+
+    caches = {
+        "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+        "sentinel": {
+            "BACKEND": "django_redis.cache.RedisCache",
+            "LOCATION": f"redis://{service}/0",
+            "OPTIONS": {
+                "CLIENT_CLASS": "django_redis.client.SentinelClient",
+                "CONNECTION_FACTORY": "django_redis.pool.SentinelConnectionFactory",
+                "SENTINELS": [("127.0.0.1", sentinel_port)],
+                "CONNECTION_POOL_KWARGS": pool_kwargs,
+            },
+        },
+    }
+    stores = {
+        "via-sentinel": {
+            "BACKEND": "django_keel_lock.stores.RedisLockStore",
+            "OPTIONS": {"CONNECTION": "sentinel", **(store_options or {})},
+        }
+    }
+    with override_settings(CACHES=caches, KEEL_LOCK_STORES=stores):
+        yield "via-sentinel"
+
+
 def master_of(sentinel: RedisServer, service: str) -> int | None:
     """The port `sentinel` currently names as `service`'s master."""
     reply = sentinel.cli("sentinel", "get-master-addr-by-name", service).split()
