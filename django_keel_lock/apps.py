@@ -16,3 +16,4 @@ class KeelLockConfig(AppConfig):
         register(checks.check_stores)
         metrics.load()
         register(checks.check_store_tables, Tags.database)
+        register(checks.check_sentinel_masters, Tags.database)

@@ -1,10 +1,12 @@
 """System checks for the django-keel-lock settings.
 
-The settings checks read settings only: they never connect. The database check (W003, W004, W006)
-follows Django's convention for checks tagged `database`: it runs only for the databases a
-command asks for (`check --database locks`, and `migrate`, which checks the database it
-migrates), and it looks at the schema only, taking no lock. Both are registered in
-`KeelLockConfig.ready()`.
+The settings checks read settings only: they never connect. The server checks follow Django's
+convention for checks tagged `database`: they run only when a command asks for databases
+(`check --database locks`, and `migrate`, which checks the database it migrates). The database
+check (W003, W004, W006, W008) looks at the schema and the user's privileges of those databases,
+taking no lock; the Sentinel check (W007, W009) then asks the master of each RedisLockStore
+that goes through Sentinel for its settings, each wait at most the store's SOCKET_TIMEOUT or
+2 s, whichever is shorter. All are registered in `KeelLockConfig.ready()`.
 
 Errors
   django_keel_lock.E001  KEEL_LOCK_STORES is not a dict, or an alias's config is not a dict with
@@ -38,6 +40,14 @@ Warnings
                          cache: that cache's clear() (FLUSHDB) deletes every lock.
   django_keel_lock.W006  A DatabaseLockStore's database has the lock table but not the permit
                          table (migration 0003): its semaphores and shared locks fail.
+  django_keel_lock.W007  A RedisLockStore through Sentinel whose master has
+                         min-replicas-to-write (or min-replicas-max-lag) 0: after a failover
+                         that leaves it running, the old master grants locks a second time.
+  django_keel_lock.W008  A DatabaseLockStore on MariaDB whose user lacks the PROCESS privilege:
+                         the clean-up sees only that user's statements, so every process that
+                         locks through the table must connect as that user.
+  django_keel_lock.W009  A RedisLockStore's Sentinel master could not be asked for W007
+                         (unreachable within the bound, or CONFIG refused).
 """
 
 from __future__ import annotations
@@ -66,7 +76,8 @@ from .conf import (
     validate_store_options,
 )
 from .durations import to_seconds
-from .registry import NotALockStore, import_backend
+from .exceptions import LockStoreUnavailable
+from .registry import NotALockStore, build_store, import_backend
 from .stores.base import LockStore
 from .stores.connections import socket_timeout_option
 from .stores.database import DatabaseLockStore
@@ -567,7 +578,142 @@ def check_store_tables(
                     id=ID.format("W006"),
                 )
             )
+        messages.extend(_check_process_privilege(database, stores))
     return messages
+
+
+#: A grant of global privileges, as SHOW GRANTS writes it: the privileges, then ON *.*.
+GLOBAL_GRANT = re.compile(r"GRANT (?P<privileges>.+?) ON \*\.\* TO ", re.IGNORECASE)
+
+
+def _has_process(grants: Sequence[str]) -> bool:
+    """Whether SHOW GRANTS' lines give the PROCESS privilege (ALL PRIVILEGES includes it)."""
+    for grant in grants:
+        found = GLOBAL_GRANT.match(grant)
+        if found is None:
+            continue
+        privileges = {each.strip().upper() for each in found["privileges"].split(",")}
+        if privileges & {"PROCESS", "ALL PRIVILEGES", "ALL"}:
+            return True
+    return False
+
+
+def _check_process_privilege(database: str, stores: str) -> list[CheckMessage]:
+    """W008: on MariaDB, the clean-up reads information_schema.PROCESSLIST for the statements
+    of other connections in flight, and without PROCESS it sees only its own user's."""
+    connection = connections[database]
+    if connection.vendor != "mysql":
+        return []
+    try:
+        with connection.cursor() as cursor:
+            # Without FOR: the current user's grants and those of its enabled roles.
+            cursor.execute("SHOW GRANTS")
+            grants = [str(row[0]) for row in cursor.fetchall()]
+            cursor.execute("SELECT CURRENT_USER()")
+            (user,) = cursor.fetchone()
+    except Exception:  # the table check just reached it; a failure now is W004's to report
+        return []
+    if _has_process(grants):
+        return []
+    return [
+        Warning(
+            f"{stores} locks in database {database!r} as user {user}, which lacks the PROCESS "
+            "privilege: the clean-up then sees only that user's statements in flight, and "
+            "may delete a row while another user's acquire of that key draws its fence, so "
+            "fences could go backwards.",
+            hint="Grant PROCESS (GRANT PROCESS ON *.* TO ...), or make every process that "
+            "locks through this table connect as the same user.",
+            id=ID.format("W008"),
+        )
+    ]
+
+
+#: What makes a Sentinel master refuse writes once no replica is in sync: both must be above 0.
+MIN_REPLICAS = ("min-replicas-to-write", "min-replicas-max-lag")
+
+
+def check_sentinel_masters(
+    app_configs: Sequence[Any] | None = None,
+    databases: Sequence[str] | None = None,
+    **kwargs: Any,
+) -> list[CheckMessage]:
+    """Each RedisLockStore through Sentinel has a master that refuses writes without a
+    replica in sync, asked when the command asks for databases (as the database check)."""
+    if not databases:
+        return []
+    messages: list[CheckMessage] = []
+    for alias in _stores_of("redis.RedisLockStore"):
+        messages.extend(_check_sentinel_master(alias))
+    return messages
+
+
+def _check_sentinel_master(alias: str) -> list[CheckMessage]:
+    """W007 or W009 for the store `alias`, if it goes through Sentinel."""
+    from redis import ResponseError
+
+    from .stores.redis import RedisLockStore
+
+    try:
+        store = build_store(alias)
+    except Exception:  # a broken config is the settings checks' to report
+        return []
+    if not isinstance(store, RedisLockStore):
+        return []
+    where = _where(alias)
+    try:
+        config = store.sentinel_master_config("min-replicas-*")
+    except (LockStoreUnavailable, ResponseError) as exc:
+        refused = isinstance(exc, ResponseError)
+        return [
+            Warning(
+                f"{where} goes through Sentinel, but its master could not be asked for "
+                f"{MIN_REPLICAS[0]}: {type(exc).__name__}: {exc}",
+                hint="CONFIG is renamed or not allowed for this user: check the setting on "
+                "every server of the group yourself."
+                if refused
+                else "Check that the sentinels and the master are reachable with the store's "
+                "settings, then run this check again.",
+                id=ID.format("W009"),
+            )
+        ]
+    finally:
+        store.close()
+    if config is None:
+        return []
+    off = [name for name in MIN_REPLICAS if config.get(name, "0") == "0"]
+    if not off:
+        return []
+    settings_now = ", ".join(f"{name} {config.get(name, '0')}" for name in MIN_REPLICAS)
+    return [
+        Warning(
+            f"{where} goes through Sentinel to a master with {settings_now}: after a failover "
+            "that leaves the old master running, it grants locks to the clients still "
+            "connected to it until Sentinel demotes it (about 10 s), so one lock can have "
+            "two holders.",
+            hint=f"Set {MIN_REPLICAS[0]} 1 and {MIN_REPLICAS[1]} 1 on every Redis server of "
+            "the group (CONFIG SET, and in redis.conf): the old master then refuses at once.",
+            id=ID.format("W007"),
+        )
+    ]
+
+
+def _stores_of(store: str) -> list[str]:
+    """The KEEL_LOCK_STORES aliases whose BACKEND is or subclasses one of our stores
+    ("module.Class"). Configs that check_stores reports as broken are left to it."""
+    stores = conf.raw_stores()
+    if not isinstance(stores, dict):
+        return []
+    found: list[str] = []
+    for alias, config in stores.items():
+        if not is_store_config(config):
+            continue
+        try:
+            backend = import_backend(config["BACKEND"])
+        except (ImportError, ImproperlyConfigured, NotALockStore):
+            continue
+        if _is_store(backend, store):
+            found.append(str(alias))
+    return found
 
 
 def _database_stores() -> dict[str, list[str]]:

@@ -1,12 +1,15 @@
 """System checks for KEEL_LOCK_STORES and KEEL_LOCK_DEFAULT_TTL: one test per id. The settings
-checks need no server; the database checks look at real databases, empty ones included."""
+checks need no server; the server checks look at real databases, empty ones included, and at
+Redis masters behind a Sentinel the tests start."""
 
 from __future__ import annotations
 
 import io
+import os
 import re
 import sys
 import time
+import uuid
 from typing import Any
 
 import pytest
@@ -16,17 +19,20 @@ from django.core.management.base import SystemCheckError
 from django.test import override_settings
 
 from django_keel_lock import LockStoreUnavailable, checks, lock, semaphore
-from django_keel_lock.checks import check_store_tables, check_stores
+from django_keel_lock.checks import check_sentinel_masters, check_store_tables, check_stores
 
 from .conftest import (
     DATABASE_STORES,
     database_like,
     database_of,
     empty_database,
+    interrupted_after,
+    needs,
     needs_store,
     serving,
     store_params,
 )
+from .support.redis_servers import REDIS_SERVER, FaultyProxy, redis_sentinel, via_sentinel
 
 DB = "django_keel_lock.stores.DatabaseLockStore"
 MEMORY = "django_keel_lock.stores.MemoryLockStore"
@@ -334,3 +340,133 @@ def test_w006_a_database_migrated_to_0002_only_has_no_semaphores_until_0003(serv
     assert "django_keel_lock_permit" in found[0].msg and "exclusive locks work" in found[0].msg
     assert found[0].hint == "Run: python manage.py migrate django_keel_lock --database locks"
     assert after == [] and acquired
+
+
+def _sentinel_ids(found: list[CheckMessage]) -> list[str]:
+    return [m.id or "" for m in found]
+
+
+@needs(os.path.exists(REDIS_SERVER), "the redis-server binary")
+def test_w007_sentinel_master_without_min_replicas_until_set() -> None:
+    with redis_sentinel("keelcheck") as setup, via_sentinel(setup.sentinel.port, "keelcheck"):
+        found = check_sentinel_masters(databases=["default"])
+        unasked = check_sentinel_masters()  # plain `manage.py check`: no server is asked
+        command_output = io.StringIO()
+        call_command("check", databases=["default"], stdout=io.StringIO(), stderr=command_output)
+        # On the master this test started; one of the two alone still leaves it off.
+        setup.master.cli("config", "set", "min-replicas-to-write", "1")
+        setup.master.cli("config", "set", "min-replicas-max-lag", "0")
+        half = check_sentinel_masters(databases=["default"])
+        setup.master.cli("config", "set", "min-replicas-max-lag", "1")
+        after = check_sentinel_masters(databases=["default"])
+
+    assert _sentinel_ids(found) == ["django_keel_lock.W007"]
+    assert "KEEL_LOCK_STORES['via-sentinel'] goes through Sentinel" in found[0].msg
+    assert "min-replicas-to-write 0, min-replicas-max-lag 10" in found[0].msg
+    assert "two holders" in found[0].msg
+    assert "min-replicas-to-write 1 and min-replicas-max-lag 1 on every" in (found[0].hint or "")
+    assert unasked == []
+    assert "django_keel_lock.W007" in command_output.getvalue()
+    assert _sentinel_ids(half) == ["django_keel_lock.W007"]
+    assert "min-replicas-max-lag 0" in half[0].msg
+    assert after == []
+
+
+def test_w007_not_for_redis_stores_without_sentinel() -> None:
+    # The test settings' stores: a django-redis cache's client and a URL, on plain servers; and
+    # a URL where nothing listens (port 1), which a check that connected would report.
+    down = {"down": {"BACKEND": REDIS, "OPTIONS": {"URL": "redis://127.0.0.1:1/0"}}}
+    from django.conf import settings
+
+    with override_settings(KEEL_LOCK_STORES={**settings.KEEL_LOCK_STORES, **down}):
+        started = time.monotonic()
+        found = check_sentinel_masters(databases=["default"])
+        took = time.monotonic() - started
+    assert found == []
+    assert took < 1
+
+
+@needs(os.path.exists(REDIS_SERVER), "the redis-server binary")
+def test_w009_sentinel_master_refusing_config_is_reported_not_raised() -> None:
+    with redis_sentinel("keelacl") as setup, via_sentinel(setup.sentinel.port, "keelacl"):
+        setup.master.cli("acl", "setuser", "default", "-config")
+        found = check_sentinel_masters(databases=["default"])
+        setup.master.cli("acl", "setuser", "default", "+config")
+        allowed = check_sentinel_masters(databases=["default"])
+
+    assert _sentinel_ids(found) == ["django_keel_lock.W009"]
+    assert "could not be asked for min-replicas-to-write" in found[0].msg
+    assert "NoPermissionError" in found[0].msg
+    assert "CONFIG is renamed or not allowed" in (found[0].hint or "")
+    assert _sentinel_ids(allowed) == ["django_keel_lock.W007"]
+
+
+@needs(os.path.exists(REDIS_SERVER), "the redis-server binary")
+@pytest.mark.parametrize("frozen", ["sentinel", "master"])
+def test_w009_frozen_server_is_reported_within_the_socket_timeout(frozen: str) -> None:
+    proxy = FaultyProxy(0)  # in front of the sentinel, or of the master the sentinel names
+    try:
+        announced = proxy.port if frozen == "master" else None
+        with redis_sentinel(f"keelfrozen{frozen}", monitor_port=announced) as setup:
+            proxy.target_port = setup.master.port if frozen == "master" else setup.sentinel.port
+            sentinel_port = setup.sentinel.port if frozen == "master" else proxy.port
+            options = {"SOCKET_TIMEOUT": 0.5}
+            with via_sentinel(sentinel_port, f"keelfrozen{frozen}", store_options=options):
+                reachable = check_sentinel_masters(databases=["default"])
+                proxy.mode = "stall"
+                started = time.monotonic()
+                with interrupted_after(5):  # a check that waited on the socket would hang
+                    found = check_sentinel_masters(databases=["default"])
+                took = time.monotonic() - started
+    finally:
+        proxy.close()
+
+    assert _sentinel_ids(reachable) == ["django_keel_lock.W007"]
+    assert _sentinel_ids(found) == ["django_keel_lock.W009"]
+    assert "could not be asked" in found[0].msg and "reachable" in (found[0].hint or "")
+    assert took < 1.5  # one connect and one reply, each at most 0.5 s
+
+
+@needs_store("mariadb")
+def test_w008_mariadb_user_without_process_until_it_is_the_root_user() -> None:
+    from django.db import connections
+
+    root = connections["mariadb"]
+    user = f"keel_check_{uuid.uuid4().hex[:8]}"
+    name = root.settings_dict["NAME"]
+    on_locks = stores(locks={"BACKEND": DB, "OPTIONS": {"DATABASE": "locks"}})
+    with root.cursor() as cursor:
+        cursor.execute(f"CREATE USER '{user}'@'%' IDENTIFIED BY ''")
+    try:
+        with root.cursor() as cursor:
+            cursor.execute(f"GRANT ALL PRIVILEGES ON `{name}`.* TO '{user}'@'%'")
+        with (
+            database_like("mariadb", "locks", USER=user, PASSWORD=""),
+            override_settings(KEEL_LOCK_STORES=on_locks),
+        ):
+            found = check_store_tables(databases=["locks"])
+            with root.cursor() as cursor:
+                cursor.execute(f"GRANT PROCESS ON *.* TO '{user}'@'%'")
+            connections["locks"].close()
+            granted = check_store_tables(databases=["locks"])
+        on_root = stores(locks={"BACKEND": DB, "OPTIONS": {"DATABASE": "mariadb"}})
+        with override_settings(KEEL_LOCK_STORES=on_root):
+            as_root = check_store_tables(databases=["mariadb"])
+    finally:
+        with root.cursor() as cursor:
+            cursor.execute(f"DROP USER '{user}'@'%'")
+
+    assert [m.id for m in found] == ["django_keel_lock.W008"]
+    assert f"Lock store 'locks' keeps locks in database 'locks' as user {user}@%" in found[0].msg
+    assert "PROCESS" in found[0].msg
+    assert "connect as the same user" in (found[0].hint or "")
+    assert granted == [] and as_root == []
+
+
+def test_w008_reads_process_from_show_grants() -> None:
+    assert checks._has_process(["GRANT ALL PRIVILEGES ON *.* TO `root`@`localhost`"])
+    assert checks._has_process(["GRANT USAGE ON *.* TO `u`@`%`",
+                                "GRANT SELECT, PROCESS ON *.* TO `u`@`%`"])  # fmt: skip
+    assert not checks._has_process(["GRANT USAGE ON *.* TO `u`@`%`",
+                                    "GRANT ALL PRIVILEGES ON `test`.* TO `u`@`%`",
+                                    "GRANT `process_role` TO `u`@`%`"])  # fmt: skip

@@ -25,6 +25,7 @@ try:
     from redis.exceptions import NoScriptError, RedisClusterException, RedisError
     from redis.retry import Retry
     from redis.sentinel import (
+        Sentinel,
         SentinelConnectionPool,
         SentinelManagedConnection,
         SentinelManagedSSLConnection,
@@ -63,6 +64,7 @@ __all__ = [
     "_text",
     "_timed",
     "redis",
+    "sentinel_master_config",
 ]
 
 logger = logging.getLogger("django_keel_lock")
@@ -408,3 +410,50 @@ def _pubsub_pool(client: Any) -> Any:
         node: Any = client.get_default_node()
         return node.redis_connection.connection_pool
     return client.connection_pool
+
+
+def sentinel_master_config(client: Any, pattern: str, seconds: float) -> dict[str, str] | None:
+    """CONFIG GET `pattern` on the master that `client` writes to through Sentinel; None for a
+    client that does not go through Sentinel.
+
+    The sentinels and the master are asked on connections of our own, without retries, whose
+    sockets wait at most `seconds` each time: the client's own may have no timeout at all.
+    Raises what redis-py raises: ConnectionError (MasterNotFoundError included), TimeoutError,
+    ResponseError (CONFIG renamed away, or not allowed for the user).
+    """
+    pool = getattr(client, "connection_pool", None)
+    if not isinstance(pool, SentinelConnectionPool) or not pool.is_master:
+        return None
+    manager = pool.sentinel_manager
+    addresses = [
+        (s.connection_pool.connection_kwargs["host"], s.connection_pool.connection_kwargs["port"])
+        for s in manager.sentinels
+    ]
+    no_retries = Retry(NoBackoff(), 0)
+    sentinels = Sentinel(
+        addresses,
+        min_other_sentinels=manager.min_other_sentinels,
+        force_master_ip=getattr(manager, "_force_master_ip", None),
+        sentinel_kwargs={**_timed(manager.sentinel_kwargs, seconds), "retry": no_retries},
+    )
+    try:
+        host, port = sentinels.discover_master(pool.service_name)
+    finally:
+        for each in sentinels.sentinels:
+            each.close()
+    # The pool's own connection class would ask the pool's sentinels again, on their sockets.
+    ssl_class = issubclass(pool.connection_class, redis.connection.SSLConnection)
+    connection_class = redis.connection.SSLConnection if ssl_class else redis.connection.Connection
+    kwargs = {k: v for k, v in pool.connection_kwargs.items() if k != "connection_pool"}
+    kwargs.update(host=host, port=port, retry=no_retries)
+    connection = connection_class(**_timed(kwargs, seconds))
+    try:
+        connection.connect()
+        connection.send_command("CONFIG", "GET", pattern)
+        reply = connection.read_response()
+    finally:
+        connection.disconnect()
+    if isinstance(reply, Mapping):  # RESP3 answers with a map
+        return {_text(name): _text(value) for name, value in reply.items()}
+    values = [_text(each) for each in reply]
+    return dict(zip(values[::2], values[1::2], strict=True))

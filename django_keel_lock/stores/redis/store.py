@@ -54,6 +54,7 @@ from .clients import (
     _text,
     _timed,
     redis,
+    sentinel_master_config,
 )
 from .listener import RedisListener
 from .scripts import (
@@ -218,6 +219,19 @@ class RedisLockStore(ListeningStore, LockStore):
                 f"KEEL_LOCK_STORES[{self.alias!r}] CONNECTION {self.connection_alias!r} is not "
                 f"a django-redis cache (BACKEND django_redis.cache.RedisCache)"
             ) from None
+
+    def sentinel_master_config(self, pattern: str) -> dict[str, str] | None:
+        """The master's CONFIG GET `pattern` when the store reaches Redis through Sentinel
+        (None otherwise), for the system checks: each wait on the network takes at most the
+        shorter of SOCKET_TIMEOUT and the connect timeout. Raises LockStoreUnavailable for an
+        unreachable server, redis.ResponseError for a refused CONFIG."""
+        seconds = min(self.socket_timeout, CONNECT_TIMEOUT)
+        try:
+            return sentinel_master_config(self._client(), pattern, seconds)
+        except redis.ResponseError:
+            raise
+        except (*STORE_ERRORS, OSError) as exc:
+            raise self._unavailable(exc) from exc
 
     def release_channel(self, key: str) -> str:
         """Where a release of `key` is announced: one channel per key, so a process hears only
