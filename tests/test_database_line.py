@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from django.core.management import call_command
 from django.db import connections
+from django.test import override_settings
 
 from django_keel_lock import get_lock_store, lock
 from django_keel_lock.models import Waiter
@@ -26,7 +28,7 @@ from django_keel_lock.stores import DatabaseLockStore
 from django_keel_lock.stores.base import QUEUE_LEASE
 from django_keel_lock.stores.database import store as database_store
 
-from .conftest import database_of
+from .conftest import database_of, empty_database
 from .test_database_faults import wait_until
 from .test_database_wakeups import statements_of as mariadb_statements_of
 
@@ -348,3 +350,33 @@ def test_waiter_rows_exist_on_every_database(db_alias: str) -> None:
     database = database_of(db_alias)
     with connections[database].cursor() as cursor:
         assert "django_keel_lock_waiter" in connections[database].introspection.table_names(cursor)
+
+
+def test_a_database_without_the_line_table_keeps_no_line_and_its_locks_work(
+    server_alias: str,
+) -> None:
+    """Code newer than the database's migrations (0005 not applied yet, as in a deploy that
+    migrates after it starts the new code): waits and releases go on as before lines."""
+    with (
+        empty_database(database_of(server_alias), "before-lines"),
+        override_settings(
+            KEEL_LOCK_STORES={
+                "before-lines": {
+                    "BACKEND": "django_keel_lock.stores.DatabaseLockStore",
+                    "OPTIONS": {"DATABASE": "before-lines"},
+                }
+            }
+        ),
+    ):
+        call_command("migrate", "django_keel_lock", "0004", database="before-lines", verbosity=0)
+        store = database_store_of("before-lines")
+        try:
+            holder = lock("line:old", ttl=30, store="before-lines")
+            assert holder.acquire()
+            assert not store.queues
+            waiter = lock("line:old", ttl=30, store="before-lines")
+            assert not waiter.acquire(timeout=0.3, retry_delay=0.05)
+            assert holder.release()
+            assert waiter.acquire(timeout=2) and waiter.release()
+        finally:
+            store.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 import select
 import time
 from typing import TYPE_CHECKING, Any
@@ -167,16 +168,24 @@ class MariaDBListener(ReleaseListener):
             self.disconnect()  # the one that opened, if any
             raise
         self.connection_id = int(self._sleeper[0].thread_id())
-        address = self.dialect.address_lock(self.address)
-        (taken,) = self._call(self._sleeper, "SELECT GET_LOCK(%s, 0)", (address,))
-        if taken != 1:  # a connection of ours the server has not closed yet
-            raise ConnectionError(f"could not take the listener's wake address {address!r}")
+        (taken,) = self._call(self._sleeper, self.dialect.anchor_sql, (self._address_lock(),))
+        if taken != 1:
+            # Still held by our connection before, which the server has not seen go (a link
+            # that died silently): it may keep it for hours. Another address: the waiters'
+            # places carry the new one from their next attempt on.
+            self.address = secrets.token_hex(8)
+            (taken,) = self._call(self._sleeper, self.dialect.anchor_sql, (self._address_lock(),))
+            if taken != 1:
+                raise ConnectionError("could not take a named lock for the wake address")
         anchor = self.dialect.anchor_name(int(self._control[0].thread_id()))
         self._nap = self.dialect.nap_sql.format(anchor=anchor, seconds=self.nap).encode()
         (taken,) = self._call(self._control, self.dialect.anchor_sql, (anchor,))
         if taken != 1:
             raise ConnectionError(f"could not take the listener's anchor {anchor!r}")
         return True
+
+    def _address_lock(self) -> str:
+        return self.dialect.address_lock(self.address)
 
     def _open(self) -> tuple[Any, Deadline]:
         store = self.store

@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -104,9 +105,19 @@ class DatabaseLockStore(ListeningStore, LockStore):
         # turn when a take by a non-waiting acquire lowered the flag meanwhile).
         self._in_line: set[tuple[str, str]] = set()
 
+        # Whether the database has the line's table (migration 0005), as the first connection
+        # of the store found (None: none opened yet). A database migrated later gets lines
+        # from processes started after that.
+        self._line_table: bool | None = None
+
     @property
     def queues(self) -> bool:  # type: ignore[override]
-        return self.dialect.line is not None
+        if self.dialect.line is None:
+            return False
+        if self._line_table is None and not _in_event_loop():
+            with suppress(Exception):  # unreachable: the attempt will say so
+                self._open()
+        return bool(self._line_table)
 
     # -- connections ----------------------------------------------------------------------
     def _connection_settings(self) -> dict[str, Any]:
@@ -158,11 +169,16 @@ class DatabaseLockStore(ListeningStore, LockStore):
         wrapper.get_new_connection = get_new_connection
         try:
             wrapper.ensure_connection()
-            session = self.dialect.session_sql(self.durable) if wrapper.vendor in DIALECTS else ()
-            if session:
+            dialect = self.dialect if wrapper.vendor in DIALECTS else None
+            session = dialect.session_sql(self.durable) if dialect is not None else ()
+            probe = dialect.line_table_sql if dialect is not None else ""
+            if session or probe:
                 with wrapper.connection.cursor() as cursor:
                     for sql in session:
                         cursor.execute(sql)
+                    if probe and self._line_table is None:
+                        cursor.execute(probe)
+                        self._line_table = bool(cursor.fetchone()[0])
         except BaseException as exc:
             timed_out = deadline.disarm()
             _close_raw(wrapper, deadline)
@@ -395,7 +411,7 @@ class DatabaseLockStore(ListeningStore, LockStore):
     # -- the line of waiters (PostgreSQL, MariaDB) -----------------------------------------
     def acquire_queued(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
         dialect = self.dialect
-        if dialect.line is None:
+        if not self.queues:
             return super().acquire_queued(key, owner, holder, ttl)
         self._tick()
         if (key, owner) not in self._in_line:
@@ -418,7 +434,7 @@ class DatabaseLockStore(ListeningStore, LockStore):
 
     def leave_queue(self, key: str, owner: str) -> None:
         line = self.dialect.line
-        if line is None:
+        if line is None or not self.queues:
             return super().leave_queue(key, owner)
         if (key, owner) not in self._in_line:
             return  # never joined (or its place was given up already)
@@ -450,9 +466,8 @@ class DatabaseLockStore(ListeningStore, LockStore):
 
             released, waited = self._run(work, idempotent=False, key=key)
         else:  # PostgreSQL's release NOTIFYs itself; SQLite rings in `_announce`
-            _, count = self._execute(
-                [(dialect.release_sql, (key, owner))], hot=True, idempotent=False, key=key
-            )
+            sql = dialect.release_line_sql if self.queues else dialect.release_sql
+            _, count = self._execute([(sql, (key, owner))], hot=True, idempotent=False, key=key)
             released, waited = count > 0, False
         self._released(key, released, waited, line=True)
         self._tick()
@@ -474,7 +489,7 @@ class DatabaseLockStore(ListeningStore, LockStore):
         dialect = self.dialect
 
         def work(cursor: Any, libpq: Any, database: Any) -> list[Any]:
-            if line and dialect.line is not None:
+            if line and self._line_table:
                 cursor.execute(dialect.ring_line_sql, (key, *dialect.bell_names(key)))
                 first, *bells = cursor.fetchall()[0]
                 return [first] if first else bells
@@ -636,7 +651,7 @@ class DatabaseLockStore(ListeningStore, LockStore):
                 if count < PRUNE_BATCH:
                     break
         # The lapsed places in lines of waiters go too (not counted: they are no locks).
-        if dialect.line is not None:
+        if dialect.line is not None and self.queues:
             while self._execute([(dialect.line.prune, (PRUNE_BATCH,))])[1] >= PRUNE_BATCH:
                 pass
         return pruned
@@ -684,7 +699,7 @@ class DatabaseLockStore(ListeningStore, LockStore):
         dialect = self.dialect
         # Lapsed places in lines of waiters need no mark: they carry no fence.
         line, deleted = dialect.line, 0
-        if line is not None:
+        if line is not None and self.queues:
             deleted = self._sweep_rows(line.sweep_select, (SWEEP_BATCH,), line.sweep_delete, ())
         mark: int | None = None
         if dialect.sweep_mark_sql:
@@ -859,6 +874,15 @@ def _in_savepoint(cursor: Any, body: Callable[[Any], T]) -> T:
         raise
     cursor.execute("RELEASE SAVEPOINT keel_lock_permit")
     return result
+
+
+def _in_event_loop() -> bool:
+    """Whether this thread runs an event loop (which must not wait for a connection)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _seconds(value: Any) -> float | None:

@@ -85,6 +85,12 @@ class Dialect:
     #: Where the store keeps a line (PostgreSQL, MariaDB): its statements, decided in Python
     #: (`database.line`); None where it keeps none (SQLite).
     line: LineStatements | None = None
+    #: () -> (whether the database has the line's table, migration 0005: where it has not,
+    #: the store keeps no line, and releases do not look for one),
+    line_table_sql = ""
+    #: `release_sql` where the database has the line's table (PostgreSQL: it NOTIFYs the
+    #: first waiter of the key's line); "": `release_sql` either way.
+    release_line_sql = ""
     #: `acquire_sql` for a waiter that waits its turn: a free row is taken only while its
     #: `waiting` flag is down (nobody was refused since the last take), or by its own owner.
     acquire_queued_sql: Sequence[str] = ()

@@ -126,7 +126,7 @@ class MySQLDialect(Dialect):
     # out, NULL when KILLed, 1 if the anchor was free (its holder gone). Not SELECT SLEEP:
     # MariaDB wakes every SLEEP through one mutex, so KILLs of naps running at once can each
     # wait up to two seconds for it; a GET_LOCK wait has a mutex of its own.
-    anchor_sql = "SELECT GET_LOCK(%s, 0)"  # (anchor_name)
+    anchor_sql = "SELECT GET_LOCK(%s, 0)"  # (anchor_name, or the wake address's lock name)
     nap_sql = "SELECT GET_LOCK('{anchor}', {seconds:g})"
     #: Errors of a KILL that are not the store's fault: the listener went away meanwhile
     #: (1094), or runs as another user and we may not interrupt it (1095).
@@ -203,6 +203,10 @@ class MySQLDialect(Dialect):
         raise_waiting=True,
     )
 
+    line_table_sql = (
+        "SELECT COUNT(*) FROM information_schema.TABLES "
+        f"WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = '{WAITER_TABLE}'"
+    )
     line = line_statements(
         p="%s",
         key="`key`",

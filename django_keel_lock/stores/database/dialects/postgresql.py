@@ -86,16 +86,19 @@ class PostgresDialect(Dialect):
     # the next acquirer goes through the UPDATE branch and draws its fence after it holds the
     # row lock. The channel is md5 of the key's UTF-8 bytes, as `notify_channel` computes it
     # for LISTEN: md5(key) would hash the bytes of the database's encoding (LATIN1: another
-    # channel for any non-ASCII key). With the flag raised, the first live waiter of the key's
-    # line is NOTIFYed instead, if it has one (`_FIRST_CHANNEL`): a scalar subquery that CASE
-    # evaluates only then, so a release nobody waits for stays one plain UPDATE. The subquery
+    # channel for any non-ASCII key). Where the database has the line's table (migration
+    # 0005), the first live waiter of the key's line is NOTIFYed instead, if it has one
+    # (`release_line_sql`, `_FIRST_CHANNEL`): a scalar subquery that CASE evaluates only with
+    # the flag raised, so a release nobody waits for stays one plain UPDATE. The subquery
     # reads the line as of the statement's start: a waiter that joined while the release
     # waited for the row is not in it, but then it listens to the key's channel already.
-    release_sql = f"""
+    _release = f"""
         UPDATE {TABLE} AS l SET owner = {RELEASED}, expires_at = clock_timestamp()
         WHERE key = %s AND owner = %s AND expires_at > clock_timestamp()
-        RETURNING CASE WHEN waiting IS TRUE THEN pg_notify({_FIRST_CHANNEL}, l.key) END
+        RETURNING CASE WHEN waiting IS TRUE THEN pg_notify({{channel}}, l.key) END
     """
+    release_sql = _release.format(channel=_KEY_CHANNEL)
+    release_line_sql = _release.format(channel=_FIRST_CHANNEL)
     # Taking one's place out of the line wakes the next if the lock is free (`leave_queue`).
     wake_first_sql = (
         f"SELECT pg_notify({_FIRST_CHANNEL}, l.key) FROM {TABLE} l "
@@ -172,6 +175,7 @@ class PostgresDialect(Dialect):
         "WHERE expires_at <= clock_timestamp() LIMIT %s) AND expires_at <= clock_timestamp()",
     )
 
+    line_table_sql = f"SELECT to_regclass('{WAITER_TABLE}') IS NOT NULL"
     line = line_statements(
         p="%s",
         key="key",
