@@ -21,7 +21,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import threading
@@ -112,11 +111,17 @@ class DatabaseLockStore(ListeningStore, LockStore):
 
     @property
     def queues(self) -> bool:  # type: ignore[override]
+        # Before the first connection tells (`_has_line`), a wait stands in the line: its
+        # attempts find out, and go on as plain acquires where the table is missing.
+        return self.dialect.line is not None and self._line_table is not False
+
+    def _has_line(self) -> bool:
+        """Whether this store keeps lines: its dialect has them and its database the table.
+        Opens this thread's connection if need be (the first one finds out)."""
         if self.dialect.line is None:
             return False
-        if self._line_table is None and not _in_event_loop():
-            with suppress(Exception):  # unreachable: the attempt will say so
-                self._open()
+        if self._line_table is None:
+            self._open()
         return bool(self._line_table)
 
     # -- connections ----------------------------------------------------------------------
@@ -411,8 +416,10 @@ class DatabaseLockStore(ListeningStore, LockStore):
     # -- the line of waiters (PostgreSQL, MariaDB) -----------------------------------------
     def acquire_queued(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
         dialect = self.dialect
-        if not self.queues:
-            return super().acquire_queued(key, owner, holder, ttl)
+        if not self._has_line():
+            if dialect.line is None:
+                return super().acquire_queued(key, owner, holder, ttl)
+            return self.acquire(key, owner, holder, ttl)  # a database without the table
         self._tick()
         if (key, owner) not in self._in_line:
             # Not in the line yet: as cheap as acquire while nobody waits (PostgreSQL: one
@@ -434,7 +441,7 @@ class DatabaseLockStore(ListeningStore, LockStore):
 
     def leave_queue(self, key: str, owner: str) -> None:
         line = self.dialect.line
-        if line is None or not self.queues:
+        if line is None:
             return super().leave_queue(key, owner)
         if (key, owner) not in self._in_line:
             return  # never joined (or its place was given up already)
@@ -466,7 +473,7 @@ class DatabaseLockStore(ListeningStore, LockStore):
 
             released, waited = self._run(work, idempotent=False, key=key)
         else:  # PostgreSQL's release NOTIFYs itself; SQLite rings in `_announce`
-            sql = dialect.release_line_sql if self.queues else dialect.release_sql
+            sql = dialect.release_line_sql if self._has_line() else dialect.release_sql
             _, count = self._execute([(sql, (key, owner))], hot=True, idempotent=False, key=key)
             released, waited = count > 0, False
         self._released(key, released, waited, line=True)
@@ -651,7 +658,7 @@ class DatabaseLockStore(ListeningStore, LockStore):
                 if count < PRUNE_BATCH:
                     break
         # The lapsed places in lines of waiters go too (not counted: they are no locks).
-        if dialect.line is not None and self.queues:
+        if dialect.line is not None and self._has_line():
             while self._execute([(dialect.line.prune, (PRUNE_BATCH,))])[1] >= PRUNE_BATCH:
                 pass
         return pruned
@@ -699,7 +706,7 @@ class DatabaseLockStore(ListeningStore, LockStore):
         dialect = self.dialect
         # Lapsed places in lines of waiters need no mark: they carry no fence.
         line, deleted = dialect.line, 0
-        if line is not None and self.queues:
+        if line is not None and self._has_line():
             deleted = self._sweep_rows(line.sweep_select, (SWEEP_BATCH,), line.sweep_delete, ())
         mark: int | None = None
         if dialect.sweep_mark_sql:
@@ -874,15 +881,6 @@ def _in_savepoint(cursor: Any, body: Callable[[Any], T]) -> T:
         raise
     cursor.execute("RELEASE SAVEPOINT keel_lock_permit")
     return result
-
-
-def _in_event_loop() -> bool:
-    """Whether this thread runs an event loop (which must not wait for a connection)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
 
 
 def _seconds(value: Any) -> float | None:
