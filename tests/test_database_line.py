@@ -339,6 +339,31 @@ def test_postgres_release_notifies_the_first_waiters_process_alone_while_the_lin
         assert list(raw.notifies(timeout=0.3)) == []
 
 
+def test_postgres_leaving_the_line_of_a_free_lock_wakes_the_next_in_it(key: str) -> None:
+    import psycopg
+
+    from django_keel_lock.stores.database.dialects.postgresql import address_channel
+
+    store = database_store_of("postgres")
+    settings = connections["postgres"].settings_dict
+    with psycopg.connect(
+        host=settings["HOST"], port=settings["PORT"], user=settings["USER"],
+        dbname=settings["NAME"], autocommit=True,
+    ) as raw:  # fmt: skip
+        raw.execute(f"LISTEN {address_channel('beef')}")
+        assert store.acquire(key, "holder", "h", 30).acquired
+        for owner, address in (("first", "dead"), ("next", "beef")):
+            assert not store.acquire_queued(key, owner, owner, 30).acquired
+            places = Waiter.objects.using("postgres").filter(key=key, owner=owner)
+            assert places.update(address=address)
+        assert store.release(key, "holder")  # wakes "first" (at an address nobody hears)
+        assert list(raw.notifies(timeout=0.3)) == []
+        store.leave_queue(key, "first")  # the lock is free: "next" is first now
+        assert [n.payload for n in raw.notifies(timeout=0.3)] == [key]
+        store.leave_queue(key, "next")
+        assert list(raw.notifies(timeout=0.3)) == []
+
+
 def test_sqlite_keeps_no_line(key: str) -> None:
     store = database_store_of("sqlite")
     assert not store.queues
