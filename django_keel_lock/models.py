@@ -79,3 +79,33 @@ class Permit(models.Model):
 
     def __str__(self) -> str:
         return f"{self.key} ({self.holder})"
+
+
+class Waiter(models.Model):
+    """One caller's place in the line of waiters for a key's exclusive lock (PostgreSQL and
+    MariaDB: see `LockStore.acquire_queued`). The order of `id` is the order of arrival; a
+    place lasts until `expires_at` (QUEUE_LEASE after its waiter's last attempt, by the
+    database's clock), and `address` is where a release wakes that waiter's process ("": it
+    polls). A waiter leaves when it takes the lock or gives up; the store's clean-up deletes
+    the places of those that died."""
+
+    id = models.BigAutoField(primary_key=True)
+    key = models.CharField(max_length=255)
+    owner = models.CharField(max_length=64)
+    address = models.CharField(max_length=64, blank=True)
+    expires_at = models.DateTimeField()
+
+    class Meta:
+        db_table = "django_keel_lock_waiter"
+        # The line of a key, in order, is one index range; a waiter has one place per key.
+        indexes = (models.Index(fields=("key", "id"), name="django_keel_lock_waiter_line"),)
+        constraints = (
+            models.UniqueConstraint(fields=("key", "owner"), name="django_keel_lock_waiter_owner"),
+        )
+        ordering = ("key", "id")
+        verbose_name = "waiter"
+        verbose_name_plural = "waiters"
+        default_permissions = ()
+
+    def __str__(self) -> str:
+        return self.key

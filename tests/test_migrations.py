@@ -165,6 +165,11 @@ def test_sqlmigrate_output_applied_by_hand_builds_and_removes_what_migrate_does(
             collations = {column: collation for column, _, collation in built[name]["columns"]}
             assert collations["key"] == "utf8mb4_nopad_bin", name
             assert collations["holder"] == "utf8mb4_bin", name
+        waiter = {
+            column: collation
+            for column, _, collation in built["django_keel_lock_waiter"]["columns"]
+        }
+        assert waiter["key"] == "utf8mb4_nopad_bin"
 
 
 def readme_router() -> Any:
@@ -199,8 +204,9 @@ def test_the_documented_router_puts_the_lock_table_in_its_database_only() -> Non
         row = LockRow.objects.get(key=handle.key)  # the ORM reads it where the store wrote it
         handle.release()
 
-    assert in_locks - {"django_migrations"} == {"django_keel_lock_lock", "django_keel_lock_permit"}
-    assert not {"django_keel_lock_lock", "django_keel_lock_permit"} & in_elsewhere
+    ours = {"django_keel_lock_lock", "django_keel_lock_permit", "django_keel_lock_waiter"}
+    assert in_locks - {"django_migrations"} == ours
+    assert not ours & in_elsewhere
     assert "auth_user" in in_elsewhere
     assert problems == []
     assert acquired and row.holder == handle.holder and row._state.db == "locks"

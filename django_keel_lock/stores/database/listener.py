@@ -1,10 +1,13 @@
 """The release listeners of the database store: PostgreSQL's LISTENs on the channels of the keys
-this process waits for; MariaDB's holds a slot of their doorbells and naps until rung."""
+this process waits for; MariaDB's holds a slot of their doorbells and naps until rung. Each
+also hears, from connecting on, the wake-ups sent to its wake address (`ReleaseListener.address`)
+by a release whose line of waiters has this process's waiter first."""
 
 from __future__ import annotations
 
 import logging
 import math
+import secrets
 import select
 import time
 from typing import TYPE_CHECKING, Any
@@ -14,7 +17,7 @@ from django.db import connections
 from ..connections import Deadline
 from ..wakeups import ReleaseListener
 from .dialects.mysql import MySQLDialect
-from .dialects.postgresql import notify_channel
+from .dialects.postgresql import address_channel, notify_channel
 
 if TYPE_CHECKING:
     from .store import DatabaseLockStore
@@ -81,6 +84,8 @@ class PostgresListener(ReleaseListener):
 
     def prepare(self) -> bool:
         self._raw.autocommit = True
+        self._address_channel = address_channel(self.address)
+        self._execute(f"LISTEN {self._address_channel}")
         return True
 
     def socket(self) -> int:
@@ -105,6 +110,9 @@ class PostgresListener(ReleaseListener):
         # Whatever `data` says: psycopg keeps what arrived while LISTEN/UNLISTEN ran.
         board, keys_by_channel = self.store.wake_board, self._keys_by_channel
         for notify in self._raw.notifies(timeout=0):
+            if notify.channel == self._address_channel:  # our waiter is first: its key
+                board.wake(notify.payload)
+                continue
             key = keys_by_channel.get(notify.channel)
             if key is not None:
                 board.wake(key)
@@ -122,6 +130,9 @@ class MariaDBListener(ReleaseListener):
     listener's other connection, `control`, holds: see `MySQLDialect.nap_sql`). A release that
     someone waited for rings the doorbell: KILL QUERY ends the nap, the listener wakes the
     waiters of every key it listens to (a KILL does not say which key rang), and naps again.
+
+    The sleeper also holds the named lock of this listener's wake address (`address_lock`): a
+    release whose line of waiters has one of this process's first interrupts its nap alone.
 
     A KILL that reaches the sleeper between two statements does nothing, so a ring can be
     lost in the moment between two naps: each new nap is therefore followed by a wake of
@@ -157,12 +168,24 @@ class MariaDBListener(ReleaseListener):
             self.disconnect()  # the one that opened, if any
             raise
         self.connection_id = int(self._sleeper[0].thread_id())
+        (taken,) = self._call(self._sleeper, self.dialect.anchor_sql, (self._address_lock(),))
+        if taken != 1:
+            # Still held by our connection before, which the server has not seen go (a link
+            # that died silently): it may keep it for hours. Another address: the waiters'
+            # places carry the new one from their next attempt on.
+            self.address = secrets.token_hex(8)
+            (taken,) = self._call(self._sleeper, self.dialect.anchor_sql, (self._address_lock(),))
+            if taken != 1:
+                raise ConnectionError("could not take a named lock for the wake address")
         anchor = self.dialect.anchor_name(int(self._control[0].thread_id()))
         self._nap = self.dialect.nap_sql.format(anchor=anchor, seconds=self.nap).encode()
         (taken,) = self._call(self._control, self.dialect.anchor_sql, (anchor,))
         if taken != 1:
             raise ConnectionError(f"could not take the listener's anchor {anchor!r}")
         return True
+
+    def _address_lock(self) -> str:
+        return self.dialect.address_lock(self.address)
 
     def _open(self) -> tuple[Any, Deadline]:
         store = self.store

@@ -14,6 +14,8 @@
   `database.permits` decides.
 - Other processes' waiters hear of releases through PostgreSQL's LISTEN/NOTIFY (`listener`)
   or, on SQLite, the doorbells beside the database file (`doorbells`).
+- Waiters for an exclusive lock stand in a line (PostgreSQL, MariaDB: the `Waiter` table, see
+  `database.line`), and a release that someone waited for wakes only the first of them.
 - The SQL itself is each vendor's dialect (`dialects`).
 """
 
@@ -37,6 +39,7 @@ from .dialects import DIALECTS, Dialect
 from .dialects.postgresql import is_psycopg3
 from .doorbells import DoorbellListener, Doorbells
 from .libpq import PreparedStatements, Row, Statement
+from .line import Line
 from .listener import MariaDBListener, PostgresListener
 from .permits import Transaction
 
@@ -96,6 +99,30 @@ class DatabaseLockStore(ListeningStore, LockStore):
         self.push_possible = True
         self._doorbells: Doorbells | None = None
         self._sweeps = _Sweeps()
+        # (key, owner) of this process's waiters that stand in a line: their attempts go
+        # straight to the line's transaction (the plain upsert could take the lock out of
+        # turn when a take by a non-waiting acquire lowered the flag meanwhile).
+        self._in_line: set[tuple[str, str]] = set()
+
+        # Whether the database has the line's table (migration 0005), as the first connection
+        # of the store found (None: none opened yet). A database migrated later gets lines
+        # from processes started after that.
+        self._line_table: bool | None = None
+
+    @property
+    def queues(self) -> bool:  # type: ignore[override]
+        # Before the first connection tells (`_has_line`), a wait stands in the line: its
+        # attempts find out, and go on as plain acquires where the table is missing.
+        return self.dialect.line is not None and self._line_table is not False
+
+    def _has_line(self) -> bool:
+        """Whether this store keeps lines: its dialect has them and its database the table.
+        Opens this thread's connection if need be (the first one finds out)."""
+        if self.dialect.line is None:
+            return False
+        if self._line_table is None:
+            self._open()
+        return bool(self._line_table)
 
     # -- connections ----------------------------------------------------------------------
     def _connection_settings(self) -> dict[str, Any]:
@@ -147,11 +174,16 @@ class DatabaseLockStore(ListeningStore, LockStore):
         wrapper.get_new_connection = get_new_connection
         try:
             wrapper.ensure_connection()
-            session = self.dialect.session_sql(self.durable) if wrapper.vendor in DIALECTS else ()
-            if session:
+            dialect = self.dialect if wrapper.vendor in DIALECTS else None
+            session = dialect.session_sql(self.durable) if dialect is not None else ()
+            probe = dialect.line_table_sql if dialect is not None else ""
+            if session or probe:
                 with wrapper.connection.cursor() as cursor:
                     for sql in session:
                         cursor.execute(sql)
+                    if probe and self._line_table is None:
+                        cursor.execute(probe)
+                        self._line_table = bool(cursor.fetchone()[0])
         except BaseException as exc:
             timed_out = deadline.disarm()
             _close_raw(wrapper, deadline)
@@ -357,14 +389,21 @@ class DatabaseLockStore(ListeningStore, LockStore):
 
     # -- the protocol ---------------------------------------------------------------------
     def acquire(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
+        result = self._upsert(self.dialect.acquire_sql, key, owner, holder, ttl)
+        self._tick()
+        return result
+
+    def _upsert(
+        self, statements: Sequence[str], key: str, owner: str, holder: str, ttl: float
+    ) -> AcquireResult:
+        """Run an acquire upsert (`acquire_sql` or `acquire_queued_sql`): its result."""
         dialect = self.dialect
         params = dialect.acquire_params(key, owner, holder, ttl)
         rows, _ = self._execute(
-            list(zip(dialect.acquire_sql, params, strict=True)), hot=True, key=key, holder=holder
+            list(zip(statements, params, strict=True)), hot=True, key=key, holder=holder
         )
         if not rows and dialect.refused_sql:  # only a refusal pays for this read
             rows, _ = self._execute([(dialect.refused_sql, (key,))], key=key)
-        self._tick()
         if not rows:  # freed since: worth trying again at once
             return AcquireResult(None, 0.0, "exclusive")
         fence, retry_in, marker = rows[0][:3]
@@ -373,6 +412,56 @@ class DatabaseLockStore(ListeningStore, LockStore):
         return AcquireResult(
             None, _seconds(retry_in), PERMIT_OWNERS.get(_text(marker) or "", "exclusive")
         )
+
+    # -- the line of waiters (PostgreSQL, MariaDB) -----------------------------------------
+    def acquire_queued(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
+        dialect = self.dialect
+        if not self._has_line():
+            if dialect.line is None:
+                return super().acquire_queued(key, owner, holder, ttl)
+            return self.acquire(key, owner, holder, ttl)  # a database without the table
+        self._tick()
+        if (key, owner) not in self._in_line:
+            # Not in the line yet: as cheap as acquire while nobody waits (PostgreSQL: one
+            # statement, by libpq). Refused by permits: not queued.
+            result = self._upsert(dialect.acquire_queued_sql, key, owner, holder, ttl)
+            if result.acquired or (result.held_as != "exclusive" and result.retry_in):
+                return result
+        address = self.wake_address
+        result, queued = self._transaction(
+            lambda cursor: Line(dialect, cursor).acquire(key, owner, holder, ttl, address),
+            key=key,
+            holder=holder,
+        )
+        if queued:
+            self._in_line.add((key, owner))
+        else:
+            self._in_line.discard((key, owner))
+        return result
+
+    def leave_queue(self, key: str, owner: str) -> None:
+        line = self.dialect.line
+        if line is None:
+            return super().leave_queue(key, owner)
+        if (key, owner) not in self._in_line:
+            return  # never joined (or its place was given up already)
+        self._in_line.discard((key, owner))
+        _, count = self._execute([(line.leave, (key, owner))], key=key)
+        if count > 0:
+            self._wake_first(key)
+
+    def _wake_first(self, key: str) -> None:
+        """Wake the first live waiter of `key`'s line if the lock is free (PostgreSQL: the
+        statement NOTIFYs it; MariaDB: interrupt its listener's nap, or ring the key's
+        doorbell if it has no listener to reach)."""
+        dialect = self.dialect
+        rows, _ = self._execute([(dialect.wake_first_sql, (key, key))], key=key)
+        if not dialect.ring_sql or not rows or rows[0][0] is None:
+            return
+        if int(rows[0][0]):
+            self._interrupt(key, [rows[0][0]])
+        else:
+            self._ring(key)
 
     def release(self, key: str, owner: str) -> bool:
         dialect = self.dialect
@@ -384,39 +473,60 @@ class DatabaseLockStore(ListeningStore, LockStore):
 
             released, waited = self._run(work, idempotent=False, key=key)
         else:  # PostgreSQL's release NOTIFYs itself; SQLite rings in `_announce`
-            _, count = self._execute(
-                [(dialect.release_sql, (key, owner))], hot=True, idempotent=False, key=key
-            )
+            sql = dialect.release_line_sql if self._has_line() else dialect.release_sql
+            _, count = self._execute([(sql, (key, owner))], hot=True, idempotent=False, key=key)
             released, waited = count > 0, False
-        self._released(key, released, waited)
+        self._released(key, released, waited, line=True)
         self._tick()
         return released
 
-    def _released(self, key: str, released: bool, waited: bool) -> None:
+    def _released(self, key: str, released: bool, waited: bool, line: bool = False) -> None:
         """Wake this process's waiters for `key`, and ring its doorbell for other processes'
-        if someone was refused it (see `Dialect.ring_sql`)."""
+        if someone was refused it (see `Dialect.ring_sql`): only its first waiter's listener
+        if `line` (an exclusive lock's release) and the key's line has one to reach."""
         if not released:
             return
         self._announce(key)
         if waited and self.dialect.ring_sql:
-            self._ring(key)
+            self._ring(key, line)
 
-    def _ring(self, key: str) -> None:
-        """Interrupt the nap of every other listener subscribed to `key`. A failure is only
-        logged: the release went through, and a lost ring costs its waiters one poll."""
+    def _ring(self, key: str, line: bool = False) -> None:
+        """Interrupt the nap of every other listener subscribed to `key` (`line`: of only the
+        first waiter in its line, where it has a listener to reach)."""
+        dialect = self.dialect
+
+        def work(cursor: Any, libpq: Any, database: Any) -> list[Any]:
+            if line and self._line_table:
+                cursor.execute(dialect.ring_line_sql, (key, *dialect.bell_names(key)))
+                first, *bells = cursor.fetchall()[0]
+                return [first] if first else bells
+            cursor.execute(dialect.ring_sql, dialect.bell_names(key))
+            return list(cursor.fetchall()[0])
+
+        try:
+            listening = self._run(work, key=key)
+        except LockStoreUnavailable as exc:
+            logger.debug("lock store %r: ringing for %r failed: %s", self.alias, key, exc)
+            return
+        self._interrupt(key, listening)
+
+    def _interrupt(self, key: str, listening: Sequence[Any]) -> None:
+        """KILL QUERY the naps of the listeners whose connection ids are `listening` (None:
+        a free slot), but this process's. A failure is only logged: the release went through,
+        and a lost ring costs its waiters one poll."""
         dialect = self.dialect
         listener = self._listener  # a forked child's is its parent's: ring that one too
         mine = (
             getattr(listener, "connection_id", None) if listener and listener.usable_here else None
         )
+        targets = [int(value) for value in listening if value is not None and int(value) != mine]
+        if not targets:
+            return
 
         def work(cursor: Any, libpq: Any, database: Any) -> None:
-            cursor.execute(dialect.ring_sql, dialect.bell_names(key))
-            for listening in cursor.fetchall()[0]:
-                if listening is None or int(listening) == mine:
-                    continue
+            for target in targets:
                 try:
-                    cursor.execute(dialect.kill_sql, (int(listening),))
+                    cursor.execute(dialect.kill_sql, (target,))
                 except database.OperationalError as exc:
                     if exc.args[0] not in dialect.kill_refusals:
                         raise
@@ -547,6 +657,10 @@ class DatabaseLockStore(ListeningStore, LockStore):
                 pruned += max(count, 0)
                 if count < PRUNE_BATCH:
                     break
+        # The lapsed places in lines of waiters go too (not counted: they are no locks).
+        if dialect.line is not None and self._has_line():
+            while self._execute([(dialect.line.prune, (PRUNE_BATCH,))])[1] >= PRUNE_BATCH:
+                pass
         return pruned
 
     # -- clean-up as part of normal work ---------------------------------------------------
@@ -590,6 +704,10 @@ class DatabaseLockStore(ListeningStore, LockStore):
     def _sweep(self, sweeps: _Sweeps) -> int:
         """One round of clean-up (see above); how many rows it deleted."""
         dialect = self.dialect
+        # Lapsed places in lines of waiters need no mark: they carry no fence.
+        line, deleted = dialect.line, 0
+        if line is not None and self._has_line():
+            deleted = self._sweep_rows(line.sweep_select, (SWEEP_BATCH,), line.sweep_delete, ())
         mark: int | None = None
         if dialect.sweep_mark_sql:
             (drawn,), _ = self._execute([(dialect.sweep_mark_sql, ())])
@@ -598,25 +716,37 @@ class DatabaseLockStore(ListeningStore, LockStore):
             if mark is None or not sweeps.busy.isdisjoint(busy):
                 if mark is None:
                     sweeps.mark, sweeps.busy = int(drawn[0]), busy
-                return 0  # no mark yet, or some of its writers still write
+                return deleted  # no mark yet, or some of its writers still write
             sweeps.mark, sweeps.busy = int(drawn[0]), busy
         # Permits first: those of a key whose lock row goes now wait for the next round, so
         # a key in use between two rounds keeps its slots. Each delete names the rows read
         # just before: the read, which may scan the whole table, holds no lock.
         first = dialect.sweep_params(mark)
-        deleted = 0
-        for select, select_params, delete, delete_params in (
-            (dialect.sweep_permits_select, (SWEEP_BATCH,), dialect.sweep_permits_delete, ()),
-            (dialect.sweep_select, (*first, SWEEP_BATCH), dialect.sweep_delete, first),
-        ):
-            rows, _ = self._execute([(select, select_params)])
-            if not rows:
-                continue
-            sql, names = dialect.sweep_names(delete, [row[0] for row in rows])
-            statements = [*((s, ()) for s in dialect.sweep_before), (sql, (*delete_params, *names))]
-            _, count = self._execute(statements)
-            deleted += max(count, 0)
+        deleted += self._sweep_rows(
+            dialect.sweep_permits_select, (SWEEP_BATCH,), dialect.sweep_permits_delete, ()
+        )
+        deleted += self._sweep_rows(
+            dialect.sweep_select, (*first, SWEEP_BATCH), dialect.sweep_delete, first
+        )
         return deleted
+
+    def _sweep_rows(
+        self,
+        select: str,
+        select_params: Sequence[Any],
+        delete: str,
+        delete_params: Sequence[Any],
+    ) -> int:
+        """Read the rows a sweep may delete (`select`), then delete those (`delete`, which
+        rechecks each); how many it deleted."""
+        dialect = self.dialect
+        rows, _ = self._execute([(select, select_params)])
+        if not rows:
+            return 0
+        sql, names = dialect.sweep_names(delete, [row[0] for row in rows])
+        statements = [*((s, ()) for s in dialect.sweep_before), (sql, (*delete_params, *names))]
+        _, count = self._execute(statements)
+        return max(count, 0)
 
     def _info(self, row: Row, mode: Kind = "exclusive") -> LockInfo:
         key, owner, holder, fence, acquired_at, remaining = row[:6]

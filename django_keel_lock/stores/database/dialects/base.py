@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 
 TABLE = "django_keel_lock_lock"
 PERMIT_TABLE = "django_keel_lock_permit"
+WAITER_TABLE = "django_keel_lock_waiter"
 SEQUENCE = "django_keel_lock_fence"
 #: The owner a released row is left with (SQL): no owner's token, so no extend or release can
 #: match a released row, however its clock reads compare with the release's.
@@ -74,8 +75,29 @@ class Dialect:
     #: the listeners to interrupt, each with `kill_sql` (their id), run only after a release
     #: that `released_waiting` says someone waited for. Empty: the release statement does it.
     ring_sql = ""
+    #: `ring_sql` for an exclusive lock's release (key, *bell_names) -> (the first waiter's
+    #: listener to interrupt, or 0 / NULL: ring the whole doorbell, whose slots follow).
+    ring_line_sql = ""
     kill_sql = ""
     kill_refusals: frozenset[int] = frozenset()  # error codes of a KILL that are not an outage
+
+    # -- the line of waiters (exclusive locks; see `LockStore.acquire_queued`) -------------
+    #: Where the store keeps a line (PostgreSQL, MariaDB): its statements, decided in Python
+    #: (`database.line`); None where it keeps none (SQLite).
+    line: LineStatements | None = None
+    #: () -> (whether the database has the line's table, migration 0005: where it has not,
+    #: the store keeps no line, and releases do not look for one),
+    line_table_sql = ""
+    #: `release_sql` where the database has the line's table (PostgreSQL: it NOTIFYs the
+    #: first waiter of the key's line); "": `release_sql` either way.
+    release_line_sql = ""
+    #: `acquire_sql` for a waiter that waits its turn: a free row is taken only while its
+    #: `waiting` flag is down (nobody was refused since the last take), or by its own owner.
+    acquire_queued_sql: Sequence[str] = ()
+    #: (key, key) -> wakes the first live waiter of key's line if the lock is free: PostgreSQL
+    #: NOTIFYs it itself (a row when it did); MariaDB returns (its listener's connection id, 0
+    #: when it has none to reach), for the store to interrupt.
+    wake_first_sql = ""
 
     def bell_names(self, key: str) -> list[str]:
         """The parameters of `ring_sql` for `key`."""
@@ -287,4 +309,64 @@ def permit_transaction(
         set_writer=f"UPDATE {TABLE} SET writer_owner = {p}, writer_until = {until} {where}",
         clear_writer=f"UPDATE {TABLE} SET writer_owner = NULL, writer_until = NULL {where}",
         raise_waiting=f"UPDATE {TABLE} SET waiting = TRUE {where}" if raise_waiting else "",
+    )
+
+
+class LineStatements(NamedTuple):
+    """The statements of the line of waiters (`models.Waiter`), one dialect's spelling.
+    Every write of a key's line but `leave` and the clean-up's runs while the key's lock row
+    is locked (`lock`), so one key's waiters join and take one at a time, in order."""
+
+    lock: str  # (key) -> (owner, seconds left, waiting) of key's lock row, locked
+    ensure_row: str  # (key): a free lock row for key unless it has one
+    line: str  # (key) -> rows of (owner, seconds left), in the order of arrival
+    next_fence: str  # () -> (fence,)
+    take: str  # (owner, holder, fence, interval, waiting, key): the lock is owner's
+    raise_waiting: str  # (key)
+    join: str  # (key, owner, address, interval): a new place at the end of the line
+    stay: str  # (address, interval, key, owner): the place lasts interval more
+    leave: str  # (key, owner)
+    sweep_select: str  # (limit) -> rows of (id,) of expired places
+    sweep_delete: str  # {names}: the ids; deletes those still expired
+    prune: str  # (limit): deletes at most limit expired places
+
+
+def line_statements(
+    *, p: str, key: str, now: str, until: str, remaining: str, next_fence: str,
+    keep_existing: str, prune: str,
+) -> LineStatements:  # fmt: skip
+    """The LineStatements of a dialect: placeholder `p`, key column `key` (quoted as it must
+    be), clock `now`, `until` (the timestamp `p` interval from now), seconds-left template
+    `remaining` ({column}), the SELECT expression of a new fence, the clause that makes an
+    INSERT of an existing key do nothing, and `prune` (limit)."""
+    where = f"WHERE {key} = {p}"
+    place = f"{where} AND owner = {p}"
+    return LineStatements(
+        lock=(
+            f"SELECT owner, {remaining.format(column='expires_at')}, waiting FROM {TABLE} "
+            f"{where} FOR UPDATE"
+        ),
+        ensure_row=(
+            f"INSERT INTO {TABLE} ({key}, owner, holder, fence, acquired_at, expires_at) "
+            f"VALUES ({p}, {RELEASED}, '', 0, {now}, {now}) {keep_existing}"
+        ),
+        line=(
+            f"SELECT owner, {remaining.format(column='expires_at')} FROM {WAITER_TABLE} "
+            f"{where} ORDER BY id"
+        ),
+        next_fence=f"SELECT {next_fence}",
+        take=(
+            f"UPDATE {TABLE} SET owner = {p}, holder = {p}, fence = {p}, acquired_at = {now}, "
+            f"expires_at = {until}, waiting = {p} {where}"
+        ),
+        raise_waiting=f"UPDATE {TABLE} SET waiting = TRUE {where}",
+        join=(
+            f"INSERT INTO {WAITER_TABLE} ({key}, owner, address, expires_at) "
+            f"VALUES ({p}, {p}, {p}, {until})"
+        ),
+        stay=f"UPDATE {WAITER_TABLE} SET address = {p}, expires_at = {until} {place}",
+        leave=f"DELETE FROM {WAITER_TABLE} {place}",
+        sweep_select=f"SELECT id FROM {WAITER_TABLE} WHERE expires_at <= {now} LIMIT {p}",
+        sweep_delete=f"DELETE FROM {WAITER_TABLE} WHERE id {{names}} AND expires_at <= {now}",
+        prune=prune,
     )

@@ -12,7 +12,9 @@ from .base import (
     RELEASED,
     SEQUENCE,
     TABLE,
+    WAITER_TABLE,
     Dialect,
+    line_statements,
     permit_listing,
     permit_transaction,
 )
@@ -21,6 +23,9 @@ from .base import (
 #: listener waiting for the key holds one of them (see `bell_names`).
 BELL_PREFIX = "keel_lock:"
 BELL_SLOTS = 32
+#: A listener also holds ADDRESS_PREFIX + its wake address (see `ReleaseListener.address`), so
+#: that a release can reach the process of the first waiter in a key's line, and only it.
+ADDRESS_PREFIX = "keel_lock:at:"
 
 
 class MySQLDialect(Dialect):
@@ -74,6 +79,15 @@ class MySQLDialect(Dialect):
         f"SELECT IF(owner = %s, fence, NULL), IF(owner = %s, NULL, {_remaining}), "
         f"IF(LEFT(owner, 1) = '*', owner, NULL) FROM {TABLE} WHERE `key` = %s",
     )
+    # A waiter in the line (`LockStore.acquire_queued`): a free row is taken only while its
+    # flag is down. `waiting` is assigned first, and the assignments after it read its new
+    # value: it stays down where the row is taken, and is TRUE where it is refused, so every
+    # later condition agrees with the first.
+    _free_queued = f"(owner = VALUES(owner) OR (expires_at <= {_now} AND waiting IS NOT TRUE))"
+    acquire_queued_sql = (
+        acquire_sql[0].replace(_free, _free_queued),
+        acquire_sql[1],
+    )
     # UTC_TIMESTAMP() is read once, when a statement starts: an extend that started before a
     # release but gets the row after it would still find the released row unexpired. It finds
     # no owner of its own there (see Dialect.release_sql), so it cannot bring the lock back.
@@ -85,6 +99,20 @@ class MySQLDialect(Dialect):
     )
     # (the key's bell_names) -> the connection id holding each slot, NULL for a free one
     ring_sql = "SELECT " + ", ".join(["IS_USED_LOCK(%s)"] * BELL_SLOTS)
+    # The listener of the first live waiter of a key's line: its connection id, 0 when it has
+    # none to reach (no address: it polls; or its listener is reconnecting).
+    _first = (
+        f"SELECT IFNULL(IS_USED_LOCK(CONCAT('{ADDRESS_PREFIX}', NULLIF(w.address, ''))), 0) "
+        f"FROM {WAITER_TABLE} w WHERE w.`key` = %s AND w.expires_at > {_now} "
+        "ORDER BY w.id LIMIT 1"
+    )
+    # (key, the key's bell_names) -> that first waiter (NULL: the line is empty), then the
+    # doorbell as `ring_sql` reads it: the same one round trip as a ring without lines.
+    ring_line_sql = f"SELECT ({_first}), " + ", ".join(["IS_USED_LOCK(%s)"] * BELL_SLOTS)
+    # (key, key) -> (that first waiter,) if the lock is free (`leave_queue`).
+    wake_first_sql = (
+        f"SELECT ({_first}) FROM {TABLE} l WHERE l.`key` = %s AND l.expires_at <= {_now}"
+    )
     kill_sql = "KILL QUERY %s"  # (connection id)
     # The listener's statements. (bell_names) -> the slot taken, NULL if all are taken: CASE
     # tries the slots in order and stops at the first it gets.
@@ -98,7 +126,7 @@ class MySQLDialect(Dialect):
     # out, NULL when KILLed, 1 if the anchor was free (its holder gone). Not SELECT SLEEP:
     # MariaDB wakes every SLEEP through one mutex, so KILLs of naps running at once can each
     # wait up to two seconds for it; a GET_LOCK wait has a mutex of its own.
-    anchor_sql = "SELECT GET_LOCK(%s, 0)"  # (anchor_name)
+    anchor_sql = "SELECT GET_LOCK(%s, 0)"  # (anchor_name, or the wake address's lock name)
     nap_sql = "SELECT GET_LOCK('{anchor}', {seconds:g})"
     #: Errors of a KILL that are not the store's fault: the listener went away meanwhile
     #: (1094), or runs as another user and we may not interrupt it (1095).
@@ -175,8 +203,28 @@ class MySQLDialect(Dialect):
         raise_waiting=True,
     )
 
+    line_table_sql = (
+        "SELECT COUNT(*) FROM information_schema.TABLES "
+        f"WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = '{WAITER_TABLE}'"
+    )
+    line = line_statements(
+        p="%s",
+        key="`key`",
+        now=_now,
+        until=f"{_now} + INTERVAL %s MICROSECOND",
+        remaining=remaining_template,
+        next_fence=f"NEXTVAL({SEQUENCE})",
+        keep_existing="ON DUPLICATE KEY UPDATE `key` = `key`",
+        prune=f"DELETE FROM {WAITER_TABLE} WHERE expires_at <= {_now} LIMIT %s",
+    )
+
     def acquire_params(self, key: str, owner: str, holder: str, ttl: float) -> list[Sequence[Any]]:
         return [(key, owner, holder, round(ttl * 1_000_000)), (owner, owner, key)]
+
+    @staticmethod
+    def address_lock(address: str) -> str:
+        """The named lock the listener whose wake address is `address` holds."""
+        return ADDRESS_PREFIX + address
 
     def interval(self, seconds: float) -> Any:
         return round(seconds * 1_000_000)  # microseconds

@@ -6,17 +6,60 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
-from .base import INFO, PERMIT_TABLE, RELEASED, SEQUENCE, TABLE, Dialect, permit_listing
+from .base import (
+    INFO,
+    PERMIT_TABLE,
+    RELEASED,
+    SEQUENCE,
+    TABLE,
+    WAITER_TABLE,
+    Dialect,
+    line_statements,
+    permit_listing,
+)
 
 # A release NOTIFYs on its key's own channel: CHANNEL_PREFIX + md5(key), a valid identifier
-# whatever the key, so a process LISTENs only to the keys it waits for.
+# whatever the key, so a process LISTENs only to the keys it waits for. A release that finds
+# a line of waiters NOTIFYs the first one's process instead, on ADDRESS_PREFIX + its wake
+# address (hex), with the key as the payload.
 CHANNEL_PREFIX = "keel_lock_"
+ADDRESS_PREFIX = "keel_lock_at_"
+_KEY_CHANNEL = f"'{CHANNEL_PREFIX}' || md5(convert_to(l.key, 'UTF8'))"
+# The channel of `l.key`'s first live waiter, or the key's own channel when the line is empty
+# or its first has no address (it polls, and so may others: wake them all, as before lines).
+_FIRST_CHANNEL = (
+    f"COALESCE((SELECT '{ADDRESS_PREFIX}' || NULLIF(w.address, '') FROM {WAITER_TABLE} w "
+    "WHERE w.key = l.key AND w.expires_at > clock_timestamp() ORDER BY w.id LIMIT 1), "
+    f"{_KEY_CHANNEL})"
+)
+
+
+_REMAINING_TEMPLATE = "EXTRACT(EPOCH FROM ({column} - clock_timestamp()))::float8"
+
+
+def _acquire(free: str) -> str:
+    """The acquire upsert that takes the row where `free` holds (see `acquire_sql`)."""
+    return f"""
+        INSERT INTO {TABLE} AS l (key, owner, holder, fence, acquired_at, expires_at)
+        VALUES (%s, %s, %s, nextval('{SEQUENCE}'), clock_timestamp(),
+                clock_timestamp() + make_interval(secs => %s))
+        ON CONFLICT (key) DO UPDATE SET
+            owner = CASE WHEN {free} THEN EXCLUDED.owner ELSE l.owner END,
+            holder = CASE WHEN {free} THEN EXCLUDED.holder ELSE l.holder END,
+            fence = CASE WHEN {free} THEN nextval('{SEQUENCE}') ELSE l.fence END,
+            acquired_at = CASE WHEN {free} THEN EXCLUDED.acquired_at ELSE l.acquired_at END,
+            expires_at = CASE WHEN {free} THEN EXCLUDED.expires_at ELSE l.expires_at END,
+            waiting = CASE WHEN {free} THEN l.waiting AND l.owner = EXCLUDED.owner ELSE true END
+        RETURNING CASE WHEN owner = %s THEN fence END,
+                  CASE WHEN owner <> %s THEN {_REMAINING_TEMPLATE.format(column="expires_at")} END,
+                  CASE WHEN left(owner, 1) = '*' THEN owner END
+        """
 
 
 class PostgresDialect(Dialect):
     vendor = "postgresql"
     pushes_releases = True
-    remaining_template = "EXTRACT(EPOCH FROM ({column} - clock_timestamp()))::float8"
+    remaining_template = _REMAINING_TEMPLATE
     _remaining = remaining_template.format(column="expires_at")
     # One upsert whose DO UPDATE branch always writes the row it locked: it either takes it (free:
     # expired, or already ours) or raises its `waiting` flag. Only a release that finds the flag
@@ -30,34 +73,39 @@ class PostgresDialect(Dialect):
     # No CTE, no second statement: the plan is as cheap as a plain UPDATE's. A refusal also
     # says whether permits hold the key (their marker owner, see PERMIT_OWNERS).
     _free = "(l.expires_at <= EXCLUDED.acquired_at OR l.owner = EXCLUDED.owner)"
-    acquire_sql = (
-        f"""
-        INSERT INTO {TABLE} AS l (key, owner, holder, fence, acquired_at, expires_at)
-        VALUES (%s, %s, %s, nextval('{SEQUENCE}'), clock_timestamp(),
-                clock_timestamp() + make_interval(secs => %s))
-        ON CONFLICT (key) DO UPDATE SET
-            owner = CASE WHEN {_free} THEN EXCLUDED.owner ELSE l.owner END,
-            holder = CASE WHEN {_free} THEN EXCLUDED.holder ELSE l.holder END,
-            fence = CASE WHEN {_free} THEN nextval('{SEQUENCE}') ELSE l.fence END,
-            acquired_at = CASE WHEN {_free} THEN EXCLUDED.acquired_at ELSE l.acquired_at END,
-            expires_at = CASE WHEN {_free} THEN EXCLUDED.expires_at ELSE l.expires_at END,
-            waiting = CASE WHEN {_free} THEN l.waiting AND l.owner = EXCLUDED.owner ELSE true END
-        RETURNING CASE WHEN owner = %s THEN fence END,
-                  CASE WHEN owner <> %s THEN {_remaining} END,
-                  CASE WHEN left(owner, 1) = '*' THEN owner END
-        """,
+    acquire_sql = (_acquire(_free),)
+    # A waiter in the line (`LockStore.acquire_queued`): its first attempt is this upsert, which
+    # takes a free row only while nobody waits for it; any other refusal goes on to the line's
+    # transaction (`database.line`).
+    _free_queued = (
+        "(l.owner = EXCLUDED.owner OR (l.expires_at <= EXCLUDED.acquired_at "
+        "AND l.waiting IS NOT TRUE))"
     )
+    acquire_queued_sql = (_acquire(_free_queued),)
     # Release marks the row expired (and ownerless: see RELEASED) rather than deleting it, so
     # the next acquirer goes through the UPDATE branch and draws its fence after it holds the
     # row lock. The channel is md5 of the key's UTF-8 bytes, as `notify_channel` computes it
     # for LISTEN: md5(key) would hash the bytes of the database's encoding (LATIN1: another
-    # channel for any non-ASCII key).
-    release_sql = f"""
-        UPDATE {TABLE} SET owner = {RELEASED}, expires_at = clock_timestamp()
+    # channel for any non-ASCII key). Where the database has the line's table (migration
+    # 0005), the first live waiter of the key's line is NOTIFYed instead, if it has one
+    # (`release_line_sql`, `_FIRST_CHANNEL`): a scalar subquery that CASE evaluates only with
+    # the flag raised, so a release nobody waits for stays one plain UPDATE. The subquery
+    # reads the line as of the statement's start: a waiter that joined while the release
+    # waited for the row is not in it, but then it listens to the key's channel already.
+    _release = f"""
+        UPDATE {TABLE} AS l SET owner = {RELEASED}, expires_at = clock_timestamp()
         WHERE key = %s AND owner = %s AND expires_at > clock_timestamp()
-        RETURNING CASE WHEN waiting IS TRUE
-                  THEN pg_notify('{CHANNEL_PREFIX}' || md5(convert_to(key, 'UTF8')), '') END
+        RETURNING CASE WHEN waiting IS TRUE THEN pg_notify({{channel}}, l.key) END
     """
+    release_sql = _release.format(channel=_KEY_CHANNEL)
+    release_line_sql = _release.format(channel=_FIRST_CHANNEL)
+    # Taking one's place out of the line wakes the next if the lock is free (`leave_queue`).
+    wake_first_sql = (
+        f"SELECT pg_notify({_FIRST_CHANNEL}, l.key) FROM {TABLE} l "
+        "WHERE l.key = %s AND l.expires_at <= clock_timestamp() "
+        f"AND EXISTS (SELECT FROM {WAITER_TABLE} w WHERE w.key = %s "
+        "AND w.expires_at > clock_timestamp())"
+    )
     extend_sql = f"""
         UPDATE {TABLE}
         SET expires_at = GREATEST(expires_at, clock_timestamp() + make_interval(secs => %s))
@@ -127,6 +175,19 @@ class PostgresDialect(Dialect):
         "WHERE expires_at <= clock_timestamp() LIMIT %s) AND expires_at <= clock_timestamp()",
     )
 
+    line_table_sql = f"SELECT to_regclass('{WAITER_TABLE}') IS NOT NULL"
+    line = line_statements(
+        p="%s",
+        key="key",
+        now="clock_timestamp()",
+        until="clock_timestamp() + make_interval(secs => %s)",
+        remaining=remaining_template,
+        next_fence=f"nextval('{SEQUENCE}')",
+        keep_existing="ON CONFLICT (key) DO NOTHING",
+        prune=f"DELETE FROM {WAITER_TABLE} WHERE id IN (SELECT id FROM {WAITER_TABLE} "
+        "WHERE expires_at <= clock_timestamp() LIMIT %s) AND expires_at <= clock_timestamp()",
+    )
+
     def sweep_names(self, delete: str, names: Sequence[Any]) -> tuple[str, Sequence[Any]]:
         # One array parameter: one statement text whatever the count, prepared once.
         return delete.format(names="= ANY(%s)"), (list(names),)
@@ -154,6 +215,12 @@ class PostgresDialect(Dialect):
 
 def is_psycopg3(wrapper: Any) -> bool:
     return bool(getattr(wrapper.Database, "__name__", "") == "psycopg")
+
+
+def address_channel(address: str) -> str:
+    """The channel a release NOTIFYs the first waiter of a line on, when it waits in the
+    process whose wake address is `address`."""
+    return ADDRESS_PREFIX + address
 
 
 def notify_channel(key: str) -> str:

@@ -1,0 +1,82 @@
+"""The line of waiters for a key's exclusive lock, where a waiting acquire was refused once
+(PostgreSQL, MariaDB; see `LockStore.acquire_queued`): one transaction, decided here.
+
+It locks the key's lock row first (creating it, free, if it is gone), so the attempts of one
+key's waiters run one at a time, and then reads the line, rows of `models.Waiter` in the order
+of arrival; a place is live until its lease (QUEUE_LEASE from its waiter's last attempt) runs
+out, all by the database's clock. The lock row stays locked until COMMIT, and every fence is
+drawn while it is. A free lock goes to the first live waiter, or to anyone while the line is
+empty; every other refusal keeps the caller's place (or gives it one at the end) and raises
+the row's `waiting` flag, so that the release looks at the line and wakes its first.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..base import PERMIT_OWNERS, QUEUE_LEASE, AcquireResult
+from .dialects import Dialect
+from .dialects.base import LineStatements
+
+
+class Line:
+    """One attempt of a waiter in a key's line, on `cursor`, inside the transaction the store
+    opened."""
+
+    def __init__(self, dialect: Dialect, cursor: Any) -> None:
+        assert dialect.line is not None
+        self.sql: LineStatements = dialect.line
+        self.interval = dialect.interval
+        self.cursor = cursor
+
+    def run(self, sql: str, *params: Any) -> list[Any]:
+        self.cursor.execute(sql, params)
+        return list(self.cursor.fetchall()) if self.cursor.description else []
+
+    def _lock_row(self, key: str) -> tuple[str, float, bool]:
+        """(owner, seconds left, waiting) of key's lock row, which stays locked. A row that is
+        gone is inserted free; one deleted between that insert's check and the read (the
+        clean-up deletes free rows) is inserted again."""
+        sql = self.sql
+        while True:
+            rows = self.run(sql.lock, key)
+            if rows:
+                owner, left, waiting = rows[0]
+                return owner, float(left or 0.0), bool(waiting)
+            self.run(sql.ensure_row, key)
+
+    def acquire(
+        self, key: str, owner: str, holder: str, ttl: float, address: str
+    ) -> tuple[AcquireResult, bool]:
+        """The attempt's result, and whether `owner` is in the line after it."""
+        sql = self.sql
+        lock_owner, lock_left, waiting = self._lock_row(key)
+        line = [(row[0], float(row[1] or 0.0)) for row in self.run(sql.line, key)]
+        live = [place for place in line if place[1] > 0]
+        mine = next((left for waiter, left in line if waiter == owner), None)
+        held = lock_left > 0
+        if held and lock_owner in PERMIT_OWNERS:  # not queued: as acquire says it
+            return AcquireResult(None, lock_left, PERMIT_OWNERS[lock_owner]), mine is not None
+        first = live[0] if live else None
+        if (held and lock_owner == owner) or (not held and (first is None or first[0] == owner)):
+            # As acquire does for its owner, taking it again draws a new fence. The flag stays
+            # raised while others wait: their turn comes with the next release.
+            (fence,) = self.run(sql.next_fence)[0]
+            others = any(waiter != owner for waiter, _ in live)
+            self.run(sql.take, owner, holder, fence, self.interval(ttl), others or None, key)
+            if mine is not None:
+                self.run(sql.leave, key, owner)
+            return AcquireResult(int(fence)), False
+        lease = self.interval(QUEUE_LEASE)
+        if mine is not None and mine > 0:
+            self.run(sql.stay, address, lease, key, owner)
+        else:  # new, or its place lapsed: to the end of the line
+            if mine is not None:
+                self.run(sql.leave, key, owner)
+            self.run(sql.join, key, owner, address, lease)
+        if not waiting:
+            self.run(sql.raise_waiting, key)
+        # Held: ask again when it expires (a release wakes us sooner if we are first). Free,
+        # someone else first: when that one's place lapses, if it does not take the lock.
+        left = lock_left if held else first[1] if first is not None else 0.0
+        return AcquireResult(None, min(left, QUEUE_LEASE), "exclusive"), True

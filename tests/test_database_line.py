@@ -1,0 +1,407 @@
+"""The line of waiters of the database store (PostgreSQL, MariaDB; see `database.line`):
+waiters in other processes get an exclusive lock in the order they first asked for it, a
+release wakes only the first of them, one that gives up or dies leaves the line (at once, or
+when its place lapses), and the uncontended attempt costs what a plain acquire does."""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import json
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.core.management import call_command
+from django.db import connections
+from django.test import override_settings
+
+from django_keel_lock import get_lock_store, lock
+from django_keel_lock.models import Waiter
+from django_keel_lock.stores import DatabaseLockStore
+from django_keel_lock.stores.base import QUEUE_LEASE
+from django_keel_lock.stores.database import store as database_store
+
+from .conftest import database_of, empty_database
+from .test_database_faults import wait_until
+from .test_database_wakeups import statements_of as mariadb_statements_of
+
+FORK = multiprocessing.get_context("fork")
+
+
+def database_store_of(alias: str) -> DatabaseLockStore:
+    store = get_lock_store(alias)
+    assert isinstance(store, DatabaseLockStore)
+    return store
+
+
+def in_line(alias: str, key: str) -> int:
+    """How many places `key`'s line has (live or not)."""
+    return Waiter.objects.using(database_of(alias)).filter(key=key).count()
+
+
+def _wait_in_line(
+    alias: str, key: str, out: str, timeout: float, retry_delay: float, hold: float
+) -> None:
+    """In a child: wait for `key`, hold it `hold` seconds, release; write what happened to
+    `out`, with the monotonic time of each attempt (the clock is the machine's, shared by
+    every process)."""
+    store = database_store_of(alias)
+    attempts: list[float] = []
+    ask = store.acquire_queued
+
+    def counted(*args: Any) -> Any:
+        attempts.append(time.monotonic())
+        return ask(*args)
+
+    store.acquire_queued = counted  # type: ignore[method-assign]
+    handle = lock(key, ttl=30, store=alias)
+    acquired = handle.acquire(timeout=timeout, retry_delay=retry_delay)
+    got, fence, released = time.monotonic(), handle.fence, None
+    if acquired:
+        time.sleep(hold)
+        released = time.monotonic()
+        assert handle.release()
+    report = {"acquired": acquired, "fence": fence, "got": got, "released": released}
+    Path(out).write_text(json.dumps({**report, "attempts": attempts}))
+
+
+@contextmanager
+def waiters_in_line(
+    alias: str,
+    key: str,
+    tmp_path: Path,
+    count: int,
+    hold: float = 0.3,
+    timeouts: tuple[float, ...] = (),
+) -> Iterator[tuple[list[Any], Callable[[], list[dict[str, Any]]]]]:
+    """`count` child processes waiting for `key` (held by the caller; retry_delay 5 s, the
+    i-th for timeouts[i] s, else 20), each started only once the one before stands in the
+    line; yields the processes and a reader of their reports (after they end)."""
+    outs = [tmp_path / f"waiter-{i}.json" for i in range(count)]
+    procs = []
+    try:
+        for i, out in enumerate(outs):
+            timeout = timeouts[i] if i < len(timeouts) else 20.0
+            proc = FORK.Process(
+                target=_wait_in_line, args=(alias, key, str(out), timeout, 5.0, hold)
+            )
+            proc.start()
+            procs.append(proc)
+            assert wait_until(lambda i=i: in_line(alias, key) == i + 1, 10), "not in line"
+
+        def reports() -> list[dict[str, Any]]:
+            for proc in procs:
+                proc.join(30)
+            return [json.loads(out.read_text()) if out.exists() else {} for out in outs]
+
+        yield procs, reports
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5)
+
+
+def test_waiters_in_other_processes_get_the_lock_in_the_order_they_asked(
+    server_alias: str, key: str, tmp_path: Path
+) -> None:
+    holder = lock(key, ttl=30, store=server_alias)
+    assert holder.acquire()
+    with waiters_in_line(server_alias, key, tmp_path, 3, hold=0.5) as (_, reports):
+        time.sleep(0.3)  # each has settled into its pause (its listener is ready)
+        assert holder.release()
+        found = reports()
+    assert [report["acquired"] for report in found] == [True, True, True]
+    # In the order they came, each after the one before had released, fences rising with it.
+    gets = [report["got"] for report in found]
+    assert gets == sorted(gets)
+    fences = [report["fence"] for report in found]
+    assert holder.fence is not None
+    assert [holder.fence, *fences] == sorted({holder.fence, *fences})
+    for before, after in itertools.pairwise(found):
+        assert before["released"] <= after["got"]
+    assert in_line(server_alias, key) == 0
+
+
+def test_a_release_wakes_only_the_first_waiter_in_line(
+    server_alias: str, key: str, tmp_path: Path
+) -> None:
+    """Each release (the holder's, then each waiter's) must bring the next in line an attempt
+    at once, and nobody else: waiters behind it ask only on their own schedule (at least
+    every QUEUE_LEASE / 2 s to keep their place), so at most a stray one of those may fall
+    into the 50 ms after a release by chance. Were every waiter woken, all would."""
+    holder = lock(key, ttl=30, store=server_alias)
+    assert holder.acquire()
+    with waiters_in_line(server_alias, key, tmp_path, 3, hold=0.6) as (_, reports):
+        time.sleep(0.3)
+        released = time.monotonic()
+        assert holder.release()
+        found = reports()
+    assert [report["acquired"] for report in found] == [True, True, True]
+    releases = [released, found[0]["released"], found[1]["released"]]
+    woken = 0
+    for i, at in enumerate(releases):
+        # The next in line took the lock at once: it was woken.
+        assert found[i]["got"] - at < 0.3, (i, found[i]["got"] - at)
+        # Those behind it did not ask within 50 ms of the release.
+        woken += sum(
+            any(at <= attempt < at + 0.05 for attempt in report["attempts"])
+            for report in found[i + 1 :]
+        )
+    assert woken <= 1, woken
+
+
+def test_a_waiter_that_gives_up_leaves_the_line_and_the_next_is_woken_at_once(
+    server_alias: str, key: str, tmp_path: Path
+) -> None:
+    holder = lock(key, ttl=30, store=server_alias)
+    assert holder.acquire()
+    with waiters_in_line(server_alias, key, tmp_path, 2, timeouts=(3.0,)) as (procs, reports):
+        procs[0].join(10)  # the first gave up (its timeout: 3 s)
+        assert wait_until(lambda: in_line(server_alias, key) == 1, 5)
+        time.sleep(0.2)
+        released = time.monotonic()
+        assert holder.release()
+        first, second = reports()
+    assert not first["acquired"]
+    assert second["acquired"] and second["got"] - released < 0.2, second["got"] - released
+
+
+def test_a_killed_first_waiter_holds_the_line_up_at_most_for_its_lease(
+    server_alias: str, key: str, tmp_path: Path
+) -> None:
+    holder = lock(key, ttl=30, store=server_alias)
+    assert holder.acquire()
+    with waiters_in_line(server_alias, key, tmp_path, 2) as (procs, reports):
+        time.sleep(0.2)
+        os.kill(procs[0].pid, signal.SIGKILL)
+        procs[0].join(5)
+        released = time.monotonic()
+        assert holder.release()
+        _, second = reports()
+    assert second["acquired"]
+    waited = second["got"] - released
+    assert waited < QUEUE_LEASE + QUEUE_LEASE / 2, waited
+    assert second["fence"] > holder.fence  # type: ignore[operator]
+
+
+def test_a_waiter_is_refused_a_free_lock_while_another_is_first(
+    server_alias: str, key: str
+) -> None:
+    store = database_store_of(server_alias)
+    assert store.queues
+    assert store.acquire(key, "holder", "h", 30).acquired
+    first = store.acquire_queued(key, "first", "f", 30)
+    second = store.acquire_queued(key, "second", "s", 30)
+    assert not first.acquired and not second.acquired
+    assert 0 < (first.retry_in or 0) <= QUEUE_LEASE
+    assert store.release(key, "holder")
+    # Free, but "first" is first: "second" waits (at most the first's lease), and a plain
+    # acquire (no wait: it may barge in) is not asked to.
+    refused = store.acquire_queued(key, "second", "s", 30)
+    assert not refused.acquired and 0 < (refused.retry_in or 0) <= QUEUE_LEASE
+    taken = store.acquire_queued(key, "first", "f", 30)
+    assert taken.acquired
+    assert store.release(key, "first")
+    store.leave_queue(key, "second")
+    assert in_line(server_alias, key) == 0
+    barging = store.acquire(key, "plain", "p", 30)
+    assert barging.fence is not None and barging.fence > (taken.fence or 0)
+    assert store.release(key, "plain")
+
+
+def test_a_waiter_whose_place_lapsed_goes_to_the_end_of_the_line(
+    server_alias: str, key: str
+) -> None:
+    store = database_store_of(server_alias)
+    assert store.acquire(key, "holder", "h", 30).acquired
+    assert not store.acquire_queued(key, "late", "l", 30).acquired
+    assert not store.acquire_queued(key, "next", "n", 30).acquired
+    expire_places(server_alias, key, owner="late")
+    assert not store.acquire_queued(key, "late", "l", 30).acquired  # at the end now
+    assert store.release(key, "holder")
+    assert not store.acquire_queued(key, "late", "l", 30).acquired
+    assert store.acquire_queued(key, "next", "n", 30).acquired
+    assert store.release(key, "next")
+    assert store.acquire_queued(key, "late", "l", 30).acquired
+    assert store.release(key, "late")
+
+
+def expire_places(alias: str, key: str, owner: str | None = None) -> None:
+    """Make `key`'s places in line (or `owner`'s) lapse: expired an hour ago."""
+    places = Waiter.objects.using(database_of(alias)).filter(key=key)
+    if owner is not None:
+        places = places.filter(owner=owner)
+    lapsed = datetime.datetime.now(datetime.UTC) - datetime.timedelta(hours=1)
+    assert places.update(expires_at=lapsed)
+
+
+def test_the_clean_up_deletes_lapsed_places_and_keeps_live_ones(
+    server_alias: str, key: str
+) -> None:
+    store = database_store_of(server_alias)
+    assert store.acquire(key, "holder", "h", 30).acquired
+    for owner in ("dead", "alive"):
+        assert not store.acquire_queued(key, owner, owner, 30).acquired
+    expire_places(server_alias, key, owner="dead")
+    assert store._sweep(database_store._Sweeps()) >= 1
+    owners = Waiter.objects.using(database_of(server_alias)).filter(key=key)
+    assert list(owners.values_list("owner", flat=True)) == ["alive"]
+    expire_places(server_alias, key)
+    store.prune()
+    assert in_line(server_alias, key) == 0
+    assert store.release(key, "holder")
+
+
+def postgres_statements_of(store: DatabaseLockStore, call: Callable[[], object]) -> int:
+    """How many statements `call` sends on this thread's connection of `store`: those by
+    libpq and those by the cursor (the two ways a statement leaves)."""
+    conn, _ = store._connection()
+    assert conn.libpq is not None, "the libpq path is what a plain acquire takes"
+    sent: list[str] = []
+    libpq, cursor = conn.libpq, conn.cursor
+
+    class Counting:
+        def __init__(self, inner: Any, method: str) -> None:
+            self.inner, self.method = inner, method
+
+        def __getattr__(self, name: str) -> Any:
+            attribute = getattr(self.inner, name)
+            if name != self.method:
+                return attribute
+
+            def counted(statements: Any, *args: Any, **kwargs: Any) -> Any:
+                if self.method == "execute" and self.inner is libpq:
+                    sent.extend(sql for sql, _ in statements)
+                else:
+                    sent.append(statements)
+                return attribute(statements, *args, **kwargs)
+
+            return counted
+
+    conn.libpq, conn.cursor = Counting(libpq, "execute"), Counting(cursor, "execute")  # type: ignore[assignment]
+    try:
+        call()
+    finally:
+        conn.libpq, conn.cursor = libpq, cursor
+    return len(sent)
+
+
+def test_uncontended_waiting_attempt_costs_what_a_plain_acquire_does(
+    server_alias: str, key: str
+) -> None:
+    store = database_store_of(server_alias)
+    count = postgres_statements_of if server_alias == "postgres" else mariadb_statements_of
+    plain = count(store, lambda: store.acquire(key, "a", "a", 30))
+    assert store.release(key, "a")
+    queued = count(store, lambda: store.acquire_queued(key, "b", "b", 30))
+    assert store.get(key) is not None
+    assert queued == plain == (1 if server_alias == "postgres" else 2)
+    assert store.release(key, "b")
+
+
+def test_postgres_release_notifies_the_first_waiters_process_alone_while_the_line_has_one(
+    key: str, postgres_notifications: Callable[[str], Callable[[], int]]
+) -> None:
+    """The key's channel (every process waiting for it) hears nothing while the line has a
+    first waiter with an address; that address's channel hears the key. With the line empty
+    again, releases NOTIFY the key's channel as before lines (permit waiters listen there)."""
+    import psycopg
+
+    from django_keel_lock.stores.database.dialects.postgresql import address_channel
+
+    store = database_store_of("postgres")
+    on_key = postgres_notifications(key)
+    settings = connections["postgres"].settings_dict
+    with psycopg.connect(
+        host=settings["HOST"], port=settings["PORT"], user=settings["USER"],
+        dbname=settings["NAME"], autocommit=True,
+    ) as raw:  # fmt: skip
+        raw.execute(f"LISTEN {address_channel('feedface')}")
+        assert store.acquire(key, "a", "a", 30).acquired
+        assert not store.acquire_queued(key, "w", "w", 30).acquired
+        Waiter.objects.using("postgres").filter(key=key).update(address="feedface")
+        assert postgres_statements_of(store, lambda: store.release(key, "a")) == 1
+        assert [n.payload for n in raw.notifies(timeout=0.3)] == [key]
+        assert on_key() == 0
+        assert store.acquire(key, "a", "a", 30).acquired
+        store.leave_queue(key, "w")
+        assert not store.acquire(key, "b", "b", 30).acquired  # raises the flag
+        assert store.release(key, "a")
+        assert on_key() == 1
+        assert list(raw.notifies(timeout=0.3)) == []
+
+
+def test_postgres_leaving_the_line_of_a_free_lock_wakes_the_next_in_it(key: str) -> None:
+    import psycopg
+
+    from django_keel_lock.stores.database.dialects.postgresql import address_channel
+
+    store = database_store_of("postgres")
+    settings = connections["postgres"].settings_dict
+    with psycopg.connect(
+        host=settings["HOST"], port=settings["PORT"], user=settings["USER"],
+        dbname=settings["NAME"], autocommit=True,
+    ) as raw:  # fmt: skip
+        raw.execute(f"LISTEN {address_channel('beef')}")
+        assert store.acquire(key, "holder", "h", 30).acquired
+        for owner, address in (("first", "dead"), ("next", "beef")):
+            assert not store.acquire_queued(key, owner, owner, 30).acquired
+            places = Waiter.objects.using("postgres").filter(key=key, owner=owner)
+            assert places.update(address=address)
+        assert store.release(key, "holder")  # wakes "first" (at an address nobody hears)
+        assert list(raw.notifies(timeout=0.3)) == []
+        store.leave_queue(key, "first")  # the lock is free: "next" is first now
+        assert [n.payload for n in raw.notifies(timeout=0.3)] == [key]
+        store.leave_queue(key, "next")
+        assert list(raw.notifies(timeout=0.3)) == []
+
+
+def test_sqlite_keeps_no_line(key: str) -> None:
+    store = database_store_of("sqlite")
+    assert not store.queues
+    with pytest.raises(NotImplementedError):
+        store.acquire_queued(key, "a", "a", 30)
+
+
+def test_waiter_rows_exist_on_every_database(db_alias: str) -> None:
+    database = database_of(db_alias)
+    with connections[database].cursor() as cursor:
+        assert "django_keel_lock_waiter" in connections[database].introspection.table_names(cursor)
+
+
+def test_a_database_without_the_line_table_keeps_no_line_and_its_locks_work(
+    server_alias: str,
+) -> None:
+    """Code newer than the database's migrations (0005 not applied yet, as in a deploy that
+    migrates after it starts the new code): waits and releases go on as before lines."""
+    with (
+        empty_database(database_of(server_alias), "before-lines"),
+        override_settings(
+            KEEL_LOCK_STORES={
+                "before-lines": {
+                    "BACKEND": "django_keel_lock.stores.DatabaseLockStore",
+                    "OPTIONS": {"DATABASE": "before-lines"},
+                }
+            }
+        ),
+    ):
+        call_command("migrate", "django_keel_lock", "0004", database="before-lines", verbosity=0)
+        store = database_store_of("before-lines")
+        try:
+            holder = lock("line:old", ttl=30, store="before-lines")
+            assert holder.acquire()
+            assert not store.queues
+            waiter = lock("line:old", ttl=30, store="before-lines")
+            assert not waiter.acquire(timeout=0.3, retry_delay=0.05)
+            assert holder.release()
+            assert waiter.acquire(timeout=2) and waiter.release()
+        finally:
+            store.close()
