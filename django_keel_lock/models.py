@@ -18,9 +18,11 @@ class Lock(models.Model):
     fence = models.BigIntegerField()
     acquired_at = models.DateTimeField()
     expires_at = models.DateTimeField()
-    #: PostgreSQL: someone failed to take this lock since its holder took it, so releasing it
-    #: must NOTIFY (a lock nobody waits for is released without one); NULL means no. Unused
-    #: elsewhere. Nullable, so adding the column is instant and a process still running a
+    #: PostgreSQL and MariaDB: someone failed to take this lock since its holder took it, so
+    #: releasing it must wake someone: the first in the key's line (`Waiter`), or else the
+    #: key's listeners (a lock nobody waits for is released without either); NULL means no.
+    #: A waiting acquire takes a free row at its first attempt only while it is down. Unused
+    #: on SQLite. Nullable, so adding the column is instant and a process still running a
     #: release without it can go on inserting rows.
     waiting = models.BooleanField(null=True, default=None)
     #: A writer waiting for the shared permits that hold this key, and until when: no new

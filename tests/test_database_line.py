@@ -1,16 +1,13 @@
-"""The line of waiters of the database store (PostgreSQL, MariaDB; see `database.line`):
-waiters in other processes get an exclusive lock in the order they first asked for it, a
-release wakes only the first of them, one that gives up or dies leaves the line (at once, or
-when its place lapses), and the uncontended attempt costs what a plain acquire does."""
+"""The line of waiters of the database store (PostgreSQL, MariaDB; see `database.line`): a
+release wakes only the first of them, places lapse and are cleaned up, the uncontended attempt
+costs what a plain acquire does, and a database without the table keeps no line. The order,
+leaving and dying are tests/test_line.py's, for every store with a line."""
 
 from __future__ import annotations
 
 import datetime
-import itertools
 import json
 import multiprocessing
-import os
-import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -109,27 +106,6 @@ def waiters_in_line(
             proc.join(5)
 
 
-def test_waiters_in_other_processes_get_the_lock_in_the_order_they_asked(
-    server_alias: str, key: str, tmp_path: Path
-) -> None:
-    holder = lock(key, ttl=30, store=server_alias)
-    assert holder.acquire()
-    with waiters_in_line(server_alias, key, tmp_path, 3, hold=0.5) as (_, reports):
-        time.sleep(0.3)  # each has settled into its pause (its listener is ready)
-        assert holder.release()
-        found = reports()
-    assert [report["acquired"] for report in found] == [True, True, True]
-    # In the order they came, each after the one before had released, fences rising with it.
-    gets = [report["got"] for report in found]
-    assert gets == sorted(gets)
-    fences = [report["fence"] for report in found]
-    assert holder.fence is not None
-    assert [holder.fence, *fences] == sorted({holder.fence, *fences})
-    for before, after in itertools.pairwise(found):
-        assert before["released"] <= after["got"]
-    assert in_line(server_alias, key) == 0
-
-
 def test_a_release_wakes_only_the_first_waiter_in_line(
     server_alias: str, key: str, tmp_path: Path
 ) -> None:
@@ -156,40 +132,6 @@ def test_a_release_wakes_only_the_first_waiter_in_line(
             for report in found[i + 1 :]
         )
     assert woken <= 1, woken
-
-
-def test_a_waiter_that_gives_up_leaves_the_line_and_the_next_is_woken_at_once(
-    server_alias: str, key: str, tmp_path: Path
-) -> None:
-    holder = lock(key, ttl=30, store=server_alias)
-    assert holder.acquire()
-    with waiters_in_line(server_alias, key, tmp_path, 2, timeouts=(3.0,)) as (procs, reports):
-        procs[0].join(10)  # the first gave up (its timeout: 3 s)
-        assert wait_until(lambda: in_line(server_alias, key) == 1, 5)
-        time.sleep(0.2)
-        released = time.monotonic()
-        assert holder.release()
-        first, second = reports()
-    assert not first["acquired"]
-    assert second["acquired"] and second["got"] - released < 0.2, second["got"] - released
-
-
-def test_a_killed_first_waiter_holds_the_line_up_at_most_for_its_lease(
-    server_alias: str, key: str, tmp_path: Path
-) -> None:
-    holder = lock(key, ttl=30, store=server_alias)
-    assert holder.acquire()
-    with waiters_in_line(server_alias, key, tmp_path, 2) as (procs, reports):
-        time.sleep(0.2)
-        os.kill(procs[0].pid, signal.SIGKILL)
-        procs[0].join(5)
-        released = time.monotonic()
-        assert holder.release()
-        _, second = reports()
-    assert second["acquired"]
-    waited = second["got"] - released
-    assert waited < QUEUE_LEASE + QUEUE_LEASE / 2, waited
-    assert second["fence"] > holder.fence  # type: ignore[operator]
 
 
 def test_a_waiter_is_refused_a_free_lock_while_another_is_first(

@@ -20,7 +20,7 @@ from django_keel_lock.stores.base import QUEUE_LEASE
 
 from .conftest import STORE_AVAILABILITY, store_params
 
-QUEUE_STORES = ["redis"]
+QUEUE_STORES = ["redis", "postgres", "mariadb"]
 #: Polls are 5 s apart: whatever a waiter gets within the bounds below came by a push.
 RETRY_DELAY = 5.0
 CONTEXT = multiprocessing.get_context("fork")
