@@ -519,6 +519,18 @@ def test_a_process_subscribes_only_to_the_keys_it_waits_for(
         assert subscribers(other) == 0  # ...and nothing of keys nobody here waits for
     assert settles(waited, 0)  # the last waiter left: unsubscribed
 
+    # Waiting again within the listener's `linger`: still subscribed, so no new subscription
+    # and no wake-up for a release that might have slipped by.
+    with url_store.watch(waited):
+        assert settles(waited, 1)
+    time.sleep(0.3)  # the listener has heard that nobody waits
+    assert subscribers(waited) == 1
+    with url_store.watch(waited) as again:
+        time.sleep(0.3)
+        assert subscribers(waited) == 1
+        assert not again.poll()
+    assert settles(waited, 0)
+
 
 def _own(raw: redis.Redis[bytes], at_most: int | None = None) -> int:
     """This process's connections to Redis (see REDIS_CLIENT_NAME), settled."""

@@ -157,6 +157,11 @@ class ReleaseListener:
     #: True when `subscribe`, `unsubscribe` and `ping` return only once the server answered:
     #: then a poke or a ping that went through proves the connection alive, as data does.
     replies_inline = False
+    #: Seconds a key stays subscribed after its last waiter left. A process that takes a key
+    #: over and over waits for it again within moments: kept subscribed, it neither
+    #: resubscribes each time nor has its waiters woken by each new subscription for a
+    #: release that may have slipped by (an attempt that finds the lock held, as a rule).
+    linger = 1.0
 
     def __init__(self, store: ListeningStore) -> None:
         self.thread = threading.Thread(
@@ -173,6 +178,7 @@ class ReleaseListener:
         self.address = secrets.token_hex(8)
         self._mutex = threading.Lock()
         self._changed: set[str] = set()
+        self._lingering: dict[str, float] = {}  # subscribed, unwatched: key -> since (monotonic)
         self._closed = False
         self._poke_r, self._poke_w = os.pipe()
         os.set_blocking(self._poke_r, False)
@@ -272,12 +278,19 @@ class ReleaseListener:
         return changed
 
     def settle(self, keys: set[str]) -> None:
-        """(Un)subscribe so that exactly the watched ones among `keys` are subscribed; each new
-        subscription wakes its key's waiters once (a release may have come just before)."""
-        board, subscribed = self.store.wake_board, self.subscribed
+        """(Un)subscribe so that the watched ones among `keys` are subscribed, and the others
+        not once they have lingered (`linger`); each new subscription wakes its key's waiters
+        once (a release may have come just before)."""
+        board, subscribed, lingering = self.store.wake_board, self.subscribed, self._lingering
         watched = set(board.watched_keys())
+        now = time.monotonic()
         add = sorted(key for key in keys if key in watched and key not in subscribed)
-        drop = sorted(key for key in keys if key not in watched and key in subscribed)
+        for key in keys:
+            if key in watched:
+                lingering.pop(key, None)
+            elif key in subscribed:
+                lingering.setdefault(key, now)
+        drop = sorted(key for key, since in lingering.items() if now - since >= self.linger)
         if add:
             self.subscribe(add)
             subscribed.update(add)
@@ -286,6 +299,8 @@ class ReleaseListener:
         if drop:
             self.unsubscribe(drop)
             subscribed.difference_update(drop)
+            for key in drop:
+                del lingering[key]
 
     def listen(self) -> None:
         """One connection's life: return only when `stopping` is set (or the store cannot
@@ -295,6 +310,7 @@ class ReleaseListener:
             return
         try:
             self.subscribed = set()
+            self._lingering = {}
             ready_now = self.prepare()
             self.take_changes()
             self.settle(set(self.store.wake_board.watched_keys()))
@@ -311,6 +327,8 @@ class ReleaseListener:
             data, poked = self.wait(self.socket(), 1.0)
             if poked:
                 self.settle(self.take_changes())
+            elif self._lingering:
+                self.settle(set())  # drop the keys that have lingered long enough
             now = time.monotonic()
             if data or (poked and self.replies_inline):
                 heard = now
