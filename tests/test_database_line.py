@@ -249,6 +249,32 @@ def test_uncontended_waiting_attempt_costs_what_a_plain_acquire_does(
     assert store.release(key, "b")
 
 
+def test_postgres_first_in_line_takes_the_freed_lock_in_one_statement(key: str) -> None:
+    store = database_store_of("postgres")
+    assert store.acquire(key, "holder", "h", 30).acquired
+    assert not store.acquire_queued(key, "first", "f", 30).acquired
+    assert not store.acquire_queued(key, "second", "s", 30).acquired
+    assert store.release(key, "holder")
+    # The second is not first: no take, the transaction keeps its place.
+    assert not store.acquire_queued(key, "second", "s", 30).acquired
+    sent = postgres_statements_of(store, lambda: store.acquire_queued(key, "first", "f", 30))
+    info = store.get(key)
+    assert info is not None and info.owner == "first"
+    assert sent == 1
+    # Its place went with the take; the flag stays raised, as the second still waits.
+    places = Waiter.objects.using(database_of("postgres")).filter(key=key)
+    assert list(places.values_list("owner", flat=True)) == ["second"]
+    with connections[database_of("postgres")].cursor() as cursor:
+        cursor.execute("SELECT waiting FROM django_keel_lock_lock WHERE key = %s", [key])
+        assert cursor.fetchone() == (True,)
+    assert store.release(key, "first")
+    assert store.acquire_queued(key, "second", "s", 30).acquired
+    with connections[database_of("postgres")].cursor() as cursor:
+        cursor.execute("SELECT waiting FROM django_keel_lock_lock WHERE key = %s", [key])
+        assert cursor.fetchone() == (None,)  # nobody waits any more
+    assert store.release(key, "second")
+
+
 def test_postgres_release_notifies_the_first_waiters_process_alone_while_the_line_has_one(
     key: str, postgres_notifications: Callable[[str], Callable[[], int]]
 ) -> None:

@@ -427,6 +427,13 @@ class DatabaseLockStore(ListeningStore, LockStore):
             result = self._upsert(dialect.acquire_queued_sql, key, owner, holder, ttl)
             if result.acquired or (result.held_as != "exclusive" and result.retry_in):
                 return result
+        elif dialect.take_first_sql:
+            # In the line already, as a rule woken as its first: one statement if it is.
+            params = (owner, holder, dialect.interval(ttl), owner, key, owner, key, owner)
+            rows, _ = self._execute([(dialect.take_first_sql, params)], key=key, holder=holder)
+            if rows:
+                self._in_line.discard((key, owner))
+                return AcquireResult(int(rows[0][0]))
         address = self.wake_address
         result, queued = self._transaction(
             lambda cursor: Line(dialect, cursor).acquire(key, owner, holder, ttl, address),

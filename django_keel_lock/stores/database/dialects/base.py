@@ -94,6 +94,10 @@ class Dialect:
     #: `acquire_sql` for a waiter that waits its turn: a free row is taken only while its
     #: `waiting` flag is down (nobody was refused since the last take), or by its own owner.
     acquire_queued_sql: Sequence[str] = ()
+    #: (owner, holder, ttl, owner, key, owner, key, owner) -> (fence,): a waiter already in
+    #: the line takes the free lock in one statement if it is first in it (no row: it goes on
+    #: to the line's transaction); "" where the dialect has none (the transaction does it).
+    take_first_sql = ""
     #: (key, key) -> wakes the first live waiter of key's line if the lock is free: PostgreSQL
     #: NOTIFYs it itself (a row when it did); MariaDB returns (its listener's connection id, 0
     #: when it has none to reach), for the store to interrupt.

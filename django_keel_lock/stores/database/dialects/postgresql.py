@@ -99,6 +99,30 @@ class PostgresDialect(Dialect):
     """
     release_sql = _release.format(channel=_KEY_CHANNEL)
     release_line_sql = _release.format(channel=_FIRST_CHANNEL)
+    # A waiter in the line that is first in it takes the free lock in one statement, as the
+    # release that woke it expects (the line's transaction is for joining and keeping a
+    # place): the UPDATE draws its fence once it holds the row; the flag stays raised while
+    # others wait; its place goes with the take. The line is read as of the statement's
+    # start: a take it lets through is still one of a free row, by its owner condition.
+    # (owner, holder, ttl, owner, key, owner, key, owner) -> (fence,) when taken, else no row
+    take_first_sql = f"""
+        WITH took AS (
+            UPDATE {TABLE} AS l SET owner = %s, holder = %s, fence = nextval('{SEQUENCE}'),
+                acquired_at = clock_timestamp(),
+                expires_at = clock_timestamp() + make_interval(secs => %s),
+                waiting = EXISTS (SELECT FROM {WAITER_TABLE} w WHERE w.key = l.key
+                                  AND w.owner <> %s AND w.expires_at > clock_timestamp())
+                          OR NULL
+            WHERE l.key = %s AND l.expires_at <= clock_timestamp()
+              AND (SELECT w.owner FROM {WAITER_TABLE} w WHERE w.key = l.key
+                   AND w.expires_at > clock_timestamp() ORDER BY w.id LIMIT 1) = %s
+            RETURNING l.fence
+        ), gone AS (
+            DELETE FROM {WAITER_TABLE} w WHERE w.key = %s AND w.owner = %s
+              AND EXISTS (SELECT FROM took)
+        )
+        SELECT fence FROM took
+    """
     # Taking one's place out of the line wakes the next if the lock is free (`leave_queue`).
     wake_first_sql = (
         f"SELECT pg_notify({_FIRST_CHANNEL}, l.key) FROM {TABLE} l "
