@@ -47,24 +47,36 @@ def _script(text: str) -> Script:
     return Script(text, hashlib.sha1(text.encode()).hexdigest())
 
 
-# TAKE: take the free lock (KEYS[1], fence counter KEYS[2]) for ARGV[1], holder ARGV[2], ttl
-# ARGV[3] (ms); the fence. The fence is one more than the key's last one, and never below the
+# The key's next fence, drawn on its counter (kept at least a day, or `ttl` ms), at the
+# server's time `now` (TIME's reply): one more than the key's last one, and never below the
 # server's clock in microseconds. So the counter may vanish (it expires a day after the key's
 # last acquisition, or with a Redis restarted without persistence) and fences still only go
 # up: acquisitions of one key are at least a round trip apart, far more than a microsecond.
-_TAKE = """
+# Every mode draws on the same counter: fences of a key go up whatever the mode.
+_FENCE = """
+local function draw_fence(counter, ttl, now)
+    local last = tonumber(redis.call('GET', counter) or '0')
+    local fence = math.max(last + 1, now[1] * 1000000 + now[2])
+    redis.call('SET', counter, string.format('%d', fence), 'PX', math.max(ttl, 86400000))
+    return fence
+end
+"""
+
+# TAKE: take the free lock (KEYS[1], fence counter KEYS[2]) for ARGV[1], holder ARGV[2], ttl
+# ARGV[3] (ms); the fence.
+_TAKE = (
+    _FENCE
+    + """
 local function take()
     local now = redis.call('TIME')
-    local last = tonumber(redis.call('GET', KEYS[2]) or '0')
-    local fence = math.max(last + 1, now[1] * 1000000 + now[2])
-    redis.call('SET', KEYS[2], string.format('%d', fence), 'PX',
-               math.max(tonumber(ARGV[3]), 86400000))
+    local fence = draw_fence(KEYS[2], tonumber(ARGV[3]), now)
     redis.call('HSET', KEYS[1], 'o', ARGV[1], 'h', ARGV[2], 'f', fence,
                't', tostring(now[1] * 1000 + math.floor(now[2] / 1000)))
     redis.call('PEXPIRE', KEYS[1], ARGV[3])
     return fence
 end
 """
+)
 
 # The line of waiters (the layout above). first_in_line drops the places at its front that
 # have lapsed and gives the first live one (owner, its address), or nil. wake_first tells the
@@ -305,6 +317,7 @@ end
 ACQUIRE_PERMIT = _script(
     _PERMITS
     + _REFUSE
+    + _FENCE
     + """
 local owner, ttl, kind = ARGV[1], tonumber(ARGV[3]), ARGV[4]
 local function soonest()
@@ -315,11 +328,7 @@ local function soonest()
     return redis.call('PTTL', KEYS[1])
 end
 local function next_fence()
-    -- ACQUIRE's rule, on the same counter: fences of the key go up whatever the mode.
-    local last = tonumber(redis.call('GET', KEYS[4]) or '0')
-    local fence = math.max(last + 1, now[1] * 1000000 + now[2])
-    redis.call('SET', KEYS[4], string.format('%d', fence), 'PX', math.max(ttl, 86400000))
-    return fence
+    return draw_fence(KEYS[4], ttl, now)
 end
 if kind == '' then
     local writer = redis.call('GET', KEYS[5])
