@@ -289,15 +289,18 @@ class Lock:
             )
         return result
 
-    def _pause(self, result: AcquireResult, retry_delay: float, left: float, plain: bool) -> float:
-        """How long to wait after the refusal `result` of a `plain` acquire or not: not at all
-        when an exclusive lock has just found readers (it asks again at once, as a writer who
-        waits, so that new readers stop coming in: see `_plain`)."""
+    def _pause(
+        self, result: AcquireResult, retry_delay: float, left: float, plain: bool, queued: bool
+    ) -> float:
+        """How long to wait after the refusal `result` of a `plain` acquire or not (`queued`:
+        in the key's line): not at all when an exclusive lock has just found readers (it asks
+        again at once, as a writer who waits, so that new readers stop coming in: see
+        `_plain`)."""
         if plain and self.mode is EXCLUSIVE and result.held_as == "shared":
             return 0.0
         pause = min(left, next_delay(retry_delay, result.retry_in, self._store.push_wakeups))
         # A place in the line lasts QUEUE_LEASE from the last attempt: keep it.
-        return min(pause, QUEUE_LEASE / 2) if self._queued() else pause
+        return min(pause, QUEUE_LEASE / 2) if queued else pause
 
     @property
     def _release_op(self) -> Callable[[str, str], bool]:
@@ -402,7 +405,7 @@ class Lock:
                     if result.fence is not None or left <= 0:
                         return result, sent
                     last = result
-                    pause = self._pause(result, retry_delay, left, plain)
+                    pause = self._pause(result, retry_delay, left, plain, queued)
                     if pause > 0:
                         waiter.wait(pause)
 
@@ -512,7 +515,7 @@ class Lock:
                         if result.fence is not None or left <= 0:
                             return result, sent
                         last = result
-                        pause = self._pause(result, retry_delay, left, plain)
+                        pause = self._pause(result, retry_delay, left, plain, queued)
                         if pause <= 0:
                             continue
                         try:
