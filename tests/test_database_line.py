@@ -26,6 +26,7 @@ from django_keel_lock.stores.base import QUEUE_LEASE
 from django_keel_lock.stores.database import store as database_store
 
 from .conftest import database_of, empty_database
+from .test_database_edges import waiting_flag
 from .test_database_faults import wait_until
 from .test_database_wakeups import statements_of as mariadb_statements_of
 
@@ -249,6 +250,23 @@ def test_uncontended_waiting_attempt_costs_what_a_plain_acquire_does(
     assert store.release(key, "b")
 
 
+@contextmanager
+def listening_at(address: str) -> Iterator[Any]:
+    """A PostgreSQL connection of the test's own that LISTENs on the channel of the wake
+    address `address` (read its `notifies()`)."""
+    import psycopg
+
+    from django_keel_lock.stores.database.dialects.postgresql import address_channel
+
+    settings = connections["postgres"].settings_dict
+    with psycopg.connect(
+        host=settings["HOST"], port=settings["PORT"], user=settings["USER"],
+        dbname=settings["NAME"], autocommit=True,
+    ) as raw:  # fmt: skip
+        raw.execute(f"LISTEN {address_channel(address)}")
+        yield raw
+
+
 def test_postgres_first_in_line_takes_the_freed_lock_in_one_statement(key: str) -> None:
     store = database_store_of("postgres")
     assert store.acquire(key, "holder", "h", 30).acquired
@@ -264,14 +282,10 @@ def test_postgres_first_in_line_takes_the_freed_lock_in_one_statement(key: str) 
     # Its place went with the take; the flag stays raised, as the second still waits.
     places = Waiter.objects.using(database_of("postgres")).filter(key=key)
     assert list(places.values_list("owner", flat=True)) == ["second"]
-    with connections[database_of("postgres")].cursor() as cursor:
-        cursor.execute("SELECT waiting FROM django_keel_lock_lock WHERE key = %s", [key])
-        assert cursor.fetchone() == (True,)
+    assert waiting_flag(database_of("postgres"), key)
     assert store.release(key, "first")
     assert store.acquire_queued(key, "second", "s", 30).acquired
-    with connections[database_of("postgres")].cursor() as cursor:
-        cursor.execute("SELECT waiting FROM django_keel_lock_lock WHERE key = %s", [key])
-        assert cursor.fetchone() == (None,)  # nobody waits any more
+    assert not waiting_flag(database_of("postgres"), key)  # nobody waits any more
     assert store.release(key, "second")
 
 
@@ -281,18 +295,9 @@ def test_postgres_release_notifies_the_first_waiters_process_alone_while_the_lin
     """The key's channel (every process waiting for it) hears nothing while the line has a
     first waiter with an address; that address's channel hears the key. With the line empty
     again, releases NOTIFY the key's channel as before lines (permit waiters listen there)."""
-    import psycopg
-
-    from django_keel_lock.stores.database.dialects.postgresql import address_channel
-
     store = database_store_of("postgres")
     on_key = postgres_notifications(key)
-    settings = connections["postgres"].settings_dict
-    with psycopg.connect(
-        host=settings["HOST"], port=settings["PORT"], user=settings["USER"],
-        dbname=settings["NAME"], autocommit=True,
-    ) as raw:  # fmt: skip
-        raw.execute(f"LISTEN {address_channel('feedface')}")
+    with listening_at("feedface") as raw:
         assert store.acquire(key, "a", "a", 30).acquired
         assert not store.acquire_queued(key, "w", "w", 30).acquired
         Waiter.objects.using("postgres").filter(key=key).update(address="feedface")
@@ -308,17 +313,8 @@ def test_postgres_release_notifies_the_first_waiters_process_alone_while_the_lin
 
 
 def test_postgres_leaving_the_line_of_a_free_lock_wakes_the_next_in_it(key: str) -> None:
-    import psycopg
-
-    from django_keel_lock.stores.database.dialects.postgresql import address_channel
-
     store = database_store_of("postgres")
-    settings = connections["postgres"].settings_dict
-    with psycopg.connect(
-        host=settings["HOST"], port=settings["PORT"], user=settings["USER"],
-        dbname=settings["NAME"], autocommit=True,
-    ) as raw:  # fmt: skip
-        raw.execute(f"LISTEN {address_channel('beef')}")
+    with listening_at("beef") as raw:
         assert store.acquire(key, "holder", "h", 30).acquired
         for owner, address in (("first", "dead"), ("next", "beef")):
             assert not store.acquire_queued(key, owner, owner, 30).acquired

@@ -18,7 +18,7 @@ from django_keel_lock import lock
 from django_keel_lock.registry import get_lock_store
 from django_keel_lock.stores.base import QUEUE_LEASE
 
-from .conftest import STORE_AVAILABILITY, store_params
+from .conftest import store_params
 
 QUEUE_STORES = ["redis", "postgres", "mariadb"]
 #: Polls are 5 s apart: whatever a waiter gets within the bounds below came by a push.
@@ -83,7 +83,7 @@ def _holding(alias: str, key: str) -> Any:
     return handle
 
 
-@pytest.fixture(params=store_params([a for a in QUEUE_STORES if a in STORE_AVAILABILITY]))
+@pytest.fixture(params=store_params(QUEUE_STORES))
 def line_alias(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
