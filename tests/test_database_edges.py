@@ -18,8 +18,8 @@ from django.test import Client, override_settings
 from django.urls import path
 
 from django_keel_lock import LockStoreUnavailable, get_lock_store, lock, lock_view
+from django_keel_lock.models import Lock
 from django_keel_lock.stores import DatabaseLockStore
-from django_keel_lock.stores.database.dialects import TABLE
 from tests.testapp.models import Invoice
 
 from .conftest import database_like, needs_store, serving
@@ -193,10 +193,7 @@ def latin1_database() -> Iterator[str]:
 
 
 def waiting_flag(database: str, key: str) -> bool:
-    with connections[database].cursor() as cursor:
-        cursor.execute(f"SELECT waiting FROM {TABLE} WHERE key = %s", [key])
-        row = cursor.fetchone()
-    return bool(row and row[0])
+    return Lock.objects.using(database).filter(key=key, waiting=True).exists()
 
 
 @needs_store("postgres")

@@ -18,11 +18,12 @@ import pytest
 from django.core.management import call_command
 from django.db import connections
 from django.test import override_settings
+from django.utils import timezone
 
 from django_keel_lock import get_lock_store, lock
 from django_keel_lock.models import Waiter
 from django_keel_lock.stores import DatabaseLockStore
-from django_keel_lock.stores.base import QUEUE_LEASE
+from django_keel_lock.stores.base import QUEUE_LEASE, AcquireResult
 from django_keel_lock.stores.database import store as database_store
 
 from .conftest import database_of, empty_database
@@ -40,8 +41,9 @@ def database_store_of(alias: str) -> DatabaseLockStore:
 
 
 def in_line(alias: str, key: str) -> int:
-    """How many places `key`'s line has (live or not)."""
-    return Waiter.objects.using(database_of(alias)).filter(key=key).count()
+    """How many live places `key`'s line has (the database's clock is this machine's)."""
+    places = Waiter.objects.using(database_of(alias)).filter(key=key)
+    return places.filter(expires_at__gt=timezone.now()).count()
 
 
 def _wait_in_line(
@@ -199,7 +201,7 @@ def test_the_clean_up_deletes_lapsed_places_and_keeps_live_ones(
     assert list(owners.values_list("owner", flat=True)) == ["alive"]
     expire_places(server_alias, key)
     store.prune()
-    assert in_line(server_alias, key) == 0
+    assert not owners.exists()
     assert store.release(key, "holder")
 
 
@@ -267,26 +269,59 @@ def listening_at(address: str) -> Iterator[Any]:
         yield raw
 
 
-def test_postgres_first_in_line_takes_the_freed_lock_in_one_statement(key: str) -> None:
-    store = database_store_of("postgres")
+def test_first_in_line_takes_the_freed_lock_in_one_statement(server_alias: str, key: str) -> None:
+    store = database_store_of(server_alias)
+    database = database_of(server_alias)
+    count = postgres_statements_of if server_alias == "postgres" else mariadb_statements_of
     assert store.acquire(key, "holder", "h", 30).acquired
     assert not store.acquire_queued(key, "first", "f", 30).acquired
     assert not store.acquire_queued(key, "second", "s", 30).acquired
     assert store.release(key, "holder")
     # The second is not first: no take, the transaction keeps its place.
     assert not store.acquire_queued(key, "second", "s", 30).acquired
-    sent = postgres_statements_of(store, lambda: store.acquire_queued(key, "first", "f", 30))
+    taken: list[AcquireResult] = []
+    sent = count(store, lambda: taken.append(store.acquire_queued(key, "first", "f", 30)))
     info = store.get(key)
-    assert info is not None and info.owner == "first"
+    assert info is not None and info.owner == "first" and info.holder == "f"
+    assert taken[0].fence == info.fence and 29 < info.expires_in <= 30
     assert sent == 1
-    # Its place went with the take; the flag stays raised, as the second still waits.
-    places = Waiter.objects.using(database_of("postgres")).filter(key=key)
-    assert list(places.values_list("owner", flat=True)) == ["second"]
-    assert waiting_flag(database_of("postgres"), key)
+    # Its place went with the take (MariaDB: lapsed); the flag stays raised, as the second
+    # still waits.
+    live = Waiter.objects.using(database).filter(key=key, expires_at__gt=timezone.now())
+    assert list(live.values_list("owner", flat=True)) == ["second"]
+    assert waiting_flag(database, key)
+    # The next to join deletes a lapsed place.
+    assert not store.acquire_queued(key, "third", "t", 30).acquired
+    places = Waiter.objects.using(database).filter(key=key).order_by("id")
+    assert list(places.values_list("owner", flat=True)) == ["second", "third"]
+    store.leave_queue(key, "third")
     assert store.release(key, "first")
-    assert store.acquire_queued(key, "second", "s", 30).acquired
-    assert not waiting_flag(database_of("postgres"), key)  # nobody waits any more
+    second = store.acquire_queued(key, "second", "s", 30)
+    assert (second.fence or 0) > (taken[0].fence or 0)
+    assert not waiting_flag(database, key)  # nobody waits any more
+    assert in_line(server_alias, key) == 0
     assert store.release(key, "second")
+
+
+def test_a_waiter_joining_the_line_deletes_the_places_that_lapsed(
+    server_alias: str, key: str
+) -> None:
+    """Not only at the clean-up's next round: the line's reads would step over them."""
+    store = database_store_of(server_alias)
+    database = database_of(server_alias)
+    places = Waiter.objects.using(database).filter(key=key).order_by("id")
+    assert store.acquire(key, "holder", "h", 30).acquired
+    for owner in ("gone", "stays", "mine"):
+        assert not store.acquire_queued(key, owner, owner, 30).acquired
+    past = timezone.now() - datetime.timedelta(seconds=1)
+    assert places.filter(owner__in=["gone", "mine"]).update(expires_at=past) == 2
+    # "mine" asks again: "gone" is deleted, and its own lapsed place goes to the end.
+    assert not store.acquire_queued(key, "mine", "m", 30).acquired
+    assert list(places.values_list("owner", flat=True)) == ["stays", "mine"]
+    assert places.get(owner="mine").expires_at > timezone.now()
+    for owner in ("stays", "mine"):
+        store.leave_queue(key, owner)
+    assert store.release(key, "holder")
 
 
 def test_postgres_release_notifies_the_first_waiters_process_alone_while_the_line_has_one(

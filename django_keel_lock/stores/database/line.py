@@ -53,6 +53,11 @@ class Line:
         lock_owner, lock_left, waiting = self._lock_row(key)
         line = [(row[0], float(row[1] or 0.0)) for row in self.run(sql.line, key)]
         live = [place for place in line if place[1] > 0]
+        if any(left <= 0 and waiter != owner for waiter, left in line):
+            # Places that lapsed (a waiter that gave up or died, or one a MariaDB take
+            # lapsed): gone now, so that the line's reads do not step over them until the
+            # clean-up's round. Its own lapsed place goes below.
+            self.run(sql.drop_lapsed, key, owner)
         mine = next((left for waiter, left in line if waiter == owner), None)
         held = lock_left > 0
         if held and lock_owner in PERMIT_OWNERS:  # not queued: as acquire says it

@@ -429,11 +429,16 @@ class DatabaseLockStore(ListeningStore, LockStore):
                 return result
         elif dialect.take_first_sql:
             # In the line already, as a rule woken as its first: one statement if it is.
-            params = (owner, holder, dialect.interval(ttl), owner, key, owner, key, owner)
-            rows, _ = self._execute([(dialect.take_first_sql, params)], key=key, holder=holder)
-            if rows:
+            params = {"owner": owner, "holder": holder, "ttl": dialect.interval(ttl), "key": key}
+
+            def take(cursor: Any, libpq: Any, database: Any) -> int | None:
+                cursor.execute(dialect.take_first_sql, params)
+                return dialect.taken_fence(cursor)
+
+            fence = self._run(take, key=key, holder=holder)
+            if fence is not None:
                 self._in_line.discard((key, owner))
-                return AcquireResult(int(rows[0][0]))
+                return AcquireResult(fence)
         address = self.wake_address
         result, queued = self._transaction(
             lambda cursor: Line(dialect, cursor).acquire(key, owner, holder, ttl, address),

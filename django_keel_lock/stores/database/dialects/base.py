@@ -94,9 +94,9 @@ class Dialect:
     #: `acquire_sql` for a waiter that waits its turn: a free row is taken only while its
     #: `waiting` flag is down (nobody was refused since the last take), or by its own owner.
     acquire_queued_sql: Sequence[str] = ()
-    #: (owner, holder, ttl, owner, key, owner, key, owner) -> (fence,): a waiter already in
-    #: the line takes the free lock in one statement if it is first in it (no row: it goes on
-    #: to the line's transaction); "" where the dialect has none (the transaction does it).
+    #: (owner, holder, ttl, key: named) -> a waiter already in the line takes the free lock
+    #: in one statement if it is first in it, its fence read by `taken_fence` (None: it goes
+    #: on to the line's transaction); "" where the dialect has none (the transaction does it).
     take_first_sql = ""
     #: (key, key) -> wakes the first live waiter of key's line if the lock is free: PostgreSQL
     #: NOTIFYs it itself (a row when it did); MariaDB returns (its listener's connection id, 0
@@ -110,6 +110,12 @@ class Dialect:
     def released_waiting(self, cursor: Any) -> bool:
         """Whether the release that just ran on `cursor` found someone waiting."""
         return False
+
+    def taken_fence(self, cursor: Any) -> int | None:
+        """The fence of the `take_first_sql` that just ran on `cursor`, None if it took
+        nothing: its one row."""
+        row = cursor.fetchone()
+        return None if row is None else int(row[0])
 
     def remaining(self, column: str) -> str:
         return self.remaining_template.format(column=column)
@@ -330,6 +336,7 @@ class LineStatements(NamedTuple):
     join: str  # (key, owner, address, interval): a new place at the end of the line
     stay: str  # (address, interval, key, owner): the place lasts interval more
     leave: str  # (key, owner)
+    drop_lapsed: str  # (key, owner): deletes the lapsed places of key but owner's
     sweep_select: str  # (limit) -> rows of (id,) of expired places
     sweep_delete: str  # {names}: the ids; deletes those still expired
     prune: str  # (limit): deletes at most limit expired places
@@ -370,6 +377,7 @@ def line_statements(
         ),
         stay=f"UPDATE {WAITER_TABLE} SET address = {p}, expires_at = {until} {place}",
         leave=f"DELETE FROM {WAITER_TABLE} {place}",
+        drop_lapsed=f"DELETE FROM {WAITER_TABLE} {where} AND owner <> {p} AND expires_at <= {now}",
         sweep_select=f"SELECT id FROM {WAITER_TABLE} WHERE expires_at <= {now} LIMIT {p}",
         sweep_delete=f"DELETE FROM {WAITER_TABLE} WHERE id {{names}} AND expires_at <= {now}",
         prune=prune,

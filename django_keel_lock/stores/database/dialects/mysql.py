@@ -109,6 +109,22 @@ class MySQLDialect(Dialect):
     # (key, the key's bell_names) -> that first waiter (NULL: the line is empty), then the
     # doorbell as `ring_sql` reads it: the same one round trip as a ring without lines.
     ring_line_sql = f"SELECT ({_first}), " + ", ".join(["IS_USED_LOCK(%s)"] * BELL_SLOTS)
+    # The first in a key's line takes the free lock in one statement (see
+    # Dialect.take_first_sql): a multi-table UPDATE of the lock row and the waiter's own
+    # place, which lapses (the next waiter to join the line deletes it). Both rows are found
+    # by a unique key, so they are locked before the subqueries read the line. The fence
+    # comes back through LAST_INSERT_ID(), as the release's flag does.
+    take_first_sql = f"""
+        UPDATE {TABLE} l JOIN {WAITER_TABLE} w ON w.`key` = l.`key` AND w.owner = %(owner)s
+        SET l.waiting = EXISTS (SELECT 1 FROM {WAITER_TABLE} o WHERE o.`key` = l.`key`
+                                AND o.owner <> %(owner)s AND o.expires_at > {_now}) OR NULL,
+            l.holder = %(holder)s, l.fence = LAST_INSERT_ID(NEXTVAL({SEQUENCE})),
+            l.acquired_at = {_now}, l.owner = %(owner)s,
+            l.expires_at = {_now} + INTERVAL %(ttl)s MICROSECOND, w.expires_at = {_now}
+        WHERE l.`key` = %(key)s AND l.expires_at <= {_now} AND w.expires_at > {_now}
+          AND NOT EXISTS (SELECT 1 FROM {WAITER_TABLE} e WHERE e.`key` = l.`key`
+                          AND e.expires_at > {_now} AND e.id < w.id)
+    """
     # (key, key) -> (that first waiter,) if the lock is free (`leave_queue`).
     wake_first_sql = (
         f"SELECT ({_first}) FROM {TABLE} l WHERE l.`key` = %s AND l.expires_at <= {_now}"
@@ -242,6 +258,9 @@ class MySQLDialect(Dialect):
 
     def released_waiting(self, cursor: Any) -> bool:
         return bool(cursor.lastrowid)
+
+    def taken_fence(self, cursor: Any) -> int | None:
+        return int(cursor.lastrowid) if cursor.rowcount > 0 else None
 
     def connection_options(
         self, options: dict[str, Any], wrapper: Any, socket_timeout: float

@@ -104,21 +104,20 @@ class PostgresDialect(Dialect):
     # place): the UPDATE draws its fence once it holds the row; the flag stays raised while
     # others wait; its place goes with the take. The line is read as of the statement's
     # start: a take it lets through is still one of a free row, by its owner condition.
-    # (owner, holder, ttl, owner, key, owner, key, owner) -> (fence,) when taken, else no row
     take_first_sql = f"""
         WITH took AS (
-            UPDATE {TABLE} AS l SET owner = %s, holder = %s, fence = nextval('{SEQUENCE}'),
-                acquired_at = clock_timestamp(),
-                expires_at = clock_timestamp() + make_interval(secs => %s),
+            UPDATE {TABLE} AS l SET owner = %(owner)s, holder = %(holder)s,
+                fence = nextval('{SEQUENCE}'), acquired_at = clock_timestamp(),
+                expires_at = clock_timestamp() + make_interval(secs => %(ttl)s),
                 waiting = EXISTS (SELECT FROM {WAITER_TABLE} w WHERE w.key = l.key
-                                  AND w.owner <> %s AND w.expires_at > clock_timestamp())
+                                  AND w.owner <> %(owner)s AND w.expires_at > clock_timestamp())
                           OR NULL
-            WHERE l.key = %s AND l.expires_at <= clock_timestamp()
+            WHERE l.key = %(key)s AND l.expires_at <= clock_timestamp()
               AND (SELECT w.owner FROM {WAITER_TABLE} w WHERE w.key = l.key
-                   AND w.expires_at > clock_timestamp() ORDER BY w.id LIMIT 1) = %s
+                   AND w.expires_at > clock_timestamp() ORDER BY w.id LIMIT 1) = %(owner)s
             RETURNING l.fence
         ), gone AS (
-            DELETE FROM {WAITER_TABLE} w WHERE w.key = %s AND w.owner = %s
+            DELETE FROM {WAITER_TABLE} w WHERE w.key = %(key)s AND w.owner = %(owner)s
               AND EXISTS (SELECT FROM took)
         )
         SELECT fence FROM took
