@@ -17,7 +17,7 @@ import pytest
 from django.db import connections
 
 from django_keel_lock import get_lock_store, lock, semaphore
-from django_keel_lock.models import Lock
+from django_keel_lock.models import Lock, Waiter
 from django_keel_lock.stores import DatabaseLockStore
 from django_keel_lock.stores.database.listener import MariaDBListener
 
@@ -121,6 +121,28 @@ def test_mariadb_ring_wakes_a_waiter_of_another_store_at_once(key: str) -> None:
             assert wait_until(lambda: listening(key) and waiting_flag(key), 10)
             released_at = time.monotonic()
             assert holder.release()
+            assert woken(acquired, released_at, 1.0)
+
+
+def test_mariadb_release_names_the_first_in_lines_listener_and_interrupts_it_alone(
+    key: str,
+) -> None:
+    """Once a release of the key found someone waiting, the next one's reply names the
+    listener of the first in the key's line: the release, then the KILL of that listener's
+    nap, with no read of the line or the doorbell between."""
+    store = get_lock_store("mariadb")
+    assert isinstance(store, DatabaseLockStore)
+    assert store.acquire(key, "a", "a", 30).acquired
+    assert not store.acquire(key, "b", "b", 30).acquired  # raises the flag
+    assert store.release(key, "a")  # found someone waiting
+    holder = lock(key, ttl=30, store="mariadb")
+    assert holder.acquire()
+    with another_store() as waiting_store:
+        with waiting(lock(key, ttl=30, store=waiting_store.alias), 5) as acquired:
+            places = Waiter.objects.using("mariadb").filter(key=key).exclude(address="")
+            assert wait_until(lambda: places.exists() and listening(key) and waiting_flag(key), 10)
+            released_at = time.monotonic()
+            assert statements_of(store, holder.release) == 2
             assert woken(acquired, released_at, 1.0)
 
 

@@ -56,6 +56,8 @@ PRUNE_BATCH = 1000
 #: behind it (fewer with more threads), within one batch.
 SWEEP_EVERY = 500
 SWEEP_BATCH = 1000
+#: At most this many keys remembered as contended (`DatabaseLockStore._found_contended`).
+CONTENDED_KEYS = 1024
 T = TypeVar("T")
 _Result = tuple[list[Row], int]
 logger = logging.getLogger("django_keel_lock")
@@ -103,6 +105,8 @@ class DatabaseLockStore(ListeningStore, LockStore):
         # straight to the line's transaction (the plain upsert could take the lock out of
         # turn when a take by a non-waiting acquire lowered the flag meanwhile).
         self._in_line: set[tuple[str, str]] = set()
+        # Keys whose last release here found someone waiting (MariaDB, `_found_contended`).
+        self._contended: set[str] = set()
 
         # Whether the database has the line's table (migration 0005), as the first connection
         # of the store found (None: none opened yet). A database migrated later gets lines
@@ -477,30 +481,57 @@ class DatabaseLockStore(ListeningStore, LockStore):
 
     def release(self, key: str, owner: str) -> bool:
         dialect = self.dialect
+        line = self._has_line()
+        first: int | None = None
         if dialect.ring_sql:  # MariaDB: the release's own reply says whether someone waited
+            # and, for a key found contended, whom to wake (see `Dialect.release_line_sql`).
+            looks = line and key in self._contended
+            sql = dialect.release_line_sql if looks else dialect.release_sql
 
-            def work(cursor: Any, libpq: Any, database: Any) -> tuple[bool, bool]:
-                cursor.execute(dialect.release_sql, (key, owner))
-                return cursor.rowcount > 0, dialect.released_waiting(cursor)
+            def work(cursor: Any, libpq: Any, database: Any) -> tuple[bool, bool, int]:
+                cursor.execute(sql, (key, owner))
+                return cursor.rowcount > 0, *dialect.released_waiting(cursor)
 
-            released, waited = self._run(work, idempotent=False, key=key)
+            released, waited, listener = self._run(work, idempotent=False, key=key)
+            if looks:
+                first = listener
+            if released and line:
+                self._found_contended(key, waited)
         else:  # PostgreSQL's release NOTIFYs itself; SQLite rings in `_announce`
-            sql = dialect.release_line_sql if self._has_line() else dialect.release_sql
+            sql = dialect.release_line_sql if line else dialect.release_sql
             _, count = self._execute([(sql, (key, owner))], hot=True, idempotent=False, key=key)
             released, waited = count > 0, False
-        self._released(key, released, waited, line=True)
+        self._released(key, released, waited, line=True, first=first)
         self._tick()
         return released
 
-    def _released(self, key: str, released: bool, waited: bool, line: bool = False) -> None:
+    def _found_contended(self, key: str, waited: bool) -> None:
+        """Remember whether `key`'s release here found someone waiting: its next release
+        asks for the first in line in the same statement if it did (MariaDB)."""
+        contended = self._contended
+        if not waited:
+            contended.discard(key)
+        elif key not in contended:
+            if len(contended) >= CONTENDED_KEYS:
+                contended.clear()  # a rough bound: at worst, one ring_line_sql more each
+            contended.add(key)
+
+    def _released(
+        self, key: str, released: bool, waited: bool, line: bool = False, first: int | None = None
+    ) -> None:
         """Wake this process's waiters for `key`, and ring its doorbell for other processes'
         if someone was refused it (see `Dialect.ring_sql`): only its first waiter's listener
-        if `line` (an exclusive lock's release) and the key's line has one to reach."""
+        if `line` (an exclusive lock's release) and the key's line has one to reach, `first`
+        if the release named it already (0: none to reach)."""
         if not released:
             return
         self._announce(key)
-        if waited and self.dialect.ring_sql:
-            self._ring(key, line)
+        if not waited or not self.dialect.ring_sql:
+            return
+        if first:
+            self._interrupt(key, [first])
+        else:
+            self._ring(key, line and first is None)
 
     def _ring(self, key: str, line: bool = False) -> None:
         """Interrupt the nap of every other listener subscribed to `key` (`line`: of only the

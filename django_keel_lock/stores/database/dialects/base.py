@@ -89,7 +89,9 @@ class Dialect:
     #: the store keeps no line, and releases do not look for one),
     line_table_sql = ""
     #: `release_sql` where the database has the line's table (PostgreSQL: it NOTIFYs the
-    #: first waiter of the key's line); "": `release_sql` either way.
+    #: first waiter of the key's line; MariaDB: its reply names that waiter's listener, see
+    #: `released_waiting`, so a release of a key found contended runs it instead of
+    #: `release_sql` then `ring_line_sql`); "": `release_sql` either way.
     release_line_sql = ""
     #: `acquire_sql` for a waiter that waits its turn: a free row is taken only while its
     #: `waiting` flag is down (nobody was refused since the last take), or by its own owner.
@@ -107,9 +109,11 @@ class Dialect:
         """The parameters of `ring_sql` for `key`."""
         return []
 
-    def released_waiting(self, cursor: Any) -> bool:
-        """Whether the release that just ran on `cursor` found someone waiting."""
-        return False
+    def released_waiting(self, cursor: Any) -> tuple[bool, int]:
+        """Whether the release that just ran on `cursor` found someone waiting, and (after
+        `release_line_sql`) the listener to interrupt for the first in the key's line (0:
+        none to reach, ring the whole doorbell)."""
+        return False, 0
 
     def taken_fence(self, cursor: Any) -> int | None:
         """The fence of the `take_first_sql` that just ran on `cursor`, None if it took
