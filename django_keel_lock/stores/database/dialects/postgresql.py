@@ -101,17 +101,18 @@ class PostgresDialect(Dialect):
     release_line_sql = _release.format(channel=_FIRST_CHANNEL)
     # A waiter in the line that is first in it takes the free lock in one statement, as the
     # release that woke it expects (the line's transaction is for joining and keeping a
-    # place): the UPDATE draws its fence once it holds the row; the flag stays raised while
-    # others wait; its place goes with the take. The line is read as of the statement's
-    # start: a take it lets through is still one of a free row, by its owner condition.
+    # place): the UPDATE draws its fence once it holds the row; its place goes with the
+    # take. The line is read as of the statement's start: a take it lets through is still
+    # one of a free row, by its owner condition; but a waiter that joined while the take
+    # waited for the row is not in it, so the flag stays raised whoever is left (lowered by
+    # the next take through the line's transaction, which reads the line after the row's
+    # lock): lowered here, that waiter's turn would be lost to plain takes.
     take_first_sql = f"""
         WITH took AS (
             UPDATE {TABLE} AS l SET owner = %(owner)s, holder = %(holder)s,
                 fence = nextval('{SEQUENCE}'), acquired_at = clock_timestamp(),
                 expires_at = clock_timestamp() + make_interval(secs => %(ttl)s),
-                waiting = EXISTS (SELECT FROM {WAITER_TABLE} w WHERE w.key = l.key
-                                  AND w.owner <> %(owner)s AND w.expires_at > clock_timestamp())
-                          OR NULL
+                waiting = TRUE
             WHERE l.key = %(key)s AND l.expires_at <= clock_timestamp()
               AND (SELECT w.owner FROM {WAITER_TABLE} w WHERE w.key = l.key
                    AND w.expires_at > clock_timestamp() ORDER BY w.id LIMIT 1) = %(owner)s
