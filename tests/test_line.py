@@ -41,8 +41,11 @@ def _waiter(
         return ask(*args)
 
     async def acounted(*args: Any) -> Any:
-        attempts.append(time.monotonic())
-        return await aask(*args)
+        at, before = time.monotonic(), len(attempts)
+        result = await aask(*args)
+        if len(attempts) == before:  # native (Redis); else it ran acquire_queued, counted
+            attempts.append(at)
+        return result
 
     store.acquire_queued, store.aacquire_queued = counted, acounted  # type: ignore[method-assign]
     handle = lock(key, ttl=30, store=alias)
