@@ -39,8 +39,8 @@ class RedisListener(ReleaseListener):
     def prepare(self) -> bool:
         # The base channel last: once Redis confirms it, this process's wake channel is
         # subscribed too (Redis answers a connection's commands in order).
-        wake = self.store.wake_prefix + self.address
-        self._conn.send_packed_command([_pack(b"SUBSCRIBE", wake, self.store.channel)])
+        channels = (self._wake_channel, self.store.channel)
+        self._conn.send_packed_command([_pack(b"SUBSCRIBE", *channels)])
         return False  # ready once Redis confirms the base channel (see _handle)
 
     def socket(self) -> int:
