@@ -336,7 +336,6 @@ def test_a_take_by_the_first_in_line_keeps_the_flag_for_a_waiter_that_joined_mea
     assert taken and taken[0].acquired
     assert waiting_flag(database, key)
     assert store.release(key, "first")
-    store.leave_queue(key, "joined")
     Waiter.objects.using(database).filter(key=key).delete()
 
 

@@ -482,7 +482,6 @@ class DatabaseLockStore(ListeningStore, LockStore):
     def release(self, key: str, owner: str) -> bool:
         dialect = self.dialect
         line = self._has_line()
-        first: int | None = None
         if dialect.ring_sql:  # MariaDB: the release's own reply says whether someone waited
             # and, for a key found contended, whom to wake (see `Dialect.release_line_sql`).
             looks = line and key in self._contended
@@ -493,14 +492,13 @@ class DatabaseLockStore(ListeningStore, LockStore):
                 return cursor.rowcount > 0, *dialect.released_waiting(cursor)
 
             released, waited, listener = self._run(work, idempotent=False, key=key)
-            if looks:
-                first = listener
+            first = listener if looks else None
             if released and line:
                 self._found_contended(key, waited)
         else:  # PostgreSQL's release NOTIFYs itself; SQLite rings in `_announce`
             sql = dialect.release_line_sql if line else dialect.release_sql
             _, count = self._execute([(sql, (key, owner))], hot=True, idempotent=False, key=key)
-            released, waited = count > 0, False
+            released, waited, first = count > 0, False, None
         self._released(key, released, waited, line=True, first=first)
         self._tick()
         return released

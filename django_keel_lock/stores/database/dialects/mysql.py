@@ -92,11 +92,11 @@ class MySQLDialect(Dialect):
     # release but gets the row after it would still find the released row unexpired. It finds
     # no owner of its own there (see Dialect.release_sql), so it cannot bring the lock back.
     # The flag is written back as it was, through LAST_INSERT_ID(): the reply carries it.
-    release_sql = (
-        f"UPDATE {TABLE} SET waiting = LAST_INSERT_ID(IFNULL(waiting, 0)), "
-        f"owner = {RELEASED}, expires_at = {_now} "
-        f"WHERE `key` = %s AND owner = %s AND expires_at > {_now}"
+    _release = (
+        f"UPDATE {TABLE} l SET waiting = {{waiting}}, owner = {RELEASED}, expires_at = {_now} "
+        f"WHERE l.`key` = %s AND l.owner = %s AND l.expires_at > {_now}"
     )
+    release_sql = _release.format(waiting="LAST_INSERT_ID(IFNULL(waiting, 0))")
     # (the key's bell_names) -> the connection id holding each slot, NULL for a free one
     ring_sql = "SELECT " + ", ".join(["IS_USED_LOCK(%s)"] * BELL_SLOTS)
     # The listener of the first live waiter of a key's line ({key}): its connection id, 0
@@ -106,11 +106,10 @@ class MySQLDialect(Dialect):
         f"FROM {WAITER_TABLE} w WHERE w.`key` = {{key}} AND w.expires_at > {_now} "
         "ORDER BY w.id LIMIT 1"
     )
+    _first_of_key = _first.format(key="%s")
     # (key, the key's bell_names) -> that first waiter (NULL: the line is empty), then the
     # doorbell as `ring_sql` reads it: the same one round trip as a ring without lines.
-    ring_line_sql = f"SELECT ({_first.format(key='%s')}), " + ", ".join(
-        ["IS_USED_LOCK(%s)"] * BELL_SLOTS
-    )
+    ring_line_sql = f"SELECT ({_first_of_key}), " + ", ".join(["IS_USED_LOCK(%s)"] * BELL_SLOTS)
     # `release_sql` and `ring_line_sql`'s lookup in one round trip, for a key whose last
     # release here found someone waiting (the subquery costs ~60 us where nobody does): the
     # reply's LAST_INSERT_ID() is 0 when nobody waited, else 1 + that first waiter's
@@ -119,11 +118,9 @@ class MySQLDialect(Dialect):
     # only where the flag is up, after the row is locked (as the line's writers lock it
     # before their places).
     _first_of_row = _first.format(key="l.`key`")
-    release_line_sql = (
-        f"UPDATE {TABLE} l SET waiting = IF(LAST_INSERT_ID(IF(waiting IS TRUE, "
-        f"1 + IFNULL(({_first_of_row}), 0), 0)) IS NULL, NULL, waiting), "
-        f"owner = {RELEASED}, expires_at = {_now} "
-        f"WHERE `key` = %s AND owner = %s AND expires_at > {_now}"
+    release_line_sql = _release.format(
+        waiting=f"IF(LAST_INSERT_ID(IF(waiting IS TRUE, 1 + IFNULL(({_first_of_row}), 0), 0)) "
+        "IS NULL, NULL, waiting)"
     )
     # The first in a key's line takes the free lock in one statement (see
     # Dialect.take_first_sql): a multi-table UPDATE of the lock row and the waiter's own
@@ -143,8 +140,7 @@ class MySQLDialect(Dialect):
     """
     # (key, key) -> (that first waiter,) if the lock is free (`leave_queue`).
     wake_first_sql = (
-        f"SELECT ({_first.format(key='%s')}) FROM {TABLE} l "
-        f"WHERE l.`key` = %s AND l.expires_at <= {_now}"
+        f"SELECT ({_first_of_key}) FROM {TABLE} l WHERE l.`key` = %s AND l.expires_at <= {_now}"
     )
     kill_sql = "KILL QUERY %s"  # (connection id)
     # The listener's statements. (bell_names) -> the slot taken, NULL if all are taken: CASE
