@@ -4,9 +4,14 @@ For each store and each process count (1, 2, 4, 8, 16, 32), that many processes 
 `--seconds` on one key: acquire (waiting up to 10 s), hold for `--hold` ms, release, then
 `--gap` ms before asking again. Printed per store: acquisitions/s of all of them, the
 ratio to 2 processes, p50 / p99 of the wait for the lock, and the least-served process's
-share against the mean.
+share against the mean. Next to them, for scale, the servers' own queues with nothing of
+ours in the way: PostgreSQL's blocking `pg_advisory_lock` (`advisory`), MariaDB's
+`GET_LOCK` through django-mysql's `Lock` (`django-mysql`) and a Redis list holding one
+token (`BLPOP` takes it, `LPUSH` gives it back: `blpop`), each taken and given by the same
+loop, so what they lose from 2 to 32 processes is what the machine loses.
 
-    .venv/bin/python -m bench.bench_contention [--stores postgres,redis,mariadb]
+    .venv/bin/python -m bench.bench_contention
+        [--stores postgres,redis,mariadb,advisory,django-mysql,blpop]
         [--counts 1,2,4,8,16,32] [--seconds 4] [--hold 0] [--gap 0]
 
 Targets (issue 18): acquisitions/s at 32 processes >= 0.7x at 2; least share >= 0.5x the
@@ -20,23 +25,51 @@ import multiprocessing
 import os
 import time
 import uuid
+import zlib
 from multiprocessing.connection import Connection
 
+from .bench_db import Pair, django_mysql_lock, pg_raw
 from .common import percentile, print_table, setup_django
+from .settings import REDIS_URL
 
-STORES = ["postgres", "redis", "mariadb"]
+STORES = ["postgres", "redis", "mariadb", "advisory", "django-mysql", "blpop"]
 COUNTS = [1, 2, 4, 8, 16, 32]
 #: Waits kept per process (every n-th, evenly): enough for a p99, little to send back.
 SAMPLES = 2_000
 
 
-def _worker(
-    alias: str, key: str, start_at: float, seconds: float, hold: float, gap: float, pipe: Connection
-) -> None:
+def _pair(alias: str, key: str) -> Pair:
+    """How a process takes (waiting up to 10 s) and gives back the lock on `key`, connected."""
+    if alias == "advisory":
+        conn = pg_raw()
+        lock_id = zlib.crc32(key.encode())
+        return (
+            lambda: conn.execute("SELECT pg_advisory_lock(%s)", (lock_id,)) and True,
+            lambda: conn.execute("SELECT pg_advisory_unlock(%s)", (lock_id,)),
+        )
+    if alias == "django-mysql":
+        held = django_mysql_lock(key)
+        return (lambda: held.acquire() or True), held.release
+    if alias == "blpop":
+        import redis
+
+        client = redis.Redis.from_url(REDIS_URL)
+        client.ping()
+        return (
+            lambda: client.blpop([key], timeout=10) is not None,
+            lambda: client.lpush(key, "token"),
+        )
     from django_keel_lock import lock
 
     handle = lock(key, ttl=30, store=alias)
     handle.is_locked()  # connect before the start, not in the timed part
+    return (lambda: handle.acquire(timeout=10)), handle.release
+
+
+def _worker(
+    alias: str, key: str, start_at: float, seconds: float, hold: float, gap: float, pipe: Connection
+) -> None:
+    take, give = _pair(alias, key)
     while time.monotonic() < start_at:
         time.sleep(0.001)
     end = start_at + seconds
@@ -45,12 +78,12 @@ def _worker(
         asked = time.monotonic()
         if asked >= end:
             break
-        if handle.acquire(timeout=10):
+        if take():
             waits.append(time.monotonic() - asked)
             count += 1
             if hold:
                 time.sleep(hold)
-            handle.release()
+            give()
         if gap:
             time.sleep(gap)
     step = max(1, len(waits) // SAMPLES)
@@ -63,6 +96,11 @@ def contend(alias: str, processes: int, seconds: float, hold: float, gap: float)
 
     connections.close_all()  # the children must not share the parent's connections
     key = f"bench:contention:{uuid.uuid4().hex}"
+    if alias == "blpop":
+        import redis
+
+        redis.Redis.from_url(REDIS_URL).lpush(key, "token")  # the one token, expiring after
+        redis.Redis.from_url(REDIS_URL).expire(key, int(seconds) + 60)
     start_at = time.monotonic() + 1.0 + processes * 0.05
     context = multiprocessing.get_context("fork")
     pipes, procs = [], []
@@ -82,7 +120,7 @@ def contend(alias: str, processes: int, seconds: float, hold: float, gap: float)
     mean = sum(counts) / len(counts)
     return [
         processes,
-        sum(counts) / seconds,
+        round(sum(counts) / seconds),
         percentile(waits, 50) if waits else "-",
         percentile(waits, 99) if waits else "-",
         f"{min(counts) / mean:.2f}" if mean else "-",

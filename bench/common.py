@@ -100,4 +100,6 @@ def _fmt(value: object) -> str:
         if value >= 1000:
             return f"{value:,.0f}"
         return f"{value:.2f}"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
     return str(value)
