@@ -94,6 +94,28 @@ def statements_of(store: DatabaseLockStore, call: Callable[[], object]) -> int:
     return questions() - before - idle
 
 
+def commands_of(store: DatabaseLockStore, call: Callable[[], object]) -> dict[str, int]:
+    """Which statements `call` sends on this thread's connection of `store`, by the server's
+    own counts: {"statements": all of them, "begin": ..., "update": ..., "kill": ...,
+    "commit": ...} (the SHOWs that read them taken off)."""
+    conn, _ = store._connection()
+    cursor = conn.wrapper.connection.cursor()
+    names = {"Questions": "statements"} | {f"Com_{c}": c for c in ("begin", "update", "kill")}
+    names["Com_commit"] = "commit"
+
+    def counts() -> dict[str, int]:
+        marks = ", ".join(["%s"] * len(names))
+        cursor.execute(f"SHOW SESSION STATUS WHERE Variable_name IN ({marks})", list(names))
+        return {names[name]: int(value) for name, value in cursor.fetchall()}
+
+    first = counts()
+    idle = {name: value - first[name] for name, value in counts().items()}  # the SHOW itself
+    before = counts()
+    call()
+    after = counts()
+    return {name: after[name] - before[name] - idle[name] for name in after}
+
+
 def test_mariadb_release_nobody_waits_for_is_one_statement_and_one_waited_for_rings(
     key: str,
 ) -> None:
@@ -108,6 +130,10 @@ def test_mariadb_release_nobody_waits_for_is_one_statement_and_one_waited_for_ri
     assert statements_of(store, lambda: store.release(key, "a")) == 2
     assert store.acquire(key, "b", "b", 30).acquired  # another owner's take lowers the flag
     assert not waiting_flag(key)
+    # The last release found someone waiting: this one goes in its transaction (BEGIN,
+    # UPDATE, COMMIT; see the next test), finds nobody, and the key is uncontended again.
+    assert statements_of(store, lambda: store.release(key, "b")) == 3
+    assert store.acquire(key, "b", "b", 30).acquired
     assert statements_of(store, lambda: store.release(key, "b")) == 1
 
 
@@ -129,7 +155,8 @@ def test_mariadb_release_names_the_first_in_lines_listener_and_interrupts_it_alo
 ) -> None:
     """Once a release of the key found someone waiting, the next one's reply names the
     listener of the first in the key's line: the release, then the KILL of that listener's
-    nap, with no read of the line or the doorbell between."""
+    nap, with no read of the line or the doorbell between. Both run in one transaction, the
+    KILL before its COMMIT, so the waiter wakes while the release commits."""
     store = get_lock_store("mariadb")
     assert isinstance(store, DatabaseLockStore)
     assert store.acquire(key, "a", "a", 30).acquired
@@ -142,7 +169,13 @@ def test_mariadb_release_names_the_first_in_lines_listener_and_interrupts_it_alo
             places = Waiter.objects.using("mariadb").filter(key=key).exclude(address="")
             assert wait_until(lambda: places.exists() and listening(key) and waiting_flag(key), 10)
             released_at = time.monotonic()
-            assert statements_of(store, holder.release) == 2
+            assert commands_of(store, holder.release) == {
+                "statements": 4,
+                "begin": 1,
+                "update": 1,
+                "kill": 1,
+                "commit": 1,
+            }
             assert woken(acquired, released_at, 1.0)
 
 

@@ -484,24 +484,50 @@ class DatabaseLockStore(ListeningStore, LockStore):
         line = self._has_line()
         if dialect.ring_sql:  # MariaDB: the release's own reply says whether someone waited
             # and, for a key found contended, whom to wake (see `Dialect.release_line_sql`).
-            looks = line and key in self._contended
-            sql = dialect.release_line_sql if looks else dialect.release_sql
+            if line and key in self._contended:
+                released, waited, first = self._run(
+                    lambda cursor, libpq, database: self._release_waking(
+                        cursor, database, key, owner
+                    ),
+                    idempotent=False,
+                    key=key,
+                )
+                rung = bool(first)  # woken already
+            else:
 
-            def work(cursor: Any, libpq: Any, database: Any) -> tuple[bool, bool, int]:
-                cursor.execute(sql, (key, owner))
-                return cursor.rowcount > 0, *dialect.released_waiting(cursor)
+                def work(cursor: Any, libpq: Any, database: Any) -> tuple[bool, bool, int]:
+                    cursor.execute(dialect.release_sql, (key, owner))
+                    return cursor.rowcount > 0, *dialect.released_waiting(cursor)
 
-            released, waited, listener = self._run(work, idempotent=False, key=key)
-            first = listener if looks else None
+                released, waited, _ = self._run(work, idempotent=False, key=key)
+                first, rung = None, False
             if released and line:
                 self._found_contended(key, waited)
         else:  # PostgreSQL's release NOTIFYs itself; SQLite rings in `_announce`
             sql = dialect.release_line_sql if line else dialect.release_sql
             _, count = self._execute([(sql, (key, owner))], hot=True, idempotent=False, key=key)
-            released, waited, first = count > 0, False, None
-        self._released(key, released, waited, line=True, first=first)
+            released, waited, first, rung = count > 0, False, None, False
+        self._released(key, released, waited and not rung, line=True, first=first)
         self._tick()
         return released
+
+    def _release_waking(
+        self, cursor: Any, database: Any, key: str, owner: str
+    ) -> tuple[bool, bool, int]:
+        """MariaDB's release of a key found contended: `release_line_sql` in a transaction
+        that interrupts the first waiter's listener before it commits, so that the waiter's
+        wake-up and its take overlap the commit (the take waits for the row's lock, then
+        finds it released). (released, waited, that listener: 0 if none to reach)."""
+        dialect = self.dialect
+
+        def body(cursor: Any) -> tuple[bool, bool, int]:
+            cursor.execute(dialect.release_line_sql, (key, owner))
+            released, (waited, first) = cursor.rowcount > 0, dialect.released_waiting(cursor)
+            if released and first:
+                self._kill(cursor, database, key, self._others([first]))
+            return released, waited, first
+
+        return _in_transaction(cursor, dialect.begin_sql, body)
 
     def _found_contended(self, key: str, waited: bool) -> None:
         """Remember whether `key`'s release here found someone waiting: its next release
@@ -555,28 +581,33 @@ class DatabaseLockStore(ListeningStore, LockStore):
         """KILL QUERY the naps of the listeners whose connection ids are `listening` (None:
         a free slot), but this process's. A failure is only logged: the release went through,
         and a lost ring costs its waiters one poll."""
-        dialect = self.dialect
+        targets = self._others(listening)
+        if not targets:
+            return
+        try:
+            self._run(lambda cursor, libpq, database: self._kill(cursor, database, key, targets))
+        except LockStoreUnavailable as exc:
+            logger.debug("lock store %r: ringing for %r failed: %s", self.alias, key, exc)
+
+    def _others(self, listening: Sequence[Any]) -> list[int]:
+        """The connection ids in `listening` but None and this process's listener's."""
         listener = self._listener  # a forked child's is its parent's: ring that one too
         mine = (
             getattr(listener, "connection_id", None) if listener and listener.usable_here else None
         )
-        targets = [int(value) for value in listening if value is not None and int(value) != mine]
-        if not targets:
-            return
+        return [int(value) for value in listening if value is not None and int(value) != mine]
 
-        def work(cursor: Any, libpq: Any, database: Any) -> None:
-            for target in targets:
-                try:
-                    cursor.execute(dialect.kill_sql, (target,))
-                except database.OperationalError as exc:
-                    if exc.args[0] not in dialect.kill_refusals:
-                        raise
-                    logger.debug("lock store %r cannot ring %r: %s", self.alias, key, exc)
-
-        try:
-            self._run(work, key=key)
-        except LockStoreUnavailable as exc:
-            logger.debug("lock store %r: ringing for %r failed: %s", self.alias, key, exc)
+    def _kill(self, cursor: Any, database: Any, key: str, targets: Sequence[int]) -> None:
+        """KILL QUERY each of `targets` on `cursor`; one refused (see `kill_refusals`) is
+        skipped."""
+        dialect = self.dialect
+        for target in targets:
+            try:
+                cursor.execute(dialect.kill_sql, (target,))
+            except database.OperationalError as exc:
+                if exc.args[0] not in dialect.kill_refusals:
+                    raise
+                logger.debug("lock store %r cannot ring %r: %s", self.alias, key, exc)
 
     def extend(self, key: str, owner: str, ttl: float) -> bool:
         dialect = self.dialect
