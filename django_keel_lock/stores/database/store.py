@@ -585,7 +585,9 @@ class DatabaseLockStore(ListeningStore, LockStore):
         if not targets:
             return
         try:
-            self._run(lambda cursor, libpq, database: self._kill(cursor, database, key, targets))
+            self._run(
+                lambda cursor, libpq, database: self._kill(cursor, database, key, targets), key=key
+            )
         except LockStoreUnavailable as exc:
             logger.debug("lock store %r: ringing for %r failed: %s", self.alias, key, exc)
 
