@@ -27,6 +27,7 @@ import time
 import uuid
 import zlib
 from multiprocessing.connection import Connection
+from typing import Any
 
 from .bench_db import Pair, django_mysql_lock, pg_raw
 from .common import percentile, print_table, setup_django
@@ -38,23 +39,35 @@ COUNTS = [1, 2, 4, 8, 16, 32]
 SAMPLES = 2_000
 
 
+def _redis() -> Any:
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL)
+    client.ping()  # connected before the start, not in the timed part
+    return client
+
+
 def _pair(alias: str, key: str) -> Pair:
     """How a process takes (waiting up to 10 s) and gives back the lock on `key`, connected."""
     if alias == "advisory":
         conn = pg_raw()
         lock_id = zlib.crc32(key.encode())
-        return (
-            lambda: conn.execute("SELECT pg_advisory_lock(%s)", (lock_id,)) and True,
-            lambda: conn.execute("SELECT pg_advisory_unlock(%s)", (lock_id,)),
-        )
+
+        def take_advisory() -> bool:
+            conn.execute("SELECT pg_advisory_lock(%s)", (lock_id,))  # waits as long as it takes
+            return True
+
+        return take_advisory, lambda: conn.execute("SELECT pg_advisory_unlock(%s)", (lock_id,))
     if alias == "django-mysql":
         held = django_mysql_lock(key)
-        return (lambda: held.acquire() or True), held.release
-    if alias == "blpop":
-        import redis
 
-        client = redis.Redis.from_url(REDIS_URL)
-        client.ping()
+        def take_named() -> bool:
+            held.acquire()  # raises if not within its acquire_timeout (10 s)
+            return True
+
+        return take_named, held.release
+    if alias == "blpop":
+        client = _redis()
         return (
             lambda: client.blpop([key], timeout=10) is not None,
             lambda: client.lpush(key, "token"),
@@ -97,10 +110,10 @@ def contend(alias: str, processes: int, seconds: float, hold: float, gap: float)
     connections.close_all()  # the children must not share the parent's connections
     key = f"bench:contention:{uuid.uuid4().hex}"
     if alias == "blpop":
-        import redis
-
-        redis.Redis.from_url(REDIS_URL).lpush(key, "token")  # the one token, expiring after
-        redis.Redis.from_url(REDIS_URL).expire(key, int(seconds) + 60)
+        client = _redis()
+        client.lpush(key, "token")  # the one token, gone a minute after the run
+        client.expire(key, int(seconds) + 60)
+        client.close()
     start_at = time.monotonic() + 1.0 + processes * 0.05
     context = multiprocessing.get_context("fork")
     pipes, procs = [], []

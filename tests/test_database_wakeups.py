@@ -77,31 +77,15 @@ def woken(acquired: list[float], released_at: float, within: float) -> bool:
     return bool(acquired) and acquired[0] - released_at < within
 
 
-def statements_of(store: DatabaseLockStore, call: Callable[[], object]) -> int:
-    """How many statements `call` sends on this thread's connection of `store`, by the
-    server's own count (Questions, which counts the SHOW that reads it too)."""
-    conn, _ = store._connection()
-    cursor = conn.wrapper.connection.cursor()
-
-    def questions() -> int:
-        cursor.execute("SHOW SESSION STATUS LIKE 'Questions'")
-        return int(cursor.fetchone()[1])
-
-    first = questions()
-    idle = questions() - first  # the SHOW itself
-    before = questions()
-    call()
-    return questions() - before - idle
-
-
 def commands_of(store: DatabaseLockStore, call: Callable[[], object]) -> dict[str, int]:
     """Which statements `call` sends on this thread's connection of `store`, by the server's
-    own counts: {"statements": all of them, "begin": ..., "update": ..., "kill": ...,
-    "commit": ...} (the SHOWs that read them taken off)."""
+    own counts: {"statements": all of them (Questions), "begin": ..., "update": ...,
+    "kill": ..., "commit": ...}, the SHOWs that read them taken off."""
     conn, _ = store._connection()
     cursor = conn.wrapper.connection.cursor()
-    names = {"Questions": "statements"} | {f"Com_{c}": c for c in ("begin", "update", "kill")}
-    names["Com_commit"] = "commit"
+    names = {"Questions": "statements"} | {
+        f"Com_{command}": command for command in ("begin", "update", "kill", "commit")
+    }
 
     def counts() -> dict[str, int]:
         marks = ", ".join(["%s"] * len(names))
@@ -114,6 +98,11 @@ def commands_of(store: DatabaseLockStore, call: Callable[[], object]) -> dict[st
     call()
     after = counts()
     return {name: after[name] - before[name] - idle[name] for name in after}
+
+
+def statements_of(store: DatabaseLockStore, call: Callable[[], object]) -> int:
+    """How many statements `call` sends on this thread's connection of `store`."""
+    return commands_of(store, call)["statements"]
 
 
 def test_mariadb_release_nobody_waits_for_is_one_statement_and_one_waited_for_rings(

@@ -26,6 +26,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import suppress
+from functools import partial
 from typing import Any, TypeVar, cast
 
 from django.core.exceptions import ImproperlyConfigured, SynchronousOnlyOperation
@@ -482,17 +483,13 @@ class DatabaseLockStore(ListeningStore, LockStore):
     def release(self, key: str, owner: str) -> bool:
         dialect = self.dialect
         line = self._has_line()
+        first: int | None = None
         if dialect.ring_sql:  # MariaDB: the release's own reply says whether someone waited
             # and, for a key found contended, whom to wake (see `Dialect.release_line_sql`).
             if line and key in self._contended:
                 released, waited, first = self._run(
-                    lambda cursor, libpq, database: self._release_waking(
-                        cursor, database, key, owner
-                    ),
-                    idempotent=False,
-                    key=key,
+                    partial(self._release_waking, key, owner), idempotent=False, key=key
                 )
-                rung = bool(first)  # woken already
             else:
 
                 def work(cursor: Any, libpq: Any, database: Any) -> tuple[bool, bool, int]:
@@ -500,24 +497,26 @@ class DatabaseLockStore(ListeningStore, LockStore):
                     return cursor.rowcount > 0, *dialect.released_waiting(cursor)
 
                 released, waited, _ = self._run(work, idempotent=False, key=key)
-                first, rung = None, False
             if released and line:
                 self._found_contended(key, waited)
+            if first:
+                waited = False  # its listener was woken inside the release: nothing to ring
         else:  # PostgreSQL's release NOTIFYs itself; SQLite rings in `_announce`
             sql = dialect.release_line_sql if line else dialect.release_sql
             _, count = self._execute([(sql, (key, owner))], hot=True, idempotent=False, key=key)
-            released, waited, first, rung = count > 0, False, None, False
-        self._released(key, released, waited and not rung, line=True, first=first)
+            released, waited = count > 0, False
+        self._released(key, released, waited, line=True, first=first)
         self._tick()
         return released
 
     def _release_waking(
-        self, cursor: Any, database: Any, key: str, owner: str
+        self, key: str, owner: str, cursor: Any, libpq: Any, database: Any
     ) -> tuple[bool, bool, int]:
-        """MariaDB's release of a key found contended: `release_line_sql` in a transaction
-        that interrupts the first waiter's listener before it commits, so that the waiter's
-        wake-up and its take overlap the commit (the take waits for the row's lock, then
-        finds it released). (released, waited, that listener: 0 if none to reach)."""
+        """MariaDB's release of a key found contended (`_run`'s work): `release_line_sql` in
+        a transaction that interrupts the first waiter's listener before it commits, so that
+        the waiter's wake-up and its take overlap the commit (the take waits for the row's
+        lock, then finds it released). (released, waited, that listener: 0 if none to
+        reach)."""
         dialect = self.dialect
 
         def body(cursor: Any) -> tuple[bool, bool, int]:
