@@ -24,7 +24,7 @@ from typing import Any
 from bench.common import print_table
 
 from .checker import RULES, Report, check, excerpt
-from .stores import SOCKET_TIMEOUT, TARGETS, ensure_postgres_database
+from .stores import SOCKET_TIMEOUT, TARGETS
 
 HEADERS = (
     "store",
@@ -131,10 +131,9 @@ def run_one(name: str, args: argparse.Namespace) -> int:
     """One store: start it, run workers and nemesis for `args.seconds`, check, summarise."""
     run = f"{os.getpid()}-{args.seed}"
     folder = Path(tempfile.mkdtemp(prefix=f"keel-chaos-{name}-"))
-    ensure_postgres_database()
     target = TARGETS[name](run)
     try:
-        settings = target.start()
+        settings = target.open()
         keys: list[dict[str, Any]] = [
             {"key": f"chaos.{run}.{kind}", "limit": limit, "auto_extend": auto}
             for kind, limit, auto in (
@@ -225,13 +224,9 @@ def _prepare(keys: list[str]) -> None:
     if "store" in settings.DATABASES:
         call_command("migrate", database="store", verbosity=0)
     with connections["default"].cursor() as cursor:
-        cursor.execute("SELECT pg_advisory_lock(hashtext('keel_chaos_schema'))")
         cursor.execute(SCHEMA)
-        cursor.execute("SELECT pg_advisory_unlock(hashtext('keel_chaos_schema'))")
         for key in keys:
-            cursor.execute(
-                "INSERT INTO keel_chaos_resource (key) VALUES (%s) ON CONFLICT DO NOTHING", [key]
-            )
+            cursor.execute("INSERT INTO keel_chaos_resource (key) VALUES (%s)", [key])
     connections.close_all()
 
 

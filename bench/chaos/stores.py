@@ -14,8 +14,8 @@ import random
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 from tests.support.redis_servers import (
@@ -44,29 +44,41 @@ SOCKET_TIMEOUT = 1.0
 Fault = Callable[[random.Random], dict[str, Any]]
 
 
-def resource_database(run: str) -> dict[str, Any]:
+def resource_database(run: str, name: str) -> dict[str, Any]:
     """The fenced resource's database: PostgreSQL, reached directly (never through a proxy
     and never faulted: it is the judge), its sessions named apart from the store's."""
     return {
         "ENGINE": "django.db.backends.postgresql",
         **PG,
-        "NAME": DATABASE,
+        "NAME": name,
         "OPTIONS": {"application_name": f"keel-chaos-resource-{run}"},
     }
 
 
-def ensure_postgres_database() -> None:
+def postgres_admin(sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+    """`sql`'s rows, run on PostgreSQL's own database in a session of its own (autocommit)."""
     import psycopg
 
     with psycopg.connect(
         host=PG["HOST"], port=PG["PORT"], user=PG["USER"], dbname="postgres", autocommit=True
     ) as conn:
-        if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [DATABASE]).fetchone():
-            conn.execute(f"CREATE DATABASE {DATABASE}")
+        cursor = conn.execute(sql, params)
+        return cursor.fetchall() if cursor.description else []
+
+
+@contextmanager
+def postgres_database(name: str) -> Iterator[None]:
+    """A PostgreSQL database `name` for as long as the block runs, dropped after it with any
+    session still on it."""
+    postgres_admin(f"CREATE DATABASE {name}")
+    try:
+        yield
+    finally:
+        postgres_admin(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
 class Target:
-    """A store under test: `start()` brings its servers up and returns the store's and the
+    """A store under test: `open()` brings its servers up and returns the store's and the
     databases' settings; `faults` the store faults it supports; `close()` stops what it started."""
 
     name = ""
@@ -75,8 +87,16 @@ class Target:
 
     def __init__(self, run: str) -> None:
         self.run = run
+        #: The run's own database on each server it uses, so that runs side by side (CI's two
+        #: passes) share no table: one run's schema set-up once deadlocked another's writes.
+        self.database = f"{DATABASE}_{run.replace('-', '_')}"
         self.stack = ExitStack()
         self.faults: dict[str, Fault] = {}
+
+    def open(self) -> dict[str, Any]:
+        """The run's PostgreSQL database (the resource's), then the store's servers."""
+        self.stack.enter_context(postgres_database(self.database))
+        return self.start()
 
     def start(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -87,7 +107,8 @@ class Target:
     def settings(self, config: dict[str, Any], **databases: dict[str, Any]) -> dict[str, Any]:
         """The run's settings: the store's `config` (a KEEL_LOCK_STORES entry) and the
         resource's database next to `databases` (the store's, as "store")."""
-        return {"store": config, "databases": {"default": resource_database(self.run), **databases}}
+        default = resource_database(self.run, self.database)
+        return {"store": config, "databases": {"default": default, **databases}}
 
     def add_proxy(self, port: int) -> FaultyProxy:
         """A FaultyProxy in front of `port`, with its stall and drop faults."""
@@ -139,24 +160,21 @@ class Postgres(Target):
     durable = True
 
     def start(self) -> dict[str, Any]:
-        import psycopg
-
         proxy = self.add_proxy(PG["PORT"])
         application = f"keel-chaos-store-{self.run}"
 
         def terminate(rng: random.Random) -> dict[str, Any]:
-            with psycopg.connect(
-                host=PG["HOST"], port=PG["PORT"], user=PG["USER"], dbname=DATABASE, autocommit=True
-            ) as conn:
-                rows = conn.execute(
-                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                    "WHERE application_name = %s",
-                    [application],
-                ).fetchall()
+            rows = postgres_admin(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE application_name = %s",
+                [application],
+            )
             return {"sessions": len(rows)}
 
         self.faults["terminate_sessions"] = terminate
-        database = _behind(proxy, "postgresql", PG["USER"], DATABASE, application_name=application)
+        database = _behind(
+            proxy, "postgresql", PG["USER"], self.database, application_name=application
+        )
         return self.settings(_db_store(DURABLE=self.durable), store=database)
 
 
@@ -171,8 +189,8 @@ class MariaDB(Target):
     def start(self) -> dict[str, Any]:
         import MySQLdb
 
-        # A database of the run's own: the store's sessions are the ones on it.
-        name = f"{DATABASE}_{self.run.replace('-', '_')}"
+        # The store's sessions are the ones on the run's own database.
+        name = self.database
         admin = {"host": MY["HOST"], "port": MY["PORT"], "user": MY["USER"], "passwd": ""}
 
         def execute(sql: str) -> None:
