@@ -29,6 +29,7 @@ from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonRespons
 from .core import Lock
 from .durations import Duration
 from .options import DEFAULT_RETRY_DELAY, RAISE, LockSpec, OnLost, template_name, validate_key
+from .registry import get_lock_store
 
 if TYPE_CHECKING:
     from django.views import View
@@ -165,8 +166,9 @@ class ViewLock:
         else:
             key = self.key(request, *args, **kwargs)
         try:
-            # The key comes from the URL: one a lock cannot take is the client's mistake.
-            validate_key(key)
+            # The key comes from the URL: one a lock cannot take (the store's length limit
+            # too) is the client's mistake.
+            validate_key(key, get_lock_store(self.spec.store))
         except ValueError as exc:
             raise BadRequest(f"cannot lock this resource: {exc}") from None
         return self.spec.lock(key, label=request_label(request))

@@ -465,6 +465,16 @@ async def test_method_decorator_on_dispatch_of_an_async_view(
     assert is_free(f"adecorated:{key}")
 
 
+@pytest.mark.parametrize("prefix", ["store", "astore"])
+def test_a_url_key_longer_than_the_store_takes_is_a_bad_request_not_a_server_error(
+    client: Client, prefix: str, key: str
+) -> None:
+    long = f"{key}-" + "a" * 300  # the database store takes keys of up to 255 characters
+    response = Client(raise_request_exception=False).get(f"/views/{prefix}/sqlite/{long}/")
+    assert response.status_code == 400
+    assert views.CALLS == []
+
+
 def test_a_url_key_with_control_characters_is_a_bad_request_not_a_lock(
     client: Client, key: str
 ) -> None:
