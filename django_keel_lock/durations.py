@@ -8,6 +8,10 @@ from datetime import timedelta
 
 Duration = float | int | timedelta | str
 
+#: The longest duration taken: a wait longer than this is a mistake, and the platform's timers
+#: (threading.TIMEOUT_MAX, about 292 years) overflow not far above it.
+MAX_DURATION = 100 * 365 * 86400.0
+
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _PART = re.compile(r"(\d+(?:\.\d+)?|\.\d+)(ms|s|m|h|d)")
 
@@ -44,7 +48,10 @@ def to_seconds(name: str, value: object, *, allow_zero: bool = False) -> float:
     if isinstance(value, timedelta):
         seconds = value.total_seconds()
     elif isinstance(value, (int, float)):
-        seconds = float(value)
+        try:
+            seconds = float(value)
+        except OverflowError:
+            seconds = math.inf
     elif isinstance(value, str):
         seconds = _parse_text(name, value)
     else:
@@ -57,4 +64,8 @@ def to_seconds(name: str, value: object, *, allow_zero: bool = False) -> float:
     if seconds < 0 or (seconds == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{name} must be {bound} seconds, got {value!r}")
+    if seconds > MAX_DURATION:
+        raise ValueError(
+            f"{name} must be at most {MAX_DURATION:g} seconds (100 years), got {value!r}"
+        )
     return seconds

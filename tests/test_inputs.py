@@ -63,6 +63,7 @@ def test_durations_parse(text: object, seconds: float) -> None:
         (timedelta(seconds=-1), ValueError, "ttl must be > 0"),
         (10**9, ValueError, "ttl must be at most 3.1536e\\+07 seconds"),
         ("400d", ValueError, "ttl must be at most"),
+        (10**400, ValueError, "ttl must be a finite number"),
     ],
 )
 def test_bad_ttl_names_the_argument(value: object, error: type[Exception], message: str) -> None:
@@ -71,7 +72,9 @@ def test_bad_ttl_names_the_argument(value: object, error: type[Exception], messa
 
 
 @pytest.mark.parametrize("argument", ["timeout", "retry_delay"])
-@pytest.mark.parametrize("value", [-1, -0.001, math.nan, "soon", "-1s"])
+@pytest.mark.parametrize(
+    "value", [-1, -0.001, math.nan, "soon", "-1s", 1e10, 10**400, timedelta(days=365 * 300)]
+)
 def test_bad_timeout_and_retry_delay_name_the_argument(argument: str, value: object) -> None:
     with memory_lock_store(), pytest.raises(ValueError, match=argument):
         lock("k", **{argument: value})  # type: ignore[arg-type]
