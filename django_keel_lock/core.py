@@ -245,14 +245,16 @@ class Lock:
         )
         return wait, delay
 
-    def _plain(self, last: AcquireResult | None) -> bool:
-        """Whether the next acquire attempt, after `last` (None: the first), is the store's
-        plain `acquire` (else `acquire_permit`).
+    def _plain(self, last: AcquireResult | None, plain: bool = True) -> bool:
+        """Whether the next acquire attempt, after `last` (None: the first) of one asked
+        `plain` or not, is the store's plain `acquire` (else `acquire_permit`).
 
         An exclusive lock asks as `acquire` does, the fast path, until it finds readers in
-        its way; then, as a writer waiting for them, through `acquire_permit`, which keeps new
-        readers out for as long as it waits."""
-        return self.mode is EXCLUSIVE and (last is None or last.held_as != "shared")
+        its way; from then on, for the rest of the wait, as a writer waiting for them, through
+        `acquire_permit`, which keeps new readers out while it waits (for QUEUE_LEASE after
+        each attempt) and withdraws that when it takes the lock; taken through `acquire`, the
+        mark would keep readers out of a key nobody holds until it lapsed."""
+        return plain and self.mode is EXCLUSIVE and (last is None or last.held_as != "shared")
 
     def _queued(self) -> bool:
         """Whether this handle's waits stand in the store's line of waiters (see
@@ -270,7 +272,7 @@ class Lock:
         elif plain:
             result = store.acquire(self.key, owner, self.holder, self.ttl)
         else:
-            wait = _left(deadline)
+            wait = _writer_wait(deadline)
             result = store.acquire_permit(self.key, owner, self.holder, self.ttl, self.mode, wait)
         return result if result.held_as is None else self._checked(result)
 
@@ -296,11 +298,17 @@ class Lock:
         in the key's line): not at all when an exclusive lock has just found readers (it asks
         again at once, as a writer who waits, so that new readers stop coming in: see
         `_plain`)."""
+        writer = self.mode is EXCLUSIVE and not plain
         if plain and self.mode is EXCLUSIVE and result.held_as == "shared":
             return 0.0
         pause = min(left, next_delay(retry_delay, result.retry_in, self._store.push_wakeups))
-        # A place in the line lasts QUEUE_LEASE from the last attempt: keep it.
-        return min(pause, QUEUE_LEASE / 2) if queued else pause
+        # A place in the line, and a waiting writer's mark, last QUEUE_LEASE from the last
+        # attempt: keep them. A caller outside the line that an exclusive holder keeps out is
+        # not woken by the release when the line has a first waiter, who may never take the
+        # lock (its process died; it gave up as the release came): look again as often.
+        if queued or writer or (self._store.queues and result.held_as == "exclusive"):
+            return min(pause, QUEUE_LEASE / 2)
+        return pause
 
     @property
     def _release_op(self) -> Callable[[str, str], bool]:
@@ -393,11 +401,12 @@ class Lock:
             queued = self._queued()
             with store.watch(self.key) as waiter:
                 last: AcquireResult | None = None
+                plain = True
                 self._attempts = 0
                 while True:
                     self._attempts += 1
                     sent = time.monotonic()
-                    plain = self._plain(last)
+                    plain = self._plain(last, plain)
                     result = self._ask(owner, deadline, plain, queued)
                     left = deadline - time.monotonic()
                     if result.fence is None and left <= 0 and queued:
@@ -461,7 +470,7 @@ class Lock:
         elif plain:
             call = store.aacquire(self.key, owner, self.holder, self.ttl)
         else:
-            wait = _left(deadline)
+            wait = _writer_wait(deadline)
             call = store.aacquire_permit(self.key, owner, self.holder, self.ttl, self.mode, wait)
         future, cancelled = await to_the_end(call)
         if cancelled is not None:
@@ -503,11 +512,12 @@ class Lock:
                 token = store.wake_board.add_callback(self.key, wake)
                 try:
                     last: AcquireResult | None = None
+                    plain = True
                     self._attempts = 0
                     while True:
                         self._attempts += 1
                         woken.clear()  # before the attempt: a release right after counts
-                        plain = self._plain(last)
+                        plain = self._plain(last, plain)
                         result, sent = await self._aattempt(owner, deadline, plain, queued)
                         left = deadline - time.monotonic()
                         if result.fence is None and left <= 0 and queued:
@@ -1028,6 +1038,13 @@ class LockOutcome(NamedTuple, Generic[T]):
 def _left(deadline: float | None) -> float:
     """Seconds until `deadline` (monotonic), 0 for None or past."""
     return 0.0 if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _writer_wait(deadline: float | None) -> float:
+    """How long a writer's mark, set by an attempt now, keeps readers out: until `deadline`,
+    for QUEUE_LEASE at most. The writer renews it with each attempt; one that was cancelled,
+    failed or died no longer keeps readers out of a key a moment later."""
+    return min(_left(deadline), QUEUE_LEASE)
 
 
 def _kind_phrase(kind: str, *, article: bool = True) -> str:

@@ -8,6 +8,7 @@ import asyncio
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from multiprocessing.connection import Connection
 from typing import Any
@@ -154,3 +155,35 @@ def test_a_lock_nobody_waits_for_is_taken_by_a_waiting_acquire_at_once(
     assert second.acquire(timeout=5) and second._attempts == 1
     assert second.fence > first.fence
     second.release()
+
+
+def test_a_reader_behind_a_line_whose_first_died_gets_the_freed_lock_within_a_lease(
+    line_alias: str, key: str
+) -> None:
+    # The holder is a store of its own, as in another process: its release wakes none of
+    # this process's waiters itself.
+    store = get_lock_store(line_alias)
+    holder = type(store)(f"{line_alias}-holder", store.options)
+    try:
+        assert holder.acquire(key, "a" * 32, "holder", 30).acquired
+        store.close()  # the child must not share this process's connections
+        doomed, _ = _start(line_alias, key)
+        os.kill(doomed.pid, signal.SIGKILL)
+        doomed.join(5)
+        reader = lock(key, shared=True, ttl=30, store=line_alias)
+        got: list[tuple[bool, float]] = []
+        thread = threading.Thread(
+            target=lambda: got.append(
+                (reader.acquire(timeout=20, retry_delay=RETRY_DELAY), time.monotonic())
+            )
+        )
+        thread.start()
+        time.sleep(0.5)  # the reader has asked: the holder's 30 s ttl keeps it out
+        released = time.monotonic()
+        assert holder.release(key, "a" * 32)  # it wakes only the dead first in line
+        thread.join(25)
+    finally:
+        holder.close()
+    ((acquired, at),) = got
+    assert acquired and at - released < QUEUE_LEASE * 1.5, at - released
+    assert reader.release()

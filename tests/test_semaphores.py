@@ -29,6 +29,7 @@ from django_keel_lock import (
     restore_lock,
     semaphore,
 )
+from django_keel_lock.stores.base import QUEUE_LEASE
 from tests.conftest import serving, store_params
 from tests.support.third_party_store import DictLockStore
 
@@ -161,6 +162,64 @@ def test_a_waiting_writer_keeps_later_readers_out_and_gets_in_when_readers_leave
         thread.join()
     assert writer.release()
     assert late.acquire() and late.release()
+
+
+def _until_readers_are_kept_out(rw: Callable[..., Lock]) -> None:
+    """Return once a new reader is refused: a waiting writer's mark stands."""
+    deadline = time.monotonic() + 5
+    late = rw(shared=True)
+    while late.acquire():
+        assert late.release()
+        assert time.monotonic() < deadline, "the writer never kept readers out"
+        time.sleep(0.01)
+
+
+def test_a_writer_kept_out_by_another_writer_leaves_no_mark_once_it_has_the_lock(
+    rw: Callable[..., Lock],
+) -> None:
+    reader = rw(shared=True, ttl=1)
+    assert reader.acquire()
+    writer = rw(timeout=10, retry_delay=5)
+    got: list[bool] = []
+    thread = threading.Thread(target=lambda: got.append(writer.acquire() and writer.release()))
+    thread.start()
+    try:
+        _until_readers_are_kept_out(rw)
+        # The reader's permit runs out (no release wakes the writer): another writer, asking
+        # without a pause, takes the key first, so the waiting one is refused by it.
+        other = rw(ttl=30)
+        deadline = time.monotonic() + 5
+        while not other.acquire():
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        time.sleep(0.3)
+        assert other.release()
+        thread.join(10)
+        assert got == [True]
+    finally:
+        thread.join()
+    # Nobody holds the key or waits for it: a reader gets it at once.
+    late = rw(shared=True)
+    assert late.acquire() and late.release()
+
+
+async def test_a_cancelled_writer_keeps_readers_out_for_its_lease_at_most(
+    rw: Callable[..., Lock],
+) -> None:
+    reader = rw(shared=True)
+    assert await reader.aacquire()
+    writer = rw(timeout=30)
+    task = asyncio.ensure_future(writer.aacquire())
+    try:
+        await asyncio.to_thread(_until_readers_are_kept_out, rw)
+    finally:
+        task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await reader.arelease()
+    late = rw(shared=True)
+    assert await late.aacquire(timeout=QUEUE_LEASE + 1)
+    assert await late.arelease()
 
 
 def test_one_key_as_semaphore_and_lock_at_once_is_a_value_error(
