@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 import uuid
@@ -299,6 +300,31 @@ async def test_sentinel_async_methods_use_an_async_sentinel_client(
     info = await store.aget(key)
     assert info is not None and info.owner == "a" * 32
     assert await store.arelease(key, "a" * 32)
+
+
+def test_sentinel_reconnect_behind_a_frozen_sentinel_gives_up_within_socket_timeout(
+    key: str,
+) -> None:
+    """A thread's connection that must find the master again asks the sentinels within the
+    store's SOCKET_TIMEOUT too, not on the sentinel clients' own sockets (5 s in redis-py 8,
+    no limit before)."""
+    with (
+        redis_sentinel("keelfrozen") as setup,
+        via_sentinel(setup.sentinel.port, "keelfrozen", {"SOCKET_TIMEOUT": 0.5}) as alias,
+    ):
+        store = get_lock_store(alias)
+        assert store.acquire(key, "a" * 32, "h", 30).acquired
+        assert setup.sentinel.process is not None
+        setup.sentinel.process.send_signal(signal.SIGSTOP)
+        try:
+            setup.master.cli("client", "kill", "type", "normal")  # our connection goes
+            started = time.monotonic()
+            with pytest.raises(LockStoreUnavailable):
+                store.release(key, "a" * 32)
+            assert time.monotonic() - started < 2.0
+        finally:
+            setup.sentinel.process.send_signal(signal.SIGCONT)
+        assert store.release(key, "a" * 32)  # it finds the master again
 
 
 def test_sentinel_failover_is_an_outage_then_the_lock_lives_on_the_new_master(key: str) -> None:

@@ -412,6 +412,47 @@ def _pubsub_pool(client: Any) -> Any:
     return client.connection_pool
 
 
+def timed_sentinels(manager: Any, seconds: float) -> Any:
+    """A Sentinel manager for the sentinels that `manager` asks, on connections of its own
+    without retries, whose sockets wait at most `seconds`: the manager's own may wait
+    forever (no timeout before redis-py 8, or a longer one in SENTINEL_KWARGS)."""
+    addresses = [
+        (s.connection_pool.connection_kwargs["host"], s.connection_pool.connection_kwargs["port"])
+        for s in manager.sentinels
+    ]
+    return Sentinel(
+        addresses,
+        min_other_sentinels=manager.min_other_sentinels,
+        force_master_ip=getattr(manager, "_force_master_ip", None),
+        sentinel_kwargs={
+            **_timed(manager.sentinel_kwargs, seconds),
+            "retry": Retry(NoBackoff(), 0),
+        },
+    )
+
+
+def timed_master_pool(pool: Any, seconds: float) -> Any:
+    """A twin of the Sentinel master pool `pool` for a thread's own connections: they wait at
+    most `seconds` on their sockets, and when they connect they find the master through
+    `timed_sentinels`, not the pool's sentinels. Keep it while its connections live: they
+    reach it through a weak reference."""
+    kwargs = {k: v for k, v in pool.connection_kwargs.items() if k != "connection_pool"}
+    return SentinelConnectionPool(
+        pool.service_name,
+        timed_sentinels(pool.sentinel_manager, seconds),
+        is_master=True,
+        check_connection=getattr(pool, "check_connection", False),
+        connection_class=pool.connection_class,
+        **_timed(kwargs, seconds),
+    )
+
+
+def close_sentinels(manager: Any) -> None:
+    """Close the connections of `manager`'s sentinel clients."""
+    for each in manager.sentinels:
+        each.close()
+
+
 def sentinel_master_config(client: Any, pattern: str, seconds: float) -> dict[str, str] | None:
     """CONFIG GET `pattern` on the master that `client` writes to through Sentinel; None for a
     client that does not go through Sentinel.
@@ -424,23 +465,12 @@ def sentinel_master_config(client: Any, pattern: str, seconds: float) -> dict[st
     pool = getattr(client, "connection_pool", None)
     if not isinstance(pool, SentinelConnectionPool) or not pool.is_master:
         return None
-    manager = pool.sentinel_manager
-    addresses = [
-        (s.connection_pool.connection_kwargs["host"], s.connection_pool.connection_kwargs["port"])
-        for s in manager.sentinels
-    ]
     no_retries = Retry(NoBackoff(), 0)
-    sentinels = Sentinel(
-        addresses,
-        min_other_sentinels=manager.min_other_sentinels,
-        force_master_ip=getattr(manager, "_force_master_ip", None),
-        sentinel_kwargs={**_timed(manager.sentinel_kwargs, seconds), "retry": no_retries},
-    )
+    sentinels = timed_sentinels(pool.sentinel_manager, seconds)
     try:
         host, port = sentinels.discover_master(pool.service_name)
     finally:
-        for each in sentinels.sentinels:
-            each.close()
+        close_sentinels(sentinels)
     # The pool's own connection class would ask the pool's sentinels again, on their sockets.
     ssl_class = issubclass(pool.connection_class, redis.connection.SSLConnection)
     connection_class = redis.connection.SSLConnection if ssl_class else redis.connection.Connection

@@ -53,8 +53,10 @@ from .clients import (
     _pack,
     _text,
     _timed,
+    close_sentinels,
     redis,
     sentinel_master_config,
+    timed_master_pool,
 )
 from .listener import RedisListener
 from .scripts import (
@@ -159,6 +161,8 @@ class RedisLockStore(ListeningStore, LockStore):
         # Whether threads may have a ScriptConnection of their own: decided on first use, per
         # client.
         self._own_connections: bool | None = None
+        # Through Sentinel: the master pool those connections are made from (`_script_pool`).
+        self._timed_pool: Any = None
 
     # -- connections ----------------------------------------------------------------------
     def _where(self) -> str:
@@ -314,10 +318,21 @@ class RedisLockStore(ListeningStore, LockStore):
         )
         if not self._own_connections:
             return None
-        kwargs = pool.connection_kwargs
-        if self.url is None:  # a URL-made pool has the store's timeouts, or the URL's own
-            kwargs = _timed(kwargs, self.socket_timeout)
+        if isinstance(pool, SentinelConnectionPool):
+            kwargs = self._sentinel_pool(pool).connection_kwargs
+        elif self.url is None:  # a URL-made pool has the store's timeouts, or the URL's own
+            kwargs = _timed(pool.connection_kwargs, self.socket_timeout)
+        else:
+            kwargs = pool.connection_kwargs
         return self._threads.put(ScriptConnection(pool.connection_class(**kwargs)))
+
+    def _sentinel_pool(self, pool: Any) -> Any:
+        """The twin of the Sentinel master `pool` that threads' own connections come from:
+        reconnecting, they ask the sentinels within SOCKET_TIMEOUT too (`timed_master_pool`)."""
+        with self._mutex:
+            if self._timed_pool is None:
+                self._timed_pool = timed_master_pool(pool, self.socket_timeout)
+            return self._timed_pool
 
     # -- the protocol ---------------------------------------------------------------------
     def acquire(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
@@ -495,12 +510,15 @@ class RedisLockStore(ListeningStore, LockStore):
         self._threads.close_all()
         with self._mutex:
             self._own_connections = None
+            timed_pool, self._timed_pool = self._timed_pool, None
             client, self._client_obj = self._client_obj, None
             pid, self._client_pid = self._client_pid, 0
             self._generation += 1
             retiring, self._loop_clients = list(self._loop_clients), weakref.WeakSet()
         for used in retiring:
             used.retire_soon()
+        if timed_pool is not None:
+            close_sentinels(timed_pool.sentinel_manager)
         # A django-redis client belongs to the cache; only a client we built is ours to close.
         if client is not None and self._owns_client and pid == os.getpid():
             try:
