@@ -161,7 +161,7 @@ class RedisLockStore(ListeningStore, LockStore):
         # Whether threads may have a ScriptConnection of their own: decided on first use, per
         # client.
         self._own_connections: bool | None = None
-        # Through Sentinel: the master pool those connections are made from (`_script_pool`).
+        # Through Sentinel: the master pool those connections are made from (`_sentinel_pool`).
         self._timed_pool: Any = None
 
     # -- connections ----------------------------------------------------------------------
