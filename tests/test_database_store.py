@@ -28,6 +28,7 @@ from django_keel_lock.stores import DatabaseLockStore
 from .conftest import (
     TimeLimit,
     database_like,
+    database_of,
     interrupted_after,
     needs,
     needs_store,
@@ -397,6 +398,28 @@ def test_postgres_hot_statements_are_prepared_once_per_connection(key: str) -> N
         assert len([n for n in names if n.startswith("keel_lock_")]) == 3, names
     finally:
         store.close()
+
+
+def test_a_database_with_autocommit_off_still_commits_each_lock_statement(
+    db_alias: str, key: str
+) -> None:
+    """A project may turn AUTOCOMMIT off for its database: the store's own connection commits
+    each lock statement all the same, so another process sees the lock at once."""
+    base = database_of(db_alias)
+    with database_like(base, f"{base}-no-autocommit", AUTOCOMMIT=False) as database:
+        store = DatabaseLockStore("no-autocommit", {"DATABASE": database, "SOCKET_TIMEOUT": 2})
+        other = DatabaseLockStore("elsewhere", {"DATABASE": base, "SOCKET_TIMEOUT": 2})
+        try:
+            assert store.acquire(key, "a" * 32, "h", 30).acquired
+            info = other.get(key)
+            assert info is not None and info.owner == "a" * 32
+            assert not other.acquire(key, "b" * 32, "h", 30).acquired
+            assert store.release(key, "a" * 32)
+            assert other.acquire(key, "b" * 32, "h", 30).acquired
+            assert other.release(key, "b" * 32)
+        finally:
+            store.close()
+            other.close()
 
 
 @needs_store("mariadb")

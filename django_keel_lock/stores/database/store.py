@@ -132,10 +132,11 @@ class DatabaseLockStore(ListeningStore, LockStore):
     # -- connections ----------------------------------------------------------------------
     def _connection_settings(self) -> dict[str, Any]:
         """The database's settings for a connection of our own: never from Django's pool
-        (we would drain it and never give connections back), psycopg 3 tuned for our few
-        statements, MariaDB in utf8mb4."""
+        (we would drain it and never give connections back), in autocommit whatever the
+        project's AUTOCOMMIT (each lock statement commits on its own, or nobody else would
+        see it), psycopg 3 tuned for our few statements, MariaDB in utf8mb4."""
         base = connections[self.database]
-        settings = dict(base.settings_dict)
+        settings = dict(base.settings_dict, AUTOCOMMIT=True)
         options = dict(settings.get("OPTIONS") or {})
         options.pop("pool", None)
         if base.vendor in DIALECTS:
