@@ -83,21 +83,25 @@ def check_on_locked(value: object, allowed: tuple[OnLocked, ...]) -> OnLocked:
 
 
 # -- keys -----------------------------------------------------------------------------------
+class InvalidKey(ValueError):
+    """A str that no lock can take as its key (what `validate_key` raises for one)."""
+
+
 def validate_key(key: object, store: LockStore | None = None) -> str:
     """Return `key` if it is a usable lock key, else raise naming the argument."""
     if not isinstance(key, str):
         raise TypeError(f"key must be a str, got {type(key).__name__}")
     if not key:
-        raise ValueError("key must be a non-empty string")
+        raise InvalidKey("key must be a non-empty string")
     if not (key.isascii() and key.isprintable()):  # else neither test below can fail
-        _check_printable("key", key)
+        _check_printable("key", key, InvalidKey)
         try:
             key.encode("utf-8")
         except UnicodeEncodeError as exc:
-            raise ValueError(f"key must be encodable as UTF-8 ({exc.reason})") from None
+            raise InvalidKey(f"key must be encodable as UTF-8 ({exc.reason})") from None
     limit = store.max_key_length if store is not None else None
     if limit is not None and len(key) > limit:
-        raise ValueError(
+        raise InvalidKey(
             f"key is {len(key)} characters long; store {store.alias!r} "  # type: ignore[union-attr]
             f"accepts at most {limit}"
         )
@@ -111,10 +115,10 @@ KeyTemplate = str | Callable[..., str]
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
 
 
-def _check_printable(name: str, value: str) -> None:
+def _check_printable(name: str, value: str, error: type[ValueError] = ValueError) -> None:
     found = _CONTROL.search(value)
     if found is not None:
-        raise ValueError(
+        raise error(
             f"{name} must not contain control characters, found {found.group()!r} at index "
             f"{found.start()} of {value!r:.80}"
         )

@@ -28,8 +28,7 @@ from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonRespons
 
 from .core import Lock
 from .durations import Duration
-from .options import DEFAULT_RETRY_DELAY, RAISE, LockSpec, OnLost, template_name, validate_key
-from .registry import get_lock_store
+from .options import DEFAULT_RETRY_DELAY, RAISE, InvalidKey, LockSpec, OnLost, template_name
 
 if TYPE_CHECKING:
     from django.views import View
@@ -166,12 +165,11 @@ class ViewLock:
         else:
             key = self.key(request, *args, **kwargs)
         try:
+            return self.spec.lock(key, label=request_label(request))
+        except InvalidKey as exc:
             # The key comes from the URL: one a lock cannot take (the store's length limit
             # too) is the client's mistake.
-            validate_key(key, get_lock_store(self.spec.store))
-        except ValueError as exc:
             raise BadRequest(f"cannot lock this resource: {exc}") from None
-        return self.spec.lock(key, label=request_label(request))
 
     def refused(self, request: HttpRequest, handle: Lock) -> HttpResponseBase:
         if self.on_locked is None:

@@ -138,6 +138,16 @@ def test_readers_share_and_a_writer_is_alone(rw: Callable[..., Lock]) -> None:
     assert rw(shared=True).acquire()
 
 
+def _until_readers_are_kept_out(rw: Callable[..., Lock]) -> None:
+    """Return once a new reader is refused: a waiting writer's mark stands."""
+    deadline = time.monotonic() + 5
+    late = rw(shared=True)
+    while late.acquire():
+        assert late.release()
+        assert time.monotonic() < deadline, "the writer never kept readers out"
+        time.sleep(0.01)
+
+
 def test_a_waiting_writer_keeps_later_readers_out_and_gets_in_when_readers_leave(
     rw: Callable[..., Lock],
 ) -> None:
@@ -147,13 +157,9 @@ def test_a_waiting_writer_keeps_later_readers_out_and_gets_in_when_readers_leave
     got: list[bool] = []
     thread = threading.Thread(target=lambda: got.append(writer.acquire()))
     thread.start()
+    late = rw(shared=True)
     try:
-        deadline = time.monotonic() + 5
-        late = rw(shared=True)
-        while late.acquire():  # until the writer has said it waits
-            assert late.release()
-            assert time.monotonic() < deadline, "the writer never kept readers out"
-            time.sleep(0.01)
+        _until_readers_are_kept_out(rw)
         assert first.release()
         thread.join(5)
         assert got == [True]
@@ -162,16 +168,6 @@ def test_a_waiting_writer_keeps_later_readers_out_and_gets_in_when_readers_leave
         thread.join()
     assert writer.release()
     assert late.acquire() and late.release()
-
-
-def _until_readers_are_kept_out(rw: Callable[..., Lock]) -> None:
-    """Return once a new reader is refused: a waiting writer's mark stands."""
-    deadline = time.monotonic() + 5
-    late = rw(shared=True)
-    while late.acquire():
-        assert late.release()
-        assert time.monotonic() < deadline, "the writer never kept readers out"
-        time.sleep(0.01)
 
 
 def test_a_writer_kept_out_by_another_writer_leaves_no_mark_once_it_has_the_lock(

@@ -467,7 +467,7 @@ async def test_method_decorator_on_dispatch_of_an_async_view(
 
 @pytest.mark.parametrize("prefix", ["store", "astore"])
 def test_a_url_key_longer_than_the_store_takes_is_a_bad_request_not_a_server_error(
-    client: Client, prefix: str, key: str
+    prefix: str, key: str
 ) -> None:
     long = f"{key}-" + "a" * 300  # the database store takes keys of up to 255 characters
     response = Client(raise_request_exception=False).get(f"/views/{prefix}/sqlite/{long}/")
