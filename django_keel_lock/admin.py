@@ -321,15 +321,21 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
     def _release_confirmed(self, request: HttpRequest, alias: str, selected: list[Lock]) -> None:
         try:
-            fences = json.loads(request.POST.get("fences") or "{}")
+            fences = json.loads(request.POST.get("fences") or "")
         except ValueError:
-            fences = {}
-        if not isinstance(fences, dict):
-            fences = {}
+            fences = None
+        if not isinstance(fences, dict):  # never "every holder": the page showed some only
+            self.message_user(
+                request,
+                "Nothing was released: the form did not say which holders you confirmed "
+                "(its fences are missing or not readable). Select the locks and confirm again.",
+                messages.ERROR,
+            )
+            return
         released = 0
         for obj in selected:
             expected = fences.get(obj.key)
-            if not isinstance(expected, int):
+            if not isinstance(expected, int) or isinstance(expected, bool):
                 continue  # not held when the user confirmed: nothing was asked for
             level, text = self._release_one(request, alias, obj.key, expected)
             if level == messages.SUCCESS:
@@ -421,10 +427,7 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             return HttpResponseRedirect(next_url)
         one = _count(data.get("fence")) if data.get("one") == "1" else None
         if request.method == "POST" and data.get("post") == "yes":
-            expected = _count(data.get("fence"))
-            level, text = self._release_one(request, alias, key, expected, exact=one is not None)
-            self.message_user(request, text, level)
-            return HttpResponseRedirect(next_url)
+            return self._release_posted(request, alias, key, next_url, exact=one is not None)
         try:
             holders = get_lock_store(alias).holders(key)
         except Exception as exc:
@@ -457,26 +460,47 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             request, "admin/django_keel_lock/lock/force_release_confirmation.html", context
         )
 
+    def _release_posted(
+        self, request: HttpRequest, alias: str, key: str, next_url: str, *, exact: bool
+    ) -> HttpResponse:
+        """The confirmation page's POST: release what it showed, named by its `fence`. Without
+        a fence that is a number nothing is released (releasing every holder would free ones
+        the page never showed): the user is sent back to the page to confirm again."""
+        expected = _count(request.POST.get("fence"))
+        if expected is None:
+            self.message_user(
+                request,
+                f"Nothing was released: the form did not say which holders of {key!r} you "
+                f"confirmed (fence {request.POST.get('fence')!r} is not a number). "
+                "Check the holders below and confirm again.",
+                messages.ERROR,
+            )
+            return HttpResponseRedirect(
+                self._release_url(alias, key, next_url=next_url, fence=None)
+            )
+        level, text = self._release_one(request, alias, key, expected, exact=exact)
+        self.message_user(request, text, level)
+        return HttpResponseRedirect(next_url)
+
     def _release_one(
         self,
         request: HttpRequest,
         alias: str,
         key: str,
-        expected_fence: int | None,
+        expected_fence: int,
         *,
         exact: bool = False,
     ) -> tuple[int, str]:
         """Force-release the holders of `key` in `alias` the user confirmed: the one with
         `expected_fence` (`exact`), or each whose fence is no greater (every holder the page
-        showed: fences only grow, so one that came since is left alone); every holder when
-        None. (message level, message); a LogEntry per holder released."""
+        showed: fences only grow, so one that came since is left alone). (message level,
+        message); a LogEntry per holder released."""
         try:
             holders = get_lock_store(alias).holders(key)
             confirmed = [
                 info
                 for info in holders
-                if expected_fence is None
-                or (info.fence == expected_fence if exact else info.fence <= expected_fence)
+                if (info.fence == expected_fence if exact else info.fence <= expected_fence)
             ]
             if not holders:
                 return messages.WARNING, f"{key!r} in store {alias!r} was no longer held."

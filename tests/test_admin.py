@@ -733,3 +733,51 @@ def test_releasing_a_key_frees_every_holder_confirmed_and_not_one_that_came_afte
     admin_client.post(RELEASE, {"store": "memory", "key": key, "fence": confirmed, "post": "yes"})
     assert not readers[0].is_owned() and not readers[1].is_owned()
     assert late.is_owned() and late.release()
+
+
+# -- a confirmation that does not say what it confirmed ------------------------------------------
+@pytest.mark.parametrize(
+    "form",
+    [{}, {"fence": "garbage"}, {"fence": ""}, {"fence": "garbage", "one": "1"}],
+    ids=["fence-missing", "fence-garbage", "fence-empty", "one-garbage"],
+)
+def test_force_release_post_without_a_fence_releases_nothing_and_sends_back_to_confirm(
+    admin_client: Client, form: dict[str, str]
+) -> None:
+    key = key_of("nofence")
+    readers = [lock(key, shared=True, store="memory", ttl=60) for _ in range(2)]
+    assert all(r.acquire() for r in readers)
+    confirm = admin_client.get(RELEASE, {"store": "memory", "key": key}).content.decode()
+    assert confirm.count("<td>shared</td>") == 2
+    late = lock(key, shared=True, store="memory", ttl=60)
+    assert late.acquire()  # came after the page was shown
+
+    done = admin_client.post(RELEASE, {"store": "memory", "key": key, "post": "yes", **form})
+
+    assert done.status_code == 302
+    assert done["Location"].startswith(f"{RELEASE}?")  # the confirmation page, shown again
+    again = admin_client.get(done["Location"]).content.decode()
+    assert "Nothing was released" in again and "not a number" in again
+    assert again.count("<td>shared</td>") == 3  # every holder now, the late one included
+    assert all(handle.is_owned() for handle in (*readers, late))
+    assert not LogEntry.objects.filter(object_repr=key).exists()
+    for handle in (*readers, late):
+        handle.release()
+
+
+@pytest.mark.parametrize("fences", [None, "garbage", "[1, 2]"], ids=["missing", "garbage", "list"])
+def test_force_release_action_without_readable_fences_releases_nothing(
+    admin_client: Client, fences: str | None
+) -> None:
+    handle = lock(key_of("action-nofence"), store="default", ttl=60)
+    assert handle.acquire()
+    form = {"action": "force_release_selected", "_selected_action": [handle.key], "post": "yes"}
+
+    done = admin_client.post(
+        CHANGELIST, {**form, **({} if fences is None else {"fences": fences})}, follow=True
+    )
+
+    assert "Nothing was released" in done.content.decode()
+    assert handle.is_owned()
+    assert not LogEntry.objects.filter(object_repr=handle.key).exists()
+    handle.release()
