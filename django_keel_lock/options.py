@@ -36,6 +36,8 @@ MAX_TTL = 365 * 86400.0
 # Shorter ttls fall below what the stores resolve (Redis PX and the database clocks count
 # milliseconds at best): the lock would be expired as it is taken.
 MIN_TTL = 0.001
+#: The largest semaphore limit: what every store keeps (PostgreSQL takes it as a bigint).
+MAX_LIMIT = 2**63 - 1
 _HOSTNAME = socket.gethostname()
 
 # -- on_locked: what a surface does when someone else holds the lock for the whole wait ----
@@ -266,6 +268,11 @@ def mode_of(limit: object = None, shared: object = False) -> Mode:
         raise TypeError(f"limit must be an int >= 1, got {limit!r}")
     if limit < 1:
         raise ValueError(f"limit must be >= 1 (the most holders at once), got {limit!r}")
+    if limit > MAX_LIMIT:
+        raise ValueError(
+            f"limit must be at most 2**63 - 1 ({MAX_LIMIT}, the largest every store keeps), "
+            f"got {limit!r}"
+        )
     return semaphore_mode(limit)
 
 

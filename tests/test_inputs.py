@@ -14,7 +14,15 @@ from django.test import override_settings
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from django_keel_lock import InvalidLockToken, lock, restore_lock
+from django_keel_lock import (
+    InvalidLockToken,
+    Lock,
+    lock,
+    lock_view,
+    locked,
+    restore_lock,
+    semaphore,
+)
 from django_keel_lock.durations import to_seconds
 from django_keel_lock.options import LockSpec
 from django_keel_lock.testing import memory_lock_store
@@ -130,6 +138,22 @@ def test_bad_holder_and_store_arguments() -> None:
             lock("k", store=None)  # type: ignore[arg-type]
     with pytest.raises(ImproperlyConfigured, match="store 'nowhere' is not in KEEL_LOCK_STORES"):
         lock("k", store="nowhere")
+
+
+def test_a_limit_past_2_63_is_refused_where_each_surface_is_declared() -> None:
+    # Before any store is asked: PostgreSQL alone could not keep one, and said so naming
+    # the key and the holder.
+    too_large = 2**63
+    declarations = [
+        lambda: semaphore("k", limit=too_large, store="memory"),
+        lambda: Lock("k", limit=too_large, store="memory"),
+        lambda: locked("k", limit=too_large, store="memory"),
+        lambda: lock_view("<pk>", limit=too_large, store="memory"),
+    ]
+    for declare in declarations:
+        with pytest.raises(ValueError, match=r"^limit must be at most 2\*\*63 - 1 \(9223372"):
+            declare()
+    assert LockSpec.parse(limit=too_large - 1).mode.limit == too_large - 1
 
 
 def test_bad_settings_are_named() -> None:

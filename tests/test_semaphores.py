@@ -361,6 +361,28 @@ def test_bad_limit_or_shared_is_refused_naming_the_argument(
         Lock("bad-input", store="memory", **kwargs)
 
 
+@pytest.mark.parametrize("limit", [2**63, 2**64, 10**30])
+def test_a_limit_above_what_every_store_keeps_is_refused_naming_limit_on_every_store(
+    sem: Callable[..., Lock], limit: int
+) -> None:
+    # PostgreSQL keeps a limit in a bigint: one past it once failed there alone, naming the
+    # key and the holder as what the store could not keep.
+    with pytest.raises(ValueError, match=rf"limit must be at most 2\*\*63 - 1 .*got {limit}$"):
+        sem(limit=limit)
+
+
+def test_the_largest_limit_takes_and_frees_permits_on_every_store(
+    sem: Callable[..., Lock],
+) -> None:
+    largest = 2**63 - 1
+    first, second = sem(limit=largest), sem(limit=largest)
+    assert first.acquire() and second.acquire()
+    assert second.fence > first.fence  # type: ignore[operator]
+    assert len(first.holders()) == 2
+    assert first.release() and second.release()
+    assert not first.is_locked()
+
+
 def test_semaphore_needs_a_limit() -> None:
     with pytest.raises(TypeError, match="needs limit="):
         semaphore("no-limit", limit=None, store="memory")  # type: ignore[arg-type]
