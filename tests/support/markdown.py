@@ -15,7 +15,7 @@ from . import ROOT
 
 FENCE = re.compile(r"^```(\S*)(?:\s.*)?$")
 SKIP = re.compile(r"^<!-- not-runnable: (.+?) -->\s*$")
-FILE_LINE = re.compile(r"^# (\w+\.py)\b")
+FILE_LINE = re.compile(r"^# ((?:\./|\w+/)?\w+\.py)\b")
 #: Fences this reader would not see (indented, or of tildes): refused rather than skipped.
 UNREAD_FENCE = re.compile(r"^(\s+```|~~~)")
 
