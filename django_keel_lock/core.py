@@ -835,10 +835,17 @@ class Lock:
         return not self.is_owned()
 
     def remaining_time(self) -> float | None:
-        """Seconds until the key's soonest holder expires (what a Retry-After needs), None
-        when nobody holds it."""
-        info = self.info()
-        return None if info is None else info.expires_in
+        """Seconds until the key, as it is held now, lets this handle in by expiries alone
+        (what a Retry-After says), None when nobody holds it. A semaphore needs one permit
+        freed: the soonest holder's expiry. A lock needs every holder gone (a writer waits for
+        the last reader; a reader for the writer, or the readers ahead of a writer that
+        waits): the latest expiry."""
+        info = self._store.get(self.key)
+        if info is None or not info.is_gate:
+            return None if info is None else info.expires_in
+        left = [holder.expires_in for holder in self._store.holders(self.key)]
+        pick = min if self.mode.kind == "semaphore" else max
+        return pick(left) if left else None
 
     async def ainfo(self) -> LockInfo | None:
         """`info` for async code: the key's (first) holder, or None if it is free."""
@@ -870,9 +877,13 @@ class Lock:
         return self._owned(await self._store.aholders(self.key))
 
     async def aremaining_time(self) -> float | None:
-        """`remaining_time` for async code: seconds until the soonest holder expires, or None."""
-        info = await self.ainfo()
-        return None if info is None else info.expires_in
+        """`remaining_time` for async code: seconds until the key lets this handle in, or None."""
+        info = await self._store.aget(self.key)
+        if info is None or not info.is_gate:
+            return None if info is None else info.expires_in
+        left = [holder.expires_in for holder in await self._store.aholders(self.key)]
+        pick = min if self.mode.kind == "semaphore" else max
+        return pick(left) if left else None
 
     @property
     def held(self) -> bool:

@@ -306,7 +306,8 @@ def lock_view(
 
     `limit=N` lets N requests in at once (a semaphore: the 409's Retry-After is then the
     soonest permit's expiry), `shared=True` any number of shared ones while no exclusive one
-    runs; the key is the same key `semaphore()` and `lock()` take.
+    runs (an exclusive request they keep out gets the last one's expiry: it needs them all
+    gone); the key is the same key `semaphore()` and `lock()` take.
     """
     config = _view_lock(
         key,

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from asgiref.sync import sync_to_async
 from django.http import HttpRequest, HttpResponse
 from django.test import RequestFactory
 from django.views import View
@@ -261,6 +262,28 @@ def test_inspection_counts_every_holder_and_the_soonest_expiry(
     assert long.release() and short.release()
 
 
+async def test_remaining_time_is_the_last_readers_expiry_and_a_semaphores_soonest(
+    rw: Callable[..., Lock], sem: Callable[..., Lock]
+) -> None:
+    # A writer waits for every reader; a semaphore for one permit. Once the 5 s reader's
+    # expiry was the answer for both.
+    readers = [rw(shared=True, ttl=ttl) for ttl in (5, 300)]
+    assert all([await reader.aacquire() for reader in readers])
+    for asker in (rw(), rw(shared=True)):
+        for left in (await sync_to_async(asker.remaining_time)(), await asker.aremaining_time()):
+            assert left is not None and 200 < left <= 300.01
+    for reader in readers:
+        assert await reader.arelease()
+    permits = [sem(limit=2, ttl=ttl) for ttl in (300, 5)]
+    assert all([await permit.aacquire() for permit in permits])
+    asker = sem(limit=2)
+    for left in (await sync_to_async(asker.remaining_time)(), await asker.aremaining_time()):
+        assert left is not None and 4 < left <= 5.01
+    for permit in permits:
+        assert await permit.arelease()
+    assert await asker.aremaining_time() is None
+
+
 def test_a_permit_expires_at_its_ttl_and_leaves_the_others(sem: Callable[..., Lock]) -> None:
     short, long = sem(limit=2, ttl=0.3, on_lost="warn"), sem(limit=2, ttl=30)
     assert short.acquire() and long.acquire()
@@ -446,3 +469,20 @@ def test_lock_view_with_limit_answers_409_with_the_soonest_permit_expiry(
         assert b"all 2 permits" in response.content
     assert permits[1].release()
     assert ExportView.as_view()(rf.get("/"), pk=7).content == b"class-based"
+
+
+async def test_async_lock_view_with_limit_answers_409_with_the_soonest_permit_expiry(
+    store_alias: str, key: str, rf: RequestFactory
+) -> None:
+    @lock_view(key + ":<pk>", limit=2, store=store_alias)
+    async def export_view(request: HttpRequest, pk: int) -> HttpResponse:
+        return HttpResponse(f"exported {pk}")
+
+    permits = [semaphore(f"{key}:7", limit=2, ttl=ttl, store=store_alias) for ttl in (60, 9)]
+    assert all([await permit.aacquire() for permit in permits])
+    response = await export_view(rf.get("/"), pk=7)
+    assert response.status_code == 409
+    assert 8 <= int(response["Retry-After"]) <= 10  # the 9 s permit, not the 60 s one
+    for permit in permits:
+        assert await permit.arelease()
+    assert (await export_view(rf.get("/"), pk=7)).content == b"exported 7"

@@ -351,6 +351,44 @@ async def test_async_view_lock_held_by_another_process_in_every_store(
     assert await sync_to_async(is_free)(key, store_alias)
 
 
+# -- Retry-After when readers keep a writer out ---------------------------------------------
+MODAL_STORES = store_params(["memory", "sqlite", "postgres", "mariadb", "redis"])
+READER_TTLS = (5, 300)
+
+
+@pytest.mark.parametrize("store_alias", MODAL_STORES)
+def test_a_writer_kept_out_by_readers_is_told_to_retry_after_the_last_reader(
+    client: Client, store_alias: str, key: str
+) -> None:
+    readers = [lock(key, shared=True, ttl=ttl, store=store_alias) for ttl in READER_TTLS]
+    assert all(reader.acquire() for reader in readers)
+    try:
+        response = client.get(f"/views/store/{store_alias}/{key}/")
+        assert response.status_code == 409, response.content
+        # The writer needs both readers gone: the 300 s one, not the 5 s one.
+        assert 200 < int(response["Retry-After"]) <= 300
+        assert views.CALLS == []
+    finally:
+        for reader in readers:
+            reader.release()
+
+
+@pytest.mark.parametrize("store_alias", MODAL_STORES)
+async def test_an_async_writer_kept_out_by_readers_is_told_to_retry_after_the_last_reader(
+    async_client: AsyncClient, store_alias: str, key: str
+) -> None:
+    readers = [lock(key, shared=True, ttl=ttl, store=store_alias) for ttl in READER_TTLS]
+    assert all([await reader.aacquire() for reader in readers])
+    try:
+        response = await async_client.get(f"/views/astore/{store_alias}/{key}/")
+        assert response.status_code == 409, response.content
+        assert 200 < int(response["Retry-After"]) <= 300
+        assert views.CALLS == []
+    finally:
+        for reader in readers:
+            await reader.arelease()
+
+
 async def test_concurrent_async_request_gets_409(async_client: AsyncClient, key: str) -> None:
     first = asyncio.ensure_future(async_client.get(f"/views/async-slow/{key}/"))
     try:
