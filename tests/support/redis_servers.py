@@ -14,6 +14,7 @@ Workers run lock operations in another Python process and print one JSON line pe
 from __future__ import annotations
 
 import argparse
+import atexit
 import gc
 import itertools
 import json
@@ -74,15 +75,52 @@ def wait_port(port: int, timeout: float = 10.0) -> None:
     raise RuntimeError(f"nothing listens on port {port} after {timeout}s")
 
 
+_SHIFTED_CLOCK: list[str] = []  # the library, once built
+
+
+def shifted_clock_library() -> str | None:
+    """The LD_PRELOAD library that shifts a process's wall clock by KEEL_CLOCK_SHIFT seconds
+    (tests/support/shifted_clock.c, built once per run with the system's C compiler); None
+    without a compiler. `faketime` cannot start redis-server: its jemalloc and libfaketime
+    call each other while libfaketime initialises."""
+    if _SHIFTED_CLOCK:
+        return _SHIFTED_CLOCK[0]
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return None
+    folder = tempfile.mkdtemp(prefix="keel-clock-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    built = os.path.join(folder, "shifted_clock.so")
+    source = ROOT / "tests" / "support" / "shifted_clock.c"
+    subprocess.run(
+        [compiler, "-shared", "-fPIC", "-O2", "-o", built, str(source)],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    _SHIFTED_CLOCK.append(built)
+    return built
+
+
 class RedisServer:
     """One redis-server process on a free port, without persistence; restartable on the same
-    port so clients configured with its URL find it again."""
+    port so clients configured with its URL find it again. `clock_shift` (seconds; negative:
+    behind) moves its wall clock (TIME, key expiry) through `shifted_clock_library`."""
 
-    def __init__(self, *extra: str, port: int | None = None) -> None:
+    def __init__(self, *extra: str, port: int | None = None, clock_shift: int = 0) -> None:
         self.port = port or free_port()
         self.extra = list(extra)
+        self.clock_shift = clock_shift
         self.dir = tempfile.mkdtemp(prefix=f"keel-redis-{self.port}-")
         self.process: subprocess.Popen[bytes] | None = None
+
+    def _environment(self) -> dict[str, str] | None:
+        if not self.clock_shift:
+            return None
+        library = shifted_clock_library()
+        if library is None:
+            raise RuntimeError("a C compiler (cc) is needed to shift a Redis server's clock")
+        return {**os.environ, "LD_PRELOAD": library, "KEEL_CLOCK_SHIFT": str(self.clock_shift)}
 
     @property
     def url(self) -> str:
@@ -106,6 +144,7 @@ class RedisServer:
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            env=self._environment(),
         )
         wait_port(self.port)
         return self
