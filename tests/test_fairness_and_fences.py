@@ -117,7 +117,7 @@ def test_mariadb_waiter_past_the_doorbells_slots_wakes_at_its_listeners_next_nap
         with waiting(semaphore(key, limit=1, ttl=30, store=waiting_store.alias), 5) as acquired:
             assert wait_until(lambda: _subscribed(waiting_store, key) and waiting_flag(key), 10)
             assert (listener_id(waiting_store) in listening(key)) is (others < BELL_SLOTS)
-            time.sleep(0.3)
+            time.sleep(1.0)  # its attempt after the nap began (the nap wakes it) is over
             released_at = time.monotonic()
             assert held.release()
             assert wait_until(lambda: acquired, 20), "the waiter never got the permit"
