@@ -111,8 +111,6 @@ def test_mariadb_waiter_past_the_doorbells_slots_wakes_at_its_listeners_next_nap
     subscribed (docs/capabilities.md, Push wake-ups)."""
     held = semaphore(key, limit=1, ttl=30, store="mariadb")
     assert held.acquire()
-    store = get_lock_store("mariadb")
-    assert isinstance(store, DatabaseLockStore)
     with doorbell_slots_taken(key, others), another_store() as waiting_store:
         with waiting(semaphore(key, limit=1, ttl=30, store=waiting_store.alias), 5) as acquired:
             assert wait_until(lambda: _subscribed(waiting_store, key) and waiting_flag(key), 10)
