@@ -165,6 +165,43 @@ def test_ten_thousand_keys_through_each_surface_make_a_handful_of_names(
     )
 
 
+def test_the_task_integrations_name_every_lock_they_make_by_its_template(
+    prom: Callable[..., float],
+) -> None:
+    """Django Tasks' run lock, claim and enqueue gate, and Celery's run lock and claim, for
+    several keys: one name each, whatever the key (a name per key is a time series per key)."""
+    if not settings.HAS_TASKS_DB:
+        pytest.fail("django-tasks and django-tasks-db (the test extra) are not installed")
+    from celery import Celery
+
+    from tests.support import db_tasks
+
+    prefix = word()
+    eager = Celery(prefix, set_as_current=False, broker="memory://", backend="cache+memory://")
+    eager.conf.task_always_eager = True
+
+    @eager.task(bind=True, name=f"{prefix}.deduped")
+    @locked_task(f"{prefix}-celery:{{name}}", store="memory", dedupe="until_done")
+    def deduped(self: Any, name: str) -> str:
+        return name
+
+    queued, immediate = (db_tasks.named.using(backend=b) for b in ("dummy", "default"))
+    for _ in range(5):
+        name = word()
+        assert deduped.delay(name).get() == name  # its claim, then its run lock
+        assert queued.enqueue(name).id == queued.enqueue(name).id  # gate, claim; a duplicate
+        assert immediate.enqueue(word()).return_value is not None  # gate, run lock
+    template = "keel-metrics-task:{name}"
+    shown = {name for name in lock_labels() if name.startswith((prefix, "keel-metrics-task"))}
+    assert shown == {
+        f"{prefix}-celery:{{name}}",
+        f"{prefix}-celery:{{name}}:claim",
+        template,
+        f"{template}:claim",
+        f"{template}:enqueue",
+    }
+
+
 # -- Prometheus: each metric ----------------------------------------------------------------
 def test_acquire_outcomes_and_wait_seconds(prom: Callable[..., float], key: str) -> None:
     name = word()

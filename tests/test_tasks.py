@@ -29,7 +29,7 @@ if not settings.HAS_TASKS_DB:
         raise ImportError(_MISSING)
     pytest.skip(_MISSING, allow_module_level=True)
 
-from django_keel_lock import AlreadyQueued, get_lock_store, lock
+from django_keel_lock import AlreadyQueued, force_release, get_lock_store, lock
 from django_keel_lock.contrib import tasks as contrib_tasks
 from django_keel_lock.contrib.tasks import (
     CLAIM_SUFFIX,
@@ -46,8 +46,10 @@ from tests.support.workers import Worker
 
 try:
     from django.tasks import TaskContext, TaskResultStatus, task, task_backends
+    from django.tasks.signals import task_enqueued
 except ImportError:  # Django 5.2: the backport
     from django_tasks import TaskContext, TaskResultStatus, task, task_backends
+    from django_tasks.signals import task_enqueued
 
 from django_tasks_db.models import DBTaskResult
 
@@ -132,9 +134,13 @@ def test_a_task_that_takes_the_context_gets_it_and_others_do_not() -> None:
         assert with_context.enqueue("x").return_value is None
 
 
-def test_dedupe_on_the_immediate_backend_runs_each_enqueue_and_leaves_no_claim() -> None:
-    first = immediate_deduped.enqueue("e")
+def test_dedupe_on_the_immediate_backend_runs_each_enqueue_and_leaves_no_claim(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level("DEBUG", logger="django_keel_lock.tasks"):
+        first = immediate_deduped.enqueue("e")
     assert first.return_value == "ran e"
+    assert "no claim yet" not in caplog.text  # run inside .enqueue(): not behind its own gate
     assert get_lock_store("memory").get("djtasks-job:e" + CLAIM_SUFFIX) is None
     assert get_lock_store("memory").get("djtasks-job:e" + GATE_SUFFIX) is None
     again = immediate_deduped.enqueue("e")  # the first has ended: nothing to fold into
@@ -210,6 +216,29 @@ def test_a_duplicate_enqueue_returns_the_queued_tasks_result_and_enqueues_nothin
     assert claim.holder == f"{parked_report.module_path}[{first.id}]"
     assert 59 < claim.expires_in <= 60  # dedupe_ttl, not the default ttl
     assert get_lock_store("memory").get("djtasks-report:d1" + GATE_SUFFIX) is None
+
+
+def test_an_enqueue_whose_gate_expired_before_it_claimed_gives_the_claim_back(
+    dummy: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A run may have passed the gate and found no claim: a claim taken after could name a task
+    that ran without it. (The gate is freed as its expiry would, while the enqueue queues.)"""
+
+    def expire_the_gate(sender: Any, task_result: Any, **kwargs: Any) -> None:
+        if task_result.args == ["g1"]:
+            assert force_release("djtasks-report:g1" + GATE_SUFFIX, store="memory") is not None
+
+    task_enqueued.connect(expire_the_gate, weak=False)
+    try:
+        with caplog.at_level("WARNING", logger="django_keel_lock.tasks"):
+            first = parked_report.enqueue("g1")
+    finally:
+        task_enqueued.disconnect(expire_the_gate)
+    assert get_lock_store("memory").get("djtasks-report:g1" + CLAIM_SUFFIX) is None
+    assert "given back: the gate expired first" in caplog.text
+    second = parked_report.enqueue("g1")
+    assert second.id != first.id
+    assert parked_report.enqueue("g1").id == second.id  # its claim holds
 
 
 def test_with_limit_2_two_are_queued_and_a_third_raises_already_queued(dummy: Any) -> None:
@@ -437,3 +466,37 @@ def test_a_retry_stays_the_queued_one_then_runs_once_the_holder_lets_go(
     wait_until(lambda: bool(ran_of(jobs.deduped, run)), 30, "the retry to run", worker)
     assert len(ran_of(jobs.deduped, run)) == 1
     wait_until(lambda: claim_of(run) is None, 10, "the claim to be given back", worker)
+
+
+@pytest.mark.parametrize("deduped", [jobs.deduped_or_raise, jobs.until_done_or_raise],
+                         ids=["queued", "until_done"])  # fmt: skip
+def test_a_task_the_worker_takes_before_enqueue_returns_leaves_no_claim_behind(
+    worker: Worker, run: str, deduped: Any
+) -> None:
+    """The worker takes the task between the backend's insert and the end of `.enqueue()`
+    (`task_enqueued`, sent after the insert, holds the enqueue until the worker has run the
+    task or waits for the enqueue to end). The next enqueue is a task of its own that runs, not
+    a duplicate of one that ended."""
+    waits = f"{deduped.module_path}[{{id}}]: no claim yet"
+
+    def hold_the_enqueue(sender: Any, task_result: Any, **kwargs: Any) -> None:
+        if task_result.args[:1] != [run]:
+            return
+        waiting = waits.format(id=task_result.id)
+        wait_until(
+            lambda: task_result.refresh() or task_result.is_finished or waiting in (
+                worker.output()
+            ),
+            30, "the worker to run the task or wait for the enqueue", worker,
+        )  # fmt: skip
+
+    task_enqueued.connect(hold_the_enqueue, weak=False)
+    try:
+        first = deduped.enqueue(run)
+    finally:
+        task_enqueued.disconnect(hold_the_enqueue)
+    assert finished(first, worker).return_value["pid"] == worker.proc.pid
+    assert claim_of(run) is None, "a claim naming a task that ended"
+    again = finished(deduped.enqueue(run), worker)
+    assert again.id != first.id
+    assert again.return_value["pid"] == worker.proc.pid

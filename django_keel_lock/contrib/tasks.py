@@ -19,16 +19,23 @@ no message headers and the backend names a task's id only once it is enqueued. S
 checks the claim, enqueues and takes the claim with the new id in its holder, all under a short
 *gate* lock (the key plus GATE_SUFFIX) that makes those three one step; the worker finds its
 claim by that holder (the id from the `TaskContext` every run of a `LockedTask` gets).
+
+A worker can take the task between the enqueue and the claim. A run that does not find its
+claim therefore looks again behind the gate, which the enqueue lets go only once it has
+claimed; an enqueue whose gate expired meanwhile gives its claim back. Either way no claim is
+left naming a task that ran without it (and that would refuse every enqueue until it expired).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import inspect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any, Generic, ParamSpec, TypeVar, Unpack
 
@@ -91,6 +98,11 @@ GATE_SUFFIX = ":enqueue"
 # Enqueueing is one insert: a gate outlives it by far, and waiting that long for one means
 # its holder died (it then expires).
 _GATE_TTL = 10.0
+# The key whose gate this context holds while it enqueues: a backend that runs the task inside
+# `.enqueue()` (the immediate one) must not wait for that gate.
+_enqueuing: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "django_keel_lock_tasks_enqueuing", default=None
+)
 
 logger = logging.getLogger("django_keel_lock.tasks")
 P = ParamSpec("P")
@@ -229,7 +241,7 @@ class _Locking:
         key = self.format_key(args, kwargs)
         handle = self.options.spec.lock(key, label=label, raises=self.options.on_locked == RAISE)
         dedupe = self.options.dedupe
-        claim = self.claim_of(key, label) if dedupe is not None else None
+        claim = self.find_claim(key, label) if dedupe is not None else None
 
         def body() -> Any:
             if claim is not None:
@@ -301,6 +313,22 @@ class _Locking:
                 return _adopt(probe, info)
         return None
 
+    def find_claim(self, key: str, label: str) -> Lock | None:
+        """The claim `.enqueue()` took for the run `label` names, if any. Not found at once,
+        it looks again behind the key's gate: the enqueue that queued this run may not have
+        claimed yet, and it holds the gate until it has."""
+        claim = self.claim_of(key, label)
+        if claim is not None or _enqueuing.get() == key:
+            return claim  # inside .enqueue(): it claims nothing for a run that ended
+        logger.debug("%s: no claim yet; waiting for the enqueue of %r to end", label, key)
+        gate = self.gate(key)
+        entered = gate.acquire()  # not entered in _GATE_TTL: its holder is gone
+        try:
+            return self.claim_of(key, label)
+        finally:
+            if entered:
+                gate.release()
+
     def hand_on(
         self,
         later: LockedTask[Any, Any],
@@ -311,25 +339,50 @@ class _Locking:
         countdown: float,
     ) -> TaskResult[Any, Any]:
         """Enqueue the retry `later` and move `claim` to it, in one step for enqueuers."""
-        with self.gate(key):
+        with self.gated(key) as claims:
             sent = later.enqueue_plainly(args, kwargs)
             give_back(claim, logger)
             holder = claim_holder(later.module_path, sent.id)
             moved = self.options.claim(key, holder, ttl=claim.ttl + countdown)
-            if not moved.acquire():
+            if moved.acquire():
+                claims.append(moved)
+            else:
                 logger.warning("claim %r not moved to %s: taken meanwhile", moved.key, sent.id)
         return sent
 
     # -- at enqueue -------------------------------------------------------------------------
     def gate(self, key: str) -> Lock:
-        """The lock that makes check-enqueue-claim one step for the key's enqueuers."""
+        """The lock that makes check-enqueue-claim one step for the key's enqueuers and for
+        the run looking for its claim; named by the template, as the run lock is."""
+        name = self.options.spec.name
         return lock(
             key + GATE_SUFFIX,
             store=self.options.spec.store,
             ttl=_GATE_TTL,
             timeout=_GATE_TTL,
             holder=self.options.spec.holder,
+            on_lost="warn",
+            name=None if name is None else name + GATE_SUFFIX,
         )
+
+    @contextlib.contextmanager
+    def gated(self, key: str) -> Iterator[list[Lock]]:
+        """Hold `key`'s gate to enqueue and claim; the claims put in the list it yields are
+        given back if the gate did not stay held to the end (it expired: a run may have
+        looked for its claim meanwhile, found none, and would never give it back)."""
+        gate = self.gate(key)
+        if not gate.acquire():
+            raise gate.unavailable()
+        enqueuing = _enqueuing.set(key)
+        claims: list[Lock] = []
+        try:
+            yield claims
+        finally:
+            _enqueuing.reset(enqueuing)
+            if not gate.release():
+                for claim in claims:
+                    logger.warning("claim %r given back: the gate expired first", claim.key)
+                    give_back(claim, logger)
 
     def enqueue(
         self, task: LockedTask[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -338,7 +391,7 @@ class _Locking:
         TaskResult of the task holding it (or AlreadyQueued), and nothing is enqueued."""
         key = self.format_key(args, kwargs)
         limit = self.options.spec.mode.limit
-        with self.gate(key):
+        with self.gated(key) as claims:
             probe = self.options.claim(key, "?")
             holders = probe.holders()
             if len(holders) >= limit:
@@ -347,7 +400,9 @@ class _Locking:
             if sent.is_finished:  # an immediate backend ran it already
                 return sent
             claim = self.options.claim(key, claim_holder(task.module_path, sent.id))
-            if not claim.acquire():
+            if claim.acquire():
+                claims.append(claim)
+            else:
                 logger.warning("claim %r not taken for %s: taken meanwhile", claim.key, sent.id)
         return sent
 

@@ -57,3 +57,17 @@ def deduped(run: str) -> dict[str, Any]:
 @task(backend=BACKEND)
 def deduped_or_raise(run: str) -> dict[str, Any]:
     return _ran()
+
+
+@locked_task(KEY, ttl=30, dedupe="until_done", on_duplicate="raise", store=STORE)
+@task(backend=BACKEND)
+def until_done_or_raise(run: str) -> dict[str, Any]:
+    return _ran()
+
+
+#: Named in metrics by its template (tests/test_metrics.py), whatever its key: the run lock,
+#: the claim and the gate. Run it on the "default" (immediate) or "dummy" backend.
+@locked_task("keel-metrics-task:{name}", store="memory", dedupe="until_done")
+@task(backend=BACKEND)
+def named(name: str) -> str:
+    return name

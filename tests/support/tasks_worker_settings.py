@@ -10,5 +10,9 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "handlers": {"console": {"class": "logging.StreamHandler"}},
-    "loggers": {"django_keel_lock": {"level": "INFO", "handlers": ["console"]}},
+    "loggers": {
+        "django_keel_lock": {"level": "INFO", "handlers": ["console"]},
+        # A run that waits for its enqueue to claim says so at DEBUG.
+        "django_keel_lock.tasks": {"level": "DEBUG"},
+    },
 }
