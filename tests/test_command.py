@@ -5,8 +5,11 @@ from __future__ import annotations
 import io
 import json
 import sqlite3
+import subprocess
+import sys
 import time
 import tracemalloc
+import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
@@ -21,7 +24,8 @@ from django_keel_lock.conf import conf
 from django_keel_lock.management.commands.locks import list_lines
 from django_keel_lock.stores.database import PAGE_SIZE
 from tests.conftest import ALL_STORES, STORE_AVAILABILITY, needs_store, store_params
-from tests.support.holders import held_elsewhere, manage
+from tests.support import ROOT
+from tests.support.holders import MANAGE, child_env, held_elsewhere, manage
 
 DOWN_STORES = {"down": {"BACKEND": "django_keel_lock.stores.RedisLockStore",
                         "OPTIONS": {"URL": "redis://127.0.0.1:1/0"}}}  # fmt: skip
@@ -74,14 +78,42 @@ def test_list_prefix_filters_and_orders(key: str) -> None:
     assert table.splitlines()[-1] == f"3 holders in store 'memory' with prefix '{key}:'."
 
 
-def test_list_keeps_columns_fixed_and_never_cuts_the_key(key: str) -> None:
+def test_list_cuts_neither_the_key_nor_the_holder(key: str) -> None:
     long_key = key + ":" + "k" * 150
     handle = lock(long_key, store="memory", holder="h" * 200)
     assert handle.acquire()
     header, row, _ = run("list", "--store", "memory", "--prefix", key).splitlines()
     assert row.endswith(long_key)
     assert row.index(long_key) == header.index("KEY")
-    assert "h" * 31 + "…" in row and "h" * 33 not in row
+    assert f" {'h' * 200}  {long_key}" in row
+
+
+@needs_store("redis")
+def test_list_aligns_redis_fences_and_shows_a_celery_task_id_in_full(key: str) -> None:
+    task_id = str(uuid.uuid4())  # what a locked_task's holder ends with: 36 characters
+    holders = [f"worker-1:4242 tasks.charge[{task_id}]", "web-3:17"]
+    handles = [lock(f"{key}:{n}", store="redis", holder=h) for n, h in enumerate(holders)]
+    for handle in handles:
+        assert handle.acquire()
+    try:
+        header, *rows, _ = run("list", "--store", "redis", "--prefix", key).splitlines()
+    finally:
+        for handle in handles:
+            handle.release()
+    assert len(rows) == 2
+    fences = [handle.fence for handle in handles]
+    assert all(len(str(fence)) == 16 for fence in fences), fences  # the server's clock in µs
+    fence_end = header.index("FENCE") + len("FENCE")
+    for row, holder, fence in zip(rows, holders, fences, strict=True):
+        assert row.index(str(fence)) + 16 == fence_end  # right-aligned under FENCE
+        assert row[header.index("HOLDER") :].startswith(holder)  # the task id whole
+        assert row.index(f"{key}:") == header.index("KEY")
+        # Text starts where its header does, a number ends where its header does.
+        for title in ("MODE", "ACQUIRED (UTC)", "HOLDER"):
+            start = header.index(title)
+            assert row[start - 2 : start] == "  " and row[start] != " ", (title, row)
+        end = header.index("EXPIRES IN") + len("EXPIRES IN")
+        assert row[end - 1] == "s" and row[end : end + 2] == "  ", row
 
 
 # -- streaming ------------------------------------------------------------------------------
@@ -132,7 +164,7 @@ def many_locks(request: pytest.FixtureRequest, key: str) -> Iterator[tuple[str, 
 def test_list_streams_page_by_page(many_locks: tuple[str, str, str]) -> None:
     alias, database, prefix = many_locks
     lines = list_lines(get_lock_store(alias), prefix)
-    assert next(lines).startswith("       FENCE")
+    assert next(lines).split()[0] == "FENCE"
     assert next(lines).endswith(f"{prefix}000001")
     # The rows are gone now: a listing that had read them all up front would still print them;
     # a streaming one prints what is left of the page it holds, then stops.
@@ -329,6 +361,42 @@ def test_exit_codes_from_the_command_line(key: str) -> None:
     assert unknown.returncode == 2 and "unknown store alias" in unknown.stderr
     usage = manage("locks", "frobnicate")
     assert usage.returncode == 2
+
+
+@pytest.mark.parametrize("store_alias", store_params(["sqlite", "postgres", "mariadb", "redis"]))
+def test_list_prefix_of_bytes_that_are_not_utf8_is_a_usage_error_naming_it(
+    store_alias: str,
+) -> None:
+    # As a shell passes `--prefix $'\xff'`: Python keeps the byte as a surrogate, no store can
+    # encode it.
+    argv = [sys.executable, "-c", MANAGE, "locks", "list", "--store", store_alias, "--prefix"]
+    done = subprocess.run([*argv, b"inv\xff"], cwd=ROOT, env=child_env(), capture_output=True,
+                          timeout=60)  # fmt: skip
+    stderr = done.stderr.decode()
+    assert done.returncode == 2, stderr
+    assert "Traceback" not in stderr
+    assert "bad --prefix 'inv\\udcff': no lock key starts with it" in stderr
+    assert "encodable as UTF-8" in stderr
+    assert done.stdout == b""
+
+
+@pytest.mark.parametrize("store_alias", ALL_STORES)
+def test_list_prefix_with_a_nul_is_a_usage_error_naming_it(store_alias: str) -> None:
+    error = fails("list", "--store", store_alias, "--prefix", "invoice:\x00")
+    assert error.returncode == 2
+    assert str(error).startswith("bad --prefix 'invoice:\\x00': no lock key starts with it")
+    assert "control characters" in str(error)
+
+
+def test_django_common_options_are_taken_after_the_action(key: str) -> None:
+    listed = manage("locks", "list", "--store", "memory", "--settings", "tests.settings",
+                    "--traceback", "-v", "2", "--no-color")  # fmt: skip
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.splitlines()[-1] == "0 holders in store 'memory'."
+    # --traceback after the action does what it does before it: the error's traceback.
+    failed = manage("locks", "show", key, "--store", "nope", "--traceback")
+    assert failed.returncode != 0 and "Traceback" in failed.stderr
+    assert "unknown store alias 'nope'" in failed.stderr
 
 
 def test_release_after_confirming_leaves_a_holder_that_took_over_meanwhile(

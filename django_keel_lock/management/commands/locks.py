@@ -10,8 +10,10 @@ prompt; 2 usage errors (bad arguments, a key the store cannot hold) and an unkno
 misconfigured store alias; 3 the store could not be reached (the state of the locks is unknown).
 
 `list` streams: rows are printed as the store yields them (page by page for the database store),
-with fixed column widths so the table never needs every row in memory. A key held by a
-semaphore or shared lock has a row per holder (each permit), with its MODE.
+the column widths set by the first rows (WIDTH_SAMPLE), so the table never needs every row in
+memory; nothing is cut. A key held by a semaphore or shared lock has a row per holder (each
+permit), with its MODE. Django's common options (--settings, --traceback, -v, ...) are taken
+after the action too.
 
 Owner tokens are never printed unless `show --show-owner` asks: the token is what a store checks
 before it releases or extends a lock for its holder, so it stays out of terminals, logs and
@@ -21,6 +23,7 @@ pasted output by default. Keys and holders are printed with control characters e
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 from collections.abc import Iterator
@@ -41,13 +44,24 @@ EXIT_NOT_HELD = 1
 EXIT_CONFIG = 2
 EXIT_UNAVAILABLE = 3
 
-HOLDER_WIDTH = 32
-# FENCE, MODE, EXPIRES IN, ACQUIRED (UTC), HOLDER are fixed width; KEY comes last, never cut.
-ROW = (
-    "{fence:>12}  {mode:<9}  {expires:>10}  {acquired:<23}  {holder:<"
-    + str(HOLDER_WIDTH)
-    + "}  {key}"
-)
+#: Rows read before the table's column widths are set from them (a page of a store is held
+#: in memory anyway); a wider value after them widens its column from there on. Nothing is
+#: ever cut: a Celery task id in a holder is 36 characters, a Redis fence 16 digits.
+WIDTH_SAMPLE = 500
+HEADER = ("FENCE", "MODE", "EXPIRES IN", "ACQUIRED (UTC)", "HOLDER", "KEY")
+#: Which columns are right-aligned (numbers); KEY comes last and is not padded.
+RIGHT = (True, False, True, False, False)
+#: Django's options that every command takes, taken after the action too (`locks list
+#: --settings X`). SUPPRESS: an option not given after the action keeps the value given
+#: before it, if any.
+COMMON_OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
+    (("-v", "--verbosity"), {"type": int, "choices": [0, 1, 2, 3]}),
+    (("--settings",), {}),
+    (("--pythonpath",), {}),
+    (("--traceback",), {"action": "store_true"}),
+    (("--no-color",), {"action": "store_true"}),
+    (("--force-color",), {"action": "store_true"}),
+]
 
 
 def format_acquired(info: LockInfo) -> str:
@@ -74,22 +88,36 @@ def info_dict(info: LockInfo, *, owner: bool = False) -> dict[str, Any]:
     return data
 
 
-def table_row(info: LockInfo) -> str:
-    holder = printable(info.holder)
-    if len(holder) > HOLDER_WIDTH:
-        holder = holder[: HOLDER_WIDTH - 1] + "…"
-    return ROW.format(
-        fence=info.fence,
-        mode=info.mode,
-        expires=format_expires(info.expires_in),
-        acquired=format_acquired(info),
-        holder=holder,
-        key=printable(info.key),
+def row_cells(info: LockInfo) -> tuple[str, ...]:
+    """A holder's row of the table, as printed (control characters escaped)."""
+    return (
+        str(info.fence),
+        info.mode,
+        format_expires(info.expires_in),
+        format_acquired(info),
+        printable(info.holder),
+        printable(info.key),
     )
 
 
+class Table:
+    """Lines of aligned columns, as wide as the widest value seen so far in each."""
+
+    def __init__(self, rows: list[tuple[str, ...]]) -> None:
+        self.widths = [max(len(row[column]) for row in [HEADER, *rows]) for column in range(5)]
+
+    def line(self, cells: tuple[str, ...]) -> str:
+        parts = []
+        for column, right in enumerate(RIGHT):
+            cell = cells[column]
+            width = self.widths[column] = max(self.widths[column], len(cell))
+            parts.append(cell.rjust(width) if right else cell.ljust(width))
+        return "  ".join([*parts, cells[-1]])
+
+
 def list_lines(store: LockStore, prefix: str = "", as_json: bool = False) -> Iterator[str]:
-    """The lines `locks list` prints, produced one store row at a time.
+    """The lines `locks list` prints, produced a store row at a time (after the first
+    WIDTH_SAMPLE, which set the column widths).
 
     The first row is read before anything is produced: a store that cannot be reached fails
     the command with nothing printed, not under a table header that looks like an empty table.
@@ -97,22 +125,33 @@ def list_lines(store: LockStore, prefix: str = "", as_json: bool = False) -> Ite
     rows = iter(store.iter_locks(prefix))
     first = next(rows, None)
     count = 0
-    if not as_json:
-        yield ROW.format(
-            fence="FENCE",
-            mode="MODE",
-            expires="EXPIRES IN",
-            acquired="ACQUIRED (UTC)",
-            holder="HOLDER",
-            key="KEY",
-        )
-    if first is not None:
-        for info in itertools.chain([first], rows):
+    if as_json:
+        for info in rows if first is None else itertools.chain([first], rows):
             count += 1
-            yield json.dumps(info_dict(info), ensure_ascii=False) if as_json else table_row(info)
-    if not as_json:
-        what = f" with prefix {prefix!r}" if prefix else ""
-        yield f"{count} holder{'' if count == 1 else 's'} in store {store.alias!r}{what}."
+            yield json.dumps(info_dict(info), ensure_ascii=False)
+        return
+    sample = [] if first is None else [first, *itertools.islice(rows, WIDTH_SAMPLE - 1)]
+    cells = [row_cells(info) for info in sample]
+    table = Table(cells)
+    yield table.line(HEADER)
+    for row in itertools.chain(cells, (row_cells(info) for info in rows)):
+        count += 1
+        yield table.line(row)
+    what = f" with prefix {prefix!r}" if prefix else ""
+    yield f"{count} holder{'' if count == 1 else 's'} in store {store.alias!r}{what}."
+
+
+def checked_prefix(prefix: str) -> str:
+    """`prefix` if a key can start with it, else a usage error naming --prefix: no key holds a
+    control character (a NUL, which PostgreSQL refuses), nor what is not UTF-8 (bytes from the
+    shell that are not, which Python keeps as surrogates)."""
+    try:
+        validate_key(prefix or "-")
+    except ValueError as exc:
+        raise CommandError(
+            f"bad --prefix {prefix!r}: no lock key starts with it ({exc})", returncode=EXIT_CONFIG
+        ) from exc
+    return prefix
 
 
 class Command(BaseCommand):
@@ -126,6 +165,10 @@ class Command(BaseCommand):
 
         def add(name: str, help: str) -> Any:
             sub = actions.add_parser(name, help=help, description=help)
+            for flags, kwargs in COMMON_OPTIONS:
+                sub.add_argument(
+                    *flags, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs
+                )
             sub.add_argument(
                 "--store", default="default", metavar="ALIAS", help="store alias (default: default)"
             )
@@ -180,8 +223,15 @@ class Command(BaseCommand):
 
     # -- actions --------------------------------------------------------------------------
     def do_list(self, store: LockStore, options: dict[str, Any]) -> None:
-        for line in list_lines(store, options["prefix"], options["json"]):
-            self.stdout.write(line)
+        prefix = checked_prefix(options["prefix"])
+        try:
+            for line in list_lines(store, prefix, options["json"]):
+                self.stdout.write(line)
+        except ValueError as exc:  # a value the store refuses (`_refused`: it names no key)
+            raise CommandError(
+                f"bad --prefix {prefix!r}: store {store.alias!r} cannot take it ({exc})",
+                returncode=EXIT_CONFIG,
+            ) from exc
 
     def do_show(self, store: LockStore, options: dict[str, Any]) -> None:
         holders = self.read(store, self.checked_key(store, options["key"]))
