@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"  # setup.cfg reads it from here
-
 from .core import Lock, LockOutcome, force_release, lock, restore_lock, semaphore
 from .decorators import locked
 from .exceptions import (
@@ -11,10 +9,12 @@ from .exceptions import (
     InvalidLockToken,
     LockError,
     LockNotHeldError,
+    LockStoreMisconfigured,
     LockStoreUnavailable,
     LockUnavailable,
 )
 from .registry import get_lock_store, set_lock_store
+from .version import __version__
 from .views import LockViewMixin, lock_view
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "LockError",
     "LockNotHeldError",
     "LockOutcome",
+    "LockStoreMisconfigured",
     "LockStoreUnavailable",
     "LockUnavailable",
     "LockViewMixin",

@@ -14,6 +14,7 @@ class KeelLockConfig(AppConfig):
         from . import checks, metrics
 
         register(checks.check_stores)
+        register(checks.check_view_keys, Tags.urls)
         metrics.load()
         register(checks.check_store_tables, Tags.database)
         register(checks.check_sentinel_masters, Tags.database)

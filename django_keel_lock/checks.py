@@ -6,7 +6,8 @@ convention for checks tagged `database`: they run only when a command asks for d
 check (W003, W004, W006, W008) looks at the schema and the user's privileges of those databases,
 taking no lock; the Sentinel check (W007, W009) then asks the master of each RedisLockStore
 that goes through Sentinel for its settings, each wait at most the store's SOCKET_TIMEOUT or
-2 s, whichever is shorter. All are registered in `KeelLockConfig.ready()`.
+2 s, whichever is shorter. The view keys check (E012) walks the URLconf, with Django's URL
+checks. All are registered in `KeelLockConfig.ready()`.
 
 Errors
   django_keel_lock.E001  KEEL_LOCK_STORES is not a dict, or an alias's config is not a dict with
@@ -24,20 +25,22 @@ Errors
   django_keel_lock.E009  KEEL_LOCK_DEFAULT_TTL is not a positive duration.
   django_keel_lock.E010  A DatabaseLockStore's or RedisLockStore's OPTIONS SOCKET_TIMEOUT is not
                          a positive duration.
-  django_keel_lock.E011  KEEL_LOCK_METRICS is not "prometheus", "otel", a list of them or None,
-                         or names one whose package is not installed (pip install
-                         django-keel-lock[prometheus] or [otel]).
+  django_keel_lock.E011  KEEL_LOCK_METRICS is not "prometheus", "otel", a list of them or None.
+  django_keel_lock.E012  A @lock_view (or LockViewMixin) key template names a <name> that a URL
+                         routed to the view does not capture: every request there fails
+                         (a URL check: `check --tag urls`).
 
 Warnings
   django_keel_lock.W001  MemoryLockStore is the "default" store while DEBUG is False: it does not
                          coordinate processes, so two workers can hold the same lock.
   django_keel_lock.W002  KEEL_LOCK_STORES has no "default" alias: lock() without store= fails.
   django_keel_lock.W003  A DatabaseLockStore's database has no lock table (not migrated there):
-                         every lock on that store fails with LockStoreUnavailable.
+                         every lock on that store fails with LockStoreMisconfigured.
   django_keel_lock.W004  A DatabaseLockStore's database could not be inspected for W003
                          (unreachable, or a missing driver).
   django_keel_lock.W005  A RedisLockStore keeps its locks in the Redis database of a Django
-                         cache: that cache's clear() (FLUSHDB) deletes every lock.
+                         cache (any but the store's own CONNECTION when nothing else names
+                         it): that cache's clear() (FLUSHDB) deletes every lock.
   django_keel_lock.W006  A DatabaseLockStore's database has the lock table but not the permit
                          table (migration 0003): its semaphores and shared locks fail.
   django_keel_lock.W007  A RedisLockStore through Sentinel whose master has
@@ -48,10 +51,16 @@ Warnings
                          locks through the table must connect as that user.
   django_keel_lock.W009  A RedisLockStore's Sentinel master could not be asked for W007
                          (unreachable within the bound, or CONFIG refused).
+  django_keel_lock.W010  A setting starting with KEEL_LOCK that django-keel-lock does not read (a
+                         misspelling is otherwise ignored): named with the closest real one.
+  django_keel_lock.W011  KEEL_LOCK_METRICS names a backend whose package is not installed: locks
+                         work, those metrics are off (pip install django-keel-lock[prometheus]
+                         or [otel]).
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import re
 import sys
@@ -65,10 +74,12 @@ from django.conf import settings
 from django.core.checks import CheckMessage, Error, Warning
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
+from django.urls import URLPattern, URLResolver, get_resolver
 from django.utils.module_loading import import_string
 
 from .conf import (
     METRIC_BACKENDS,
+    SETTING_NAMES,
     UnknownStoreOptions,
     conf,
     is_store_config,
@@ -84,6 +95,7 @@ from .stores.database import DatabaseLockStore
 from .stores.database.dialects import DIALECTS
 from .stores.database.dialects.base import PERMIT_TABLE
 from .stores.database.dialects.base import TABLE as LOCK_TABLE
+from .views import LockViewMixin, parse_key_template
 
 ID = "django_keel_lock.{}"
 #: Where RedisLockStore is found: named without importing it, which fails without redis-py.
@@ -104,6 +116,7 @@ def installed(module: str) -> bool:
 def check_stores(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> list[CheckMessage]:
     """Every mistake in KEEL_LOCK_STORES / KEEL_LOCK_DEFAULT_TTL that can be seen offline."""
     messages: list[CheckMessage] = []
+    messages.extend(_check_setting_names())
     messages.extend(_check_default_ttl())
     messages.extend(_check_metrics())
     stores = conf.raw_stores()
@@ -131,9 +144,28 @@ def check_stores(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> lis
     return messages
 
 
+def _check_setting_names() -> list[CheckMessage]:
+    """W010: a KEEL_LOCK* setting we do not read (a typo: KEEL_LOCK_STORE) is ignored, and the
+    default it meant to change silently used."""
+    messages: list[CheckMessage] = []
+    for name in sorted(n for n in dir(settings) if n.startswith("KEEL_LOCK")):
+        if name in SETTING_NAMES:
+            continue
+        close = difflib.get_close_matches(name, SETTING_NAMES, n=1, cutoff=0.8)
+        meant = f": did you mean {close[0]}?" if close else "."
+        messages.append(
+            Warning(
+                f"{name} is not a django-keel-lock setting, so it is ignored{meant}",
+                hint=f"The settings are {', '.join(SETTING_NAMES)}.",
+                id=ID.format("W010"),
+            )
+        )
+    return messages
+
+
 def _check_metrics() -> list[CheckMessage]:
-    """E011: KEEL_LOCK_METRICS is malformed, or a backend it names cannot be imported (the
-    app then runs with that backend off: see metrics.load)."""
+    """E011: KEEL_LOCK_METRICS is malformed. W011: a backend it names cannot be imported; the
+    app then runs with that backend off (see metrics.load), so starting it is not refused."""
     try:
         names = conf.METRICS
     except ImproperlyConfigured as exc:
@@ -151,12 +183,12 @@ def _check_metrics() -> list[CheckMessage]:
             import_module(module)
         except ImportError as exc:
             messages.append(
-                Error(
+                Warning(
                     f"KEEL_LOCK_METRICS names {name!r} but {module} cannot be imported "
-                    f"({exc}): lock metrics for {name!r} are off.",
+                    f"({exc}): locks work, and their metrics for {name!r} are off.",
                     hint=f"pip install 'django-keel-lock[{name}]', or take {name!r} out of "
                     "KEEL_LOCK_METRICS.",
-                    id=ID.format("E011"),
+                    id=ID.format("W011"),
                 )
             )
     return messages
@@ -459,23 +491,27 @@ def _cache_database(config: object) -> RedisDatabase | None:
     return _redis_database(location[0])
 
 
-def _caching_caches() -> dict[str, RedisDatabase]:
-    """The Redis caches that may be cleared, by alias: all but those only a lock store's
-    connection, which are named by a store's CONNECTION and by nothing of Django's."""
-    caches = getattr(settings, "CACHES", {})
-    if not isinstance(caches, Mapping):
-        return {}
+def _connections_only() -> set[object]:
+    """The caches that are only a lock store's connection: named by a store's CONNECTION and
+    by nothing of Django's, so nothing caches there (and nothing clears them)."""
     stores = conf.raw_stores()
     configs = stores.values() if isinstance(stores, dict) else ()
     options = [store_options(config) for config in configs if is_store_config(config)]
-    connections_only = {each.get("CONNECTION") for each in options if each is not None} - {
+    return {each.get("CONNECTION") for each in options if each is not None} - {
         "default",
         getattr(settings, "SESSION_CACHE_ALIAS", "default"),
         getattr(settings, "CACHE_MIDDLEWARE_ALIAS", "default"),
     }
+
+
+def _redis_caches() -> dict[str, RedisDatabase]:
+    """The database each Redis cache writes to (and its clear() flushes), by alias."""
+    caches = getattr(settings, "CACHES", {})
+    if not isinstance(caches, Mapping):
+        return {}
     found: dict[str, RedisDatabase] = {}
     for alias, config in caches.items():
-        if alias in connections_only or not isinstance(config, Mapping):
+        if not isinstance(config, Mapping):
             continue
         if not str(config.get("BACKEND", "")).startswith(REDIS_CACHES):
             continue
@@ -496,7 +532,12 @@ def _check_redis_database(where: str, options: Mapping[str, Any]) -> list[CheckM
         return []
     if database is None:
         return []
-    shared = [alias for alias, other in _caching_caches().items() if other == database]
+    # The store's own connection, if nothing else uses it, is its to clear; any other cache on
+    # its database (another store's connection too: it is a Django cache all the same) is not.
+    own = {options.get("CONNECTION")} & _connections_only()
+    shared = [
+        alias for alias, other in _redis_caches().items() if other == database and alias not in own
+    ]
     if not shared:
         return []
     named = ", ".join(f"CACHES[{alias!r}]" for alias in shared)
@@ -563,7 +604,7 @@ def check_store_tables(
                 Warning(
                     f"{stores} locks in table {LOCK_TABLE} of database {database!r}, "
                     "which does not have that table: every lock taken there fails with "
-                    "LockStoreUnavailable.",
+                    "LockStoreMisconfigured.",
                     hint=migrate,
                     id=ID.format("W003"),
                 )
@@ -573,13 +614,76 @@ def check_store_tables(
                 Warning(
                     f"{stores} locks in database {database!r}, which has no {PERMIT_TABLE} "
                     "table (migration 0003 is not applied there): every semaphore and shared "
-                    "lock taken there fails with LockStoreUnavailable; exclusive locks work.",
+                    "lock taken there fails with LockStoreMisconfigured; exclusive locks work.",
                     hint=migrate,
                     id=ID.format("W006"),
                 )
             )
         messages.extend(_check_process_privilege(database, stores))
     return messages
+
+
+def check_view_keys(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> list[CheckMessage]:
+    """E012: a `@lock_view` (or LockViewMixin) key template names a <name> that a URL routed
+    to the view does not capture: every request there would fail."""
+    try:
+        patterns = get_resolver().url_patterns
+    except Exception:  # a broken URLconf is Django's own URL checks' to report
+        return []
+    return list(_check_routes(patterns, frozenset(), ""))
+
+
+def _check_routes(patterns: Any, above: frozenset[str], prefix: str) -> Iterator[CheckMessage]:
+    """E012 for each route under `patterns`, whose includes captured the kwargs `above`."""
+    for entry in patterns:
+        route = prefix + str(entry.pattern)
+        captured = above | set(entry.pattern.regex.groupindex)
+        if isinstance(entry, URLResolver):
+            yield from _check_routes(
+                entry.url_patterns, captured | set(entry.default_kwargs), route
+            )
+        elif isinstance(entry, URLPattern):
+            yield from _check_route(entry, captured | set(entry.default_args), route)
+
+
+def _view_key(callback: Any) -> str | None:
+    """The key template a view locks (`@lock_view` on the function, or on a class-based
+    view's dispatch through method_decorator, or a LockViewMixin's lock_key)."""
+    view_class = getattr(callback, "view_class", None)
+    for each in (callback, getattr(view_class, "dispatch", None)):
+        key = getattr(each, "lock_view_key", None)
+        if isinstance(key, str):
+            return key
+    if not (isinstance(view_class, type) and issubclass(view_class, LockViewMixin)):
+        return None
+    # A class that overrides get_lock_key makes its key itself: nothing to compare.
+    if view_class.get_lock_key is not LockViewMixin.get_lock_key:
+        return None
+    key = view_class.lock_key
+    return key if isinstance(key, str) else None
+
+
+def _check_route(entry: URLPattern, kwargs: frozenset[str], route: str) -> list[CheckMessage]:
+    template = _view_key(entry.callback)
+    if template is None:
+        return []
+    names = [text for is_name, text in parse_key_template(template) if is_name]
+    missing = [name for name in names if name not in kwargs]
+    if not missing:
+        return []
+    view = entry.lookup_str
+    known = ", ".join(f"<{name}>" for name in sorted(kwargs)) or "none"
+    close = difflib.get_close_matches(missing[0], kwargs, n=1)
+    meant = f"<{close[0]}>" if close else "a kwarg the route captures"
+    return [
+        Error(
+            f"{view} locks key {template!r}, but URL {route!r} has no kwarg "
+            f"{', '.join(f'<{name}>' for name in missing)} (its kwargs: {known}): every "
+            "request there fails.",
+            hint=f"Write {meant} in the key template, or capture <{missing[0]}> in the route.",
+            id=ID.format("E012"),
+        )
+    ]
 
 
 #: A grant of global privileges, as SHOW GRANTS writes it: the privileges, then ON *.*.

@@ -29,6 +29,7 @@ from .options import (
     KeyTemplate,
     LockSpec,
     OnLost,
+    check_key_fields,
     check_key_template,
     check_on_locked,
     format_key,
@@ -150,6 +151,7 @@ def locked(
                 f"after the call returns, outside the lock. Take the lock inside it: "
                 f"`with lock(...):` around the loop"
             )
+        check_key_fields(key, fn)  # a misspelled {name} fails here, not on every call
         return _wrap(fn, key, spec, on_locked)
 
     return decorate

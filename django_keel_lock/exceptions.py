@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+
 
 class LockError(Exception):
     """Base class of every error this package raises on purpose."""
@@ -18,12 +22,23 @@ class LockUnavailable(LockError):
         self.key = key
         super().__init__(message or f"lock {key!r} is held by someone else")
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Exception pickles as cls(*args), args being the message alone: it came back with the
+        # message as its key and a message made from that (Celery's results showed it doubled).
+        return (type(self), (self.key, str(self)), self.__dict__)
+
 
 class LockStoreUnavailable(LockError):
     """The store itself failed (connection refused, timeout, database down).
 
     Never means "someone else holds it": the state of the lock is unknown.
     """
+
+
+class LockStoreMisconfigured(LockError, ImproperlyConfigured):
+    """The store is set up wrongly (its database lacks the lock tables: not migrated), so
+    every call fails the same way until someone fixes it. Not an outage (retrying will not
+    help) and not "held elsewhere"; the message says what to run."""
 
 
 class InvalidLockToken(LockError, ValueError):
@@ -38,3 +53,6 @@ class AlreadyQueued(LockError):
         self.key = key
         self.task_id = task_id
         super().__init__(message or f"a task with key {key!r} is already queued: {task_id}")
+
+    def __reduce__(self) -> tuple[Any, ...]:  # as LockUnavailable's
+        return (type(self), (self.key, self.task_id, str(self)), self.__dict__)

@@ -6,7 +6,7 @@ failed, renewed, ended (released, lost, expired) and forced free. Every surface 
 the core's one check, and neither prometheus_client nor opentelemetry is imported.
 
 The setting is read when the app starts and again whenever it changes (`override_settings`);
-a backend whose package is missing is left out, and the system check E011 says so.
+a backend whose package is missing is left out, and the system check W011 says so.
 
 Metrics show a lock's *name* (`Lock.name`: a surface's key template, `name=`, or the key
 normalised by `options.lock_name`), its store alias and bounded outcome words, never its key,
@@ -141,7 +141,7 @@ def _build(name: str) -> Recorder:
 def load() -> Recorder | None:
     """(Re)read KEEL_LOCK_METRICS and make `recorder` what it asks for. A backend whose
     package is missing, or a malformed setting, is logged and left out: the app still starts,
-    and `manage.py check` reports it (E011)."""
+    and `manage.py check` reports it (W011)."""
     global recorder
     try:
         names = conf.METRICS

@@ -12,6 +12,7 @@ import inspect
 import os
 import re
 import socket
+import string
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Literal
@@ -163,6 +164,31 @@ def format_key(
             f"key template {template!r} names {exc} which {fn.__qualname__} does not have "
             f"(its arguments: {names})"
         ) from None
+
+
+def check_key_fields(template: KeyTemplate, fn: Callable[..., Any]) -> None:
+    """Raise ValueError when the "{name}" template `template` names an argument `fn` does not
+    take (`@locked`, `locked_task`: at decoration, not on every call). A function's **kwargs
+    too: `format_key` formats with its parameters, where the keywords they gather are under
+    their parameter's name ("{kwargs[invoice_id]}", not "{invoice_id}"). A callable key is
+    not looked into."""
+    if callable(template):
+        return
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or the like: format_key says so per call
+        return
+    try:
+        fields = [each for _, each, _, _ in string.Formatter().parse(template) if each is not None]
+    except ValueError as exc:
+        raise ValueError(f"key template {template!r} is not a format string: {exc}") from None
+    for field in fields:
+        name = re.split(r"[.\[]", field, maxsplit=1)[0]
+        if name not in parameters:
+            raise ValueError(
+                f"key template {template!r} names {{{field}}}, which {fn.__qualname__} does not "
+                f"take (its parameters: {', '.join(parameters) or 'none'}); name one of them"
+            )
 
 
 # -- names ---------------------------------------------------------------------------------

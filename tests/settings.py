@@ -53,6 +53,9 @@ SECRET_KEY = "tests-only-not-secret"
 DEBUG = False
 USE_TZ = True
 ROOT_URLCONF = "tests.urls"
+# tests.urls routes a @lock_view whose key names a kwarg its URL lacks, on purpose (the 500 it
+# gives per request is tested): the check that reports it would stop every `check` run here.
+SILENCED_SYSTEM_CHECKS = ["django_keel_lock.E012"]
 ALLOWED_HOSTS = ["*"]
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 STATIC_URL = "/static/"

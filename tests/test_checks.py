@@ -18,7 +18,7 @@ from django.core.management import call_command
 from django.core.management.base import SystemCheckError
 from django.test import override_settings
 
-from django_keel_lock import LockStoreUnavailable, checks, lock, semaphore
+from django_keel_lock import LockStoreMisconfigured, checks, lock, semaphore
 from django_keel_lock.checks import check_sentinel_masters, check_store_tables, check_stores
 
 from .conftest import (
@@ -40,11 +40,13 @@ REDIS = "django_keel_lock.stores.RedisLockStore"
 
 
 def ids(**settings: Any) -> list[str]:
-    with override_settings(**settings):
-        return [message.id or "" for message in check_stores()]
+    return [message.id or "" for message in messages(**settings)]
 
 
 def messages(**settings: Any) -> list[CheckMessage]:
+    """The settings checks' messages with `settings`; KEEL_LOCK_STORES, unless given, only a
+    database store (the test settings' Redis stores share a database: W005)."""
+    settings.setdefault("KEEL_LOCK_STORES", stores())
     with override_settings(**settings):
         return check_stores()
 
@@ -53,8 +55,14 @@ def stores(**aliases: Any) -> dict[str, Any]:
     return {"default": {"BACKEND": DB}, **aliases}
 
 
-def test_the_test_settings_are_clean() -> None:
-    assert check_stores() == []
+def test_the_test_settings_are_clean_but_for_the_redis_database_shared_on_purpose() -> None:
+    # "redis-url" keeps its locks in the database of CACHES["locks"] (the "redis" store's
+    # connection), so that stores on a URL and on a CONNECTION see the same keys
+    # (tests/test_redis_store.py); nothing here clears that cache.
+    (shared,) = check_stores()
+    assert shared.id == "django_keel_lock.W005"
+    assert shared.msg.startswith("KEEL_LOCK_STORES['redis-url'] keeps its locks in Redis")
+    assert "which CACHES['locks'] uses too" in shared.msg
 
 
 def test_no_keel_lock_stores_setting_is_clean() -> None:
@@ -172,7 +180,7 @@ def test_w003_store_database_without_the_lock_table_until_the_hinted_migrate(ser
         empty_database(database_of(server), "locks"),
         override_settings(KEEL_LOCK_STORES=on_locks),
     ):
-        with pytest.raises(LockStoreUnavailable):  # what the warning is about
+        with pytest.raises(LockStoreMisconfigured):  # what the warning is about
             lock("checks:w003", store="locks").acquire()
         found = check_store_tables(databases=["locks"])
         unasked = check_store_tables()  # plain `manage.py check`: no database is touched
@@ -192,7 +200,7 @@ def test_w003_store_database_without_the_lock_table_until_the_hinted_migrate(ser
     assert [m.id for m in found] == ["django_keel_lock.W003"]
     assert found[0].msg.startswith("Lock store 'locks' keeps locks in table django_keel_lock_lock")
     assert "database 'locks'" in found[0].msg
-    assert "LockStoreUnavailable" in found[0].msg
+    assert "LockStoreMisconfigured" in found[0].msg
     assert hint == "Run: python manage.py migrate django_keel_lock --database locks"
     assert unasked == [] and other_database == []
     assert "django_keel_lock.W003" in command_output.getvalue()
@@ -259,15 +267,36 @@ def test_w005_not_for_a_redis_store_on_a_database_of_its_own(url: str) -> None:
         "default": {"BACKEND": REDIS_CACHE, "LOCATION": "redis://127.0.0.1:6379/0"},
         "locks": {"BACKEND": REDIS_CACHE, "LOCATION": url},
     }
-    found = ids(
+    by_url = ids(
+        KEEL_LOCK_STORES=stores(by_url={"BACKEND": REDIS, "OPTIONS": {"URL": url}}),
+        CACHES={"default": caches["default"]},
+    )
+    # The cache that is only its lock store's connection: nothing caches there.
+    by_cache = ids(
+        KEEL_LOCK_STORES=stores(by_cache={"BACKEND": REDIS, "OPTIONS": {"CONNECTION": "locks"}}),
+        CACHES=caches,
+    )
+    assert by_url == [] and by_cache == []
+
+
+def test_w005_redis_store_url_on_the_database_of_another_stores_connection_cache() -> None:
+    url = "redis://127.0.0.1:6379/1"
+    caches = {
+        "default": {"BACKEND": REDIS_CACHE, "LOCATION": "redis://127.0.0.1:6379/0"},
+        "locks": {"BACKEND": REDIS_CACHE, "LOCATION": url},
+    }
+    found = messages(
         KEEL_LOCK_STORES=stores(
             by_url={"BACKEND": REDIS, "OPTIONS": {"URL": url}},
-            # The cache that is only its lock store's connection: nothing caches there.
             by_cache={"BACKEND": REDIS, "OPTIONS": {"CONNECTION": "locks"}},
         ),
         CACHES=caches,
     )
-    assert found == []
+    # caches["locks"].clear() (or a loop over caches.all()) flushes by_url's locks: by_url
+    # does not go through that cache, so nothing tells its owner the database is shared.
+    assert [m.id for m in found] == ["django_keel_lock.W005"]
+    assert found[0].msg.startswith("KEEL_LOCK_STORES['by_url'] keeps its locks in Redis")
+    assert "CACHES['locks']" in found[0].msg
 
 
 def test_w005_cache_clear_on_a_shared_database_frees_every_lock(key: str) -> None:
@@ -329,7 +358,7 @@ def test_w006_a_database_migrated_to_0002_only_has_no_semaphores_until_0003(serv
         call_command("migrate", "django_keel_lock", "0002", database="locks", verbosity=0)
         found = check_store_tables(databases=["locks"])
         assert lock("checks:w006", store="locks").run(lambda: "exclusive") == (True, "exclusive")
-        with pytest.raises(LockStoreUnavailable):
+        with pytest.raises(LockStoreMisconfigured, match="migrate django_keel_lock"):
             semaphore("checks:w006:permits", limit=2, store="locks").acquire()
         call_command("migrate", "django_keel_lock", database="locks", verbosity=0)
         after = check_store_tables(databases=["locks"])

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import redis
 from django.conf import settings
-from django.core.checks import CheckMessage
+from django.core.checks import WARNING, CheckMessage
 from django.db import connections, transaction
 from django.test import RequestFactory, override_settings
 from opentelemetry import metrics as otel_metrics
@@ -813,18 +813,26 @@ def e011(**settings: Any) -> list[CheckMessage]:
         return [m for m in check_stores() if m.id == "django_keel_lock.E011"]
 
 
+def w011(**settings: Any) -> list[CheckMessage]:
+    with override_settings(**settings):
+        return [m for m in check_stores() if m.id == "django_keel_lock.W011"]
+
+
 @pytest.mark.parametrize(
     ("setting", "module"),
     [("prometheus", "prometheus_client"), (["prometheus", "otel"], "opentelemetry.trace")],
 )
-def test_e011_metrics_on_without_their_package(
+def test_w011_metrics_on_without_their_package_warns_and_does_not_stop_the_app(
     monkeypatch: pytest.MonkeyPatch, setting: Any, module: str
 ) -> None:
-    assert e011(KEEL_LOCK_METRICS=setting) == []
+    assert w011(KEEL_LOCK_METRICS=setting) == []
     # A None entry makes `import module` raise ImportError, as a missing package does.
     monkeypatch.setitem(sys.modules, module, None)
-    (message,) = e011(KEEL_LOCK_METRICS=setting)
-    assert module in message.msg
+    (message,) = w011(KEEL_LOCK_METRICS=setting)
+    assert e011(KEEL_LOCK_METRICS=setting) == []
+    # A warning: migrate and runserver still start (an error stops them).
+    assert message.level == WARNING and not message.is_serious()
+    assert module in message.msg and "locks work" in message.msg
     assert "pip install 'django-keel-lock[" in (message.hint or "")
     with override_settings(KEEL_LOCK_METRICS=setting):
         # The app still runs: that backend is off, the others on.

@@ -54,6 +54,7 @@ from ..options import (
     KeyTemplate,
     OnLocked,
     OnLost,
+    check_key_fields,
     format_key,
     template_name,
 )
@@ -165,6 +166,7 @@ def locked_task(
 
     def decorate(fn: Callable[P, R]) -> Callable[P, R | None]:
         wrapper = _wrap(fn, key, options)
+        check_key_fields(key, fn)  # after _wrap refused a task object (its signature evaluates it)
         if dedupe is None:
             return wrapper
         return cast(Callable[P, R | None], _DedupedBody(wrapper, _Dedupe(options, key, fn)))

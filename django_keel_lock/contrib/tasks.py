@@ -64,7 +64,7 @@ except ImportError:  # Django 5.2: the backport
 from .. import tokens
 from ..core import Lock, lock, restore_lock
 from ..exceptions import AlreadyQueued
-from ..options import RAISE, RETRY, SKIP, KeyTemplate, template_name
+from ..options import RAISE, RETRY, SKIP, KeyTemplate, check_key_fields, template_name
 from ..options import format_key as _format_key
 from ..stores.base import LockInfo
 from .common import (
@@ -151,6 +151,7 @@ def locked_task(
             )
         if iscoroutinefunction(task.func):
             raise TypeError(f"locked_task does not lock async tasks yet ({task.module_path})")
+        check_key_fields(key, task.func)
         locking = _Locking(parsed, key, task.func, task.takes_context, max_retries)
         fields = {f.name: getattr(task, f.name) for f in dataclasses.fields(task) if f.init}
         # Every run gets the TaskContext: its TaskResult names the run (the holder, the claim)

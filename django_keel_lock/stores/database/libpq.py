@@ -65,10 +65,13 @@ class PreparedStatements:
 def _failure(result: Any, error: type[Exception]) -> Exception:
     """The driver error for a libpq result that is not a success: `error`, or for a data
     exception (SQLSTATE class 22: a value sent, such as a key the database's encoding cannot
-    hold) psycopg's own class for it, a DataError, as its cursor would raise."""
+    hold) or a missing table or function psycopg's own class for it, as its cursor would
+    raise."""
     message = (result.error_message or b"").decode("utf-8", "replace").strip()
     sqlstate = result.error_field(_SQLSTATE) or b""
-    if sqlstate.startswith(b"22"):
+    # 42P01, 42883: a table or function of ours is missing (not migrated), which the store
+    # tells from the class's sqlstate, as from its cursor's errors.
+    if sqlstate.startswith(b"22") or sqlstate in (b"42P01", b"42883"):
         from psycopg import errors
 
         try:

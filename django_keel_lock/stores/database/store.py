@@ -32,7 +32,7 @@ from typing import Any, TypeVar, cast
 from django.core.exceptions import ImproperlyConfigured, SynchronousOnlyOperation
 from django.db import connections
 
-from ...exceptions import LockStoreUnavailable
+from ...exceptions import LockStoreMisconfigured, LockStoreUnavailable
 from ..base import PERMIT_OWNERS, AcquireResult, Kind, LockInfo, LockStore, Mode
 from ..connections import Deadline, PerThread, SocketCheck, socket_timeout_option
 from ..wakeups import ListeningStore, ReleaseListener
@@ -333,6 +333,8 @@ class DatabaseLockStore(ListeningStore, LockStore):
                 self._threads.drop()
                 if timed_out:
                     raise self._timed_out() from exc
+                if _missing_schema(exc):
+                    raise self._not_migrated(exc) from exc
                 if fresh or attempt == 2 or not idempotent:
                     raise LockStoreUnavailable(
                         f"lock store {self.alias!r} (database {self.database!r}) failed: {exc}"
@@ -367,12 +369,21 @@ class DatabaseLockStore(ListeningStore, LockStore):
         except database.DataError as exc:
             raise self._refused(exc, key, holder) from exc
         except database.Error as exc:
+            if _missing_schema(exc):
+                raise self._not_migrated(exc) from exc
             raise LockStoreUnavailable(
                 f"lock store {self.alias!r} (database {self.database!r}, inside the caller's "
                 f"transaction) failed: {exc}"
             ) from exc
         finally:
             cursor.close()
+
+    def _not_migrated(self, exc: Exception) -> LockStoreMisconfigured:
+        return LockStoreMisconfigured(
+            f"lock store {self.alias!r}: database {self.database!r} lacks the lock tables "
+            f"(django_keel_lock's migrations are not applied there: {exc}); run: python "
+            f"manage.py migrate django_keel_lock --database {self.database}"
+        )
 
     def _refused(self, exc: Exception, key: str | None, holder: str | None) -> ValueError:
         what = "a value" if key is None else f"key {key!r}"
@@ -926,6 +937,24 @@ def _close_raw(wrapper: Any, deadline: Deadline) -> None:
             raw.close()
         except Exception:  # broken already: nothing more to free
             pass
+
+
+#: SQLSTATEs of a schema object that is not there: a table or sequence (undefined_table), a
+#: function (undefined_function, PostgreSQL's semaphores).
+_UNDEFINED = frozenset({"42P01", "42883"})
+#: MariaDB's "table doesn't exist" (ER_NO_SUCH_TABLE; a sequence is a table there).
+_NO_SUCH_TABLE = 1146
+
+
+def _missing_schema(exc: Exception) -> bool:
+    """Whether the driver error `exc` says a table, sequence or function of ours is missing:
+    the database was not migrated (a configuration mistake, not an outage)."""
+    sqlstate = getattr(exc, "sqlstate", None) or getattr(exc, "pgcode", None)  # psycopg 3, 2
+    if sqlstate in _UNDEFINED:
+        return True
+    if type(exc).__module__.startswith("sqlite3"):
+        return str(exc).startswith("no such table")
+    return bool(exc.args) and exc.args[0] == _NO_SUCH_TABLE and "MySQL" in type(exc).__module__
 
 
 def _in_transaction(cursor: Any, begin: str, body: Callable[[Any], T]) -> T:

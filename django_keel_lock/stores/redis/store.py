@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+from django.conf import settings
+from django.core.cache import InvalidCacheBackendError
 from django.core.exceptions import ImproperlyConfigured
 
 from ...exceptions import LockStoreUnavailable
@@ -166,9 +168,18 @@ class RedisLockStore(ListeningStore, LockStore):
 
     # -- connections ----------------------------------------------------------------------
     def _where(self) -> str:
-        if self.url is not None:
-            return f"URL {redis.connection.parse_url(self.url).get('host', '?')}"
-        return f"CACHES[{self.connection_alias!r}]"
+        """Where the store's Redis is, for messages: the URL's host:port (or socket path),
+        never its credentials; or the cache it goes through."""
+        if self.url is None:
+            return f"CACHES[{self.connection_alias!r}]"
+        try:
+            parts = redis.connection.parse_url(self.url)
+        except ValueError:
+            return "URL ?"
+        if "path" in parts:
+            return f"URL {parts['path']}"
+        host = str(parts.get("host", "localhost"))
+        return f"URL {f'[{host}]' if ':' in host else host}:{parts.get('port', 6379)}"
 
     def _unavailable(self, exc: Exception) -> LockStoreUnavailable:
         return LockStoreUnavailable(
@@ -218,6 +229,13 @@ class RedisLockStore(ListeningStore, LockStore):
 
         try:
             return get_redis_connection(self.connection_alias or "default", write=True)
+        except InvalidCacheBackendError:  # Django's says only "The connection 'x' doesn't exist."
+            caches = ", ".join(sorted(settings.CACHES)) or "none"
+            raise ImproperlyConfigured(
+                f"KEEL_LOCK_STORES[{self.alias!r}] OPTIONS CONNECTION {self.connection_alias!r} "
+                f"is not a CACHES alias (CACHES has: {caches}); name a django-redis cache, or "
+                f"use URL"
+            ) from None
         except NotImplementedError:
             raise ImproperlyConfigured(
                 f"KEEL_LOCK_STORES[{self.alias!r}] CONNECTION {self.connection_alias!r} is not "
