@@ -12,16 +12,19 @@ permission check, a confirmation step and a `LogEntry`.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 from typing import Any, cast
 from urllib.parse import urlencode
 
+import django
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
 from django.contrib.admin.models import CHANGE, LogEntry
@@ -35,12 +38,13 @@ from django.db.models.sql.compiler import SQLCompiler
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
+from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.http import url_has_allowed_host_and_scheme
 
 from .conf import conf
 from .core import force_release
-from .models import Lock
+from .models import Lock, StoreLock
 from .registry import get_lock_store
 from .stores.base import PERMIT_OWNERS, LockInfo, LockStore
 from .stores.database.dialects import DIALECTS
@@ -49,6 +53,38 @@ logger = logging.getLogger("django_keel_lock")
 
 #: Rows of one store the all-stores page renders at once (the rest: "next" link or a prefix).
 STORE_PAGE_SIZE = 100
+
+#: The owner column of a released row (the database store's RELEASED): a release empties it,
+#: an expiry leaves the last holder's token, so the row tells the two apart.
+RELEASED_OWNER = ""
+
+
+@functools.cache
+def breadcrumbs_as_list() -> bool:
+    """Does the running Django's admin mark breadcrumbs up as `<ol class="breadcrumbs">` with
+    an `<li>` each (6.1, whose stylesheet styles only that) rather than `<div
+    class="breadcrumbs">` (5.2, whose stylesheet styles only that)? Read from Django's own base
+    template, so the lock admin's pages look like the rest of whichever Django runs."""
+    base = Path(admin.__file__).parent / "templates" / "admin" / "base.html"
+    try:
+        return '<ol class="breadcrumbs">' in base.read_text(encoding="utf-8")
+    except OSError:  # a packaging that leaves templates out: go by the version that changed
+        return django.VERSION >= (6, 1)
+
+
+def format_acquired(value: datetime | None) -> str:
+    """ "2026-12-04 21:51:07" in the current time zone, as a `<time>` that wraps between the
+    date and the time only (pages style `.keel-nowrap`): short enough to fit a narrow column."""
+    if value is None:
+        return "—"
+    shown = timezone.localtime(value) if timezone.is_aware(value) else value
+    return format_html(
+        '<time datetime="{}"><span class="keel-nowrap">{}</span> '
+        '<span class="keel-nowrap">{}</span></time>',
+        value.isoformat(),
+        shown.strftime("%Y-%m-%d"),
+        shown.strftime("%H:%M:%S"),
+    )
 
 
 class RemainingSeconds(models.Func):
@@ -130,6 +166,10 @@ class LockRow:
     release_url: str | None = None
     mode: str = "exclusive"
 
+    @property
+    def acquired(self) -> str:
+        return format_acquired(self.acquired_at)
+
     @classmethod
     def from_info(cls, info: LockInfo, release_url: str | None = None) -> LockRow:
         return cls(
@@ -160,24 +200,53 @@ class StoreSection:
 
 
 class StateFilter(admin.SimpleListFilter):
-    """Held / expired, judged by the database's clock like the store judges it."""
+    """Held (the default: a table keeps every key ever locked until its clean-up), released,
+    expired or all, judged by the database's clock like the store judges it."""
 
     title = "state"
     parameter_name = "state"
+    default = "held"
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> Sequence[tuple[str, str]]:
-        return (("held", "held"), ("expired", "expired or released"))
+        return (("held", "held"), ("released", "released"), ("expired", "expired"), ("all", "all"))
+
+    def value(self) -> str:
+        return super().value() or self.default
+
+    def choices(self, changelist: Any) -> Iterator[Any]:
+        # Django's own first choice, "All", drops the parameter, which here means "held": the
+        # lookups carry their own "all".
+        choices = super().choices(changelist)
+        next(choices, None)
+        yield from choices
 
     def queryset(self, request: HttpRequest, queryset: models.QuerySet[Any]) -> Any:
-        if self.value() == "held":
+        value = self.value()
+        if value == "held":
             return queryset.filter(remaining__gt=0)
-        if self.value() == "expired":
-            return queryset.filter(remaining__lte=0)
+        if value == "released":
+            return queryset.filter(remaining__lte=0, owner=RELEASED_OWNER)
+        if value == "expired":
+            return queryset.filter(remaining__lte=0).exclude(owner=RELEASED_OWNER)
         return queryset
 
 
+class ReadOnlyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    """Rows are written only by the store's SQL: nobody adds, edits or deletes them here
+    (superusers pass every has_perm, so say no explicitly)."""
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
 @admin.register(Lock)
-class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+class LockAdmin(ReadOnlyAdmin):
     """Read-only view of the database store's table, plus the all-stores page and force release."""
 
     list_display = (
@@ -185,7 +254,7 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         "mode_display",
         "holder_display",
         "fence",
-        "acquired_at",
+        "acquired_display",
         "remaining_display",
         "state_display",
     )
@@ -207,17 +276,6 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     store_page_size = STORE_PAGE_SIZE
 
     # -- permissions ----------------------------------------------------------------------
-    # Rows are written only by the store's SQL: nobody adds, edits or deletes them here
-    # (superusers pass every has_perm, so say no explicitly).
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
     def has_force_release_permission(self, request: HttpRequest) -> bool:
         return request.user.has_perm(f"{self.opts.app_label}.force_release_lock")
 
@@ -249,7 +307,13 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
     @admin.display(description="state")
     def state_display(self, obj: Lock) -> str:
-        return "held" if _remaining(obj) > 0 else "expired"
+        if _remaining(obj) > 0:
+            return "held"
+        return "released" if obj.owner == RELEASED_OWNER else "expired"
+
+    @admin.display(description="acquired", ordering="acquired_at")
+    def acquired_display(self, obj: Lock) -> str:
+        return format_acquired(obj.acquired_at)
 
     @admin.display(description="mode")
     def mode_display(self, obj: Lock) -> str:
@@ -262,6 +326,14 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         if obj.owner in PERMIT_OWNERS:
             return "(permits: each is listed under “Locks in every store”)"
         return obj.holder
+
+    def get_changelist_instance(self, request: HttpRequest) -> Any:
+        changelist = super().get_changelist_instance(request)
+        if not changelist.query:
+            # Django's "(Show all)" beside the count links to the bare list, which is the held
+            # locks here: shown only to clear a search; the filter's "all" shows every row.
+            changelist.full_result_count = changelist.result_count
+        return changelist
 
     def changelist_view(
         self, request: HttpRequest, extra_context: dict[str, Any] | None = None
@@ -573,7 +645,34 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             "opts": self.opts,
             "title": title,
             "has_view_permission": self.has_view_permission(request),
+            "breadcrumbs_as_list": breadcrumbs_as_list(),
         }
+
+
+@admin.register(StoreLock)
+class StoreLockAdmin(ReadOnlyAdmin):
+    """The entry that links the page of every store's locks from the site index and the app's
+    list (the navigation sidebar too): its list is that page, for whoever may view locks."""
+
+    def has_module_permission(self, request: HttpRequest) -> bool:
+        return self.has_view_permission(request)
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return request.user.has_perm(f"{self.opts.app_label}.view_lock")
+
+    def get_urls(self) -> list[URLPattern]:
+        name = f"{self.opts.app_label}_{self.opts.model_name}_changelist"
+        return [path("", self.admin_site.admin_view(self.changelist_view), name=name)]
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        stores = reverse(
+            f"admin:{self.opts.app_label}_lock_stores", current_app=self.admin_site.name
+        )
+        return HttpResponseRedirect(stores)
 
 
 def _remaining(obj: Lock) -> float:

@@ -111,3 +111,14 @@ class Waiter(models.Model):
 
     def __str__(self) -> str:
         return self.key
+
+
+class StoreLock(Lock):
+    """No rows of its own: the admin's entry for the page of every store's held locks (Redis
+    included), so the site index and the app's list link it (`admin.StoreLockAdmin`)."""
+
+    class Meta:
+        proxy = True
+        verbose_name = "lock in every store"
+        verbose_name_plural = "locks in every store"
+        default_permissions = ()

@@ -13,6 +13,7 @@ import select
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
 CHANGELIST = "/admin/django_keel_lock/lock/"
 STORES_PAGE = "/admin/django_keel_lock/lock/stores/"
+STORES_ENTRY = "/admin/django_keel_lock/storelock/"  # the site index's entry for STORES_PAGE
 RELEASE = "/admin/django_keel_lock/lock/stores/release/"
 
 # Runs in a separate interpreter: acquire one key, report it, then hold it until killed.
@@ -193,16 +195,24 @@ def test_changelist_shows_lock_held_by_another_process_without_its_owner(
     assert held.owner not in html
 
 
-def test_changelist_marks_released_lock_expired(admin_client: Client) -> None:
-    handle = lock(key_of("released"), store="default", ttl=60)
-    assert handle.acquire()
-    handle.release()
+def test_changelist_marks_a_released_lock_released_and_a_lapsed_one_expired(
+    admin_client: Client,
+) -> None:
+    released = lock(key_of("released"), store="default", ttl=60)
+    lapsed = lock(key_of("lapsed"), store="default", ttl=0.05)
+    assert released.acquire() and lapsed.acquire()
+    released.release()
+    while lapsed.remaining_time():  # by the store's clock
+        time.sleep(0.02)
 
-    html = admin_client.get(CHANGELIST, {"q": handle.key}).content.decode()
+    released_html = admin_client.get(CHANGELIST, {"q": released.key, "state": "all"})
+    lapsed_html = admin_client.get(CHANGELIST, {"q": lapsed.key, "state": "all"})
 
-    assert handle.key in html
-    assert '<td class="field-state_display">expired</td>' in html
-    assert '<td class="field-remaining_display">—</td>' in html
+    assert released.key in released_html.content.decode()
+    assert '<td class="field-state_display">released</td>' in released_html.content.decode()
+    assert '<td class="field-remaining_display">—</td>' in released_html.content.decode()
+    assert lapsed.key in lapsed_html.content.decode()
+    assert '<td class="field-state_display">expired</td>' in lapsed_html.content.decode()
 
 
 def test_remaining_time_comes_from_the_database_clock_not_the_app_server(
@@ -221,18 +231,34 @@ def test_remaining_time_comes_from_the_database_clock_not_the_app_server(
     handle.release()
 
 
-def test_state_filter_splits_held_from_expired(admin_client: Client) -> None:
+def test_changelist_shows_held_locks_by_default_and_released_expired_or_all_on_asking(
+    admin_client: Client,
+) -> None:
     prefix = key_of("filter")
     held = lock(f"{prefix}:held", store="default", ttl=60)
     gone = lock(f"{prefix}:gone", store="default", ttl=60)
     assert held.acquire() and gone.acquire()
     gone.release()
 
-    held_page = admin_client.get(CHANGELIST, {"q": prefix, "state": "held"}).content.decode()
-    expired_page = admin_client.get(CHANGELIST, {"q": prefix, "state": "expired"}).content.decode()
+    pages = {
+        state: admin_client.get(CHANGELIST, {"q": prefix, **({"state": state} if state else {})})
+        for state in ("", "held", "released", "expired", "all")
+    }
+    shown = {
+        state: {handle.key for handle in (held, gone) if handle.key in page.content.decode()}
+        for state, page in pages.items()
+    }
+    bare = admin_client.get(CHANGELIST).content.decode()
 
-    assert held.key in held_page and gone.key not in held_page
-    assert gone.key in expired_page and held.key not in expired_page
+    assert shown == {
+        "": {held.key},
+        "held": {held.key},
+        "released": {gone.key},
+        "expired": set(),
+        "all": {held.key, gone.key},
+    }
+    assert 'href="?state=all"' in bare  # the way to every row
+    assert "Show all" not in bare  # Django's link to the bare list, i.e. held again
     held.release()
 
 
@@ -433,12 +459,25 @@ def test_aliases_sharing_a_database_say_they_show_the_same_table(admin_client: C
     assert "Same table as store &#x27;default&#x27;" in section(html, "sqlite")
 
 
-def test_all_stores_page_is_linked_from_app_index_and_changelist(admin_client: Client) -> None:
-    app_index = admin_client.get("/admin/django_keel_lock/").content.decode()
+def test_all_stores_page_is_linked_from_site_index_app_index_and_changelist(
+    admin_client: Client,
+) -> None:
     changelist = admin_client.get(CHANGELIST).content.decode()
+    entry = f'<a href="{STORES_ENTRY}">Locks in every store</a>'
 
-    assert f'href="{STORES_PAGE}"' in app_index
+    for index in ("/admin/", "/admin/django_keel_lock/"):
+        assert entry in admin_client.get(index).content.decode(), index
+    assert admin_client.get(STORES_ENTRY)["Location"] == STORES_PAGE
     assert f'href="{STORES_PAGE}"' in changelist
+
+
+def test_all_stores_entry_is_for_whoever_may_view_locks_only(viewer_client: Client) -> None:
+    nobody = staff_client()
+
+    assert f'href="{STORES_ENTRY}"' in viewer_client.get("/admin/").content.decode()
+    assert viewer_client.get(STORES_ENTRY)["Location"] == STORES_PAGE
+    assert f'href="{STORES_ENTRY}"' not in nobody.get("/admin/").content.decode()
+    assert nobody.get(STORES_ENTRY).status_code == 403
 
 
 def test_all_stores_page_caps_rows_per_store_and_pages_on(
@@ -545,9 +584,10 @@ def test_force_release_action_confirms_then_frees_and_logs(
     assert expired.acquire()
     expired.release()
     selected = [held.key, expired.key]
+    every_row = f"{CHANGELIST}?state=all"  # the list they were selected from
 
     confirm = admin_client.post(
-        CHANGELIST, {"action": "force_release_selected", "_selected_action": selected}
+        every_row, {"action": "force_release_selected", "_selected_action": selected}
     )
     page = confirm.content.decode()
     assert confirm.status_code == 200
@@ -558,7 +598,7 @@ def test_force_release_action_confirms_then_frees_and_logs(
 
     with caplog.at_level(logging.WARNING, logger="django_keel_lock"):
         done = admin_client.post(
-            CHANGELIST,
+            every_row,
             {
                 "action": "force_release_selected",
                 "_selected_action": selected,

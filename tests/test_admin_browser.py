@@ -10,15 +10,20 @@ install`: the system Chromium is used). Missing either skips loudly here and fai
 from __future__ import annotations
 
 import re
+import uuid
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import django
 import pytest
 from django.contrib.admin.models import LogEntry
 from django.contrib.auth.models import User
+from django.utils import timezone
 
-from django_keel_lock import get_lock_store
+from django_keel_lock import get_lock_store, lock
+from django_keel_lock.models import Lock as LockRow
 
 from .conftest import STORE_AVAILABILITY, skip_or_fail
 from .support import browser
@@ -55,9 +60,9 @@ def test_force_release_a_lock_held_by_another_process_in_the_browser(
     page.fill("#id_username", "ops")
     page.fill("#id_password", "s3cret-pass")
     page.click("input[type=submit]")
-    page.wait_for_selector("#keel-lock-stores-module")
+    page.wait_for_selector(".app-django_keel_lock")
     page.screenshot(path=str(SCREENSHOT.with_name("keel-admin-index.png")), full_page=True)
-    page.click("#keel-lock-stores-module >> text=Locks in every store")
+    page.click("#content-main .app-django_keel_lock >> text=Locks in every store")
 
     store = page.locator(f'.keel-store[data-store="{alias}"]')
     row = store.locator(f'tr.keel-lock[data-key="{held.key}"]')
@@ -95,3 +100,132 @@ def test_force_release_a_lock_held_by_another_process_in_the_browser(
     assert held.process.poll() is None  # the holder runs on, unaware: only the store changed
     entry = LogEntry.objects.get(object_repr=held.key)
     assert f"store '{alias}'" in entry.change_message and held.holder in entry.change_message
+
+
+# -- the pages' layout at 1,400 px, on whichever Django runs ------------------------------------
+WIDTH = 1400
+SHOTS = Path("/tmp")
+DJANGO = f"django{django.VERSION[0]}.{django.VERSION[1]}"  # in each screenshot's name
+# What a Celery worker's lock carries: the worker, its pid and the task id (36 characters).
+CELERY_HOLDER = "celery@worker-7.prod.example.com:48213 task 3f1c9a7e-5b2d-4e8a-9c61-0d7f2b8e4a15"
+
+# Where each page's boxes must fit, and the element whose breadcrumbs are compared.
+BREADCRUMBS = "nav[aria-label='Breadcrumbs'] > .breadcrumbs"
+
+BOX_SCRIPT = """(selector) => [...document.querySelectorAll(selector)]
+    .map((e) => ({text: e.innerText.slice(0, 40), right: e.getBoundingClientRect().right}))"""
+
+STYLE_SCRIPT = """(selector) => {
+    const e = document.querySelector(selector);
+    if (!e) return null;
+    const s = getComputedStyle(e);
+    return {tag: e.tagName, background: s.backgroundColor, color: s.color,
+            padding: s.padding, height: Math.round(e.getBoundingClientRect().height)};
+}"""
+
+
+def fill_the_lock_table() -> list[str]:
+    """The table of a site that has run for a while: 4 locks held (one by a Celery task), 27
+    rows left behind: 14 released, 13 expired. The held keys."""
+    held = []
+    for n, holder in enumerate([CELERY_HOLDER, "web-3:1234", "web-4:5678", "cron-1:99"]):
+        handle = lock(f"invoice:2026-{n:06d}:charge", store="default", ttl=600, holder=holder)
+        assert handle.acquire()
+        held.append(handle.key)
+    past = timezone.now() - timedelta(hours=1)
+    LockRow.objects.using("default").bulk_create(
+        LockRow(
+            key=f"report:2026-11-{n:02d}:{'released' if n % 2 else 'expired'}",
+            owner="" if n % 2 else uuid.uuid4().hex,  # a release leaves no owner
+            holder=CELERY_HOLDER,
+            fence=1_000 + n,
+            acquired_at=past,
+            expires_at=past,
+        )
+        for n in range(1, 28)
+    )
+    return held
+
+
+def shoot(page: Any, name: str) -> None:
+    """A full-page screenshot, to look at: /tmp/keel-admin-<name>-django<version>-1400.png."""
+    page.screenshot(path=str(SHOTS / f"keel-admin-{name}-{DJANGO}-{WIDTH}.png"), full_page=True)
+
+
+def boxes_past(page: Any, selector: str) -> list[dict[str, Any]]:
+    """The elements of `selector` whose box reaches past the viewport's right edge."""
+    return [box for box in page.evaluate(BOX_SCRIPT, selector) if box["right"] > WIDTH]
+
+
+def assert_fits(page: Any, *selectors: str) -> None:
+    assert page.evaluate("document.documentElement.scrollWidth") <= WIDTH
+    for selector in selectors:
+        assert page.locator(selector).count() > 0, selector
+        assert boxes_past(page, selector) == [], selector
+
+
+def test_admin_pages_fit_1400_px_and_style_breadcrumbs_as_the_running_django(
+    live_server: Any, browser_page: Any
+) -> None:
+    User.objects.create_superuser("ops", "ops@example.com", "s3cret-pass")
+    held = fill_the_lock_table()
+    redis = None
+    if STORE_AVAILABILITY["redis"] is None:
+        redis = lock("export:nightly:celery", store="redis", ttl=600, holder=CELERY_HOLDER)
+        assert redis.acquire()
+    page = browser_page
+    page.set_viewport_size({"width": WIDTH, "height": 900})
+    page.goto(f"{live_server.url}/admin/login/?next=/admin/")
+    page.fill("#id_username", "ops")
+    page.fill("#id_password", "s3cret-pass")
+    page.click("input[type=submit]")
+    page.wait_for_selector("#content-main")
+    shoot(page, "site-index")
+    page.goto(f"{live_server.url}/admin/auth/user/")  # Django's own page, for its breadcrumbs
+    django_breadcrumbs = page.evaluate(STYLE_SCRIPT, BREADCRUMBS)
+    assert django_breadcrumbs is not None
+    if django.VERSION >= (6, 1):
+        assert django_breadcrumbs["tag"] == "OL"
+
+    try:
+        # The site index links the page of every store's locks, in the app's own list.
+        page.goto(f"{live_server.url}/admin/")
+        page.click("#content-main .app-django_keel_lock >> text=Locks in every store")
+        page.wait_for_selector(".keel-store")
+        assert_fits(page, ".keel-store th", ".keel-store td", "#content-main")
+        if redis is not None:
+            row = page.locator(f'.keel-store[data-store="redis"] tr[data-key="{redis.key}"]')
+            assert CELERY_HOLDER in row.inner_text()  # whole, wrapped if need be
+            assert str(redis.fence) in row.inner_text() and len(str(redis.fence)) >= 16
+        assert page.evaluate(STYLE_SCRIPT, BREADCRUMBS) == django_breadcrumbs
+        shoot(page, "stores")
+
+        # The changelist: held locks by default, every row a click away; each state is true.
+        page.click(f'{BREADCRUMBS} a[href="/admin/django_keel_lock/lock/"]')
+        page.wait_for_selector("#result_list")
+        rows = page.locator("#result_list tbody tr")
+        assert sorted(rows.locator("th.field-key").all_inner_texts()) == held
+        assert set(rows.locator("td.field-state_display").all_inner_texts()) == {"held"}
+        assert CELERY_HOLDER in page.inner_text("#result_list")
+        assert_fits(page, "#result_list th", "#result_list td", "#changelist-filter")
+        assert page.evaluate(STYLE_SCRIPT, BREADCRUMBS) == django_breadcrumbs
+        shoot(page, "changelist")
+
+        page.click('#changelist-filter a[href="?state=all"]')
+        page.wait_for_url("**/?state=all")
+        states = rows.locator("td.field-state_display").all_inner_texts()
+        assert sorted(set(states)) == ["expired", "held", "released"]
+        assert (states.count("held"), states.count("released")) == (4, 14)
+        assert_fits(page, "#result_list th", "#result_list td", "#changelist-filter")
+        shoot(page, "changelist-all")
+
+        # The confirmation page of a force release.
+        page.goto(f"{live_server.url}/admin/django_keel_lock/lock/stores/release/"
+                  f"?store=default&key={held[0]}")  # fmt: skip
+        page.wait_for_selector("text=Yes, force release")
+        assert_fits(page, "#content-main td", "#content-main th")
+        assert page.evaluate(STYLE_SCRIPT, BREADCRUMBS) == django_breadcrumbs
+        shoot(page, "confirm")
+    finally:
+        if redis is not None:
+            redis.release()
