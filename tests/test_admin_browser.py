@@ -1,7 +1,9 @@
 """The lock admin in a real browser: headless Chromium driven by Playwright, on a live server.
 
-A person signs in, opens the all-stores page from the app index, sees a lock another process
-holds, force-releases it through the confirmation page and sees it gone; the store agrees.
+A person signs in, opens the all-stores page from the app's list, sees a lock another process
+holds, force-releases it through the confirmation page and sees it gone; the store agrees. And
+at 1,400 px, on whichever Django runs, every page's columns fit and its breadcrumbs look like
+Django's own; the screenshots are left in /tmp/keel-admin-*-django<version>-1400.png to look at.
 
 Needs the Debian `chromium` package and the `playwright` Python package (never `playwright
 install`: the system Chromium is used). Missing either skips loudly here and fails under CI.
