@@ -14,7 +14,13 @@ STAMP_DOCS := $(VENV)/.installed-docs
 
 .PHONY: demo test lint typecheck serve bench tox dist docs clean
 
+# What Debian must provide (.ci/system-deps, the one list) for a virtualenv, or for the [test]
+# extra and the suite when a goal needs them, checked before the virtualenv is made: as root the
+# missing packages are installed, otherwise make stops at once with one line naming them all;
+# nothing happens when they are all there.
+SYSTEM_DEPS := $(if $(filter test lint typecheck bench,$(MAKECMDGOALS)),test,venv)
 $(BIN)/python:
+	.ci/system-deps $(SYSTEM_DEPS) $(PYTHON)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
@@ -23,6 +29,7 @@ $(STAMP_BASE): $(BIN)/python setup.cfg
 	touch $@
 
 $(STAMP_TEST): $(BIN)/python setup.cfg
+	.ci/system-deps test $(PYTHON)
 	$(BIN)/pip install -q -e '.[test]' $(if $(DJANGO),'$(DJANGO)')
 	touch $@ $(STAMP_BASE)
 
@@ -35,6 +42,7 @@ serve: $(STAMP_BASE)
 	cd example_project && KEEL_LOCK_STORE=$(STORE) ../$(BIN)/python manage.py serve_demo $(ADDR)
 
 test: $(STAMP_TEST)
+	.ci/system-deps test $(PYTHON)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
