@@ -20,6 +20,7 @@ import secrets
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import Future
 from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any, Generic, NamedTuple, TypeVar, overload
@@ -655,8 +656,11 @@ class Lock:
             # Taken under the mutex: once it is released the handle may acquire again, and
             # that acquisition's watchdog is not ours to stop.
             renewal, self._renewal = self._renewal, None
+            lost_owner = self.owner
         if renewal is not None:
             renewal.stop()
+            if renewal.unanswered and lost_owner is not None:
+                self._give_back(lost_owner)
         if self._metered is not None:
             if cause == "gone" and time.monotonic() >= self._valid_until:
                 cause = "expired"
@@ -666,6 +670,25 @@ class Lock:
         if callable(self.on_lost):
             self.on_lost(self)
         return True
+
+    def _give_back(self, owner: str) -> None:
+        """Release `owner` in the store, in the background: the lock was given up for lost by
+        the handle's clock while a watchdog's extend had no answer, which the store may have
+        made (its reply late or lost), keeping the lock a whole ttl more that `release()`
+        (nothing held) would never free. A release of an owner that no longer holds is
+        refused: harmless."""
+
+        def done(future: Future[bool]) -> None:
+            error = None if future.cancelled() else future.exception()
+            if error is not None:
+                logger.info("lock %r: could not give back a lost acquisition (%s)", self.key, error)
+            elif future.result():
+                logger.info("lock %r: released the acquisition given up for lost", self.key)
+
+        try:
+            self._store.submit(self._release_op, self.key, owner).add_done_callback(done)
+        except RuntimeError as error:  # the interpreter is shutting down: it expires
+            logger.info("lock %r: could not give back a lost acquisition (%s)", self.key, error)
 
     def _cancel_body(self) -> None:
         """on_lost="raise": stop the async body that works under a lock it no longer holds

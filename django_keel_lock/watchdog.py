@@ -96,6 +96,11 @@ class Renewal:
         self.retry = max(0.05, min(handle.ttl / 10, 1.0))
         self.cap = None if self.max_hold is None else started + self.max_hold
         self.stopped = False
+        #: An extend was sent and its answer has not been taken in (in flight, or failed: its
+        #: reply late or lost). The store may have made it, and keep the lock a ttl from
+        #: then, past the expiry the handle counts on; a lock given up for lost meanwhile is
+        #: given back (`Lock._lost`).
+        self.unanswered = False
         self._kick = threading.Event()
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -162,6 +167,7 @@ class Renewal:
         handle = self._handle()
         if handle is None or self.stopped:
             return None
+        self.unanswered = not isinstance(outcome, bool)
         if outcome is True:
             handle.count_renewal("extended")
             handle.renewed(self.owner, sent + seconds)
@@ -205,6 +211,7 @@ class Renewal:
                 pause = self.capped()
                 continue
             sent = time.monotonic()
+            self.unanswered = True
             future = self.store.submit(self.extend, self.key, self.owner, seconds)
             future.add_done_callback(lambda _: self._kick.set())
             # Wait for the answer, but no longer than the lock is known to live.
@@ -230,6 +237,7 @@ class Renewal:
                 pause = self.capped()
                 continue
             sent = time.monotonic()
+            self.unanswered = True
             task = asyncio.ensure_future(self.aextend(self.key, self.owner, seconds))
             _pending.add(task)
             task.add_done_callback(_forget)

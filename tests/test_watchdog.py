@@ -17,7 +17,7 @@ import psycopg
 import pytest
 from django.db import connections
 
-from django_keel_lock import Lock, LockNotHeldError, lock, set_lock_store, signals
+from django_keel_lock import Lock, LockNotHeldError, get_lock_store, lock, set_lock_store, signals
 from django_keel_lock.stores import LockStore
 from django_keel_lock.stores.database import DatabaseLockStore
 from django_keel_lock.stores.redis import RedisLockStore
@@ -347,3 +347,118 @@ async def test_async_store_outage_marks_the_lock_lost(
         assert not watchdog_tasks(key)
     finally:
         await asyncio.to_thread(context.__exit__, None, None, None)
+
+
+# -- a late extend after the loss ---------------------------------------------------------
+
+
+class _LateReplies:
+    """The reply side of one proxied connection: its bytes are held back while the proxy
+    holds this connection's replies."""
+
+    def __init__(self, sock: socket.socket, proxy: LateReplyProxy) -> None:
+        self.sock, self.proxy = sock, proxy
+
+    def recv(self, size: int) -> bytes:
+        data = self.sock.recv(size)
+        if data:
+            self.proxy.arrived(self)
+        return data
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sock, name)
+
+
+class LateReplyProxy(FaultyProxy):
+    """A proxy that, after `hold_next_reply()`, holds back every reply of the first connection
+    that gets one (its request ran; the answer comes late) until `let_go()`; other
+    connections pass."""
+
+    def __init__(self, target_port: int) -> None:
+        super().__init__(target_port)
+        self.armed = False
+        self.held: _LateReplies | None = None
+        self.gone = threading.Event()
+        self.guard = threading.Lock()
+
+    def hold_next_reply(self) -> None:
+        self.armed = True
+
+    def let_go(self) -> None:
+        self.gone.set()
+
+    def arrived(self, connection: _LateReplies) -> None:
+        with self.guard:
+            if self.armed and self.held is None:
+                self.held = connection
+        if self.held is connection:
+            self.gone.wait(30)
+
+    def _pump(self, source: socket.socket, sink: socket.socket, reply: bool) -> None:
+        if reply:
+            source = _LateReplies(source, self)  # type: ignore[assignment]
+        super()._pump(source, sink, reply)
+
+    def close(self) -> None:
+        self.let_go()
+        super().close()
+
+
+@contextmanager
+def late_replies(kind: str) -> Iterator[tuple[str, LockStore, LateReplyProxy]]:
+    """(alias, direct, proxy): a lock store reached through `proxy`, and a store on the same
+    server reached directly, to see what the server holds whatever the proxy does."""
+    if kind == "postgres":
+        proxy = LateReplyProxy(int(connections["postgres"].settings_dict["PORT"]))
+        with postgres_behind(proxy) as alias:
+            yield alias, get_lock_store("postgres"), proxy
+        return
+    server = RedisServer().start()
+    proxy = LateReplyProxy(server.port)
+    proxied = RedisLockStore(alias="redis-late", options={"URL": proxy.url})
+    direct = RedisLockStore(alias="redis-late-direct", options={"URL": server.url})
+    set_lock_store(proxied, "redis-late")
+    try:
+        yield "redis-late", direct, proxy
+    finally:
+        proxy.close()
+        set_lock_store(None, "redis-late")
+        proxied.close()
+        direct.close()
+        server.stop()
+
+
+LATE_TTL = 3.0  # renewals every 1 s
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("kind", store_params(["postgres", "redis"]))
+def test_a_lock_given_up_for_lost_while_an_extend_was_unanswered_is_freed_in_the_store(
+    kind: str, use_async: bool, key: str, lost_events: list[tuple[Lock, str]]
+) -> None:
+    with late_replies(kind) as (alias, direct, proxy):
+        handle = lock(key, store=alias, ttl=LATE_TTL, auto_extend=True, on_lost="warn")
+
+        async def hold() -> None:
+            assert await handle.aacquire()
+            await asyncio.sleep(LATE_TTL / 2)  # one renewal confirmed (its expiry: 4/3 ttl)
+            proxy.hold_next_reply()  # the next extend is made; its answer comes too late
+            while not handle.lost:
+                await asyncio.sleep(0.02)
+
+        if use_async:
+            asyncio.run(asyncio.wait_for(hold(), 3 * LATE_TTL))
+        else:
+            assert handle.acquire()
+            time.sleep(LATE_TTL / 2)
+            proxy.hold_next_reply()
+            assert wait_until(lambda: handle.lost, 2 * LATE_TTL), "the loss was never found"
+        assert wait_until(lambda: lost_events, 1.0)  # sent after `lost` is set
+        assert [reason for _, reason in lost_events] == [
+            "the store did not confirm an extend before the ttl ran out (no answer)"
+        ]
+        # The unanswered extend kept the lock a ttl from when it was sent (ttl / 3 more).
+        assert wait_until(lambda: direct.get(key) is None, LATE_TTL / 6), (
+            "the lock an unanswered extend kept was not given back"
+        )
+        assert handle.release() is False
