@@ -13,6 +13,7 @@ release.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import math
@@ -350,23 +351,37 @@ class Lock:
 
     def _leave_queue(self, owner: str) -> None:
         """Give up `owner`'s place in the key's line (it stops waiting): the next in line is
-        not held up. If the store cannot be reached, the place lapses by itself (a wait that
-        ends with an error does not try: the error would come twice as late)."""
+        not held up. Never raises: it runs on the way out of a wait that may be raising
+        already (whose error must stay the one raised); a place not given up lapses by itself
+        (a wait that ends with a store error does not try: the error would come twice as
+        late)."""
         try:
             self._store.leave_queue(self.key, owner)
-        except LockStoreUnavailable:
-            logger.debug("lock %r: could not leave the line of waiters; it lapses", self.key)
+        except Exception as error:
+            self._not_left(error)
 
     async def _aleave_queue(self, owner: str) -> None:
-        """`_leave_queue` for async code; runs to its end even if the task is cancelled."""
+        """`_leave_queue` for async code; runs to its end even if the task is cancelled (the
+        cancellation is raised after it)."""
         done, cancelled = await to_the_end(self._store.aleave_queue(self.key, owner))
         error = None if done.cancelled() else done.exception()
-        if isinstance(error, LockStoreUnavailable):
-            logger.debug("lock %r: could not leave the line of waiters; it lapses", self.key)
-        elif error is not None:
-            raise error
+        if error is not None:
+            self._not_left(error)
         if cancelled is not None:
             raise cancelled
+
+    def _not_left(self, error: BaseException) -> None:
+        """Log why leaving the line failed: the place lapses QUEUE_LEASE after its last attempt."""
+        unreachable = isinstance(error, LockStoreUnavailable)
+        logger.log(
+            logging.DEBUG if unreachable else logging.WARNING,
+            "lock %r: could not leave the line of waiters (%s: %s); the place lapses in %gs",
+            self.key,
+            type(error).__name__,
+            error,
+            QUEUE_LEASE,
+            exc_info=None if unreachable else error,
+        )
 
     def _finish(self, owner: str, result: AcquireResult, sent: float) -> bool:
         """Take on the outcome of an acquire attempt sent at monotonic time `sent`. False when
@@ -400,24 +415,35 @@ class Lock:
                 sent = time.monotonic()
                 return self._ask(owner, None, self._plain(None)), sent
             queued = self._queued()
-            with store.watch(self.key) as waiter:
-                last: AcquireResult | None = None
-                plain = True
-                self._attempts = 0
-                while True:
-                    self._attempts += 1
-                    sent = time.monotonic()
-                    plain = self._plain(last, plain)
-                    result = self._ask(owner, deadline, plain, queued)
-                    left = deadline - time.monotonic()
-                    if result.fence is None and left <= 0 and queued:
-                        self._leave_queue(owner)
-                    if result.fence is not None or left <= 0:
-                        return result, sent
-                    last = result
-                    pause = self._pause(result, retry_delay, left, plain, queued)
-                    if pause > 0:
-                        waiter.wait(pause)
+            # Whether the way out gives up a place in the line: every way but taking the lock
+            # (the place goes with it) and the store failing (the place lapses by itself; trying
+            # would only make the error come twice as late): the deadline, an exception from a
+            # signal handler (a task's time limit), SystemExit, KeyboardInterrupt.
+            leave = queued
+            try:
+                with store.watch(self.key) as waiter:
+                    last: AcquireResult | None = None
+                    plain = True
+                    self._attempts = 0
+                    while True:
+                        self._attempts += 1
+                        sent = time.monotonic()
+                        plain = self._plain(last, plain)
+                        result = self._ask(owner, deadline, plain, queued)
+                        left = deadline - time.monotonic()
+                        if result.fence is not None or left <= 0:
+                            leave = leave and result.fence is None
+                            return result, sent
+                        last = result
+                        pause = self._pause(result, retry_delay, left, plain, queued)
+                        if pause > 0:
+                            waiter.wait(pause)
+            except LockStoreUnavailable:
+                leave = False
+                raise
+            finally:
+                if leave:
+                    self._leave_queue(owner)
 
     # -- acquiring, async -----------------------------------------------------------------
     async def aacquire(
@@ -425,7 +451,8 @@ class Lock:
     ) -> bool:
         """`acquire` for async code: waits without blocking the event loop.
 
-        Cancelled while waiting or while an attempt is in flight, it leaves no lock behind."""
+        Cancelled while waiting or while an attempt is in flight, it leaves no lock behind,
+        nor a place in the key's line of waiters."""
         wait, delay = self._wait_args(timeout, retry_delay)
         owner = self._begin()
         recorder = metrics.recorder
@@ -509,37 +536,37 @@ class Lock:
             # watch() starts the store's cross-process listener; the callback is how an
             # async waiter hears of releases: it cannot block on the Waiter's condition.
             queued = self._queued()
-            with store.watch(self.key):
-                token = store.wake_board.add_callback(self.key, wake)
-                try:
-                    last: AcquireResult | None = None
-                    plain = True
-                    self._attempts = 0
-                    while True:
-                        self._attempts += 1
-                        woken.clear()  # before the attempt: a release right after counts
-                        plain = self._plain(last, plain)
-                        result, sent = await self._aattempt(owner, deadline, plain, queued)
-                        left = deadline - time.monotonic()
-                        if result.fence is None and left <= 0 and queued:
-                            await self._aleave_queue(owner)
-                        if result.fence is not None or left <= 0:
-                            return result, sent
-                        last = result
-                        pause = self._pause(result, retry_delay, left, plain, queued)
-                        if pause <= 0:
-                            continue
-                        try:
-                            async with asyncio.timeout(pause):
-                                await woken.wait()
-                        except TimeoutError:
-                            pass
-                        except asyncio.CancelledError:
-                            if queued:  # cancelled while in line: give the place up
-                                await self._aleave_queue(owner)
-                            raise
-                finally:
-                    store.wake_board.remove_callback(token)
+            leave = queued  # as in `_wait`: every way out but the lock or a store error
+            try:
+                with store.watch(self.key):
+                    token = store.wake_board.add_callback(self.key, wake)
+                    try:
+                        last: AcquireResult | None = None
+                        plain = True
+                        self._attempts = 0
+                        while True:
+                            self._attempts += 1
+                            woken.clear()  # before the attempt: a release right after counts
+                            plain = self._plain(last, plain)
+                            result, sent = await self._aattempt(owner, deadline, plain, queued)
+                            left = deadline - time.monotonic()
+                            if result.fence is not None or left <= 0:
+                                leave = leave and result.fence is None
+                                return result, sent
+                            last = result
+                            pause = self._pause(result, retry_delay, left, plain, queued)
+                            if pause > 0:
+                                with contextlib.suppress(TimeoutError):
+                                    async with asyncio.timeout(pause):
+                                        await woken.wait()
+                    finally:
+                        store.wake_board.remove_callback(token)
+            except LockStoreUnavailable:
+                leave = False
+                raise
+            finally:
+                if leave:  # also cancelled while waiting or while an attempt was in flight
+                    await self._aleave_queue(owner)
 
     # -- holding --------------------------------------------------------------------------
     def release(self) -> bool:

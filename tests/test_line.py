@@ -19,7 +19,7 @@ from django_keel_lock import lock
 from django_keel_lock.registry import get_lock_store
 from django_keel_lock.stores.base import QUEUE_LEASE
 
-from .conftest import store_params
+from .conftest import TimeLimit, store_params
 
 QUEUE_STORES = ["redis", "postgres", "mariadb"]
 #: Polls are 5 s apart: whatever a waiter gets within the bounds below came by a push.
@@ -85,6 +85,52 @@ def _holding(alias: str, key: str) -> Any:
     assert handle.acquire()
     get_lock_store(alias).close()  # the children must not share this process's connections
     return handle
+
+
+def _quitter(alias: str, key: str, use_async: bool, pipe: Connection) -> None:
+    """Wait for `key` until the parent says "give up": then, sync, an exception raised by a
+    signal handler (as a task's time limit is) lands in the wait 50 ms after the next
+    attempt; async, the waiting task is cancelled while its next attempt is in flight. Send
+    back how the wait ended."""
+    store = get_lock_store(alias)
+    ask, aask = store.acquire_queued, store.aacquire_queued
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise TimeLimit
+
+    def arming(*args: Any) -> Any:
+        result = ask(*args)
+        if pipe.poll():  # the place is renewed: lands in the pause after this attempt
+            signal.setitimer(signal.ITIMER_REAL, 0.05)
+        return result
+
+    async def cancelling(*args: Any) -> Any:
+        if pipe.poll():
+            waiting.cancel()  # lands while this attempt is in flight
+        return await aask(*args)
+
+    async def wait() -> str:
+        nonlocal waiting
+        waiting = asyncio.current_task()  # type: ignore[assignment]
+        try:
+            return str(await handle.aacquire(timeout=30, retry_delay=RETRY_DELAY))
+        except asyncio.CancelledError:
+            return "cancelled"
+
+    waiting: asyncio.Task[Any]
+    store.acquire_queued, store.aacquire_queued = arming, cancelling  # type: ignore[method-assign]
+    signal.signal(signal.SIGALRM, interrupt)
+    handle = lock(key, ttl=30, store=alias)
+    handle.is_locked()  # connected before it asks
+    pipe.send("asking")
+    if use_async:
+        outcome = asyncio.run(wait())
+    else:
+        try:
+            outcome = str(handle.acquire(timeout=30, retry_delay=RETRY_DELAY))
+        except TimeLimit:
+            outcome = "interrupted"
+    pipe.send(outcome)
 
 
 @pytest.fixture(params=store_params(QUEUE_STORES))
@@ -187,3 +233,29 @@ def test_a_reader_behind_a_line_whose_first_died_gets_the_freed_lock_within_a_le
     ((acquired, at),) = got
     assert acquired and at - released < QUEUE_LEASE * 1.5, at - released
     assert reader.release()
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["interrupted", "cancelled"])
+def test_a_waiter_interrupted_or_cancelled_in_line_passes_its_turn_to_the_next(
+    line_alias: str, key: str, use_async: bool
+) -> None:
+    holder = _holding(line_alias, key)
+    parent, child = CONTEXT.Pipe()
+    quitter = CONTEXT.Process(
+        target=_quitter, args=(line_alias, key, use_async, child), daemon=True
+    )
+    quitter.start()
+    assert parent.poll(30) and parent.recv() == "asking"
+    time.sleep(0.25)  # it stands first in line
+    stayer = _start(line_alias, key)
+    parent.send("give up")  # at its next attempt, which renews its place
+    assert parent.poll(10)
+    assert parent.recv() == ("cancelled" if use_async else "interrupted")
+    released = time.monotonic()
+    assert holder.release()
+    assert stayer[1].poll(10)
+    got, at, *_ = stayer[1].recv()
+    quitter.join(5)
+    # Had the quitter kept its place, the release would go to it and the next would wait
+    # for the place to lapse, QUEUE_LEASE from the attempt just made.
+    assert got and at - released < QUEUE_LEASE / 4, at - released
