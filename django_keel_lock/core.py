@@ -69,6 +69,7 @@ class Lock:
     # cycle, 11 %). __weakref__: the watchdog refers to its handle weakly.
     __slots__ = (
         "__weakref__",
+        "_acquiring",
         "_attempts",
         "_body",
         "_body_cancels",
@@ -172,6 +173,7 @@ class Lock:
         self._body_cancels = 0
         self._body_pending = 0
         self._held = False
+        self._acquiring = False  # an acquire of this handle is under way (`_begin`)
         self._valid_until = math.inf  # monotonic, the last expiry the store confirmed
         self._renewal: watchdog.Renewal | None = None
         self._mutex = threading.Lock()  # state shared with the watchdog
@@ -203,38 +205,43 @@ class Lock:
         """
         wait, delay = self._wait_args(timeout, retry_delay)
         owner = self._begin()
-        recorder = metrics.recorder  # None while metrics are off: their only cost then
-        started: Any = None
         try:
-            if wait <= 0:
-                sent = time.monotonic()
-                if recorder is not None:  # a span opens, or the wait is timed from `sent`
-                    started = recorder.start(self, wait) if recorder.traces else sent
-                result = self._ask(owner, None, self._plain(None))
-            else:
+            recorder = metrics.recorder  # None while metrics are off: their only cost then
+            started: Any = None
+            try:
+                if wait <= 0:
+                    sent = time.monotonic()
+                    if recorder is not None:  # a span opens, or the wait is timed from `sent`
+                        started = recorder.start(self, wait) if recorder.traces else sent
+                    result = self._ask(owner, None, self._plain(None))
+                else:
+                    if recorder is not None:
+                        started = (
+                            recorder.start(self, wait) if recorder.traces else time.monotonic()
+                        )
+                    result, sent = self._wait(owner, wait, delay)
+            except BaseException as error:
                 if recorder is not None:
-                    started = recorder.start(self, wait) if recorder.traces else time.monotonic()
-                result, sent = self._wait(owner, wait, delay)
-        except BaseException as error:
+                    recorder.failed(self, started, error)
+                raise
+            if not self._finish(owner, result, sent):
+                if result.fence is not None:  # granted too late: give it back
+                    try:
+                        self._release_op(self.key, owner)
+                    except LockStoreUnavailable:
+                        pass  # it is past its ttl already
+                if recorder is not None:
+                    recorder.refused(self, started, "timeout" if wait > 0 else "contended")
+                return False
             if recorder is not None:
-                recorder.failed(self, started, error)
-            raise
-        if not self._finish(owner, result, sent):
-            if result.fence is not None:  # granted too late: give it back
-                try:
-                    self._release_op(self.key, owner)
-                except LockStoreUnavailable:
-                    pass  # it is past its ttl already
-            if recorder is not None:
-                recorder.refused(self, started, "timeout" if wait > 0 else "contended")
-            return False
-        if recorder is not None:
-            self._metered, self._since = recorder, sent
-            recorder.acquired(self, started)
-        if self.auto_extend:
-            self._renewal = watchdog.Renewal(self, owner, sent)
-            self._renewal.start_thread()
-        return True
+                self._metered, self._since = recorder, sent
+                recorder.acquired(self, started)
+            if self.auto_extend:
+                self._renewal = watchdog.Renewal(self, owner, sent)
+                self._renewal.start_thread()
+            return True
+        finally:
+            self._acquiring = False
 
     def _wait_args(
         self, timeout: Duration | None, retry_delay: Duration | None
@@ -338,16 +345,30 @@ class Lock:
         if self._held and time.monotonic() >= self._valid_until:
             # By its own clock the lock ran out: the handle holds nothing and may try again.
             self._lost("its ttl ran out without a confirmed extend", owner=self.owner)
-        if self._held:
-            raise LockError(
-                f"this handle already holds {self.key!r}; release it first or make a new handle"
-            )
+        with self._mutex:
+            if self._held or self._acquiring:
+                raise LockError(self._busy_message())
+            # Until this acquire ends, another acquire of the handle is refused:
+            # it would ask with the same pending owner, and the store grants one owner twice.
+            self._acquiring = True
         # The owner stays the same for every attempt until one succeeds: an attempt whose
         # reply was lost (timeout, dropped connection) may still have taken the lock, and a
         # retry with the same owner gets it back instead of stranding it until its ttl.
         if self._next_owner is None:
             self._next_owner = secrets.token_hex(16)
         return self._next_owner
+
+    def _busy_message(self) -> str:
+        """Why an acquire of this handle is refused while it holds or acquires its key."""
+        if self._held:
+            return (
+                f"this handle already holds {self.key!r}; release it first or make a new handle "
+                "(each task or thread needs its own handle: lock(...) per task)"
+            )
+        return (
+            f"this handle is already acquiring {self.key!r} (in another task or thread); each "
+            "task needs its own handle: lock(...) per task"
+        )
 
     def _leave_queue(self, owner: str) -> None:
         """Give up `owner`'s place in the key's line (it stops waiting): the next in line is
@@ -455,36 +476,39 @@ class Lock:
         nor a place in the key's line of waiters."""
         wait, delay = self._wait_args(timeout, retry_delay)
         owner = self._begin()
-        recorder = metrics.recorder
-        started = None
-        if recorder is not None:
-            started = recorder.start(self, wait) if recorder.traces else time.monotonic()
         try:
-            if wait <= 0:
-                result, sent = await self._aattempt(owner, None, self._plain(None))
-            else:
-                result, sent = await self._await(owner, wait, delay)
-        except BaseException as error:
+            recorder = metrics.recorder
+            started = None
             if recorder is not None:
-                recorder.failed(self, started, error)
-            raise
-        if not self._finish(owner, result, sent):
+                started = recorder.start(self, wait) if recorder.traces else time.monotonic()
+            try:
+                if wait <= 0:
+                    result, sent = await self._aattempt(owner, None, self._plain(None))
+                else:
+                    result, sent = await self._await(owner, wait, delay)
+            except BaseException as error:
+                if recorder is not None:
+                    recorder.failed(self, started, error)
+                raise
+            if not self._finish(owner, result, sent):
+                if recorder is not None:
+                    recorder.refused(self, started, "timeout" if wait > 0 else "contended")
+                if result.fence is not None:  # granted too late: give it back
+                    undo, cancelled = await to_the_end(self._arelease_op(self.key, owner))
+                    if not undo.cancelled():
+                        undo.exception()  # read, not raised: it is past its ttl already
+                    if cancelled is not None:
+                        raise cancelled
+                return False
             if recorder is not None:
-                recorder.refused(self, started, "timeout" if wait > 0 else "contended")
-            if result.fence is not None:  # granted too late: give it back
-                undo, cancelled = await to_the_end(self._arelease_op(self.key, owner))
-                if not undo.cancelled():
-                    undo.exception()  # read, not raised: it is past its ttl already
-                if cancelled is not None:
-                    raise cancelled
-            return False
-        if recorder is not None:
-            self._metered, self._since = recorder, sent
-            recorder.acquired(self, started)
-        if self.auto_extend:
-            self._renewal = watchdog.Renewal(self, owner, sent)
-            self._renewal.start_task()
-        return True
+                self._metered, self._since = recorder, sent
+                recorder.acquired(self, started)
+            if self.auto_extend:
+                self._renewal = watchdog.Renewal(self, owner, sent)
+                self._renewal.start_task()
+            return True
+        finally:
+            self._acquiring = False
 
     async def _aattempt(
         self, owner: str, deadline: float | None, plain: bool, queued: bool = False

@@ -1,0 +1,82 @@
+"""One handle is one acquisition at a time: a second acquire of a handle that is acquiring or
+holding its key, from another task or thread, raises LockError (it would ask with the same
+pending owner, and a store grants one owner twice), on every store."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+
+from django_keel_lock import Lock, LockError
+
+BUSY = r"already acquiring .*each task needs its own handle: lock\(\.\.\.\) per task"
+
+
+@pytest.mark.parametrize("timeout", [0, 5], ids=["no-wait", "waiting"])
+async def test_two_tasks_sharing_a_handle_never_overlap_and_the_second_gets_lock_error(
+    make_lock: Callable[..., Lock], timeout: float
+) -> None:
+    handle = make_lock(ttl=30, timeout=timeout)
+    inside: list[str] = []
+    overlaps: list[list[str]] = []
+
+    async def task(name: str) -> None:
+        async with handle:
+            inside.append(name)
+            if len(inside) > 1:
+                overlaps.append(list(inside))
+            await asyncio.sleep(0.2)
+            inside.remove(name)
+
+    outcomes = await asyncio.gather(task("a"), task("b"), return_exceptions=True)
+    assert not overlaps, f"both bodies ran at once: {overlaps}"
+    assert outcomes[0] is None, outcomes
+    refused = outcomes[1]
+    assert type(refused) is LockError, outcomes  # not LockUnavailable: a mistake, not contention
+    assert refused.args and "already acquiring" in str(refused), refused
+    assert "each task needs its own handle: lock(...) per task" in str(refused)
+    assert not await handle.ais_locked()
+    async with handle:  # the handle is whole again once the first task is done with it
+        assert handle.held
+
+
+async def test_a_task_may_not_acquire_a_handle_another_task_waits_with(
+    make_lock: Callable[..., Lock],
+) -> None:
+    holder = make_lock(ttl=30)
+    assert await holder.aacquire()
+    handle = make_lock(ttl=30)
+    waiting = asyncio.create_task(handle.aacquire(timeout=10))
+    await asyncio.sleep(0.2)  # it waits for the holder
+    with pytest.raises(LockError, match=BUSY):
+        await handle.aacquire(timeout=10)
+    assert not waiting.done()
+    assert await holder.arelease()
+    assert await asyncio.wait_for(waiting, 10)
+    assert handle.held and await handle.arelease()
+
+
+def test_a_thread_may_not_acquire_a_handle_another_thread_waits_with(
+    make_lock: Callable[..., Lock],
+) -> None:
+    holder = make_lock(ttl=30)
+    assert holder.acquire()
+    handle = make_lock(ttl=30)
+    got: list[bool] = []
+    thread = threading.Thread(target=lambda: got.append(handle.acquire(timeout=10)))
+    thread.start()
+    time.sleep(0.2)  # it waits for the holder
+    with pytest.raises(LockError, match=BUSY):
+        handle.acquire()
+    with pytest.raises(LockError, match=BUSY):
+        handle.acquire(timeout=1)
+    assert holder.release()
+    thread.join(10)
+    assert got == [True] and handle.held
+    with pytest.raises(LockError, match=r"already holds .*lock\(\.\.\.\) per task"):
+        handle.acquire()
+    assert handle.release()
