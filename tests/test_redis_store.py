@@ -25,7 +25,7 @@ from redis.crc import key_slot
 from django_keel_lock import LockStoreUnavailable, get_lock_store, lock
 from django_keel_lock.stores import AcquireResult, LockInfo, RedisLockStore
 from django_keel_lock.stores.base import EXCLUSIVE, GATE_OWNER, SHARED, semaphore_mode
-from django_keel_lock.stores.redis.clients import _text
+from django_keel_lock.stores.redis.clients import as_text
 from django_keel_lock.stores.redis.scripts import ACQUIRE, SCRIPTS
 
 from .conftest import needs, needs_store
@@ -195,7 +195,7 @@ def test_key_prefix_is_joined_with_a_colon_unless_it_ends_with_one(
     store = RedisLockStore("sep", {"URL": URL, "KEY_PREFIX": given.format(run=run)})
     try:
         assert store.acquire(key, "a" * 32, "h", 5).acquired
-        names = sorted(_text(name) for name in raw.scan_iter(match=f"keel-sep-{run}*"))
+        names = sorted(as_text(name) for name in raw.scan_iter(match=f"keel-sep-{run}*"))
         assert names == [f"keel-sep-{run}:{{{key}}}", f"keel-sep-{run}:{{{key}}}:fence"]
         assert store.release_channel(key) == f"keel-sep-{run}:released:{key}"
         assert [info.key for info in store.iter_locks(prefix=key)] == [key]

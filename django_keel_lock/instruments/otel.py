@@ -25,10 +25,9 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry import context, metrics, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from .. import __version__
 from ..exceptions import LockStoreUnavailable
-from ..metrics import Recorder
-from ..options import RAISE
+from ..version import __version__
+from .base import Recorder
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -123,7 +122,9 @@ class OtelRecorder(Recorder):
         self.lost.add(1, {**names, "keel.lock.reason": reason})
         if caller is not None:
             caller.add_event("lock.lost", {**event, "keel.lock.reason": reason})
-            if handle.on_lost == RAISE:
+            # on_lost's public value (options.RAISE): options imports the core, which
+            # loads this backend.
+            if handle.on_lost == "raise":
                 caller.set_attribute("error.type", "LockNotHeldError")
 
     def forced(self, store: str, name: str, seconds: float | None) -> None:

@@ -33,7 +33,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from ..exceptions import LockStoreUnavailable
-from ..metrics import ACQUIRE_OUTCOMES, ENDS, Recorder
+from .base import ACQUIRE_OUTCOMES, ENDS, Recorder
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric

@@ -55,16 +55,17 @@ __all__ = [
     "Retry",
     "ScriptConnection",
     "SentinelConnectionPool",
-    "_aclose",
-    "_async_twin",
-    "_borrow",
-    "_no_cluster_retries",
-    "_pack",
-    "_pubsub_pool",
-    "_text",
-    "_timed",
+    "as_text",
+    "async_twin",
+    "borrow_connection",
+    "close_sentinels",
+    "pack_command",
+    "pubsub_pool",
     "redis",
     "sentinel_master_config",
+    "timed_kwargs",
+    "timed_master_pool",
+    "without_cluster_retries",
 ]
 
 logger = logging.getLogger("django_keel_lock")
@@ -80,7 +81,8 @@ LOOP_CLIENTS = "_django_keel_lock_redis_clients"
 STORE_ERRORS = (RedisError, RedisClusterException)
 
 
-def _text(value: Any) -> str:
+def as_text(value: Any) -> str:
+    """A reply's value as str: redis-py gives bytes, or str when decode_responses is on."""
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
@@ -132,7 +134,7 @@ _TIMEOUT_KWARGS = (
 )
 
 
-def _timed(kwargs: Mapping[str, Any], seconds: float) -> dict[str, Any]:
+def timed_kwargs(kwargs: Mapping[str, Any], seconds: float) -> dict[str, Any]:
     """A copy of a pool's connection settings whose sockets wait at most `seconds` for
     anything (a shorter timeout of the pool's own is kept; None, no timeout, is not)."""
     timed = {"socket_timeout": None, "socket_connect_timeout": None, **kwargs}
@@ -143,7 +145,7 @@ def _timed(kwargs: Mapping[str, Any], seconds: float) -> dict[str, Any]:
     return timed
 
 
-def _pack(*args: str | bytes | int) -> bytes:
+def pack_command(*args: str | bytes | int) -> bytes:
     """One command in RESP: an array of bulk strings (str as UTF-8, as redis-py sends it)."""
     parts = [b"*%d\r\n" % len(args)]
     for arg in args:
@@ -167,11 +169,11 @@ class ScriptConnection:
         try:
             self._ready()
             try:
-                return self._call(_pack(b"EVALSHA", script.sha, len(keys), *keys, *args))
+                return self._call(pack_command(b"EVALSHA", script.sha, len(keys), *keys, *args))
             except NoScriptError:
                 for each in SCRIPTS:  # a new or restarted server, as in RedisLockStore._run
-                    self._call(_pack(b"SCRIPT", b"LOAD", each.text))
-                return self._call(_pack(b"EVALSHA", script.sha, len(keys), *keys, *args))
+                    self._call(pack_command(b"SCRIPT", b"LOAD", each.text))
+                return self._call(pack_command(b"EVALSHA", script.sha, len(keys), *keys, *args))
         except BaseException:
             # Whatever it was in the middle of is not to be continued: after an interruption
             # (a task's time limit, Ctrl-C) an unread reply would answer the next call.
@@ -339,7 +341,7 @@ async def _aclose(client: Any) -> None:
             logger.debug("closing an async Redis client failed: %r", exc)
 
 
-def _async_twin(client: Any, socket_timeout: float) -> Callable[[], Any] | None:
+def async_twin(client: Any, socket_timeout: float) -> Callable[[], Any] | None:
     """A factory for an async client on the same server as the sync `client` (plain pools and
     Sentinel pools) whose sockets wait at most `socket_timeout`, or None for pools we cannot
     reproduce."""
@@ -348,7 +350,7 @@ def _async_twin(client: Any, socket_timeout: float) -> Callable[[], Any] | None:
 
     pool = client.connection_pool
     portable = {k: v for k, v in pool.connection_kwargs.items() if k in _PORTABLE_KWARGS}
-    kwargs = _timed(portable, socket_timeout)
+    kwargs = timed_kwargs(portable, socket_timeout)
     retry = AsyncRetry(NoBackoff(), 0)
     if isinstance(pool, SentinelConnectionPool):
         sentinels = [
@@ -385,7 +387,7 @@ def _async_twin(client: Any, socket_timeout: float) -> Callable[[], Any] | None:
     return plain_client
 
 
-def _no_cluster_retries(client: Any) -> Any:
+def without_cluster_retries(client: Any) -> Any:
     """`client` with no command retries: redis-py 6 and later count them in its `retry`
     (given at construction); earlier versions in this attribute."""
     if hasattr(client, "cluster_error_retry_attempts"):
@@ -393,7 +395,7 @@ def _no_cluster_retries(client: Any) -> Any:
     return client
 
 
-def _borrow(pool: Any) -> Any:
+def borrow_connection(pool: Any) -> Any:
     """A connection from `pool` (redis-py before 5.3 asks for a command name; later versions
     warn when given one)."""
     parameter = inspect.signature(pool.get_connection).parameters.get("command_name")
@@ -402,7 +404,7 @@ def _borrow(pool: Any) -> Any:
     return pool.get_connection()
 
 
-def _pubsub_pool(client: Any) -> Any:
+def pubsub_pool(client: Any) -> Any:
     """The pool to borrow the listener's connection from: the client's own (a Sentinel pool
     hands out a master connection), or for a cluster its default node's. A release PUBLISHes
     to every node of a cluster, so any node hears it."""
@@ -425,7 +427,7 @@ def timed_sentinels(manager: Any, seconds: float) -> Any:
         min_other_sentinels=manager.min_other_sentinels,
         force_master_ip=getattr(manager, "_force_master_ip", None),
         sentinel_kwargs={
-            **_timed(manager.sentinel_kwargs, seconds),
+            **timed_kwargs(manager.sentinel_kwargs, seconds),
             "retry": Retry(NoBackoff(), 0),
         },
     )
@@ -443,7 +445,7 @@ def timed_master_pool(pool: Any, seconds: float) -> Any:
         is_master=True,
         check_connection=getattr(pool, "check_connection", False),
         connection_class=pool.connection_class,
-        **_timed(kwargs, seconds),
+        **timed_kwargs(kwargs, seconds),
     )
 
 
@@ -476,7 +478,7 @@ def sentinel_master_config(client: Any, pattern: str, seconds: float) -> dict[st
     connection_class = redis.connection.SSLConnection if ssl_class else redis.connection.Connection
     kwargs = {k: v for k, v in pool.connection_kwargs.items() if k != "connection_pool"}
     kwargs.update(host=host, port=port, retry=no_retries)
-    connection = connection_class(**_timed(kwargs, seconds))
+    connection = connection_class(**timed_kwargs(kwargs, seconds))
     try:
         connection.connect()
         connection.send_command("CONFIG", "GET", pattern)
@@ -484,6 +486,6 @@ def sentinel_master_config(client: Any, pattern: str, seconds: float) -> dict[st
     finally:
         connection.disconnect()
     if isinstance(reply, Mapping):  # RESP3 answers with a map
-        return {_text(name): _text(value) for name, value in reply.items()}
-    values = [_text(each) for each in reply]
+        return {as_text(name): as_text(value) for name, value in reply.items()}
+    values = [as_text(each) for each in reply]
     return dict(zip(values[::2], values[1::2], strict=True))

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..wakeups import ReleaseListener
-from .clients import _borrow, _pack, _pubsub_pool, _text
+from .clients import as_text, borrow_connection, pack_command, pubsub_pool
 
 if TYPE_CHECKING:
     from .store import RedisLockStore
@@ -26,8 +26,8 @@ class RedisListener(ReleaseListener):
     dead_after = 15.0
 
     def connect(self) -> bool:
-        self._pool = _pubsub_pool(self.store._client())
-        conn = self._conn = _borrow(self._pool)
+        self._pool = pubsub_pool(self.store._client())
+        conn = self._conn = borrow_connection(self._pool)
         self._prefix = self.store.channel + ":"
         self._wake_channel = self.store.wake_prefix + self.address
         # RESP3 delivers messages as pushes, which read_response() returns only when asked to
@@ -40,7 +40,7 @@ class RedisListener(ReleaseListener):
         # The base channel last: once Redis confirms it, this process's wake channel is
         # subscribed too (Redis answers a connection's commands in order).
         channels = (self._wake_channel, self.store.channel)
-        self._conn.send_packed_command([_pack(b"SUBSCRIBE", *channels)])
+        self._conn.send_packed_command([pack_command(b"SUBSCRIBE", *channels)])
         return False  # ready once Redis confirms the base channel (see _handle)
 
     def socket(self) -> int:
@@ -53,14 +53,14 @@ class RedisListener(ReleaseListener):
 
     def subscribe(self, keys: list[str]) -> None:
         channels = map(self.store.release_channel, keys)
-        self._conn.send_packed_command([_pack(b"SUBSCRIBE", *channels)])
+        self._conn.send_packed_command([pack_command(b"SUBSCRIBE", *channels)])
 
     def unsubscribe(self, keys: list[str]) -> None:
         channels = map(self.store.release_channel, keys)
-        self._conn.send_packed_command([_pack(b"UNSUBSCRIBE", *channels)])
+        self._conn.send_packed_command([pack_command(b"UNSUBSCRIBE", *channels)])
 
     def ping(self) -> None:
-        self._conn.send_packed_command([_pack(b"PING")])
+        self._conn.send_packed_command([pack_command(b"PING")])
 
     def dispatch(self, data: bool) -> None:
         if not data:
@@ -90,11 +90,11 @@ class RedisListener(ReleaseListener):
         if not isinstance(reply, list) or len(reply) < 2:
             return
         board, prefix = self.store.wake_board, self._prefix
-        kind, channel = _text(reply[0]), _text(reply[1])
+        kind, channel = as_text(reply[0]), as_text(reply[1])
         if kind == "message" and channel.startswith(prefix):
             board.wake(channel[len(prefix) :])
         elif kind == "message" and channel == self._wake_channel and len(reply) > 2:
-            board.wake(_text(reply[2]))  # first in line for this key
+            board.wake(as_text(reply[2]))  # first in line for this key
         elif kind == "subscribe":
             if channel == self._wake_channel:
                 pass

@@ -489,7 +489,7 @@ _UNESCAPE_RE = re.compile(r"%(?:25|7B|7D)")
 _GLOB_RE = re.compile(r"([*?\[\]\\])")
 
 
-def _escape(key: str) -> str:
+def escape_key(key: str) -> str:
     """`key` without braces, so it fits inside a hash tag. A prefix code: escaping keeps
     "starts with" intact, which iter_locks' SCAN MATCH relies on."""
     if "%" not in key and "{" not in key and "}" not in key:  # the usual key: no regex
@@ -497,5 +497,12 @@ def _escape(key: str) -> str:
     return _ESCAPE_RE.sub(lambda m: _ESCAPES[m.group()], key)
 
 
-def _unescape(text: str) -> str:
+def unescape_key(text: str) -> str:
+    """The key that `escape_key` turned into `text` (a lock's name, read back by SCAN)."""
     return _UNESCAPE_RE.sub(lambda m: _UNESCAPES[m.group()], text)
+
+
+def glob_quote(text: str) -> str:
+    """`text` with SCAN MATCH's special characters (* ? [ ] \\) escaped: it matches only
+    itself."""
+    return _GLOB_RE.sub(r"\\\1", text)

@@ -50,19 +50,18 @@ from .clients import (
     Retry,
     ScriptConnection,
     SentinelConnectionPool,
-    _async_twin,
-    _no_cluster_retries,
-    _pack,
-    _text,
-    _timed,
+    as_text,
+    async_twin,
     close_sentinels,
+    pack_command,
     redis,
     sentinel_master_config,
+    timed_kwargs,
     timed_master_pool,
+    without_cluster_retries,
 )
 from .listener import RedisListener
 from .scripts import (
-    _GLOB_RE,
     ACQUIRE,
     ACQUIRE_PERMIT,
     ACQUIRE_QUEUED,
@@ -75,8 +74,9 @@ from .scripts import (
     RELEASE_PERMIT,
     SCRIPTS,
     Script,
-    _escape,
-    _unescape,
+    escape_key,
+    glob_quote,
+    unescape_key,
 )
 
 DEFAULT_PREFIX = "keel-lock:"
@@ -219,7 +219,7 @@ class RedisLockStore(ListeningStore, LockStore):
                 # No command retries here either; a node that fails still makes the client
                 # rediscover the cluster before the error reaches us, so the next call goes
                 # to the new master.
-                return _no_cluster_retries(
+                return without_cluster_retries(
                     redis.RedisCluster.from_url(
                         self.url, retry=Retry(NoBackoff(), 0), **self._url_kwargs()
                     )
@@ -261,7 +261,7 @@ class RedisLockStore(ListeningStore, LockStore):
         return f"{self.channel}:{key}"
 
     def _names(self, key: str) -> tuple[str, str]:
-        lock_name = f"{self.prefix}{{{_escape(key)}}}"
+        lock_name = f"{self.prefix}{{{escape_key(key)}}}"
         return lock_name, lock_name + ":fence"
 
     def _queued_call(
@@ -339,7 +339,7 @@ class RedisLockStore(ListeningStore, LockStore):
         if isinstance(pool, SentinelConnectionPool):
             kwargs = self._sentinel_pool(pool).connection_kwargs
         elif self.url is None:  # a URL-made pool has the store's timeouts, or the URL's own
-            kwargs = _timed(pool.connection_kwargs, self.socket_timeout)
+            kwargs = timed_kwargs(pool.connection_kwargs, self.socket_timeout)
         else:
             kwargs = pool.connection_kwargs
         return self._threads.put(ScriptConnection(pool.connection_class(**kwargs)))
@@ -411,12 +411,12 @@ class RedisLockStore(ListeningStore, LockStore):
         """HOLDERS' reply as LockInfos, soonest expiry first."""
         if reply is None:
             return []
-        kind = PERMIT_OWNERS.get(_text(reply[0]))
+        kind = PERMIT_OWNERS.get(as_text(reply[0]))
         if kind is None:
             return [self._info(key, *reply)]
         infos = []
         for at in range(1, len(reply), 3):
-            fence, acquired, holder = _text(reply[at + 1]).split(":", 2)
+            fence, acquired, holder = as_text(reply[at + 1]).split(":", 2)
             infos.append(self._info(key, reply[at], holder, fence, acquired, reply[at + 2], kind))
         return sorted(infos, key=lambda info: (info.expires_in, info.fence))
 
@@ -425,14 +425,14 @@ class RedisLockStore(ListeningStore, LockStore):
         collects only the key names (sorting needs them all); the locks themselves are read a
         page at a time."""
         start = f"{self.prefix}{{"
-        pattern = _GLOB_RE.sub(r"\\\1", start + _escape(prefix)) + "*"
+        pattern = glob_quote(start + escape_key(prefix)) + "*"
         try:
             names = self._scan(pattern)
         except (*STORE_ERRORS, OSError) as exc:
             raise self._unavailable(exc) from exc
         keys = sorted(
-            _unescape(name[len(start) : -1])
-            for name in map(_text, names)
+            unescape_key(name[len(start) : -1])
+            for name in map(as_text, names)
             if name.endswith("}") and name.startswith(start)
         )
         for first in range(0, len(keys), PAGE_SIZE):
@@ -447,7 +447,7 @@ class RedisLockStore(ListeningStore, LockStore):
                 if fields[0] is None or fields[2] is None or int(pttl) <= 0:
                     continue
                 owner, holder, fence, acquired = fields
-                if _text(owner) in PERMIT_OWNERS:  # a gate: its permits are the holders
+                if as_text(owner) in PERMIT_OWNERS:  # a gate: its permits are the holders
                     yield from self.holders(key)
                 else:
                     yield self._info(key, owner, holder, fence, acquired, pttl)
@@ -462,7 +462,7 @@ class RedisLockStore(ListeningStore, LockStore):
         cursor: Any = 0
         while True:
             [(cursor, found)] = own.call(
-                _pack(b"SCAN", cursor, b"MATCH", pattern, b"COUNT", PAGE_SIZE)
+                pack_command(b"SCAN", cursor, b"MATCH", pattern, b"COUNT", PAGE_SIZE)
             )
             names.extend(found)
             if int(cursor) == 0:
@@ -477,8 +477,8 @@ class RedisLockStore(ListeningStore, LockStore):
                     packed
                     for name in names
                     for packed in (
-                        _pack(b"HMGET", name, b"o", b"h", b"f", b"t"),
-                        _pack(b"PTTL", name),
+                        pack_command(b"HMGET", name, b"o", b"h", b"f", b"t"),
+                        pack_command(b"PTTL", name),
                     )
                 )
             )
@@ -493,7 +493,7 @@ class RedisLockStore(ListeningStore, LockStore):
         held_as: Kind = "exclusive"
         if isinstance(reply, list):  # refused by permits: [-(ms + 1), the gate's owner]
             reply, gate_owner = reply
-            held_as = PERMIT_OWNERS[_text(gate_owner)]
+            held_as = PERMIT_OWNERS[as_text(gate_owner)]
         value = int(reply)
         if value > 0:
             return AcquireResult(value)
@@ -514,8 +514,8 @@ class RedisLockStore(ListeningStore, LockStore):
         )
         return LockInfo(
             key=key,
-            owner=_text(owner),
-            holder=_text(holder) if holder is not None else "",
+            owner=as_text(owner),
+            holder=as_text(holder) if holder is not None else "",
             fence=int(fence),
             acquired_at=acquired_at,
             expires_in=max(0.0, _seconds(pttl) or 0.0),
@@ -598,7 +598,7 @@ class RedisLockStore(ListeningStore, LockStore):
         if self.url is not None:
             url, kwargs = self.url, self._url_kwargs()
             if self.cluster:
-                factory = lambda: _no_cluster_retries(  # noqa: E731
+                factory = lambda: without_cluster_retries(  # noqa: E731
                     redis.asyncio.RedisCluster.from_url(
                         url,
                         retry=AsyncRetry(NoBackoff(), 0),  # type: ignore[arg-type]  # old stubs
@@ -613,7 +613,7 @@ class RedisLockStore(ListeningStore, LockStore):
                     )
                 )
         else:
-            factory = _async_twin(self._client(), self.socket_timeout)
+            factory = async_twin(self._client(), self.socket_timeout)
         self._async_factory, self._async_checked = factory, True
         return factory
 
