@@ -35,6 +35,7 @@ extensions = [
     "myst_parser",
     "sphinx.ext.autodoc",
     "sphinx.ext.viewcode",
+    "sphinx_copybutton",
 ]
 source_suffix = {".md": "markdown"}
 root_doc = "index"
@@ -61,3 +62,7 @@ def setup(app: object) -> None:
 
 html_theme = "furo"
 html_title = f"django-keel-lock {release}"
+# Long lines of code wrap instead of being cut off at the content column's edge; every block
+# has a copy button (sphinx_copybutton, which copies the block as written: no page has prompts).
+html_static_path = ["_static"]
+html_css_files = ["keel.css"]
