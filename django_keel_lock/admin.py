@@ -385,7 +385,7 @@ class LockAdmin(ReadOnlyAdmin):
             "selected_keys": [obj.pk for obj in selected],
             "fences": json.dumps({obj.key: obj.fence for obj in held}),
             "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
-            "cancel_url": self._url("changelist"),
+            "cancel_url": request.get_full_path(),  # the list as filtered when selected
         }
         return TemplateResponse(
             request, "admin/django_keel_lock/lock/force_release_confirmation.html", context

@@ -593,6 +593,7 @@ def test_force_release_action_confirms_then_frees_and_logs(
     assert confirm.status_code == 200
     assert "Yes, force release" in page and held.holder in page
     assert expired.key in page  # listed as "not held, left alone"
+    assert f'href="{every_row}" class="button cancel-link"' in page  # back to that list
     assert get_lock_store("sqlite").get(held.key) is not None  # nothing released yet
     assert held.owner not in page
 
