@@ -208,8 +208,10 @@ def test_a_temp_dir_for_bells_that_another_user_made_first_is_not_used(
     with sqlite_store(database, "bells") as alias:
         bells = get_lock_store(alias).doorbells()  # type: ignore[attr-defined]
         with waiting(key):  # where would our bells go?
-            sockets = os.path.dirname(_bell_of(bells, key))
-        try:
+            bell = _bell_of(bells, key)
+        sockets = os.path.dirname(bell)
+        try:  # its listener takes it down as it ends, maybe after close() gave up waiting
+            assert wait_until(lambda: not os.path.lexists(bell), 30), "the bell stayed"
             os.chown(sockets, NOBODY, NOBODY)  # made first by another user
             with caplog.at_level(logging.WARNING, "django_keel_lock"), waiting(key) as store:
                 assert wait_until(lambda: not store.push_possible, 30), "the bells were used"
