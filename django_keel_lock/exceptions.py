@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from django.core.exceptions import ImproperlyConfigured
 
 
@@ -20,12 +18,11 @@ class LockUnavailable(LockError):
 
     def __init__(self, key: str, message: str | None = None) -> None:
         self.key = key
-        super().__init__(message or f"lock {key!r} is held by someone else")
+        # Both in args: pickle and Celery's JSON results remake an exception as cls(*args).
+        super().__init__(key, message or f"lock {key!r} is held by someone else")
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Exception pickles as cls(*args), args being the message alone: it came back with the
-        # message as its key and a message made from that (Celery's results showed it doubled).
-        return (type(self), (self.key, str(self)), self.__dict__)
+    def __str__(self) -> str:
+        return str(self.args[-1])
 
 
 class LockStoreUnavailable(LockError):
@@ -52,7 +49,10 @@ class AlreadyQueued(LockError):
     def __init__(self, key: str, task_id: str | None, message: str | None = None) -> None:
         self.key = key
         self.task_id = task_id
-        super().__init__(message or f"a task with key {key!r} is already queued: {task_id}")
+        # All in args, as LockUnavailable's.
+        super().__init__(
+            key, task_id, message or f"a task with key {key!r} is already queued: {task_id}"
+        )
 
-    def __reduce__(self) -> tuple[Any, ...]:  # as LockUnavailable's
-        return (type(self), (self.key, self.task_id, str(self)), self.__dict__)
+    def __str__(self) -> str:
+        return str(self.args[-1])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import pickle
 
 import pytest
@@ -35,8 +36,19 @@ DB = "django_keel_lock.stores.DatabaseLockStore"
 REDIS = "django_keel_lock.stores.RedisLockStore"
 
 
-# -- errors survive pickling (Celery results carry them) ------------------------------------
-def test_lock_unavailable_round_trips_through_pickle_with_its_message_and_key(key: str) -> None:
+# -- errors survive pickling and Celery's JSON results ----------------------------------------
+def _celery_round_trip(error: Exception) -> Exception:
+    """`error` as a Celery result backend with the JSON serializer (the default) stores it and
+    gives it back to AsyncResult.get()."""
+    from celery import Celery
+    from celery.backends.base import Backend
+
+    backend = Backend(Celery(set_as_current=False), serializer="json")
+    stored = json.loads(json.dumps(backend.prepare_exception(error)))
+    return backend.exception_to_python(stored)
+
+
+def test_lock_unavailable_round_trips_through_pickle_and_celery_with_its_message(key: str) -> None:
     held = lock(key, store="memory")
     assert held.acquire()
     try:
@@ -45,18 +57,22 @@ def test_lock_unavailable_round_trips_through_pickle_with_its_message_and_key(ke
     finally:
         held.release()
     error = info.value
-    error.remaining = 3.5  # an attribute set after it was made comes back too
-    again = pickle.loads(pickle.dumps(error))
-    assert type(again) is LockUnavailable
-    assert str(again) == str(error) == f"lock {key!r} is held by someone else (waited 0s)"
-    assert again.key == key and again.remaining == 3.5
-    assert again.args == error.args
+    assert str(error) == f"lock {key!r} is held by someone else (waited 0s)"
+    error.remaining = 3.5  # an attribute set after it was made comes back through pickle too
+    pickled = pickle.loads(pickle.dumps(error))
+    assert type(pickled) is LockUnavailable
+    assert (str(pickled), pickled.key, pickled.remaining) == (str(error), key, 3.5)
+    from_celery = _celery_round_trip(error)
+    assert type(from_celery) is LockUnavailable
+    assert (str(from_celery), from_celery.key) == (str(error), key)  # not doubled
 
 
-def test_already_queued_round_trips_through_pickle() -> None:
+def test_already_queued_round_trips_through_pickle_and_celery() -> None:
     error = AlreadyQueued("export:1", "3f6c")
-    again = pickle.loads(pickle.dumps(error))
-    assert (str(again), again.key, again.task_id) == (str(error), "export:1", "3f6c")
+    assert str(error) == "a task with key 'export:1' is already queued: 3f6c"
+    for again in (pickle.loads(pickle.dumps(error)), _celery_round_trip(error)):
+        assert type(again) is AlreadyQueued
+        assert (str(again), again.key, again.task_id) == (str(error), "export:1", "3f6c")
 
 
 # -- a database store on a database that was never migrated ---------------------------------
