@@ -9,8 +9,16 @@ import logging
 import ssl
 import sys
 import weakref
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import (
+    AsyncGenerator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Generator,
+    Mapping,
+    Sequence,
+)
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from django.core.exceptions import ImproperlyConfigured
 
@@ -52,6 +60,7 @@ __all__ = [
     "LoopClients",
     "NoBackoff",
     "NoScriptError",
+    "Ready",
     "Retry",
     "ScriptConnection",
     "SentinelConnectionPool",
@@ -61,7 +70,10 @@ __all__ = [
     "close_sentinels",
     "pack_command",
     "pubsub_pool",
+    "ready",
     "redis",
+    "run_ready",
+    "run_script",
     "sentinel_master_config",
     "timed_kwargs",
     "timed_master_pool",
@@ -154,6 +166,62 @@ def pack_command(*args: str | bytes | int) -> bytes:
     return b"".join(parts)
 
 
+T = TypeVar("T")
+
+
+async def run_script(
+    script: Script,
+    keys: Sequence[str],
+    args: Sequence[Any],
+    evalsha: Callable[..., Awaitable[Any]],
+    load: Callable[[str], Awaitable[Any]],
+) -> Any:
+    """Run `script` by its SHA (`evalsha(sha, numkeys, *keys, *args)`). A new or restarted
+    server answers NOSCRIPT: then every script is loaded (`load(text)`) before this one runs
+    again, so no later call of another script meets NOSCRIPT (an extra round trip in a
+    critical moment).
+
+    Written once for sync and async callers: an async one passes its client's coroutine
+    methods and awaits it; a sync one passes calls that return `Ready` values and runs it
+    with `run_ready`."""
+    try:
+        return await evalsha(script.sha, len(keys), *keys, *args)
+    except NoScriptError:
+        for each in SCRIPTS:
+            await load(each.text)
+        return await evalsha(script.sha, len(keys), *keys, *args)
+
+
+class Ready(Generic[T]):
+    """An awaitable whose value is already there: awaiting it returns the value without
+    suspending, so a coroutine that awaits only these runs to its end in one `run_ready`."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: T) -> None:
+        self.value = value
+
+    def __await__(self) -> Generator[Any, None, T]:
+        yield from ()
+        return self.value
+
+
+def ready(call: Callable[..., T]) -> Callable[..., Ready[T]]:
+    """`call` (a sync client's method) as a function returning its value `Ready`."""
+    return lambda *args: Ready(call(*args))
+
+
+def run_ready(coroutine: Coroutine[Any, Any, T]) -> T:
+    """Run `coroutine` to its end on this thread, with no event loop: it may await only
+    `Ready` values (anything else would need a loop, and is an error)."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    coroutine.close()
+    raise RuntimeError("run_ready: the coroutine awaited something that is not Ready")
+
+
 class ScriptConnection:
     """One thread's own connection, on which the scripts run with nothing in between: no pool
     to check a connection out of and back in, no command retries, no response callbacks."""
@@ -168,12 +236,7 @@ class ScriptConnection:
         conn = self.connection
         try:
             self._ready()
-            try:
-                return self._call(pack_command(b"EVALSHA", script.sha, len(keys), *keys, *args))
-            except NoScriptError:
-                for each in SCRIPTS:  # a new or restarted server, as in RedisLockStore._run
-                    self._call(pack_command(b"SCRIPT", b"LOAD", each.text))
-                return self._call(pack_command(b"EVALSHA", script.sha, len(keys), *keys, *args))
+            return run_ready(run_script(script, keys, args, self._evalsha, self._load))
         except BaseException:
             # Whatever it was in the middle of is not to be continued: after an interruption
             # (a task's time limit, Ctrl-C) an unread reply would answer the next call.
@@ -216,6 +279,12 @@ class ScriptConnection:
     def _call(self, packed: bytes) -> Any:
         self.connection.send_packed_command([packed])
         return self.connection.read_response()
+
+    def _evalsha(self, *args: str | bytes | int) -> Ready[Any]:
+        return Ready(self._call(pack_command(b"EVALSHA", *args)))
+
+    def _load(self, text: str) -> Ready[Any]:
+        return Ready(self._call(pack_command(b"SCRIPT", b"LOAD", text)))
 
     def close(self) -> None:
         self.connection.disconnect()

@@ -46,7 +46,6 @@ from .clients import (
     LoopClient,
     LoopClients,
     NoBackoff,
-    NoScriptError,
     Retry,
     ScriptConnection,
     SentinelConnectionPool,
@@ -54,7 +53,10 @@ from .clients import (
     async_twin,
     close_sentinels,
     pack_command,
+    ready,
     redis,
+    run_ready,
+    run_script,
     sentinel_master_config,
     timed_kwargs,
     timed_master_pool,
@@ -72,7 +74,6 @@ from .scripts import (
     LEAVE_QUEUE,
     RELEASE,
     RELEASE_PERMIT,
-    SCRIPTS,
     Script,
     escape_key,
     glob_quote,
@@ -81,6 +82,9 @@ from .scripts import (
 
 DEFAULT_PREFIX = "keel-lock:"
 PAGE_SIZE = 500
+
+#: One script call: the script, its KEYS, its ARGV.
+Call = tuple[Script, tuple[str, ...], tuple[Any, ...]]
 
 
 def _ms(seconds: float) -> int:
@@ -264,24 +268,6 @@ class RedisLockStore(ListeningStore, LockStore):
         lock_name = f"{self.prefix}{{{escape_key(key)}}}"
         return lock_name, lock_name + ":fence"
 
-    def _queued_call(
-        self, key: str, owner: str, holder: str, ttl: float
-    ) -> tuple[Script, tuple[str, ...], tuple[Any, ...]]:
-        """ACQUIRE_QUEUED's script, keys and arguments."""
-        lock_name, fence_name = self._names(key)
-        keys = (lock_name, fence_name, lock_name + ":line", lock_name + ":places")
-        args = (owner, holder, _ms(ttl), _ms(QUEUE_LEASE), self.wake_address)
-        return ACQUIRE_QUEUED, keys, args
-
-    def _line_call(
-        self, script: Script, key: str, owner: str
-    ) -> tuple[Script, tuple[str, ...], tuple[Any, ...]]:
-        """RELEASE's or LEAVE_QUEUE's script, keys and arguments: both may wake the first
-        in line."""
-        lock_name = self._names(key)[0]
-        keys = (lock_name, lock_name + ":line", lock_name + ":places")
-        return script, keys, (owner, self.release_channel(key), self.wake_prefix, key)
-
     def _permit_names(self, key: str) -> tuple[str, str, str, str, str]:
         """The keys of the permit scripts, in their KEYS order: gate, permits, holders, fence
         counter, waiting writer (`scripts` shows the layout)."""
@@ -295,19 +281,14 @@ class RedisLockStore(ListeningStore, LockStore):
         )
 
     def _run(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """Run `script` and return its reply; LockStoreUnavailable when Redis fails."""
         try:
             own = self._script_connection()
             if own is not None:
                 return own.evalsha(script, keys, args)
             client = self._client()
-            try:
-                return client.evalsha(script.sha, len(keys), *keys, *args)
-            except NoScriptError:
-                # A new or restarted server: load every script now, so no later call of
-                # another script meets NOSCRIPT (an extra round trip in a critical moment).
-                for each in SCRIPTS:
-                    client.script_load(each.text)
-                return client.evalsha(script.sha, len(keys), *keys, *args)
+            evalsha, load = ready(client.evalsha), ready(client.script_load)
+            return run_ready(run_script(script, keys, args, evalsha, load))
         except (*STORE_ERRORS, OSError) as exc:
             raise self._unavailable(exc) from exc
 
@@ -353,18 +334,62 @@ class RedisLockStore(ListeningStore, LockStore):
             return self._timed_pool
 
     # -- the protocol ---------------------------------------------------------------------
+    # Each operation is one script: what it is called with (a `_..._call`: script, keys,
+    # arguments) and how its reply is read are written once; the sync method runs the call with
+    # `_run`, the async one with `_arun`.
     def acquire(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
-        reply = self._run(ACQUIRE, self._names(key), (owner, holder, _ms(ttl)))
-        return self._acquired(reply)
+        return self._acquired(self._run(*self._acquire_call(key, owner, holder, ttl)))
+
+    async def aacquire(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
+        return self._acquired(await self._arun(*self._acquire_call(key, owner, holder, ttl)))
 
     def acquire_queued(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
         return self._acquired(self._run(*self._queued_call(key, owner, holder, ttl)))
 
+    async def aacquire_queued(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
+        return self._acquired(await self._arun(*self._queued_call(key, owner, holder, ttl)))
+
     def leave_queue(self, key: str, owner: str) -> None:
         self._run(*self._line_call(LEAVE_QUEUE, key, owner))
 
+    async def aleave_queue(self, key: str, owner: str) -> None:
+        await self._arun(*self._line_call(LEAVE_QUEUE, key, owner))
+
     def release(self, key: str, owner: str) -> bool:
         return self._released(key, self._run(*self._line_call(RELEASE, key, owner)))
+
+    async def arelease(self, key: str, owner: str) -> bool:
+        return self._released(key, await self._arun(*self._line_call(RELEASE, key, owner)))
+
+    def extend(self, key: str, owner: str, ttl: float) -> bool:
+        return bool(self._run(*self._extend_call(key, owner, ttl)))
+
+    async def aextend(self, key: str, owner: str, ttl: float) -> bool:
+        return bool(await self._arun(*self._extend_call(key, owner, ttl)))
+
+    def get(self, key: str) -> LockInfo | None:
+        return self._got(key, self._run(GET, self._names(key)[:1], ()))
+
+    async def aget(self, key: str) -> LockInfo | None:
+        return self._got(key, await self._arun(GET, self._names(key)[:1], ()))
+
+    def _acquire_call(self, key: str, owner: str, holder: str, ttl: float) -> Call:
+        return ACQUIRE, self._names(key), (owner, holder, _ms(ttl))
+
+    def _queued_call(self, key: str, owner: str, holder: str, ttl: float) -> Call:
+        lock_name, fence_name = self._names(key)
+        keys = (lock_name, fence_name, lock_name + ":line", lock_name + ":places")
+        args = (owner, holder, _ms(ttl), _ms(QUEUE_LEASE), self.wake_address)
+        return ACQUIRE_QUEUED, keys, args
+
+    def _line_call(self, script: Script, key: str, owner: str) -> Call:
+        """RELEASE's or LEAVE_QUEUE's call: both may wake the first in line."""
+        lock_name = self._names(key)[0]
+        keys = (lock_name, lock_name + ":line", lock_name + ":places")
+        return script, keys, (owner, self.release_channel(key), self.wake_prefix, key)
+
+    def _extend_call(self, key: str, owner: str, ttl: float) -> Call:
+        return EXTEND, self._names(key)[:1], (owner, _ms(ttl))
 
     def _released(self, key: str, reply: Any) -> bool:
         """A release script's reply, as a bool; when released, this process's own waiters
@@ -373,11 +398,8 @@ class RedisLockStore(ListeningStore, LockStore):
             self.wake_board.wake(key)
         return bool(reply)
 
-    def extend(self, key: str, owner: str, ttl: float) -> bool:
-        return bool(self._run(EXTEND, self._names(key)[:1], (owner, _ms(ttl))))
-
-    def get(self, key: str) -> LockInfo | None:
-        reply = self._run(GET, self._names(key)[:1], ())
+    def _got(self, key: str, reply: Any) -> LockInfo | None:
+        """GET's reply: the lock on `key`, or None."""
         return None if reply is None else self._info(key, *reply)
 
     # -- permits --------------------------------------------------------------------------
@@ -386,26 +408,46 @@ class RedisLockStore(ListeningStore, LockStore):
     def acquire_permit(
         self, key: str, owner: str, holder: str, ttl: float, mode: Mode, writer_wait: float = 0
     ) -> AcquireResult:
-        args = self._permit_args(owner, holder, ttl, mode, writer_wait)
-        return self._acquired(self._run(ACQUIRE_PERMIT, self._permit_names(key), args))
+        call = self._permit_call(key, owner, holder, ttl, mode, writer_wait)
+        return self._acquired(self._run(*call))
+
+    async def aacquire_permit(
+        self, key: str, owner: str, holder: str, ttl: float, mode: Mode, writer_wait: float = 0
+    ) -> AcquireResult:
+        call = self._permit_call(key, owner, holder, ttl, mode, writer_wait)
+        return self._acquired(await self._arun(*call))
 
     def release_permit(self, key: str, owner: str) -> bool:
-        keys = self._permit_names(key)[:3]
-        reply = self._run(RELEASE_PERMIT, keys, (owner, self.release_channel(key)))
-        return self._released(key, reply)
+        return self._released(key, self._run(*self._release_permit_call(key, owner)))
+
+    async def arelease_permit(self, key: str, owner: str) -> bool:
+        return self._released(key, await self._arun(*self._release_permit_call(key, owner)))
 
     def extend_permit(self, key: str, owner: str, ttl: float) -> bool:
-        return bool(self._run(EXTEND_PERMIT, self._permit_names(key)[:3], (owner, _ms(ttl))))
+        return bool(self._run(*self._extend_permit_call(key, owner, ttl)))
+
+    async def aextend_permit(self, key: str, owner: str, ttl: float) -> bool:
+        return bool(await self._arun(*self._extend_permit_call(key, owner, ttl)))
 
     def holders(self, key: str) -> list[LockInfo]:
         return self._holders(key, self._run(HOLDERS, self._permit_names(key)[:3], ()))
 
-    @staticmethod
-    def _permit_args(
-        owner: str, holder: str, ttl: float, mode: Mode, writer_wait: float
-    ) -> tuple[str, str, int, str, int, int]:
+    async def aholders(self, key: str) -> list[LockInfo]:
+        return self._holders(key, await self._arun(HOLDERS, self._permit_names(key)[:3], ()))
+
+    def _permit_call(
+        self, key: str, owner: str, holder: str, ttl: float, mode: Mode, writer_wait: float
+    ) -> Call:
         gate_owner = GATE_OWNER.get(mode.kind, "")  # "" for an exclusive acquire
-        return owner, holder, _ms(ttl), gate_owner, mode.limit, round(max(0.0, writer_wait) * 1000)
+        wait_ms = round(max(0.0, writer_wait) * 1000)
+        args = (owner, holder, _ms(ttl), gate_owner, mode.limit, wait_ms)
+        return ACQUIRE_PERMIT, self._permit_names(key), args
+
+    def _release_permit_call(self, key: str, owner: str) -> Call:
+        return RELEASE_PERMIT, self._permit_names(key)[:3], (owner, self.release_channel(key))
+
+    def _extend_permit_call(self, key: str, owner: str, ttl: float) -> Call:
+        return EXTEND_PERMIT, self._permit_names(key)[:3], (owner, _ms(ttl))
 
     def _holders(self, key: str, reply: Any) -> list[LockInfo]:
         """HOLDERS' reply as LockInfos, soonest expiry first."""
@@ -618,19 +660,16 @@ class RedisLockStore(ListeningStore, LockStore):
         return factory
 
     async def _arun(self, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """`_run` for async callers: on this loop's redis.asyncio client, or on the store's
+        worker threads when only the sync client knows how to reach the server."""
+        if not self._native_async():
+            return await asyncio.wrap_future(self.submit(self._run, script, keys, args))
         used = self._loop_client() or await self._new_loop_client()
         client = used.client
         used.calls += 1
         try:
-            try:
-                return await client.evalsha(script.sha, len(keys), *keys, *args)
-            except NoScriptError:
-                for each in SCRIPTS:
-                    await client.script_load(each.text)
-                return await client.evalsha(script.sha, len(keys), *keys, *args)
-        except STORE_ERRORS as exc:
-            raise self._unavailable(exc) from exc
-        except OSError as exc:  # asyncio can surface raw socket errors on connect
+            return await run_script(script, keys, args, client.evalsha, client.script_load)
+        except (*STORE_ERRORS, OSError) as exc:  # asyncio can raise raw socket errors on connect
             raise self._unavailable(exc) from exc
         finally:
             used.calls -= 1
@@ -639,61 +678,3 @@ class RedisLockStore(ListeningStore, LockStore):
 
     def _native_async(self) -> bool:
         return self._async_client_factory() is not None
-
-    async def aacquire(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
-        if not self._native_async():
-            return await super().aacquire(key, owner, holder, ttl)
-        reply = await self._arun(ACQUIRE, self._names(key), (owner, holder, _ms(ttl)))
-        return self._acquired(reply)
-
-    async def aacquire_queued(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
-        if not self._native_async():
-            return await super().aacquire_queued(key, owner, holder, ttl)
-        return self._acquired(await self._arun(*self._queued_call(key, owner, holder, ttl)))
-
-    async def aleave_queue(self, key: str, owner: str) -> None:
-        if not self._native_async():
-            return await super().aleave_queue(key, owner)
-        await self._arun(*self._line_call(LEAVE_QUEUE, key, owner))
-
-    async def arelease(self, key: str, owner: str) -> bool:
-        if not self._native_async():
-            return await super().arelease(key, owner)
-        return self._released(key, await self._arun(*self._line_call(RELEASE, key, owner)))
-
-    async def aextend(self, key: str, owner: str, ttl: float) -> bool:
-        if not self._native_async():
-            return await super().aextend(key, owner, ttl)
-        return bool(await self._arun(EXTEND, self._names(key)[:1], (owner, _ms(ttl))))
-
-    async def aget(self, key: str) -> LockInfo | None:
-        if not self._native_async():
-            return await super().aget(key)
-        reply = await self._arun(GET, self._names(key)[:1], ())
-        return None if reply is None else self._info(key, *reply)
-
-    async def aacquire_permit(
-        self, key: str, owner: str, holder: str, ttl: float, mode: Mode, writer_wait: float = 0
-    ) -> AcquireResult:
-        if not self._native_async():
-            return await super().aacquire_permit(key, owner, holder, ttl, mode, writer_wait)
-        args = self._permit_args(owner, holder, ttl, mode, writer_wait)
-        return self._acquired(await self._arun(ACQUIRE_PERMIT, self._permit_names(key), args))
-
-    async def arelease_permit(self, key: str, owner: str) -> bool:
-        if not self._native_async():
-            return await super().arelease_permit(key, owner)
-        keys = self._permit_names(key)[:3]
-        reply = await self._arun(RELEASE_PERMIT, keys, (owner, self.release_channel(key)))
-        return self._released(key, reply)
-
-    async def aextend_permit(self, key: str, owner: str, ttl: float) -> bool:
-        if not self._native_async():
-            return await super().aextend_permit(key, owner, ttl)
-        keys = self._permit_names(key)[:3]
-        return bool(await self._arun(EXTEND_PERMIT, keys, (owner, _ms(ttl))))
-
-    async def aholders(self, key: str) -> list[LockInfo]:
-        if not self._native_async():
-            return await super().aholders(key)
-        return self._holders(key, await self._arun(HOLDERS, self._permit_names(key)[:3], ()))
