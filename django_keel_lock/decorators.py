@@ -143,18 +143,24 @@ def locked(
     )
 
     def decorate(fn: Callable[P, R]) -> Callable[P, Any]:
-        if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
-            # The call only makes the generator: the lock would be released before its body
-            # ran, and held by nobody while it yields.
-            raise TypeError(
-                f"@locked cannot wrap the generator function {fn.__qualname__}: its body runs "
-                f"after the call returns, outside the lock. Take the lock inside it: "
-                f"`with lock(...):` around the loop"
-            )
-        check_key_fields(key, fn)  # a misspelled {name} fails here, not on every call
+        _check_wrappable(fn, key)
         return _wrap(fn, key, spec, on_locked)
 
     return decorate
+
+
+def _check_wrappable(fn: Callable[..., Any], key: KeyTemplate) -> None:
+    """Refuse, at decoration, a function `@locked` cannot hold a lock around, and a key
+    template naming a parameter `fn` does not take (not on every call)."""
+    if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+        # The call only makes the generator: the lock would be released before its body
+        # ran, and held by nobody while it yields.
+        raise TypeError(
+            f"@locked cannot wrap the generator function {fn.__qualname__}: its body runs "
+            f"after the call returns, outside the lock. Take the lock inside it: "
+            f"`with lock(...):` around the loop"
+        )
+    check_key_fields(key, fn)
 
 
 def _wrap(
