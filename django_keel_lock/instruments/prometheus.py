@@ -26,7 +26,7 @@ import threading
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, TypeVar
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -51,15 +51,81 @@ _OUTCOME = {name: index for index, name in enumerate(ACQUIRE_OUTCOMES)}
 _END = {name: index for index, name in enumerate(ENDS)}
 _FORCED = _END["forced"]
 
-_DOCS = {
-    "acquire": "Lock acquires by outcome.",
-    "wait": "Seconds an acquire took, by outcome.",
-    "held_seconds": "Seconds a lock was held, by how the hold ended.",
-    "lost": "Locks lost while held, by reason.",
-    "store_errors": "Store operations that failed (LockStoreUnavailable).",
-    "renewals": "Watchdog extends, by outcome.",
-    "held": "Locks held right now.",
+#: Each kind of metric: prometheus_client's metric class, and its family's.
+_KINDS: dict[str, tuple[Any, Any]] = {
+    "counter": (Counter, CounterMetricFamily),
+    "histogram": (Histogram, HistogramMetricFamily),
+    "gauge": (Gauge, GaugeMetricFamily),
 }
+
+
+class _Metric(NamedTuple):
+    """One metric, defined once for both ways of showing it: prometheus_client's metric in
+    multiprocess mode (`shared`) and the family a scrape of this process's numbers fills
+    (`family`)."""
+
+    name: str
+    kind: Literal["counter", "histogram", "gauge"]
+    help: str
+    labels: tuple[str, ...]
+    buckets: tuple[float, ...] = ()
+
+    def shared(self) -> Any:
+        """prometheus_client's metric for multiprocess mode, in no registry:
+        `MultiProcessCollector` reads what it writes (a gauge sums the live processes')."""
+        extra: dict[str, Any] = {}
+        if self.kind == "histogram":
+            extra["buckets"] = self.buckets
+        elif self.kind == "gauge":
+            extra["multiprocess_mode"] = "livesum"
+        return _KINDS[self.kind][0](self.name, self.help, list(self.labels), registry=None, **extra)
+
+    def family(self) -> Any:
+        """An empty metric family, for a scrape to fill."""
+        return _KINDS[self.kind][1](self.name, self.help, labels=list(self.labels))
+
+
+class _Metrics(NamedTuple):
+    """Every metric, in the order a scrape shows them."""
+
+    acquire: _Metric
+    wait: _Metric
+    held_seconds: _Metric
+    lost: _Metric
+    store_errors: _Metric
+    renewals: _Metric
+    held: _Metric
+
+
+_SERIES = ("store", "lock")
+_METRICS = _Metrics(
+    _Metric("keel_lock_acquire", "counter", "Lock acquires by outcome.", (*_SERIES, "outcome")),
+    _Metric(
+        "keel_lock_wait_seconds",
+        "histogram",
+        "Seconds an acquire took, by outcome.",
+        (*_SERIES, "outcome"),
+        WAIT_BUCKETS,
+    ),
+    _Metric(
+        "keel_lock_held_seconds",
+        "histogram",
+        "Seconds a lock was held, by how the hold ended.",
+        (*_SERIES, "end"),
+        HELD_BUCKETS,
+    ),
+    _Metric("keel_lock_lost", "counter", "Locks lost while held, by reason.", (*_SERIES, "reason")),
+    _Metric(
+        "keel_lock_store_errors",
+        "counter",
+        "Store operations that failed (LockStoreUnavailable).",
+        ("store", "operation"),
+    ),
+    _Metric(
+        "keel_lock_renewals", "counter", "Watchdog extends, by outcome.", (*_SERIES, "outcome")
+    ),
+    _Metric("keel_lock_held", "gauge", "Locks held right now.", _SERIES),
+)
 
 
 class _Histogram:
@@ -95,8 +161,8 @@ class _Series:
     def __init__(self, store: str, lock: str, thread: threading.Thread | None) -> None:
         self.labels = (store, lock)
         self.thread = thread  # the only writer; None: the scrape's fold of ended threads
-        self.waits = [_Histogram(WAIT_BUCKETS) for _ in ACQUIRE_OUTCOMES]
-        self.held_for = [_Histogram(HELD_BUCKETS) for _ in ENDS]
+        self.waits = [_Histogram(_METRICS.wait.buckets) for _ in ACQUIRE_OUTCOMES]
+        self.held_for = [_Histogram(_METRICS.held_seconds.buckets) for _ in ENDS]
         self.lost: dict[str, int] = {}
         self.renewals: dict[str, int] = {}
 
@@ -168,38 +234,26 @@ def _one_of(
 
 
 class _SharedMetrics:
-    """prometheus_client's metrics for multiprocess mode, in no registry:
-    `MultiProcessCollector` reads what they write."""
+    """prometheus_client's metrics for multiprocess mode (`_Metric.shared`)."""
+
+    acquire: Counter
+    wait: Histogram
+    held_seconds: Histogram
+    lost: Counter
+    store_errors: Counter
+    renewals: Counter
+    held: Gauge
 
     def __init__(self) -> None:
-        series = ["store", "lock"]
-        self.acquire = Counter(
-            "keel_lock_acquire", _DOCS["acquire"], [*series, "outcome"], registry=None
-        )
-        self.wait = Histogram(
-            "keel_lock_wait_seconds",
-            _DOCS["wait"],
-            [*series, "outcome"],
-            buckets=WAIT_BUCKETS,
-            registry=None,
-        )
-        self.held_seconds = Histogram(
-            "keel_lock_held_seconds",
-            _DOCS["held_seconds"],
-            [*series, "end"],
-            buckets=HELD_BUCKETS,
-            registry=None,
-        )
-        self.lost = Counter("keel_lock_lost", _DOCS["lost"], [*series, "reason"], registry=None)
-        self.store_errors = Counter(
-            "keel_lock_store_errors", _DOCS["store_errors"], ["store", "operation"], registry=None
-        )
-        self.renewals = Counter(
-            "keel_lock_renewals", _DOCS["renewals"], [*series, "outcome"], registry=None
-        )
-        self.held = Gauge(
-            "keel_lock_held", _DOCS["held"], series, multiprocess_mode="livesum", registry=None
-        )
+        (
+            self.acquire,
+            self.wait,
+            self.held_seconds,
+            self.lost,
+            self.store_errors,
+            self.renewals,
+            self.held,
+        ) = (metric.shared() for metric in _METRICS)
         self.series: dict[tuple[str, str], _SharedSeries] = {}
         self.mutex = threading.Lock()
 
@@ -262,24 +316,8 @@ class _Numbers(Collector):
         return gathered
 
     def collect(self) -> Iterator[Metric]:
-        series = ["store", "lock"]
-        acquire = CounterMetricFamily(
-            "keel_lock_acquire", _DOCS["acquire"], labels=[*series, "outcome"]
-        )
-        wait = HistogramMetricFamily(
-            "keel_lock_wait_seconds", _DOCS["wait"], labels=[*series, "outcome"]
-        )
-        held_seconds = HistogramMetricFamily(
-            "keel_lock_held_seconds", _DOCS["held_seconds"], labels=[*series, "end"]
-        )
-        lost = CounterMetricFamily("keel_lock_lost", _DOCS["lost"], labels=[*series, "reason"])
-        renewals = CounterMetricFamily(
-            "keel_lock_renewals", _DOCS["renewals"], labels=[*series, "outcome"]
-        )
-        held = GaugeMetricFamily("keel_lock_held", _DOCS["held"], labels=series)
-        errors = CounterMetricFamily(
-            "keel_lock_store_errors", _DOCS["store_errors"], labels=["store", "operation"]
-        )
+        families = [metric.family() for metric in _METRICS]
+        acquire, wait, held_seconds, lost, errors, renewals, held = families
         with self.mutex:
             for (store, operation), count in self.store_errors.items():
                 errors.add_metric([store, operation], count)
@@ -298,7 +336,7 @@ class _Numbers(Collector):
             for outcome, count in one.renewals.items():
                 renewals.add_metric([*labels, outcome], count)
             held.add_metric(labels, one.held())
-        yield from (acquire, wait, held_seconds, lost, errors, renewals, held)
+        yield from families
 
 
 _numbers = _Numbers()
