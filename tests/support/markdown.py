@@ -1,8 +1,9 @@
-"""The fenced code blocks of a Markdown page, as the docs tests and `.ci/wheel_quickstart.py`
+"""The fenced code blocks of a Markdown page, as the docs tests and `.ci/docs_as_reader.py`
 read them (standard library only: the CI script runs it outside the project's venv).
 
 A block may say it cannot run with `<!-- not-runnable: why -->` on the line before its fence;
-a `# name.py` line inside a Python block sends the lines after it to that file.
+a `# name.py` line (or `# folder/name.py`, `# ./name.py`) inside a Python block sends the lines
+after it to that file.
 """
 
 from __future__ import annotations
