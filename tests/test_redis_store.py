@@ -172,6 +172,25 @@ def test_keys_with_braces_percent_and_glob_characters_list_exactly(
         assert url_store.release(name, "o" * 32)
 
 
+def test_a_key_of_another_type_under_the_prefix_is_left_out_of_the_listing_and_named(
+    alias: str, raw: redis.Redis[bytes], key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Something else wrote a string where a lock's hash would be (as a test of the refusal
+    below does on this shared server): `locks list` and the admin still show the locks."""
+    store = get_lock_store(alias)
+    stray = f"{store.prefix}{{{key}:stray}}"
+    raw.set(stray, "not a hash", px=5000)
+    assert store.acquire(f"{key}:held", "o" * 32, "h", 10).acquired
+    try:
+        with caplog.at_level("WARNING", logger="django_keel_lock"):
+            listed = [info.key for info in store.iter_locks(prefix=key)]
+        assert listed == [f"{key}:held"]
+        assert f"{key}:stray" in caplog.text and "WRONGTYPE" in caplog.text
+    finally:
+        store.release(f"{key}:held", "o" * 32)
+        raw.delete(stray)
+
+
 def test_prefixes_keep_stores_apart(raw: redis.Redis[bytes], key: str) -> None:
     one = RedisLockStore("one", {"URL": URL, "KEY_PREFIX": "keel-one:"})
     two = RedisLockStore("two", {"URL": URL, "KEY_PREFIX": "keel-two:"})

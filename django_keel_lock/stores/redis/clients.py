@@ -243,16 +243,26 @@ class ScriptConnection:
             conn.disconnect()
             raise
 
-    def call(self, *commands: bytes) -> list[Any]:
-        """Send packed `commands` at once and read their replies, in order."""
+    def call(self, *commands: bytes, errors_inline: bool = False) -> list[Any]:
+        """Send packed `commands` at once and read their replies, in order; with
+        `errors_inline`, a command the server refused (redis.ResponseError) has its error in
+        its place instead of raising (the replies after it are still read)."""
         conn = self.connection
         try:
             self._ready()
             conn.send_packed_command(list(commands))
-            return [conn.read_response() for _ in commands]
+            return [self._reply(errors_inline) for _ in commands]
         except BaseException:  # as in evalsha: no unread reply may answer the next call
             conn.disconnect()
             raise
+
+    def _reply(self, errors_inline: bool) -> Any:
+        try:
+            return self.connection.read_response()
+        except redis.ResponseError as error:  # the whole reply was read: still in step
+            if not errors_inline:
+                raise
+            return error
 
     def _ready(self) -> None:
         """Before sending: a connection with something to read is stale (the server closed it,

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 import weakref
@@ -85,6 +86,8 @@ PAGE_SIZE = 500
 
 #: One script call: the script, its KEYS, its ARGV.
 Call = tuple[Script, tuple[str, ...], tuple[Any, ...]]
+
+logger = logging.getLogger("django_keel_lock")
 
 
 def _ms(seconds: float) -> int:
@@ -485,6 +488,13 @@ class RedisLockStore(ListeningStore, LockStore):
                 raise self._unavailable(exc) from exc
             for index, key in enumerate(page):
                 fields, pttl = replies[2 * index], replies[2 * index + 1]
+                if isinstance(fields, redis.ResponseError):
+                    # Not a lock (WRONGTYPE): something else wrote a key under our prefix. The
+                    # listing shows the locks and names the stray key, rather than failing.
+                    logger.warning(
+                        "lock store %r: key %r is not a lock: %s", self.alias, key, fields
+                    )
+                    continue
                 # Released or expired between SCAN and now, or caught mid-change: skip.
                 if fields[0] is None or fields[2] is None or int(pttl) <= 0:
                     continue
@@ -522,13 +532,14 @@ class RedisLockStore(ListeningStore, LockStore):
                         pack_command(b"HMGET", name, b"o", b"h", b"f", b"t"),
                         pack_command(b"PTTL", name),
                     )
-                )
+                ),
+                errors_inline=True,
             )
         pipe = self._client().pipeline(transaction=False)
         for name in names:
             pipe.hmget(name, "o", "h", "f", "t")
             pipe.pttl(name)
-        return list(pipe.execute())
+        return list(pipe.execute(raise_on_error=False))
 
     @staticmethod
     def _acquired(reply: Any) -> AcquireResult:
