@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future
 from datetime import UTC, datetime
 from types import TracebackType
-from typing import Any, Generic, NamedTuple, TypeVar, overload
+from typing import Any, Generic, NamedTuple, TypeVar, Unpack, overload
 
 from asgiref.sync import iscoroutinefunction, sync_to_async
 from django.dispatch import Signal
@@ -33,12 +33,14 @@ from . import metrics, signals, tokens, watchdog
 from .durations import Duration, to_seconds
 from .exceptions import LockError, LockNotHeldError, LockStoreUnavailable, LockUnavailable
 from .options import (
-    DEFAULT_RETRY_DELAY,
     RAISE,
+    HandleOptions,
+    LockOptions,
     LockSpec,
-    OnLost,
     check_store,
     lock_name,
+    make_handles_with,
+    refuse_option,
     ttl_seconds,
     validate_key,
 )
@@ -102,36 +104,10 @@ class Lock:
         "ttl",
     )
 
-    def __init__(
-        self,
-        key: str,
-        *,
-        ttl: Duration | None = None,
-        timeout: Duration = 0,
-        retry_delay: Duration = DEFAULT_RETRY_DELAY,
-        store: str = "default",
-        holder: str | None = None,
-        auto_extend: bool = False,
-        max_hold: Duration | None = None,
-        on_lost: OnLost = RAISE,
-        limit: int | None = None,
-        shared: bool = False,
-        name: str | None = None,
-    ) -> None:
-        spec = LockSpec.parse(
-            ttl=ttl,
-            timeout=timeout,
-            retry_delay=retry_delay,
-            store=store,
-            holder=holder,
-            auto_extend=auto_extend,
-            max_hold=max_hold,
-            on_lost=on_lost,
-            limit=limit,
-            shared=shared,
-            name=name,
-        )
-        self._setup(key, spec, label=None)
+    def __init__(self, key: str, **options: Unpack[LockOptions]) -> None:
+        """A handle on `key` taken as the `LockOptions` say (all of them: `limit` and
+        `shared` too); nothing is acquired until acquire/run/`with`."""
+        self._setup(key, LockSpec.parse("Lock", **options), label=None)
 
     @classmethod
     def from_spec(
@@ -1113,6 +1089,9 @@ class Lock:
         return f"<Lock {self.key!r}{mode} store={self.store_alias!r} {state}>"
 
 
+make_handles_with(Lock.from_spec)
+
+
 class LockOutcome(NamedTuple, Generic[T]):
     """What `Lock.run` did: `acquired` is False when fn was not called (then `value` is None)."""
 
@@ -1152,21 +1131,9 @@ def _announce(signal: Signal, **kwargs: Any) -> None:
         signal.send_robust(sender=Lock, **kwargs)
 
 
-def lock(
-    key: str,
-    *,
-    ttl: Duration | None = None,
-    timeout: Duration = 0,
-    retry_delay: Duration = DEFAULT_RETRY_DELAY,
-    store: str = "default",
-    holder: str | None = None,
-    auto_extend: bool = False,
-    max_hold: Duration | None = None,
-    on_lost: OnLost = RAISE,
-    shared: bool = False,
-    name: str | None = None,
-) -> Lock:
-    """A handle on `key` in `store`; nothing is acquired until acquire/run/`with`.
+def lock(key: str, *, shared: bool = False, **options: Unpack[HandleOptions]) -> Lock:
+    """A handle on `key` in `store`; nothing is acquired until acquire/run/`with`. It takes
+    the `LockOptions` (see there what each means) but `limit` (that is `semaphore()`).
 
     `shared=True` makes it a shared (read) lock: any number of shared holders at once, no
     exclusive one meanwhile; an exclusive acquirer that waits keeps new shared ones out, so
@@ -1179,57 +1146,27 @@ def lock(
 
     `name` is what metrics and traces call the lock ("invoice" for "invoice:42"); without
     it they show the key with its digits, UUIDs and long hex as `*`."""
-    # The spec, then the handle: not through Lock(...), whose keywords would be passed on
-    # once more (a quarter of making a handle).
-    spec = LockSpec.parse(
-        ttl=ttl,
-        timeout=timeout,
-        retry_delay=retry_delay,
-        store=store,
-        holder=holder,
-        auto_extend=auto_extend,
-        max_hold=max_hold,
-        on_lost=on_lost,
-        shared=shared,
-        name=name,
-    )
-    return Lock.from_spec(key, spec)
+    if "limit" in options:
+        raise refuse_option("lock", "limit", "for at most N holders use semaphore(key, limit=N)")
+    return Lock.from_spec(key, LockSpec.parse("lock", shared=shared, **options))
 
 
-def semaphore(
-    key: str,
-    *,
-    limit: int,
-    ttl: Duration | None = None,
-    timeout: Duration = 0,
-    retry_delay: Duration = DEFAULT_RETRY_DELAY,
-    store: str = "default",
-    holder: str | None = None,
-    auto_extend: bool = False,
-    max_hold: Duration | None = None,
-    on_lost: OnLost = RAISE,
-    name: str | None = None,
-) -> Lock:
+def semaphore(key: str, *, limit: int, **options: Unpack[HandleOptions]) -> Lock:
     """A handle on the semaphore `key`: at most `limit` holders at once, each with a permit
     of its own (owner, fence, ttl), so one that crashes frees only its own place, at its ttl.
 
-    The same API as `lock()` (`name` too). Each acquire counts the live permits against the
-    `limit` it was given: every caller of one key should pass the same limit."""
+    The same API and `LockOptions` as `lock()` (`name` too), `limit` in place of `shared`.
+    Each acquire counts the live permits against the `limit` it was given: every caller of
+    one key should pass the same limit."""
     if limit is None:
         raise TypeError("semaphore() needs limit=, the most holders at once (an int >= 1)")
-    spec = LockSpec.parse(
-        ttl=ttl,
-        timeout=timeout,
-        retry_delay=retry_delay,
-        store=store,
-        holder=holder,
-        auto_extend=auto_extend,
-        max_hold=max_hold,
-        on_lost=on_lost,
-        limit=limit,
-        name=name,
-    )
-    return Lock.from_spec(key, spec)
+    if "shared" in options:
+        raise refuse_option(
+            "semaphore",
+            "shared",
+            "a semaphore's permits are alike; for readers and writers use lock(key, shared=True)",
+        )
+    return Lock.from_spec(key, LockSpec.parse("semaphore", limit=limit, **options))
 
 
 async def _call(fn: Callable[[], Any]) -> Any:

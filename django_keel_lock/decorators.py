@@ -16,24 +16,22 @@ import functools
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, Literal, ParamSpec, Protocol, TypeVar, cast, overload
+from typing import Any, Literal, ParamSpec, Protocol, TypeVar, Unpack, cast, overload
 
 from asgiref.sync import iscoroutinefunction
 
 from .core import Lock
-from .durations import Duration
 from .options import (
-    DEFAULT_RETRY_DELAY,
     RAISE,
     SKIP,
     KeyTemplate,
+    LockOptions,
     LockSpec,
-    OnLost,
     check_key_fields,
     check_key_template,
     check_on_locked,
+    default_name,
     format_key,
-    template_name,
 )
 
 logger = logging.getLogger("django_keel_lock")
@@ -60,57 +58,22 @@ class _Skipping(Protocol):
 
 @overload
 def locked(
-    key: KeyTemplate,
-    *,
-    ttl: Duration | None = ...,
-    timeout: Duration = ...,
-    retry_delay: Duration = ...,
-    store: str = ...,
-    holder: str | None = ...,
-    auto_extend: bool = ...,
-    max_hold: Duration | None = ...,
-    on_locked: Literal["raise"] = ...,
-    on_lost: OnLost = ...,
-    limit: int | None = ...,
-    shared: bool = ...,
+    key: KeyTemplate, *, on_locked: Literal["raise"] = ..., **options: Unpack[LockOptions]
 ) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
 
 
 @overload
 def locked(
-    key: KeyTemplate,
-    *,
-    ttl: Duration | None = ...,
-    timeout: Duration = ...,
-    retry_delay: Duration = ...,
-    store: str = ...,
-    holder: str | None = ...,
-    auto_extend: bool = ...,
-    max_hold: Duration | None = ...,
-    on_locked: Literal["skip"],
-    on_lost: OnLost = ...,
-    limit: int | None = ...,
-    shared: bool = ...,
+    key: KeyTemplate, *, on_locked: Literal["skip"], **options: Unpack[LockOptions]
 ) -> _Skipping: ...
 
 
 def locked(
-    key: KeyTemplate,
-    *,
-    ttl: Duration | None = None,
-    timeout: Duration = 0,
-    retry_delay: Duration = DEFAULT_RETRY_DELAY,
-    store: str = "default",
-    holder: str | None = None,
-    auto_extend: bool = False,
-    max_hold: Duration | None = None,
-    on_locked: OnLocked = "raise",
-    on_lost: OnLost = RAISE,
-    limit: int | None = None,
-    shared: bool = False,
+    key: KeyTemplate, *, on_locked: OnLocked = "raise", **options: Unpack[LockOptions]
 ) -> Callable[[Callable[P, R]], Callable[P, Any]] | _Skipping:
     """Hold the lock `key` (a "{name}" template over the call's arguments, or a callable taking
-    them) while the function runs; waits up to `timeout` seconds for it.
+    them) while the function runs; waits up to `timeout` seconds for it. It takes every
+    `LockOptions` (see there what each means); `name` defaults to the key template.
 
     When someone else holds it for the whole wait, `on_locked="raise"` (`options.RAISE`)
     raises LockUnavailable and `on_locked="skip"` (`options.SKIP`) returns None without calling
@@ -128,19 +91,8 @@ def locked(
     """
     check_on_locked(on_locked, ON_LOCKED_CHOICES)
     check_key_template(key)
-    spec = LockSpec.parse(
-        ttl=ttl,
-        timeout=timeout,
-        retry_delay=retry_delay,
-        store=store,
-        holder=holder,
-        auto_extend=auto_extend,
-        max_hold=max_hold,
-        on_lost=on_lost,
-        limit=limit,
-        shared=shared,
-        name=template_name(key),
-    )
+    default_name(options, key)
+    spec = LockSpec.parse("locked", **options)
 
     def decorate(fn: Callable[P, R]) -> Callable[P, Any]:
         _check_wrappable(fn, key)

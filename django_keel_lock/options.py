@@ -1,21 +1,24 @@
 """What every surface takes besides the key: parsed and checked once, into a `LockSpec`.
 
-A surface (`lock()`, `@locked`, `@lock_view`, `LockViewMixin`, `locked_task`) turns its
-arguments into a `LockSpec` where it is declared, so a mistake fails at decoration time rather
-than on the first call, then asks the spec for a `Lock` per call. The rules for keys and
-holders, and the key formatter the decorators share, live here too.
+The options are declared once, as `LockOptions`: every surface (`Lock`, `lock()`,
+`semaphore()`, `@locked`, `@lock_view`, `LockViewMixin`, `locked_task`) takes them as
+`**options: Unpack[LockOptions]` beside the options of its own (`on_locked`, `countdown`, ...),
+and turns them into a `LockSpec` where it is declared, so a mistake fails at decoration time
+rather than on the first call, then asks the spec for a `Lock` per call. The rules for keys
+and holders, and the key formatter the decorators share, live here too.
 """
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import os
 import re
 import socket
 import string
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, TypedDict, Unpack
 
 from django.core.signals import setting_changed
 from django.dispatch import receiver
@@ -309,6 +312,80 @@ def check_store(store: object) -> str:
     return store
 
 
+# -- the options ----------------------------------------------------------------------------
+class HandleOptions(TypedDict, total=False):
+    """The lock options but the mode (`limit`, `shared`): what every surface takes, each
+    meaning the same everywhere. Unset, an option has the default named here.
+
+    - `ttl`: how long the lock lives once acquired unless extended (seconds or a timedelta;
+      a duration string such as "2m"); default KEEL_LOCK_DEFAULT_TTL.
+    - `timeout`: how long to wait for the lock before giving up; default 0 (do not wait).
+    - `retry_delay`: the pause between attempts while waiting on a store without wake-ups
+      (with jitter); default 0.05 s.
+    - `store`: the alias of the store in KEEL_LOCK_STORES; default "default".
+    - `holder`: the label people see for the holder; default `<hostname>:<pid>` (and the
+      surface's own label: the task, the request's method and URL pattern).
+    - `auto_extend`: True keeps the lock alive while held (extended every ttl/3); ttl then
+      only bounds how long a crashed holder blocks the key. Default False.
+    - `max_hold`: with `auto_extend`, the longest the lock is kept alive in all; default None
+      (no cap).
+    - `on_lost`: what happens when the lock is lost while held: "raise" (the default: leaving
+      the block, function, view or task raises LockNotHeldError), "warn" (log only), or a
+      callable `(lock) -> None` called once when the loss is found.
+    - `name`: what metrics and traces call the locks ("invoice" for "invoice:42"); default:
+      a surface's key template, else the key with its digits, UUIDs and long hex as `*`.
+    """
+
+    ttl: Duration | None
+    timeout: Duration
+    retry_delay: Duration
+    store: str
+    holder: str | None
+    auto_extend: bool
+    max_hold: Duration | None
+    on_lost: OnLost
+    name: str | None
+
+
+class LockOptions(HandleOptions, total=False):
+    """Every lock option: `HandleOptions` and the mode. `limit=N` makes the key a semaphore
+    (at most N holders at once, each with a permit of its own); `shared=True` a shared (read)
+    lock (any number of shared holders, no exclusive one meanwhile; an exclusive acquirer that
+    waits keeps new shared ones out). Neither: an exclusive lock. Not both.
+
+    `lock()` takes `shared` but not `limit` and `semaphore()` `limit` but not `shared`; every
+    other surface takes them all."""
+
+    limit: int | None
+    shared: bool
+
+
+#: The lock options' names, in their order of declaration.
+OPTION_NAMES: Final = tuple(LockOptions.__annotations__)
+
+
+def default_name(options: LockOptions, template: object) -> None:
+    """Name the locks of a surface's key template (`template_name`) in `options`, the
+    surface's own `**options`, unless they give a name."""
+    if options.get("name") is None:
+        options["name"] = template_name(template)
+
+
+def refuse_option(surface: str, option: str, instead: str) -> TypeError:
+    """The error for a lock option `surface` does not take; `instead` says what to do."""
+    return TypeError(f"{surface}() got an unexpected keyword argument {option!r}: {instead}")
+
+
+def _refuse_unknown(surface: str, names: Iterable[str]) -> None:
+    for name in names:
+        if name not in OPTION_NAMES:
+            close = difflib.get_close_matches(name, OPTION_NAMES, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise refuse_option(
+                surface, name, f"{hint}the lock options are {', '.join(OPTION_NAMES)}"
+            )
+
+
 # -- the spec -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LockSpec:
@@ -332,78 +409,55 @@ class LockSpec:
     name: str | None = None
 
     @classmethod
-    def parse(
-        cls,
-        *,
-        ttl: Duration | None = None,
-        timeout: Duration = 0,
-        retry_delay: Duration = DEFAULT_RETRY_DELAY,
-        store: object = "default",
-        holder: str | None = None,
-        auto_extend: object = False,
-        max_hold: Duration | None = None,
-        on_lost: object = RAISE,
-        limit: object = None,
-        shared: object = False,
-        name: object = None,
-    ) -> LockSpec:
-        """Check and convert what a surface was given; a bad value raises naming it.
+    def parse(cls, surface: str = "LockSpec.parse", /, **options: Unpack[LockOptions]) -> LockSpec:
+        """Check and convert the `LockOptions` a surface was given; a bad value raises
+        naming it, an unknown option naming the `surface` too.
 
-        A handle is often made per call with the same arguments (`with lock(key):`): the
-        spec they give is kept (it is frozen), keyed by the arguments and their types, so
-        True is not taken for 1 nor 0 for False."""
-        args: tuple[Any, ...] = (ttl, timeout, retry_delay, store, holder, auto_extend, max_hold)
-        args += (on_lost, limit, shared, name)
+        A handle is often made per call with the same options (`with lock(key):`): the spec
+        they give is kept (it is frozen), keyed by the options and their types, so True is
+        not taken for 1 nor 0 for False."""
         if cls is not LockSpec:
-            return cls._parse(*args)
-        known = (args, tuple(map(type, args)))
+            return cls._parse(surface, options)
         try:
+            known = (tuple(options.items()), tuple(map(type, options.values())))
             return _parsed[known]
         except KeyError:
             pass
-        except TypeError:  # an unhashable argument (a bad one, or a callable's)
-            return cls._parse(*args)
-        spec = cls._parse(*args)
+        except TypeError:  # an unhashable option (a bad one, or a callable's)
+            return cls._parse(surface, options)
+        spec = cls._parse(surface, options)
         if len(_parsed) >= PARSED_KEPT:
             _parsed.clear()  # a program makes a few kinds of handle: a rare reset
         _parsed[known] = spec
         return spec
 
     @classmethod
-    def _parse(
-        cls,
-        ttl: Duration | None,
-        timeout: Duration,
-        retry_delay: Duration,
-        store: object,
-        holder: str | None,
-        auto_extend: object,
-        max_hold: Duration | None,
-        on_lost: object,
-        limit: object,
-        shared: object,
-        name: object,
-    ) -> LockSpec:
-        alias = check_store(store)
+    def _parse(cls, surface: str, options: LockOptions) -> LockSpec:
+        _refuse_unknown(surface, options)
+        alias = check_store(options.get("store", "default"))
+        auto_extend = options.get("auto_extend", False)
         if not isinstance(auto_extend, bool):
             raise TypeError(f"auto_extend must be True or False, got {auto_extend!r}")
+        max_hold = options.get("max_hold")
         hold = None if max_hold is None else to_seconds("max_hold", max_hold)
         if hold is not None and not auto_extend:
             raise ValueError(
                 "max_hold caps how long auto_extend keeps a lock alive; pass auto_extend=True "
                 "with it, or drop max_hold"
             )
+        ttl = options.get("ttl")
+        retry_delay = options.get("retry_delay", DEFAULT_RETRY_DELAY)
         return cls(
             ttl=None if ttl is None else ttl_seconds(ttl),
-            timeout=to_seconds("timeout", timeout, allow_zero=True),
+            timeout=to_seconds("timeout", options.get("timeout", 0), allow_zero=True),
             retry_delay=to_seconds("retry_delay", retry_delay, allow_zero=True),
             store=alias,
-            holder=holder,
+            holder=options.get("holder"),
             auto_extend=auto_extend,
             max_hold=hold,
-            on_lost=check_on_lost(on_lost),
-            mode=mode_of(limit, shared),
-            name=check_name(name),
+            on_lost=check_on_lost(options.get("on_lost", RAISE)),
+            mode=mode_of(options.get("limit"), options.get("shared", False)),
+            name=check_name(options.get("name")),
         )
 
     def resolved_ttl(self) -> float:
@@ -428,9 +482,23 @@ class LockSpec:
         """A handle on `key` taken as this spec says; `label` names the caller in its holder
         when the spec has no holder of its own. `raises`: the surface raises LockUnavailable
         when the lock is not acquired (traces then mark the refusal an error)."""
-        from .core import Lock  # core builds on this module
+        return _handles[0](key, self, label=label, raises=raises)
 
-        return Lock.from_spec(key, self, label=label, raises=raises)
+
+class HandleMaker(Protocol):
+    """`Lock.from_spec`: how `LockSpec.lock` makes a handle."""
+
+    def __call__(self, key: str, spec: LockSpec, *, label: str | None, raises: bool) -> Lock: ...
+
+
+#: The one `HandleMaker`, handed in by `core` as it loads (`make_handles_with`): `core`
+#: builds on this module, which therefore does not import it.
+_handles: list[HandleMaker] = []
+
+
+def make_handles_with(maker: HandleMaker) -> None:
+    """Have `LockSpec.lock` make its handles with `maker` (`core` passes `Lock.from_spec`)."""
+    _handles[:] = [maker]
 
 
 #: Specs parsed, by their arguments and the arguments' types (which keep 1 and True, equal

@@ -20,7 +20,7 @@ import math
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, Unpack, cast
 
 from asgiref.sync import iscoroutinefunction, sync_to_async
 from django.core.exceptions import BadRequest, ImproperlyConfigured
@@ -28,7 +28,16 @@ from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonRespons
 
 from .core import Lock
 from .durations import Duration
-from .options import DEFAULT_RETRY_DELAY, RAISE, InvalidKey, LockSpec, OnLost, template_name
+from .options import (
+    DEFAULT_RETRY_DELAY,
+    OPTION_NAMES,
+    RAISE,
+    InvalidKey,
+    LockOptions,
+    LockSpec,
+    OnLost,
+    default_name,
+)
 
 if TYPE_CHECKING:
     from django.views import View
@@ -223,21 +232,10 @@ def _limit_of(handle: Lock) -> int | None:
 
 
 def _view_lock(
-    key: ViewKey,
-    ttl: Duration | None,
-    timeout: Duration,
-    retry_delay: Duration,
-    store: str,
-    holder: str | None,
-    on_locked: OnLockedView | None,
-    on_lost: OnLost,
-    limit: int | None = None,
-    shared: bool = False,
-    name: str | None = None,
-    auto_extend: bool = False,
-    max_hold: Duration | None = None,
+    surface: str, key: ViewKey, on_locked: OnLockedView | None, options: LockOptions
 ) -> ViewLock:
-    """`ViewLock` from what `lock_view` and `LockViewMixin` take; a bad value raises naming it."""
+    """`ViewLock` from what `lock_view` and `LockViewMixin` take (`surface`, named in errors);
+    a bad value raises naming it."""
     if isinstance(key, str):
         parse_key_template(key)
     elif not callable(key):
@@ -250,20 +248,7 @@ def _view_lock(
             f"on_locked must be a callable (request, key) -> HttpResponse, "
             f"got {type(on_locked).__name__}"
         )
-    spec = LockSpec.parse(
-        ttl=ttl,
-        timeout=timeout,
-        retry_delay=retry_delay,
-        store=store,
-        holder=holder,
-        auto_extend=auto_extend,
-        max_hold=max_hold,
-        on_lost=on_lost,
-        limit=limit,
-        shared=shared,
-        name=template_name(key) if name is None else name,
-    )
-    return ViewLock(key, spec, on_locked)
+    return ViewLock(key, LockSpec.parse(surface, **options), on_locked)
 
 
 def _in_event_loop() -> bool:
@@ -277,28 +262,17 @@ def _in_event_loop() -> bool:
 
 
 def lock_view(
-    key: ViewKey,
-    *,
-    ttl: Duration | None = None,
-    timeout: Duration = 0,
-    retry_delay: Duration = DEFAULT_RETRY_DELAY,
-    store: str = "default",
-    holder: str | None = None,
-    auto_extend: bool = False,
-    max_hold: Duration | None = None,
-    on_locked: OnLockedView | None = None,
-    on_lost: OnLost = RAISE,
-    limit: int | None = None,
-    shared: bool = False,
+    key: ViewKey, *, on_locked: OnLockedView | None = None, **options: Unpack[LockOptions]
 ) -> Callable[[ViewFunc], ViewFunc]:
     """Run the view only while holding `key`; while another request holds it, answer 409.
 
     `key` is a template whose <name> placeholders come from the URL kwargs, or a callable
     `(request, *args, **kwargs) -> key`. `on_locked(request, key)` answers instead of the 409.
-    ttl, timeout (how long to wait for the lock before answering), retry_delay, store, holder
-    and on_lost go to `lock()`: a lock lost while the view ran raises LockNotHeldError (a 500,
-    and `ATOMIC_REQUESTS` rolls back) unless on_lost says otherwise. Works on sync and
-    `async def` views and (via method_decorator on "dispatch") on class-based views.
+    It takes every `LockOptions` (see there what each means; `name` defaults to the key
+    template): `timeout` is how long to wait for the lock before answering; a lock lost while
+    the view ran raises LockNotHeldError (a 500, and `ATOMIC_REQUESTS` rolls back) unless
+    `on_lost` says otherwise. Works on sync and `async def` views and (via method_decorator on
+    "dispatch") on class-based views.
 
     `auto_extend=True` keeps the lock alive while the view runs (the watchdog), for at most
     `max_hold` in all if given, as for `lock()`: ttl then only bounds how long a crashed
@@ -309,20 +283,8 @@ def lock_view(
     runs (an exclusive request they keep out gets the last one's expiry: it needs them all
     gone); the key is the same key `semaphore()` and `lock()` take.
     """
-    config = _view_lock(
-        key,
-        ttl,
-        timeout,
-        retry_delay,
-        store,
-        holder,
-        on_locked,
-        on_lost,
-        limit,
-        shared,
-        auto_extend=auto_extend,
-        max_hold=max_hold,
-    )
+    default_name(options, key)
+    config = _view_lock("lock_view", key, on_locked, options)
 
     def decorate(view: ViewFunc) -> ViewFunc:
         if iscoroutinefunction(view):
@@ -348,10 +310,11 @@ def lock_view(
 class LockViewMixin(_MixinBase):
     """Class-based view twin of `lock_view`: set `lock_key` (or override `get_lock_key`).
 
-    Attributes lock_ttl, lock_timeout, lock_retry_delay, lock_store, lock_holder,
-    lock_auto_extend, lock_max_hold, lock_on_lost ("raise", "warn", or a method
-    `(self, lock)`), lock_limit and lock_shared go to `lock()`; define a method
-    `lock_on_locked(self, request, key)` to answer instead of the 409.
+    Each of the `LockOptions` is an attribute named `lock_<option>`: lock_ttl, lock_timeout,
+    lock_retry_delay, lock_store, lock_holder, lock_auto_extend, lock_max_hold, lock_on_lost
+    ("raise", "warn", or a method `(self, lock)`), lock_name (default: `lock_key` when it is
+    a template), lock_limit and lock_shared, with the same defaults and meanings; define a
+    method `lock_on_locked(self, request, key)` to answer instead of the 409.
     """
 
     lock_key: ViewKey | None = None
@@ -366,6 +329,8 @@ class LockViewMixin(_MixinBase):
     #: A method `(self, request, key) -> HttpResponse` to answer instead of the default 409.
     lock_on_locked: OnLockedView | None = None
     lock_on_lost: OnLost = RAISE
+    #: What metrics and traces call the locks; None: `lock_key` when it is a template.
+    lock_name: str | None = None
     #: At most this many requests at once (a semaphore); None: one (a lock).
     lock_limit: int | None = None
     #: True: a shared lock (any number of shared requests, no exclusive one meanwhile).
@@ -384,21 +349,9 @@ class LockViewMixin(_MixinBase):
         return template(request, *args, **kwargs)
 
     def _view_lock(self) -> ViewLock:
-        return _view_lock(
-            self.get_lock_key,
-            self.lock_ttl,
-            self.lock_timeout,
-            self.lock_retry_delay,
-            self.lock_store,
-            self.lock_holder,
-            self.lock_on_locked,
-            self.lock_on_lost,
-            self.lock_limit,
-            self.lock_shared,
-            template_name(self.lock_key),
-            self.lock_auto_extend,
-            self.lock_max_hold,
-        )
+        options = cast(LockOptions, {name: getattr(self, f"lock_{name}") for name in OPTION_NAMES})
+        default_name(options, self.lock_key)
+        return _view_lock(type(self).__name__, self.get_lock_key, self.lock_on_locked, options)
 
     def dispatch(self, request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
         config = self._view_lock()

@@ -30,7 +30,7 @@ import logging
 import types
 from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Any, ParamSpec, TypeVar, cast
+from typing import Any, ParamSpec, TypeVar, Unpack, cast
 
 try:
     from celery import Task, current_task
@@ -45,26 +45,14 @@ except ImportError as exc:  # pragma: no cover - exercised by a subprocess test
     ) from exc
 
 from ..core import Lock, force_release, restore_lock
-from ..durations import Duration
 from ..exceptions import AlreadyQueued, InvalidLockToken
-from ..options import (
-    DEFAULT_RETRY_DELAY,
-    RAISE,
-    SKIP,
-    KeyTemplate,
-    OnLocked,
-    OnLost,
-    check_key_fields,
-    format_key,
-    template_name,
-)
+from ..options import RAISE, SKIP, KeyTemplate, check_key_fields, default_name, format_key
 from ..stores.base import LockInfo
 from .common import (
     CLAIM_SUFFIX,
     DEFAULT_RETRY_COUNTDOWN,
     QUEUED,
-    Dedupe,
-    OnDuplicate,
+    TaskArgs,
     TaskOptions,
     call_holding,
     claim_holder,
@@ -100,25 +88,13 @@ _claim: contextvars.ContextVar[Lock | None] = contextvars.ContextVar(
 
 
 def locked_task(
-    key: KeyTemplate,
-    *,
-    ttl: Duration | None = None,
-    on_locked: OnLocked = "skip",
-    timeout: Duration = 0,
-    retry_delay: Duration = DEFAULT_RETRY_DELAY,
-    store: str = "default",
-    holder: str | None = None,
-    countdown: Duration | None = None,
-    auto_extend: bool = False,
-    max_hold: Duration | None = None,
-    on_lost: OnLost = RAISE,
-    limit: int | None = None,
-    dedupe: Dedupe | None = None,
-    on_duplicate: OnDuplicate = "return",
-    dedupe_ttl: Duration | None = None,
+    key: KeyTemplate, **options: Unpack[TaskArgs]
 ) -> Callable[[Callable[P, R]], Callable[P, R | None]]:
     """Run the task body only while holding the lock `key` (formatted from the task's
     arguments, `self` included for bound tasks); put it *under* `@shared_task`.
+
+    It takes every `LockOptions` (see there what each means; `name` defaults to the key
+    template) and the options of its own below.
 
     When the lock stays held for `timeout` seconds (default 0: don't wait), `on_locked` (the
     markers of `options`) decides: "skip" (SKIP) returns None and logs at INFO; "raise" (RAISE)
@@ -132,8 +108,9 @@ def locked_task(
     A lock lost while the task ran fails the task with LockNotHeldError unless `on_lost`
     ("raise", "warn" or a callable `(lock) -> None`, as for `lock()`) says otherwise.
 
-    `limit=N` lets at most N runs of the key at once across all workers (a semaphore); the
-    others are skipped, raised or retried as `on_locked` says.
+    `limit=N` lets at most N runs of the key at once across all workers (a semaphore),
+    `shared=True` any number of shared runs while no exclusive one runs; the others are
+    skipped, raised or retried as `on_locked` says.
 
     `dedupe=` stops duplicates before they are sent (needs `bind=True`). "queued": while a task
     with this key waits in the queue, `.delay()` / `.apply_async()` send nothing and return
@@ -146,30 +123,15 @@ def locked_task(
     message. With `limit=N`, at most N are queued (or running) at once.
     """
     # Fail where the task is defined, not in the worker on its first run.
-    options = TaskOptions.parse(
-        ttl=ttl,
-        on_locked=on_locked,
-        timeout=timeout,
-        retry_delay=retry_delay,
-        store=store,
-        holder=holder,
-        countdown=countdown,
-        auto_extend=auto_extend,
-        max_hold=max_hold,
-        on_lost=on_lost,
-        limit=limit,
-        dedupe=dedupe,
-        on_duplicate=on_duplicate,
-        dedupe_ttl=dedupe_ttl,
-        name=template_name(key),
-    )
+    default_name(options, key)
+    parsed = TaskOptions.parse(**options)
 
     def decorate(fn: Callable[P, R]) -> Callable[P, R | None]:
-        wrapper = _wrap(fn, key, options)
+        wrapper = _wrap(fn, key, parsed)
         check_key_fields(key, fn)  # after _wrap refused a task object (its signature evaluates it)
-        if dedupe is None:
+        if parsed.dedupe is None:
             return wrapper
-        return cast(Callable[P, R | None], _DedupedBody(wrapper, _Dedupe(options, key, fn)))
+        return cast(Callable[P, R | None], _DedupedBody(wrapper, _Dedupe(parsed, key, fn)))
 
     return decorate
 

@@ -15,12 +15,12 @@ import dataclasses
 import logging
 import math
 from collections.abc import Callable
-from typing import Final, Literal, TypedDict, TypeVar, Unpack
+from typing import Final, Literal, TypeVar, Unpack
 
 from ..core import Lock
 from ..durations import Duration, to_seconds
 from ..exceptions import AlreadyQueued, LockError, LockStoreUnavailable
-from ..options import RAISE, RETRY, SKIP, LockSpec, OnLocked, OnLost, check_on_locked
+from ..options import RAISE, RETRY, SKIP, LockOptions, LockSpec, OnLocked, check_on_locked
 from ..stores.base import LockInfo
 
 __all__ = [
@@ -73,22 +73,13 @@ def call_holding(handle: Lock, fn: Callable[[], T]) -> T:
         _current.reset(token)
 
 
-class LockArgs(TypedDict, total=False):
-    """The arguments of `locked_task` that say how to take the run lock (as for `lock()`)."""
-
-    ttl: Duration | None
-    timeout: Duration
-    retry_delay: Duration
-    store: str
-    holder: str | None
-    auto_extend: bool
-    max_hold: Duration | None
-    on_lost: OnLost
-    limit: int | None
+#: The arguments of `locked_task` that say how to take the run lock: the `LockOptions`.
+LockArgs = LockOptions
 
 
-class TaskArgs(LockArgs, total=False):
-    """Every argument of `locked_task` but the key (`TaskOptions.parse` reads them)."""
+class TaskArgs(LockOptions, total=False):
+    """Every argument of `locked_task` but the key (`TaskOptions.parse` reads them): the
+    `LockOptions` and the task's own."""
 
     on_locked: OnLocked
     countdown: Duration | None
@@ -117,13 +108,11 @@ class TaskOptions:
         dedupe: Dedupe | None = None,
         on_duplicate: OnDuplicate = RETURN,
         dedupe_ttl: Duration | None = None,
-        name: str | None = None,
-        **lock: Unpack[LockArgs],
+        **lock: Unpack[LockOptions],
     ) -> TaskOptions:
-        """Check and convert `locked_task`'s arguments; a bad value raises naming it. `name`
-        is what metrics and traces call the locks (the key template's `template_name`)."""
+        """Check and convert `locked_task`'s arguments; a bad value raises naming it."""
         check_on_locked(on_locked, ON_LOCKED)
-        spec = LockSpec.parse(**lock, name=name)
+        spec = LockSpec.parse("locked_task", **lock)
         if countdown is not None and on_locked != RETRY:
             raise ValueError('countdown= only applies to on_locked="retry"')
         if dedupe not in (None, QUEUED, UNTIL_DONE):

@@ -64,7 +64,7 @@ except ImportError:  # Django 5.2: the backport
 from .. import tokens
 from ..core import Lock, lock, restore_lock
 from ..exceptions import AlreadyQueued
-from ..options import RAISE, RETRY, SKIP, KeyTemplate, check_key_fields, template_name
+from ..options import RAISE, RETRY, SKIP, KeyTemplate, check_key_fields, default_name
 from ..options import format_key as _format_key
 from ..stores.base import LockInfo
 from .common import (
@@ -114,9 +114,9 @@ def locked_task(
 ) -> Callable[[Task[P, R]], LockedTask[P, R | None]]:
     """Run the task only while holding the lock `key` (formatted from the arguments the task
     was enqueued with); put it *above* `@task`. It takes the options of the Celery version
-    (`ttl`, `on_locked`, `timeout`, `retry_delay`, `store`, `holder`, `countdown`,
-    `auto_extend`, `max_hold`, `on_lost`, `limit`, `dedupe`, `on_duplicate`, `dedupe_ttl`),
-    with the same defaults and meanings, and `max_retries`.
+    (every `LockOptions`, `name` defaulting to the key template, and `on_locked`,
+    `countdown`, `dedupe`, `on_duplicate`, `dedupe_ttl`), with the same defaults and
+    meanings, and `max_retries`.
 
     When the lock stays held for `timeout` seconds (default 0: don't wait), `on_locked`
     decides: "skip" returns None (the TaskResult succeeds with None) and logs at INFO;
@@ -126,7 +126,7 @@ def locked_task(
     with `LockUnavailable`. A backend that cannot defer (the immediate one) raises instead
     of retrying. A store that cannot be reached fails the task with `LockStoreUnavailable`.
 
-    `auto_extend`, `max_hold`, `on_lost` and `limit` mean what they do for `lock()`.
+    `auto_extend`, `max_hold`, `on_lost`, `limit` and `shared` mean what they do for `lock()`.
 
     `dedupe=` stops duplicates at `.enqueue()`, with the Celery version's meaning: "queued"
     returns the TaskResult of a task with the same key that waits to run (nothing is
@@ -135,7 +135,8 @@ def locked_task(
     enqueue, each retry and the start of an "until_done" run. A task retried by
     `on_locked="retry"` stays the queued one: a duplicate gets the retry's TaskResult.
     """
-    parsed = TaskOptions.parse(**options, name=template_name(key))
+    default_name(options, key)
+    parsed = TaskOptions.parse(**options)
     if max_retries is not None and (
         not isinstance(max_retries, int) or isinstance(max_retries, bool) or max_retries < 0
     ):
