@@ -16,10 +16,6 @@ from django.core.exceptions import ImproperlyConfigured
 from .durations import to_seconds
 
 if TYPE_CHECKING:
-    from .registry import build_store as build_store
-    from .registry import get_lock_store as get_lock_store
-    from .registry import reset_stores as reset_stores
-    from .registry import set_lock_store as set_lock_store
     from .stores.base import LockStore
 
 #: KEEL_LOCK_STORES when it is unset (or None): a DatabaseLockStore on the "default" database.
@@ -119,19 +115,3 @@ def validate_store_options(alias: str, store: type[LockStore], options: Mapping[
     names = sorted(str(name) for name in set(options) - store.option_names)
     if names:
         raise UnknownStoreOptions(alias, store, names)
-
-
-_REGISTRY_NAMES = frozenset({"build_store", "get_lock_store", "reset_stores", "set_lock_store"})
-
-
-def __getattr__(name: str) -> Any:
-    """The store registry's functions, still importable from here, where they lived before
-    registry.py (the package itself imports them from registry).
-
-    Looked up on first use, not imported at the top: registry.py imports this module.
-    """
-    if name in _REGISTRY_NAMES:
-        from . import registry
-
-        return getattr(registry, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
