@@ -61,7 +61,12 @@ SWEEP_BATCH = 1000
 CONTENDED_KEYS = 1024
 T = TypeVar("T")
 _Result = tuple[list[Row], int]
-logger = logging.getLogger("django_keel_lock")
+#: The listener of each `Dialect.listener`.
+LISTENERS: Mapping[str, type[ReleaseListener]] = {
+    "notify": PostgresListener,
+    "named-locks": MariaDBListener,
+    "doorbells": DoorbellListener,
+}
 
 
 class DatabaseLockStore(ListeningStore, LockStore):
@@ -79,7 +84,6 @@ class DatabaseLockStore(ListeningStore, LockStore):
 
     max_key_length = 255
     option_names = frozenset({"DATABASE", "DURABLE", "SOCKET_TIMEOUT"})
-    listener_class = PostgresListener  # PostgreSQL's; MariaDB and SQLite: new_listener
 
     @staticmethod
     def database_option(options: Mapping[str, Any]) -> Any:
@@ -855,11 +859,7 @@ class DatabaseLockStore(ListeningStore, LockStore):
         return self.dialect.pushes_releases and self.listener_ready()
 
     def new_listener(self) -> ReleaseListener:
-        if self.dialect.rings_doorbells:
-            return DoorbellListener(self)
-        if self.dialect.vendor == "mysql":
-            return MariaDBListener(self)
-        return super().new_listener()
+        return LISTENERS[self.dialect.listener](self)
 
     def doorbells(self) -> Doorbells | None:
         """Where this machine's processes waiting on this store hang their doorbells (SQLite on

@@ -71,6 +71,11 @@ class Dialect:
     #: Whether a release rings the doorbells of this machine's other waiting processes (see
     #: `database.doorbells`): they look at once, and still poll, since a ring may be missed.
     rings_doorbells = False
+    #: How this process hears releases in other processes, the name of the store's listener
+    #: for it: "notify" (PostgreSQL's LISTEN/NOTIFY), "named-locks" (MariaDB: a listener
+    #: waits on named locks, which a release interrupts with KILL QUERY) or "doorbells"
+    #: (SQLite: datagrams to sockets beside the database file).
+    listener = "notify"
     #: Set where a release cannot wake other processes by itself (MariaDB): (`bell_names`) ->
     #: the listeners to interrupt, each with `kill_sql` (their id), run only after a release
     #: that `released_waiting` says someone waited for. Empty: the release statement does it.

@@ -57,6 +57,7 @@ class MySQLDialect(Dialect):
 
     vendor = "mysql"
     pushes_releases = True
+    listener = "named-locks"
     _now = "UTC_TIMESTAMP(6)"
     remaining_template = "TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), {column}) / 1000000.0"
     _remaining = remaining_template.format(column="expires_at")

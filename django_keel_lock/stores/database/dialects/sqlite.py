@@ -16,6 +16,7 @@ class SQLiteDialect(Dialect):
 
     vendor = "sqlite"
     rings_doorbells = True
+    listener = "doorbells"
     _now = "strftime('%Y-%m-%d %H:%M:%f', 'now')"
     remaining_template = "(julianday({column}) - julianday('now')) * 86400.0"
     _remaining = remaining_template.format(column="expires_at")
