@@ -106,6 +106,7 @@ def test_at_most_limit_threads_run_at_once_and_limit_is_reached(
     sem: Callable[..., Lock],
 ) -> None:
     inside, peak, mutex = 0, 0, threading.Lock()
+    full = threading.Event()
 
     def work() -> None:
         nonlocal inside, peak
@@ -114,6 +115,11 @@ def test_at_most_limit_threads_run_at_once_and_limit_is_reached(
                 with mutex:
                     inside += 1
                     peak = max(peak, inside)
+                    if inside == 3:
+                        full.set()
+                # The first holders stay until three are in, however slowly a loaded machine
+                # lets the others in: "the limit is reached" does not hang on timing.
+                full.wait(5)
                 time.sleep(0.02)
                 with mutex:
                     inside -= 1
