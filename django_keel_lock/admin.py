@@ -46,7 +46,7 @@ from .conf import conf
 from .core import force_release
 from .models import Lock, StoreLock
 from .registry import get_lock_store
-from .stores.base import PERMIT_OWNERS, LockInfo, LockStore
+from .stores.base import PERMIT_OWNERS, LockInfo
 from .stores.database.dialects import DIALECTS
 
 logger = logging.getLogger("django_keel_lock")
@@ -132,18 +132,17 @@ def format_remaining(seconds: float) -> str:
 
 
 def database_stores() -> dict[str, str]:
-    """The database of each configured alias whose store is a DatabaseLockStore, in settings
-    order (an alias that cannot be built is left out: it must not hide the others)."""
-    from .stores.database import DatabaseLockStore
-
+    """The database of each configured alias whose store's locks are rows of a lock table
+    (`LockStore.table_database`), in settings order (an alias that cannot be built is left
+    out: it must not hide the others)."""
     found: dict[str, str] = {}
     for alias in conf.STORES:
         try:
-            store = get_lock_store(alias)
+            database = get_lock_store(alias).table_database
         except Exception:
             continue
-        if isinstance(store, DatabaseLockStore):
-            found[alias] = store.database
+        if database is not None:
+            found[alias] = database
     return found
 
 
@@ -468,7 +467,7 @@ class LockAdmin(ReadOnlyAdmin):
             logger.warning("lock admin could not list store %r: %s", alias, exc)
             section.error = f"{type(exc).__name__}: {exc}"
             return section
-        section.note = _store_note(store)
+        section.note = store.admin_note
         for info in infos[:size]:
             url = None
             if can_release:
@@ -709,16 +708,6 @@ def _is_model_store(alias: str) -> bool:
     """Is `alias` a database store on the database this admin's changelist reads?"""
     stores = database_stores()
     return alias in stores and stores[alias] == _model_database(stores)
-
-
-def _store_note(store: LockStore) -> str | None:
-    from .stores.memory import MemoryLockStore
-
-    if isinstance(store, MemoryLockStore):
-        return (
-            "Locks of this web server process only: a memory store does not coordinate processes."
-        )
-    return None
 
 
 def _note_shared_tables(sections: list[StoreSection]) -> None:

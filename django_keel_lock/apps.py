@@ -16,5 +16,4 @@ class KeelLockConfig(AppConfig):
         register(checks.check_stores)
         register(checks.check_view_keys, Tags.urls)
         metrics.load()
-        register(checks.check_store_tables, Tags.database)
-        register(checks.check_sentinel_masters, Tags.database)
+        register(checks.check_store_servers, Tags.database)

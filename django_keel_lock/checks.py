@@ -1,13 +1,13 @@
 """System checks for the django-keel-lock settings.
 
-The settings checks read settings only: they never connect. The server checks follow Django's
-convention for checks tagged `database`: they run only when a command asks for databases
-(`check --database locks`, and `migrate`, which checks the database it migrates). The database
-check (W003, W004, W006, W008) looks at the schema and the user's privileges of those databases,
-taking no lock; the Sentinel check (W007, W009) then asks the master of each RedisLockStore
-that goes through Sentinel for its settings, each wait at most the store's SOCKET_TIMEOUT or
-2 s, whichever is shorter. The view keys check (E012) walks the URLconf, with Django's URL
-checks. All are registered in `KeelLockConfig.ready()`.
+The settings checks read settings only: they never connect. Those every KEEL_LOCK_STORES entry
+gets are here; then each store class checks its own OPTIONS (`LockStore.check_config`: the
+memory store's in stores/memory.py, the database and Redis stores' in their packages' `checks`
+modules). The server checks (`LockStore.check_servers`, once per store class for all its
+aliases) are tagged `database`: as Django's are, they run only when a command asks for databases
+(`check --database locks`, and `migrate`, which checks the database it migrates). The view keys
+check (E012) walks the URLconf, with Django's URL checks. All are registered in
+`KeelLockConfig.ready()`.
 
 Errors
   django_keel_lock.E001  KEEL_LOCK_STORES is not a dict, or an alias's config is not a dict with
@@ -61,21 +61,15 @@ Warnings
 from __future__ import annotations
 
 import difflib
-import importlib.util
-import re
-import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
+from functools import partial
 from importlib import import_module
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
 
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Warning
 from django.core.exceptions import ImproperlyConfigured
-from django.db import connections
 from django.urls import URLPattern, URLResolver, get_resolver
-from django.utils.module_loading import import_string
 
 from .conf import (
     METRIC_BACKENDS,
@@ -87,30 +81,15 @@ from .conf import (
     validate_store_options,
 )
 from .durations import to_seconds
-from .exceptions import LockStoreUnavailable
-from .registry import NotALockStore, build_store, import_backend
+from .registry import NotALockStore, configured_stores, import_backend
 from .stores.base import LockStore
-from .stores.connections import socket_timeout_option
-from .stores.database import DatabaseLockStore
-from .stores.database.dialects import DIALECTS
-from .stores.database.dialects.base import PERMIT_TABLE
-from .stores.database.dialects.base import TABLE as LOCK_TABLE
+from .stores.checks import ID, check_servers, where
 from .views import LockViewMixin, parse_key_template
 
-ID = "django_keel_lock.{}"
-#: Where RedisLockStore is found: named without importing it, which fails without redis-py.
-REDIS_BACKENDS = {
-    "django_keel_lock.stores.RedisLockStore",
-    "django_keel_lock.stores.redis.RedisLockStore",
-}
-SUPPORTED_VENDORS = frozenset(DIALECTS)  # the database store supports what it has dialects for
-
-
-def installed(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
+#: Modules with the checks of one of our stores whose class cannot be imported without its
+#: driver: `check_unimportable(alias, path, options, cannot)` -> None for another BACKEND,
+#: else what to report in place of `cannot` (E002).
+UNIMPORTABLE_CHECKS = ("django_keel_lock.stores.redis.checks",)
 
 
 def check_stores(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> list[CheckMessage]:
@@ -208,17 +187,13 @@ def _check_default_ttl() -> list[CheckMessage]:
     return []
 
 
-def _where(alias: str) -> str:
-    return f"KEEL_LOCK_STORES[{alias!r}]"
-
-
 def _check_alias(alias: str, config: object) -> list[CheckMessage]:
-    """The checks every entry gets, then those of each of our stores its BACKEND is."""
-    where = _where(alias)
+    """The checks every entry gets, then those of the store class its BACKEND is."""
     if not is_store_config(config):
         return [
             Error(
-                f"{where} must be a dict with a BACKEND (a dotted path), got {config!r:.80}.",
+                f"{where(alias)} must be a dict with a BACKEND (a dotted path), "
+                f"got {config!r:.80}.",
                 hint='e.g. {"BACKEND": "django_keel_lock.stores.DatabaseLockStore"}',
                 id=ID.format("E001"),
             )
@@ -228,7 +203,7 @@ def _check_alias(alias: str, config: object) -> list[CheckMessage]:
     if options is None:
         messages.append(
             Error(
-                f"{where} OPTIONS must be a dict, got {type(config['OPTIONS']).__name__}.",
+                f"{where(alias)} OPTIONS must be a dict, got {type(config['OPTIONS']).__name__}.",
                 id=ID.format("E003"),
             )
         )
@@ -241,29 +216,32 @@ def _check_alias(alias: str, config: object) -> list[CheckMessage]:
     except NotALockStore:
         return [
             *messages,
-            Error(f"{where} BACKEND {path!r} is not a LockStore subclass.", id=ID.format("E002")),
+            Error(
+                f"{where(alias)} BACKEND {path!r} is not a LockStore subclass.",
+                id=ID.format("E002"),
+            ),
         ]
     messages.extend(_check_option_names(alias, backend, options))
-    for check in _backend_checks(backend):
-        messages.extend(check(alias, options))
+    messages.extend(backend.check_config(alias, options))
     return messages
 
 
 def _check_unimportable(
     alias: str, path: str, options: Mapping[str, Any], exc: Exception
 ) -> list[CheckMessage]:
-    """E002 for a BACKEND that cannot be imported; for RedisLockStore, its own checks, and E002
-    only when no package is missing (E007 then says what to install)."""
+    """E002 for a BACKEND that cannot be imported, or what the checks of one of our stores
+    that needs a driver report in its place (UNIMPORTABLE_CHECKS)."""
     cannot = Error(
-        f"{_where(alias)} BACKEND {path!r} cannot be imported: {exc}",
+        f"{where(alias)} BACKEND {path!r} cannot be imported: {exc}",
         hint="Use django_keel_lock.stores.DatabaseLockStore, RedisLockStore, "
         "MemoryLockStore or your own LockStore subclass.",
         id=ID.format("E002"),
     )
-    if path not in REDIS_BACKENDS:
-        return [cannot]
-    messages = _check_redis(alias, options)
-    return messages if _missing_redis_packages(options) else [*messages, cannot]
+    for module in UNIMPORTABLE_CHECKS:
+        found = import_module(module).check_unimportable(alias, path, options, cannot)
+        if found is not None:
+            return list(found)
+    return [cannot]
 
 
 def _check_option_names(
@@ -274,7 +252,7 @@ def _check_option_names(
     except UnknownStoreOptions as exc:
         return [
             Error(
-                f"{_where(alias)} OPTIONS has unknown option(s) {', '.join(exc.names)} for "
+                f"{where(alias)} OPTIONS has unknown option(s) {', '.join(exc.names)} for "
                 f"{backend.__name__}.",
                 hint=f"Known options: {exc.known}.",
                 id=ID.format("E004"),
@@ -283,344 +261,22 @@ def _check_option_names(
     return []
 
 
-#: The checks of one store's OPTIONS: (alias, OPTIONS) -> messages. The signature of the
-#: `check_config(alias, options)` classmethod these can become on the store classes.
-BackendCheck = Callable[[str, Mapping[str, Any]], list[CheckMessage]]
-
-
-def _backend_checks(backend: type[LockStore]) -> Iterator[BackendCheck]:
-    """The checks of each of our stores that `backend` is or subclasses."""
-    ours: list[tuple[str, BackendCheck]] = [
-        ("redis.RedisLockStore", _check_redis),
-        ("database.DatabaseLockStore", _check_database),
-        ("memory.MemoryLockStore", _check_memory),
-    ]
-    for store, check in ours:
-        if _is_store(backend, store):
-            yield check
-
-
-def _is_store(backend: type[LockStore], store: str) -> bool:
-    """Whether `backend` is or subclasses `django_keel_lock.stores.<store>` ("module.Class").
-
-    Only a loaded module is looked in: a class can subclass a store only once that store's
-    module is loaded, so this never imports a store (or its driver) a project does not use.
-    """
-    module, name = store.split(".")
-    cls = getattr(sys.modules.get(f"django_keel_lock.stores.{module}"), name, None)
-    return isinstance(cls, type) and issubclass(backend, cls)
-
-
-def _check_memory(alias: str, options: Mapping[str, Any]) -> list[CheckMessage]:
-    if alias != "default" or settings.DEBUG:
-        return []
-    return [
-        Warning(
-            'MemoryLockStore is the "default" lock store while DEBUG is False: it only '
-            "coordinates threads of one process, so two workers can hold the same lock.",
-            hint="Use DatabaseLockStore or RedisLockStore in production.",
-            id=ID.format("W001"),
-        )
-    ]
-
-
-def _check_database(alias: str, options: Mapping[str, Any]) -> list[CheckMessage]:
-    return [*_check_socket_timeout(alias, options), *_check_database_alias(alias, options)]
-
-
-def _check_socket_timeout(alias: str, options: Mapping[str, Any]) -> list[CheckMessage]:
-    try:
-        socket_timeout_option(alias, options)
-    except ImproperlyConfigured as exc:
-        return [
-            Error(
-                f"{exc}.",
-                hint="The longest one store call waits on the network: a duration such as 5, "
-                '0.5 or "1500ms"; leave it out for the default 5 s.',
-                id=ID.format("E010"),
-            )
-        ]
-    return []
-
-
-def _check_database_alias(alias: str, options: Mapping[str, Any]) -> list[CheckMessage]:
-    where = _where(alias)
-    database = DatabaseLockStore.database_option(options)
-    if database not in settings.DATABASES:
-        known = ", ".join(sorted(settings.DATABASES)) or "none"
-        return [
-            Error(
-                f"{where} OPTIONS DATABASE {database!r} is not in DATABASES.",
-                hint=f"Databases configured: {known}.",
-                id=ID.format("E005"),
-            )
-        ]
-    engine = str(settings.DATABASES[database].get("ENGINE", ""))
-    try:
-        # The backend class says its vendor; nothing is instantiated or connected.
-        vendor = import_module(f"{engine}.base").DatabaseWrapper.vendor
-    except Exception:  # a broken ENGINE is Django's own error to report
-        return []
-    if vendor not in SUPPORTED_VENDORS:
-        return [
-            Error(
-                f"{where} uses database {database!r} ({engine}), which DatabaseLockStore does "
-                "not support.",
-                hint=(
-                    "Use a PostgreSQL, MariaDB or SQLite database (MySQL has no sequences for "
-                    "fences), or RedisLockStore."
-                ),
-                id=ID.format("E006"),
-            )
-        ]
-    return []
-
-
-def _missing_redis_packages(options: Mapping[str, Any]) -> list[str]:
-    """What RedisLockStore with these OPTIONS needs and is not installed."""
-    missing = [m for m in ("redis",) if not installed(m)]
-    if options.get("CONNECTION") is not None and not installed("django_redis"):
-        missing.append("django_redis")
-    return missing
-
-
-def _check_redis(alias: str, options: Mapping[str, Any]) -> list[CheckMessage]:
-    where = _where(alias)
-    messages: list[CheckMessage] = []
-    missing = _missing_redis_packages(options)
-    if missing:
-        messages.append(
-            Error(
-                f"{where} is a RedisLockStore but {' and '.join(missing)} "
-                f"{'is' if len(missing) == 1 else 'are'} not installed.",
-                hint="pip install 'django-keel-lock[redis]'",
-                id=ID.format("E007"),
-            )
-        )
-    connection = options.get("CONNECTION")
-    if connection is not None:
-        messages.extend(_check_redis_connection(where, connection))
-    messages.extend(_check_redis_database(where, options))
-    messages.extend(_check_socket_timeout(alias, options))
-    return messages
-
-
-def _check_redis_connection(where: str, connection: Any) -> list[CheckMessage]:
-    caches = getattr(settings, "CACHES", {})
-    if connection not in caches:
-        known = ", ".join(sorted(caches)) or "none"
-        return [
-            Error(
-                f"{where} OPTIONS CONNECTION {connection!r} is not a CACHES alias.",
-                hint=f"Name a django-redis cache (CACHES has: {known}) or use URL instead.",
-                id=ID.format("E008"),
-            )
-        ]
-    cache_backend = str(caches[connection].get("BACKEND", ""))
-    if _is_django_redis_cache(cache_backend):
-        return []
-    return [
-        Error(
-            f"{where} OPTIONS CONNECTION {connection!r} is a {cache_backend} cache, not a "
-            "django-redis one.",
-            hint='Point it at a cache with BACKEND "django_redis.cache.RedisCache", or use '
-            "URL instead.",
-            id=ID.format("E008"),
-        )
-    ]
-
-
-@dataclass(frozen=True)
-class RedisDatabase:
-    """One database of one Redis server, as a URL names it."""
-
-    server: str  # "host:port" (any name of the loopback as "localhost"), or a socket's path
-    db: int
-    shown: str = field(compare=False)  # the server as the URL writes it
-
-    def __str__(self) -> str:
-        return f"database {self.db} of {self.shown}"
-
-
-#: Django's own Redis cache and django-redis's: clear() is FLUSHDB on both.
-REDIS_CACHES = ("django.core.cache.backends.redis.", "django_redis.")
-#: Names of the same machine: a URL with one is the same server as a URL with another.
-LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1"})
-
-
-def _redis_database(url: object) -> RedisDatabase | None:
-    """The database `url` names (read as redis-py reads it: ?db= first, then the path, else 0),
-    or None for what is not a Redis URL."""
-    if not isinstance(url, str):
-        return None
-    parts = urlsplit(url.strip())
-    query = parse_qs(parts.query)
-    if parts.scheme == "unix":
-        server = shown = parts.path
-        path_db = ""
-    elif parts.scheme in ("redis", "rediss"):
-        try:
-            port = parts.port or 6379
-        except ValueError:
-            return None
-        host = (parts.hostname or "localhost").lower()
-        server = f"{'localhost' if host in LOOPBACK else host}:{port}"
-        shown = f"{parts.hostname or 'localhost'}:{port}"
-        path_db = unquote(parts.path).replace("/", "")
-    else:
-        return None
-    for db in (*query.get("db", ()), path_db):
-        if db:
-            try:
-                return RedisDatabase(server, int(db), shown)
-            except ValueError:
-                return None
-    return RedisDatabase(server, 0, shown)
-
-
-def _cache_database(config: object) -> RedisDatabase | None:
-    """The database a Redis cache writes to (and clear() flushes): its LOCATION's first URL,
-    as both Redis cache backends take it."""
-    if not isinstance(config, Mapping):
-        return None
-    location = config.get("LOCATION")
-    if isinstance(location, str):
-        location = re.split("[;,]", location)
-    if not isinstance(location, (list, tuple)) or not location:
-        return None
-    return _redis_database(location[0])
-
-
-def _connections_only() -> set[object]:
-    """The caches that are only a lock store's connection: named by a store's CONNECTION and
-    by nothing of Django's, so nothing caches there (and nothing clears them)."""
-    stores = conf.raw_stores()
-    configs = stores.values() if isinstance(stores, dict) else ()
-    options = [store_options(config) for config in configs if is_store_config(config)]
-    return {each.get("CONNECTION") for each in options if each is not None} - {
-        "default",
-        getattr(settings, "SESSION_CACHE_ALIAS", "default"),
-        getattr(settings, "CACHE_MIDDLEWARE_ALIAS", "default"),
-    }
-
-
-def _redis_caches() -> dict[str, RedisDatabase]:
-    """The database each Redis cache writes to (and its clear() flushes), by alias."""
-    caches = getattr(settings, "CACHES", {})
-    if not isinstance(caches, Mapping):
-        return {}
-    found: dict[str, RedisDatabase] = {}
-    for alias, config in caches.items():
-        if not isinstance(config, Mapping):
-            continue
-        if not str(config.get("BACKEND", "")).startswith(REDIS_CACHES):
-            continue
-        database = _cache_database(config)
-        if database is not None:
-            found[str(alias)] = database
-    return found
-
-
-def _check_redis_database(where: str, options: Mapping[str, Any]) -> list[CheckMessage]:
-    """W005: the store's locks are in a database a cache's clear() flushes."""
-    caches = getattr(settings, "CACHES", {})
-    if options.get("URL") is not None:
-        database = _redis_database(options["URL"])
-    elif isinstance(caches, Mapping):
-        database = _cache_database(caches.get(options.get("CONNECTION")))
-    else:
-        return []
-    if database is None:
-        return []
-    # The store's own connection, if nothing else uses it, is its to clear; any other cache on
-    # its database (another store's connection too: it is a Django cache all the same) is not.
-    own = {options.get("CONNECTION")} & _connections_only()
-    shared = [
-        alias for alias, other in _redis_caches().items() if other == database and alias not in own
-    ]
-    if not shared:
-        return []
-    named = ", ".join(f"CACHES[{alias!r}]" for alias in shared)
-    return [
-        Warning(
-            f"{where} keeps its locks in Redis {database}, which {named} uses too: the "
-            "cache's clear() (FLUSHDB) deletes every lock, and a holder learns it only when "
-            "it releases.",
-            hint="Give the lock store a Redis database of its own: a URL with another "
-            "database number (redis://host:6379/1), or CONNECTION naming a cache on such a "
-            "database that nothing else uses.",
-            id=ID.format("W005"),
-        )
-    ]
-
-
-def _is_django_redis_cache(path: str) -> bool:
-    if path.startswith("django_redis."):
-        return True
-    try:
-        from django_redis.cache import RedisCache
-
-        backend = import_string(path)
-    except ImportError:
-        return False
-    return isinstance(backend, type) and issubclass(backend, RedisCache)
-
-
-def check_store_tables(
+def check_store_servers(
     app_configs: Sequence[Any] | None = None,
     databases: Sequence[str] | None = None,
+    *,
+    kind: str = "",
     **kwargs: Any,
 ) -> list[CheckMessage]:
-    """Each database store's table exists, on the databases the command asked to check.
+    """The server checks of the configured stores (`LockStore.check_servers`), when the
+    command asks for databases; with `kind` (a dotted path), of the stores of that class only."""
+    return check_servers(configured_stores(), databases, kind)
 
-    Warnings, not errors, although every lock on such a store fails: `migrate` runs the
-    database checks of the database it migrates before migrating, and an error would stop the
-    very command that creates the table.
-    """
-    if not databases:
-        return []
-    messages: list[CheckMessage] = []
-    for database, aliases in _database_stores().items():
-        if database not in databases:
-            continue
-        named = ", ".join(repr(alias) for alias in aliases)
-        stores = f"Lock stores {named} keep" if len(aliases) > 1 else f"Lock store {named} keeps"
-        try:
-            tables = connections[database].introspection.table_names()
-        except Exception as exc:  # unreachable server, missing driver: a check never crashes
-            messages.append(
-                Warning(
-                    f"{stores} locks in database {database!r}, which could not be "
-                    f"inspected for the {LOCK_TABLE} table: {type(exc).__name__}: {exc}",
-                    hint=f"Check that database {database!r} is reachable with the "
-                    "DATABASES settings, then run this check again.",
-                    id=ID.format("W004"),
-                )
-            )
-            continue
-        migrate = f"Run: python manage.py migrate django_keel_lock --database {database}"
-        if LOCK_TABLE not in tables:
-            messages.append(
-                Warning(
-                    f"{stores} locks in table {LOCK_TABLE} of database {database!r}, "
-                    "which does not have that table: every lock taken there fails with "
-                    "LockStoreMisconfigured.",
-                    hint=migrate,
-                    id=ID.format("W003"),
-                )
-            )
-        elif PERMIT_TABLE not in tables:
-            messages.append(
-                Warning(
-                    f"{stores} locks in database {database!r}, which has no {PERMIT_TABLE} "
-                    "table (migration 0003 is not applied there): every semaphore and shared "
-                    "lock taken there fails with LockStoreMisconfigured; exclusive locks work.",
-                    hint=migrate,
-                    id=ID.format("W006"),
-                )
-            )
-        messages.extend(_check_process_privilege(database, stores))
-    return messages
+
+#: The database stores' server checks alone (W003, W004, W006, W008), and the Redis stores'
+#: (W007, W009), by the names they had before the stores carried their checks.
+check_store_tables = partial(check_store_servers, kind="django_keel_lock.stores.DatabaseLockStore")
+check_sentinel_masters = partial(check_store_servers, kind="django_keel_lock.stores.RedisLockStore")
 
 
 def check_view_keys(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> list[CheckMessage]:
@@ -684,167 +340,3 @@ def _check_route(entry: URLPattern, kwargs: frozenset[str], route: str) -> list[
             id=ID.format("E012"),
         )
     ]
-
-
-#: A grant of global privileges, as SHOW GRANTS writes it: the privileges, then ON *.*.
-GLOBAL_GRANT = re.compile(r"GRANT (?P<privileges>.+?) ON \*\.\* TO ", re.IGNORECASE)
-
-
-def _has_process(grants: Sequence[str]) -> bool:
-    """Whether SHOW GRANTS' lines give the PROCESS privilege (ALL PRIVILEGES includes it)."""
-    for grant in grants:
-        found = GLOBAL_GRANT.match(grant)
-        if found is None:
-            continue
-        privileges = {each.strip().upper() for each in found["privileges"].split(",")}
-        if privileges & {"PROCESS", "ALL PRIVILEGES", "ALL"}:
-            return True
-    return False
-
-
-def _check_process_privilege(database: str, stores: str) -> list[CheckMessage]:
-    """W008: on MariaDB, the clean-up reads information_schema.PROCESSLIST for the statements
-    of other connections in flight, and without PROCESS it sees only its own user's."""
-    connection = connections[database]
-    if connection.vendor != "mysql":
-        return []
-    try:
-        with connection.cursor() as cursor:
-            # Without FOR: the current user's grants and those of its enabled roles.
-            cursor.execute("SHOW GRANTS")
-            grants = [str(row[0]) for row in cursor.fetchall()]
-            cursor.execute("SELECT CURRENT_USER()")
-            (user,) = cursor.fetchone()
-    except Exception:  # the table check just reached it; a failure now is W004's to report
-        return []
-    if _has_process(grants):
-        return []
-    return [
-        Warning(
-            f"{stores} locks in database {database!r} as user {user}, which lacks the PROCESS "
-            "privilege: the clean-up then sees only that user's statements in flight, and "
-            "may delete a row while another user's acquire of that key draws its fence, so "
-            "fences could go backwards.",
-            hint="Grant PROCESS (GRANT PROCESS ON *.* TO ...), or make every process that "
-            "locks through this table connect as the same user.",
-            id=ID.format("W008"),
-        )
-    ]
-
-
-#: What makes a Sentinel master refuse writes once no replica is in sync: both must be above 0.
-MIN_REPLICAS = ("min-replicas-to-write", "min-replicas-max-lag")
-
-
-def check_sentinel_masters(
-    app_configs: Sequence[Any] | None = None,
-    databases: Sequence[str] | None = None,
-    **kwargs: Any,
-) -> list[CheckMessage]:
-    """Each RedisLockStore through Sentinel has a master that refuses writes without a
-    replica in sync, asked when the command asks for databases (as the database check)."""
-    if not databases:
-        return []
-    messages: list[CheckMessage] = []
-    for alias in _stores_of("redis.RedisLockStore"):
-        messages.extend(_check_sentinel_master(alias))
-    return messages
-
-
-def _check_sentinel_master(alias: str) -> list[CheckMessage]:
-    """W007 or W009 for the store `alias`, if it goes through Sentinel."""
-    from redis import ResponseError
-
-    from .stores.redis import RedisLockStore
-
-    try:
-        store = build_store(alias)
-    except Exception:  # a broken config is the settings checks' to report
-        return []
-    if not isinstance(store, RedisLockStore):
-        return []
-    where = _where(alias)
-    try:
-        config = store.sentinel_master_config("min-replicas-*")
-    except (LockStoreUnavailable, ResponseError) as exc:
-        refused = isinstance(exc, ResponseError)
-        return [
-            Warning(
-                f"{where} goes through Sentinel, but its master could not be asked for "
-                f"{MIN_REPLICAS[0]}: {type(exc).__name__}: {exc}",
-                hint="CONFIG is renamed or not allowed for this user: check the setting on "
-                "every server of the group yourself."
-                if refused
-                else "Check that the sentinels and the master are reachable with the store's "
-                "settings, then run this check again.",
-                id=ID.format("W009"),
-            )
-        ]
-    finally:
-        store.close()
-    if config is None:
-        return []
-    off = [name for name in MIN_REPLICAS if config.get(name, "0") == "0"]
-    if not off:
-        return []
-    settings_now = ", ".join(f"{name} {config.get(name, '0')}" for name in MIN_REPLICAS)
-    return [
-        Warning(
-            f"{where} goes through Sentinel to a master with {settings_now}: after a failover "
-            "that leaves the old master running, it grants locks to the clients still "
-            "connected to it until Sentinel demotes it (about 10 s), so one lock can have "
-            "two holders.",
-            hint=f"Set {MIN_REPLICAS[0]} 1 and {MIN_REPLICAS[1]} 1 on every Redis server of "
-            "the group (CONFIG SET, and in redis.conf): the old master then refuses at once.",
-            id=ID.format("W007"),
-        )
-    ]
-
-
-def _stores_of(store: str) -> list[str]:
-    """The KEEL_LOCK_STORES aliases whose BACKEND is or subclasses one of our stores
-    ("module.Class"). Configs that check_stores reports as broken are left to it."""
-    stores = conf.raw_stores()
-    if not isinstance(stores, dict):
-        return []
-    found: list[str] = []
-    for alias, config in stores.items():
-        if not is_store_config(config):
-            continue
-        try:
-            backend = import_backend(config["BACKEND"])
-        except (ImportError, ImproperlyConfigured, NotALockStore):
-            continue
-        if _is_store(backend, store):
-            found.append(str(alias))
-    return found
-
-
-def _database_stores() -> dict[str, list[str]]:
-    """Database alias -> the KEEL_LOCK_STORES aliases of the database stores on it. Configs
-    that check_stores reports as broken are left to it."""
-    stores = conf.raw_stores()
-    if not isinstance(stores, dict):
-        return {}
-    found: dict[str, list[str]] = {}
-    for alias, config in stores.items():
-        database = _database_of(config)
-        if database in connections.settings:
-            found.setdefault(database, []).append(str(alias))
-    return found
-
-
-def _database_of(config: object) -> Any:
-    """The DATABASES alias of a DatabaseLockStore entry; None for other or broken entries."""
-    if not is_store_config(config):
-        return None
-    options = store_options(config)
-    if options is None:
-        return None
-    try:
-        backend = import_backend(config["BACKEND"])
-    except (ImportError, ImproperlyConfigured, NotALockStore):
-        return None
-    if not issubclass(backend, DatabaseLockStore):
-        return None
-    return DatabaseLockStore.database_option(options)

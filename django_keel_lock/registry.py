@@ -7,6 +7,7 @@ settings are closed and forgotten when a setting they depend on changes (`overri
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
@@ -36,6 +37,20 @@ def import_backend(path: str) -> type[LockStore]:
     if not (isinstance(backend, type) and issubclass(backend, LockStore)):
         raise NotALockStore(f"{path!r} is not a LockStore subclass")
     return backend
+
+
+def configured_stores() -> Iterator[tuple[str, type[LockStore], dict[str, Any]]]:
+    """(alias, store class, OPTIONS) of each KEEL_LOCK_STORES entry that can be built, in
+    settings order: the broken ones are left to the system checks to report."""
+    stores = conf.raw_stores()
+    for alias, config in stores.items() if isinstance(stores, dict) else ():
+        if not is_store_config(config) or (options := store_options(config)) is None:
+            continue
+        try:
+            backend = import_backend(config["BACKEND"])
+        except (ImportError, ImproperlyConfigured, NotALockStore):
+            continue
+        yield str(alias), backend, options
 
 
 def build_store(alias: str) -> LockStore:

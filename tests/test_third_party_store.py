@@ -6,13 +6,21 @@ in a child pytest with test databases of its own (another KEEL_TEST_RUN_ID).
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import subprocess
 import sys
 import uuid
+from typing import Any
 
+import pytest
 from django.conf import settings
+from django.core.checks import WARNING, Tags, run_checks
+from django.core.management import call_command
+from django.test import Client, override_settings
+
+from django_keel_lock import lock
 
 from .support import ROOT
 
@@ -69,3 +77,57 @@ def test_a_misspelled_store_option_fails_the_run_and_is_named() -> None:
     assert code == 1, output
     assert counts.get("passed", 0) == 0, output
     assert "unknown option(s) MAX_KEY_LENGHT for DictLockStore" in output, output
+
+
+CHECKED = f"{STORES}.CheckedDictLockStore"
+CHECKED_STORES = {
+    "default": {"BACKEND": "django_keel_lock.stores.MemoryLockStore"},
+    "dict": {"BACKEND": CHECKED},
+    "eu": {"BACKEND": CHECKED, "OPTIONS": {"REGION": "eu"}},
+}
+
+
+def own_messages(**kwargs: Any) -> list[tuple[str, int, str]]:
+    """The messages of the third-party store's own checks among run_checks(**kwargs)'."""
+    found = run_checks(**kwargs)
+    return [(m.id or "", m.level, m.msg) for m in found if (m.id or "").startswith("dict_store.")]
+
+
+@override_settings(KEEL_LOCK_STORES=CHECKED_STORES)
+def test_a_third_party_stores_own_check_shows_in_manage_py_check() -> None:
+    output = io.StringIO()
+    call_command("check", stdout=output, stderr=output)
+
+    assert own_messages() == [
+        (
+            "dict_store.W001",
+            WARNING,
+            "KEEL_LOCK_STORES['dict'] names no REGION.",
+        )
+    ]
+    assert "dict_store.W001" in output.getvalue() and "Set OPTIONS REGION." in output.getvalue()
+
+
+@override_settings(KEEL_LOCK_STORES=CHECKED_STORES)
+def test_a_third_party_stores_server_check_runs_once_for_all_its_aliases_with_database() -> None:
+    asked = own_messages(databases=["default"], tags=[Tags.database])
+
+    assert asked == [
+        ("dict_store.W002", WARNING, "Dict stores 'dict', 'eu' have no server to ask.")
+    ]
+    # `manage.py check` asks for no database: no server checks.
+    assert [id for id, _, _ in own_messages()] == ["dict_store.W001"]
+
+
+@pytest.mark.django_db
+@override_settings(KEEL_LOCK_STORES=CHECKED_STORES)
+def test_the_admin_lists_a_third_party_stores_locks_with_its_note(
+    django_user_model: Any,
+) -> None:
+    client = Client()
+    client.force_login(django_user_model.objects.create_superuser("root", "r@example.com", "pw"))
+    with lock("third-party:admin", store="eu", ttl=60) as held:
+        html = client.get("/admin/django_keel_lock/lock/stores/").content.decode()
+    part = html[html.index('data-store="eu"') :]
+    assert "Locks of a dict in this web server process." in part
+    assert held.key in part and f">{held.fence}<" in part

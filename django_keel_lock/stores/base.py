@@ -11,14 +11,17 @@ import contextvars
 import os
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, TypeVar
 
 from ..conf import validate_store_options
 from .wakeups import WakeBoard
+
+if TYPE_CHECKING:
+    from django.core.checks import CheckMessage
 
 T = TypeVar("T")
 _executor_mutex = threading.Lock()
@@ -238,6 +241,31 @@ class LockStore(ABC):
 
     def close(self) -> None:
         """Release connections and stop listeners; the store may be used again afterwards."""
+
+    # -- system checks and the admin ------------------------------------------------------
+    #: A note the admin's all-stores page shows above this store's locks (None: none).
+    admin_note: str | None = None
+
+    @property
+    def table_database(self) -> str | None:
+        """The DATABASES alias in whose lock table (the admin's changelist of the `Lock`
+        model) this store's locks are rows; None for a store that keeps them elsewhere."""
+        return None
+
+    @classmethod
+    def check_config(cls, alias: str, options: Mapping[str, Any]) -> list[CheckMessage]:
+        """`manage.py check`'s messages about this store's OPTIONS under `alias` (known to be
+        a dict of known option names), from the settings alone: never connect."""
+        return []
+
+    @classmethod
+    def check_servers(
+        cls, stores: Mapping[str, Mapping[str, Any]], *, databases: Sequence[str]
+    ) -> list[CheckMessage]:
+        """The messages of a check tagged `database` (`check --database`, `migrate`) about
+        the servers of `stores` (alias -> OPTIONS: every configured store of this class, or
+        of a subclass that keeps this check), the command asking for `databases`."""
+        return []
 
     # -- worker threads -------------------------------------------------------------------
     #: Threads that run sync operations for async callers and the watchdog (the size of

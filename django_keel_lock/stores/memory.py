@@ -10,6 +10,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from django.conf import settings
+from django.core.checks import CheckMessage, Warning
+
 from .base import (
     GATE_OWNER,
     PERMIT_OWNERS,
@@ -19,6 +22,7 @@ from .base import (
     LockStore,
     Mode,
 )
+from .checks import ID
 from .permits import Held, Step, plan_acquire
 
 
@@ -33,6 +37,24 @@ class _Entry:
 
 class MemoryLockStore(LockStore):
     """Locks in a dict guarded by a mutex. Coordinates threads of one process only."""
+
+    admin_note = (
+        "Locks of this web server process only: a memory store does not coordinate processes."
+    )
+
+    @classmethod
+    def check_config(cls, alias: str, options: Mapping[str, Any]) -> list[CheckMessage]:
+        """W001: the "default" store coordinates nothing across the workers of production."""
+        if alias != "default" or settings.DEBUG:
+            return []
+        return [
+            Warning(
+                'MemoryLockStore is the "default" lock store while DEBUG is False: it only '
+                "coordinates threads of one process, so two workers can hold the same lock.",
+                hint="Use DatabaseLockStore or RedisLockStore in production.",
+                id=ID.format("W001"),
+            )
+        ]
 
     def __init__(self, alias: str = "default", options: Mapping[str, Any] | None = None) -> None:
         super().__init__(alias, options)

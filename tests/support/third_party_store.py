@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
+
+from django.core.checks import CheckMessage, Warning
 
 from django_keel_lock.stores import AcquireResult, LockInfo, LockStore
 
@@ -108,3 +110,31 @@ class ReleasesForAnyone(DictLockStore):
             del self._locks[key]
         self.wake_board.wake(key)
         return True
+
+
+class CheckedDictLockStore(DictLockStore):
+    """DictLockStore with system checks and an admin note of its own, as docs/writing-a-store.md
+    shows: OPTIONS REGION is expected (`manage.py check`), and `check --database` says once,
+    naming every alias of it, that there is no server to ask."""
+
+    option_names = DictLockStore.option_names | {"REGION"}
+    admin_note = "Locks of a dict in this web server process."
+
+    @classmethod
+    def check_config(cls, alias: str, options: Mapping[str, Any]) -> list[CheckMessage]:
+        if "REGION" in options:
+            return []
+        return [
+            Warning(
+                f"KEEL_LOCK_STORES[{alias!r}] names no REGION.",
+                hint="Set OPTIONS REGION.",
+                id="dict_store.W001",
+            )
+        ]
+
+    @classmethod
+    def check_servers(
+        cls, stores: Mapping[str, Mapping[str, Any]], *, databases: Sequence[str]
+    ) -> list[CheckMessage]:
+        named = ", ".join(repr(alias) for alias in stores)
+        return [Warning(f"Dict stores {named} have no server to ask.", id="dict_store.W002")]

@@ -29,6 +29,7 @@ from contextlib import suppress
 from functools import partial
 from typing import Any, TypeVar, cast
 
+from django.core.checks import CheckMessage
 from django.core.exceptions import ImproperlyConfigured, SynchronousOnlyOperation
 from django.db import connections
 
@@ -36,6 +37,7 @@ from ...exceptions import LockStoreMisconfigured, LockStoreUnavailable
 from ..base import PERMIT_OWNERS, AcquireResult, Kind, LockInfo, LockStore, Mode
 from ..connections import Deadline, PerThread, SocketCheck, socket_timeout_option
 from ..wakeups import ListeningStore, ReleaseListener
+from . import checks
 from .dialects import DIALECTS, Dialect
 from .dialects.postgresql import is_psycopg3
 from .doorbells import DoorbellListener, Doorbells
@@ -89,6 +91,21 @@ class DatabaseLockStore(ListeningStore, LockStore):
     def database_option(options: Mapping[str, Any]) -> Any:
         """The DATABASES alias a store with these OPTIONS keeps its locks in."""
         return options.get("DATABASE", "default")
+
+    @classmethod
+    def check_config(cls, alias: str, options: Mapping[str, Any]) -> list[CheckMessage]:
+        return checks.check_config(alias, cls.database_option(options), options)
+
+    @classmethod
+    def check_servers(
+        cls, stores: Mapping[str, Mapping[str, Any]], *, databases: Sequence[str]
+    ) -> list[CheckMessage]:
+        on = {alias: cls.database_option(options) for alias, options in stores.items()}
+        return checks.check_tables(on, databases)
+
+    @property
+    def table_database(self) -> str:
+        return self.database
 
     def __init__(self, alias: str = "default", options: Mapping[str, Any] | None = None) -> None:
         super().__init__(alias, options)

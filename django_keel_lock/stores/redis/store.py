@@ -21,6 +21,7 @@ from typing import Any
 
 from django.conf import settings
 from django.core.cache import InvalidCacheBackendError
+from django.core.checks import CheckMessage
 from django.core.exceptions import ImproperlyConfigured
 
 from ...exceptions import LockStoreUnavailable
@@ -36,6 +37,7 @@ from ..base import (
 )
 from ..connections import PerThread, socket_timeout_option
 from ..wakeups import ListeningStore
+from . import checks
 from .clients import (
     CONNECT_TIMEOUT,
     LOOP_CLIENTS,
@@ -119,6 +121,18 @@ class RedisLockStore(ListeningStore, LockStore):
     listener_class = RedisListener
     expires_by_itself = True  # each lock is a key with a PEXPIRE: Redis deletes it at its ttl
     queues = True
+
+    @classmethod
+    def check_config(cls, alias: str, options: Mapping[str, Any]) -> list[CheckMessage]:
+        return checks.check_config(alias, options)
+
+    @classmethod
+    def check_servers(
+        cls, stores: Mapping[str, Mapping[str, Any]], *, databases: Sequence[str]
+    ) -> list[CheckMessage]:
+        """W007, W009: asked whichever database the command checks."""
+        found = [checks.check_sentinel_master(alias, stores[alias], cls) for alias in stores]
+        return [each for messages in found for each in messages]
 
     def __init__(self, alias: str = "default", options: Mapping[str, Any] | None = None) -> None:
         super().__init__(alias, options)
