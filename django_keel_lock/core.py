@@ -20,7 +20,7 @@ import math
 import secrets
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Future
 from datetime import UTC, datetime
 from types import TracebackType
@@ -107,7 +107,7 @@ class Lock:
     def __init__(self, key: str, **options: Unpack[LockOptions]) -> None:
         """A handle on `key` taken as the `LockOptions` say (all of them: `limit` and
         `shared` too); nothing is acquired until acquire/run/`with`."""
-        self._setup(key, LockSpec.parse("Lock", **options), label=None)
+        self._setup(key, LockSpec.of("Lock", options), label=None)
 
     @classmethod
     def from_spec(
@@ -1148,7 +1148,9 @@ def lock(key: str, *, shared: bool = False, **options: Unpack[HandleOptions]) ->
     it they show the key with its digits, UUIDs and long hex as `*`."""
     if "limit" in options:
         raise refuse_option("lock", "limit", "for at most N holders use semaphore(key, limit=N)")
-    return Lock.from_spec(key, LockSpec.parse("lock", shared=shared, **options))
+    # The options as given (a new handle per `with lock(key):` is the usual way: no copy).
+    given: Mapping[str, object] = options if shared is False else {**options, "shared": shared}
+    return Lock.from_spec(key, LockSpec.of("lock", given))
 
 
 def semaphore(key: str, *, limit: int, **options: Unpack[HandleOptions]) -> Lock:

@@ -16,9 +16,9 @@ import os
 import re
 import socket
 import string
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, TypedDict, Unpack
+from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, TypedDict, Unpack, cast
 
 from django.core.signals import setting_changed
 from django.dispatch import receiver
@@ -411,7 +411,12 @@ class LockSpec:
     @classmethod
     def parse(cls, surface: str = "LockSpec.parse", /, **options: Unpack[LockOptions]) -> LockSpec:
         """Check and convert the `LockOptions` a surface was given; a bad value raises
-        naming it, an unknown option naming the `surface` too.
+        naming it, an unknown option naming the `surface` too."""
+        return cls.of(surface, options)
+
+    @classmethod
+    def of(cls, surface: str, options: Mapping[str, object]) -> LockSpec:
+        """`parse` for the options in a dict (a surface's own `**options`, not copied again).
 
         A handle is often made per call with the same options (`with lock(key):`): the spec
         they give is kept (it is frozen), keyed by the options and their types, so True is
@@ -432,7 +437,7 @@ class LockSpec:
         return spec
 
     @classmethod
-    def _parse(cls, surface: str, options: LockOptions) -> LockSpec:
+    def _parse(cls, surface: str, options: Mapping[str, object]) -> LockSpec:
         _refuse_unknown(surface, options)
         alias = check_store(options.get("store", "default"))
         auto_extend = options.get("auto_extend", False)
@@ -452,7 +457,7 @@ class LockSpec:
             timeout=to_seconds("timeout", options.get("timeout", 0), allow_zero=True),
             retry_delay=to_seconds("retry_delay", retry_delay, allow_zero=True),
             store=alias,
-            holder=options.get("holder"),
+            holder=cast("str | None", options.get("holder")),  # checked with each handle
             auto_extend=auto_extend,
             max_hold=hold,
             on_lost=check_on_lost(options.get("on_lost", RAISE)),
