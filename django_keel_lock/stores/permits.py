@@ -50,25 +50,43 @@ class Held(NamedTuple):
 
 def plan_acquire(held: Held, owner: str, mode: Mode) -> Plan:
     """What an acquire of `owner` in `mode` does to the key `held` describes."""
-    live = held.owner is not None and held.left > 0
-    kind: Kind | None = PERMIT_OWNERS.get(held.owner or "", "exclusive") if live else None
+    kind = _held_as(held)
     permits = [(o, left) for o, left in held.permits if left > 0]
     soonest = min((left for _, left in permits), default=held.left)
     if mode.kind == "exclusive":
-        if kind is None or held.owner == owner:
-            return Plan(Step.TAKE)
-        if kind == "shared":
-            return Plan(Step.INTEND, "shared", soonest)
-        return Plan(Step.REFUSE, kind, held.left if kind == "exclusive" else soonest)
+        return _plan_exclusive(held, owner, kind, soonest)
     if kind == "exclusive":
         return Plan(Step.REFUSE, "exclusive", held.left)
     if kind is not None and kind != mode.kind:
         return Plan(Step.REFUSE, kind, soonest)
     if any(o == owner for o, _ in permits):
         return Plan(Step.RENEW)
+    return _plan_new_permit(held, mode, len(permits), soonest)
+
+
+def _held_as(held: Held) -> Kind | None:
+    """How the key is held: by its lock's live owner, a PERMIT_OWNERS marker telling the
+    permits' kind; None when it is free."""
+    live = held.owner is not None and held.left > 0
+    return PERMIT_OWNERS.get(held.owner or "", "exclusive") if live else None
+
+
+def _plan_exclusive(held: Held, owner: str, kind: Kind | None, soonest: float) -> Plan:
+    """An exclusive acquire: the key's lock if it is free or already `owner`'s; where readers
+    hold it, the writer's wait is recorded."""
+    if kind is None or held.owner == owner:
+        return Plan(Step.TAKE)
+    if kind == "shared":
+        return Plan(Step.INTEND, "shared", soonest)
+    return Plan(Step.REFUSE, kind, held.left if kind == "exclusive" else soonest)
+
+
+def _plan_new_permit(held: Held, mode: Mode, count: int, soonest: float) -> Plan:
+    """A permit for an owner that holds none, where `count` permits of its kind live: refused
+    while a writer waits (shared) or the limit is reached (semaphore)."""
     writer_waits = held.writer is not None and held.writer_left > 0
     if mode.kind == "shared" and writer_waits:
         return Plan(Step.REFUSE, "exclusive", held.writer_left)
-    if mode.kind == "semaphore" and len(permits) >= mode.limit:
+    if mode.kind == "semaphore" and count >= mode.limit:
         return Plan(Step.REFUSE, "semaphore", soonest)
     return Plan(Step.GRANT)
