@@ -49,39 +49,71 @@ class Line:
         self, key: str, owner: str, holder: str, ttl: float, address: str
     ) -> tuple[AcquireResult, bool]:
         """The attempt's result, and whether `owner` is in the line after it."""
-        sql = self.sql
         lock_owner, lock_left, waiting = self._lock_row(key)
-        line = [(row[0], float(row[1] or 0.0)) for row in self.run(sql.line, key)]
+        line = self._line(key, owner)
         live = [place for place in line if place[1] > 0]
-        if any(left <= 0 and waiter != owner for waiter, left in line):
-            # Places that lapsed (a waiter that gave up or died, or one a MariaDB take
-            # lapsed): gone now, so that the line's reads do not step over them until the
-            # clean-up's round. Its own lapsed place goes below.
-            self.run(sql.drop_lapsed, key, owner)
         mine = next((left for waiter, left in line if waiter == owner), None)
         held = lock_left > 0
         if held and lock_owner in PERMIT_OWNERS:  # not queued: as acquire says it
             return AcquireResult(None, lock_left, PERMIT_OWNERS[lock_owner]), mine is not None
         first = live[0] if live else None
-        if (held and lock_owner == owner) or (not held and (first is None or first[0] == owner)):
-            # As acquire does for its owner, taking it again draws a new fence. The flag stays
-            # raised while others wait: their turn comes with the next release.
-            (fence,) = self.run(sql.next_fence)[0]
-            others = any(waiter != owner for waiter, _ in live)
-            self.run(sql.take, owner, holder, fence, self.interval(ttl), others or None, key)
-            if mine is not None:
-                self.run(sql.leave, key, owner)
-            return AcquireResult(int(fence)), False
-        lease = self.interval(QUEUE_LEASE)
-        if mine is not None and mine > 0:
-            self.run(sql.stay, address, lease, key, owner)
-        else:  # new, or its place lapsed: to the end of the line
-            if mine is not None:
-                self.run(sql.leave, key, owner)
-            self.run(sql.join, key, owner, address, lease)
+        if _takes(owner, held, lock_owner, first):
+            return self._take(key, owner, holder, ttl, live, mine), False
+        self._keep_place(key, owner, address, mine)
         if not waiting:
-            self.run(sql.raise_waiting, key)
+            self.run(self.sql.raise_waiting, key)
         # Held: ask again when it expires (a release wakes us sooner if we are first). Free,
         # someone else first: when that one's place lapses, if it does not take the lock.
         left = lock_left if held else first[1] if first is not None else 0.0
         return AcquireResult(None, min(left, QUEUE_LEASE), "exclusive"), True
+
+    def _line(self, key: str, owner: str) -> list[tuple[str, float]]:
+        """Key's line as read, (waiter, seconds left) in the order of arrival; the places of
+        others that lapsed are deleted from the table."""
+        line = [(row[0], float(row[1] or 0.0)) for row in self.run(self.sql.line, key)]
+        if any(left <= 0 and waiter != owner for waiter, left in line):
+            # Places that lapsed (a waiter that gave up or died, or one a MariaDB take
+            # lapsed): gone now, so that the line's reads do not step over them until the
+            # clean-up's round. Its own lapsed place goes in `_take` or `_keep_place`.
+            self.run(self.sql.drop_lapsed, key, owner)
+        return line
+
+    def _take(
+        self,
+        key: str,
+        owner: str,
+        holder: str,
+        ttl: float,
+        live: list[tuple[str, float]],
+        mine: float | None,
+    ) -> AcquireResult:
+        """The lock is `owner`'s, with a new fence (as acquire does for its owner, taking it
+        again draws one); its place, if it has one, goes. The flag stays raised while others
+        wait: their turn comes with the next release."""
+        sql = self.sql
+        (fence,) = self.run(sql.next_fence)[0]
+        others = any(waiter != owner for waiter, _ in live)
+        self.run(sql.take, owner, holder, fence, self.interval(ttl), others or None, key)
+        if mine is not None:
+            self.run(sql.leave, key, owner)
+        return AcquireResult(int(fence))
+
+    def _keep_place(self, key: str, owner: str, address: str, mine: float | None) -> None:
+        """`owner` keeps its live place for another lease, or (new, or its place lapsed) goes
+        to the end of the line."""
+        sql = self.sql
+        lease = self.interval(QUEUE_LEASE)
+        if mine is not None and mine > 0:
+            self.run(sql.stay, address, lease, key, owner)
+            return
+        if mine is not None:
+            self.run(sql.leave, key, owner)
+        self.run(sql.join, key, owner, address, lease)
+
+
+def _takes(owner: str, held: bool, lock_owner: str, first: tuple[str, float] | None) -> bool:
+    """Whether `owner` takes the lock now: it holds it already, or the lock is free and
+    `owner` is first in the line, or the line is empty."""
+    if held:
+        return lock_owner == owner
+    return first is None or first[0] == owner
