@@ -282,13 +282,9 @@ def permit_transaction(
     PostgreSQL's functions keep it: raised by a refusal, lowered by a take, a gate's opening
     and a permit's release)."""
     where = f"WHERE {key} = {p}"
-    slot = f"{where} AND slot = {p}"
     left = remaining.format
     return PermitTransaction(
-        ensure_row=(
-            f"INSERT INTO {TABLE} ({key}, owner, holder, fence, acquired_at, expires_at) "
-            f"VALUES ({p}, {RELEASED}, '', 0, {now}, {now}) {keep_existing}"
-        ),
+        ensure_row=_ensure_row(p=p, key=key, now=now, keep_existing=keep_existing),
         read=(
             f"SELECT l.owner, {left(column='l.expires_at')}, l.writer_owner, "
             f"{left(column='l.writer_until')}, l.fence, "
@@ -297,19 +293,7 @@ def permit_transaction(
             f"WHERE l.{key} = {p}{for_update}"
         ),
         next_fence=f"SELECT {next_fence}",
-        insert_permit=(
-            f"INSERT INTO {PERMIT_TABLE} ({key}, slot, owner, holder, fence, acquired_at, "
-            f"expires_at) VALUES ({p}, {p}, {p}, {p}, {p}, {now}, {until})"
-        ),
-        fill_slot=(
-            f"UPDATE {PERMIT_TABLE} SET owner = {p}, holder = {p}, fence = {p}, "
-            f"acquired_at = {now}, expires_at = {until} {slot}"
-        ),
-        release_slot=f"UPDATE {PERMIT_TABLE} SET owner = {RELEASED}, expires_at = {now} {slot}",
-        renew_permit=f"UPDATE {PERMIT_TABLE} SET expires_at = {until} {slot}",
-        extend_permit=(
-            f"UPDATE {PERMIT_TABLE} SET expires_at = {greatest}(expires_at, {until}) {slot}"
-        ),
+        **_slot_statements(p=p, key=key, now=now, until=until, greatest=greatest),
         open_gate=(
             f"UPDATE {TABLE} SET owner = {p}, holder = '', fence = {p}, acquired_at = {now}, "
             f"expires_at = {until}, waiting = FALSE {where}"
@@ -328,6 +312,38 @@ def permit_transaction(
         set_writer=f"UPDATE {TABLE} SET writer_owner = {p}, writer_until = {until} {where}",
         clear_writer=f"UPDATE {TABLE} SET writer_owner = NULL, writer_until = NULL {where}",
         raise_waiting=f"UPDATE {TABLE} SET waiting = TRUE {where}" if raise_waiting else "",
+    )
+
+
+def _slot_statements(*, p: str, key: str, now: str, until: str, greatest: str) -> dict[str, str]:
+    """The PermitTransaction statements that write a key's permit slots (`models.Permit`),
+    as `permit_transaction` spells them."""
+    slot = f"WHERE {key} = {p} AND slot = {p}"
+    return {
+        "insert_permit": (
+            f"INSERT INTO {PERMIT_TABLE} ({key}, slot, owner, holder, fence, acquired_at, "
+            f"expires_at) VALUES ({p}, {p}, {p}, {p}, {p}, {now}, {until})"
+        ),
+        "fill_slot": (
+            f"UPDATE {PERMIT_TABLE} SET owner = {p}, holder = {p}, fence = {p}, "
+            f"acquired_at = {now}, expires_at = {until} {slot}"
+        ),
+        "release_slot": (
+            f"UPDATE {PERMIT_TABLE} SET owner = {RELEASED}, expires_at = {now} {slot}"
+        ),
+        "renew_permit": f"UPDATE {PERMIT_TABLE} SET expires_at = {until} {slot}",
+        "extend_permit": (
+            f"UPDATE {PERMIT_TABLE} SET expires_at = {greatest}(expires_at, {until}) {slot}"
+        ),
+    }
+
+
+def _ensure_row(*, p: str, key: str, now: str, keep_existing: str) -> str:
+    """(key): a free lock row for key unless it has one (`keep_existing`: the clause that
+    makes the INSERT of an existing key do nothing)."""
+    return (
+        f"INSERT INTO {TABLE} ({key}, owner, holder, fence, acquired_at, expires_at) "
+        f"VALUES ({p}, {RELEASED}, '', 0, {now}, {now}) {keep_existing}"
     )
 
 
@@ -366,10 +382,7 @@ def line_statements(
             f"SELECT owner, {remaining.format(column='expires_at')}, waiting FROM {TABLE} "
             f"{where} FOR UPDATE"
         ),
-        ensure_row=(
-            f"INSERT INTO {TABLE} ({key}, owner, holder, fence, acquired_at, expires_at) "
-            f"VALUES ({p}, {RELEASED}, '', 0, {now}, {now}) {keep_existing}"
-        ),
+        ensure_row=_ensure_row(p=p, key=key, now=now, keep_existing=keep_existing),
         line=(
             f"SELECT owner, {remaining.format(column='expires_at')} FROM {WAITER_TABLE} "
             f"{where} ORDER BY id"
