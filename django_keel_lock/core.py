@@ -87,7 +87,6 @@ class Lock:
         "_renewal",
         "_since",
         "_store",
-        "_trace_caller",
         "_valid_until",
         "auto_extend",
         "fence",
@@ -153,17 +152,16 @@ class Lock:
         self._valid_until = math.inf  # monotonic, the last expiry the store confirmed
         self._renewal: watchdog.Renewal | None = None
         self._mutex = threading.Lock()  # state shared with the watchdog
-        # What metrics need (see metrics.py): the name (None: the key, normalised when first
-        # asked for), whether a refusal raises, the last acquire's store calls; the recorder
-        # that saw the current acquisition (None: not measured) and when it was sent; the
-        # recorder's own cache, and the span that was current when the acquire began.
+        # What the core tells metrics (see metrics.py): the name (None: the key, normalised
+        # when first asked for), whether a refusal raises, the last acquire's store calls; the
+        # recorder that saw the current acquisition (None: not measured) and when it was sent;
+        # and what the recorder last returned (`kept`), handed back to it, never read here.
         self._name = spec.name
         self._raises = raises
         self._attempts = 0
         self._metered: metrics.Recorder | None = None  # saw the current acquisition (`_ended`)
         self._since = 0.0
         self._meter: Any = None
-        self._trace_caller: Any = None
 
     @property
     def name(self) -> str:
@@ -198,7 +196,7 @@ class Lock:
                     result, sent = self._wait(owner, wait, delay)
             except BaseException as error:
                 if recorder is not None:
-                    recorder.failed(self, started, error)
+                    self._failed(recorder, started, wait, error)
                 raise
             if not self._finish(owner, result, sent):
                 if result.fence is not None:  # granted too late: give it back
@@ -207,17 +205,31 @@ class Lock:
                     except LockStoreUnavailable:
                         pass  # it is past its ttl already
                 if recorder is not None:
-                    recorder.refused(self, started, "timeout" if wait > 0 else "contended")
+                    self._refused(recorder, started, wait)
                 return False
             if recorder is not None:
                 self._metered, self._since = recorder, sent
-                recorder.acquired(self, started)
+                attempts = 1 if wait <= 0 else self._attempts
+                self._meter = recorder.acquired(self, started, attempts, self._meter)
             if self.auto_extend:
                 self._renewal = watchdog.Renewal(self, owner, sent)
                 self._renewal.start_thread()
             return True
         finally:
             self._acquiring = False
+
+    # What an acquire that was not taken tells the recorder (one that was: written out in
+    # `acquire` and `aacquire`, the hot path). A wait counted its store calls in `_attempts`.
+    def _refused(self, recorder: metrics.Recorder, started: Any, wait: float) -> None:
+        outcome = "timeout" if wait > 0 else "contended"
+        attempts = 1 if wait <= 0 else self._attempts
+        self._meter = recorder.refused(self, started, outcome, attempts, self._raises, self._meter)
+
+    def _failed(
+        self, recorder: metrics.Recorder, started: Any, wait: float, error: BaseException
+    ) -> None:
+        attempts = 1 if wait <= 0 else self._attempts
+        self._meter = recorder.failed(self, started, error, attempts, self._meter)
 
     def _wait_args(
         self, timeout: Duration | None, retry_delay: Duration | None
@@ -464,11 +476,11 @@ class Lock:
                     result, sent = await self._await(owner, wait, delay)
             except BaseException as error:
                 if recorder is not None:
-                    recorder.failed(self, started, error)
+                    self._failed(recorder, started, wait, error)
                 raise
             if not self._finish(owner, result, sent):
                 if recorder is not None:
-                    recorder.refused(self, started, "timeout" if wait > 0 else "contended")
+                    self._refused(recorder, started, wait)
                 if result.fence is not None:  # granted too late: give it back
                     undo, cancelled = await to_the_end(self._arelease_op(self.key, owner))
                     if not undo.cancelled():
@@ -478,7 +490,8 @@ class Lock:
                 return False
             if recorder is not None:
                 self._metered, self._since = recorder, sent
-                recorder.acquired(self, started)
+                attempts = 1 if wait <= 0 else self._attempts
+                self._meter = recorder.acquired(self, started, attempts, self._meter)
             if self.auto_extend:
                 self._renewal = watchdog.Renewal(self, owner, sent)
                 self._renewal.start_task()
@@ -594,7 +607,9 @@ class Lock:
                     self._ended("released", None)
                 else:  # no watchdog: no other thread that could end it too
                     self._metered = None
-                    recorder.ended(self, "released", time.monotonic() - self._since, None)
+                    recorder.ended(
+                        self, self._meter, "released", time.monotonic() - self._since, None
+                    )
             _announce(signals.lock_released, lock=self)
         else:
             self._lost("release found the lock expired or taken over", cause="gone")
@@ -606,7 +621,7 @@ class Lock:
         with self._mutex:
             recorder, self._metered = self._metered, None
         if recorder is not None:
-            recorder.ended(self, end, time.monotonic() - self._since, reason)
+            recorder.ended(self, self._meter, end, time.monotonic() - self._since, reason)
 
     def _store_error(self, operation: str) -> None:
         recorder = self._metered or metrics.recorder
@@ -667,7 +682,7 @@ class Lock:
         """One watchdog extend came back as `outcome` (one of metrics.RENEWAL_OUTCOMES)."""
         recorder = self._metered
         if recorder is not None:
-            recorder.renewal(self, outcome)
+            recorder.renewal(self, self._meter, outcome)
 
     def _lost(self, reason: str, owner: str | None = None, cause: str = "expired") -> bool:
         """Mark the current acquisition lost, once: `lost`, a WARNING, `lock_lost`, and the

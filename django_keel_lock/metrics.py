@@ -1,9 +1,11 @@
 """What the core tells Prometheus and OpenTelemetry, when `KEEL_LOCK_METRICS` asks for them.
 
 `core.Lock` calls the one `recorder` at each step of an acquisition: acquired or refused,
-failed, renewed, ended (released, lost, expired) and forced free. Every surface goes through
-`core.Lock`, so each is measured alike. With metrics off (the default) `recorder` is None,
-the core's one check, and neither prometheus_client nor opentelemetry is imported.
+failed, renewed, ended (released, lost, expired) and forced free, passing what each step
+needs: a backend reads no handle's private state (`Recorder` says what it gets). Every
+surface goes through `core.Lock`, so each is measured alike. With metrics off (the default)
+`recorder` is None, the core's one check, and neither prometheus_client nor opentelemetry
+is imported.
 
 The setting is read when the app starts and again whenever it changes (`override_settings`);
 a backend whose package is missing is left out, and the system check W011 says so.
@@ -47,28 +49,43 @@ class _All(Recorder):
         self.recorders = recorders
         self.traces = True
 
+    def _each(self, kept: Any) -> Any:
+        """Each backend's own `kept`, out of ours."""
+        if kept is not None and kept[0] is self:
+            return kept[1]
+        return [None] * len(self.recorders)
+
     def start(self, handle: Lock, timeout: float) -> Any:
         return [each.start(handle, timeout) for each in self.recorders]
 
-    def acquired(self, handle: Lock, started: Any) -> None:
-        for each, state in zip(self.recorders, started, strict=True):
-            each.acquired(handle, state)
+    def acquired(self, handle: Lock, started: Any, attempts: int, kept: Any) -> Any:
+        every = zip(self.recorders, started, self._each(kept), strict=True)
+        return self, [each.acquired(handle, state, attempts, mine) for each, state, mine in every]
 
-    def refused(self, handle: Lock, started: Any, outcome: str) -> None:
-        for each, state in zip(self.recorders, started, strict=True):
-            each.refused(handle, state, outcome)
+    def refused(
+        self, handle: Lock, started: Any, outcome: str, attempts: int, raises: bool, kept: Any
+    ) -> Any:
+        every = zip(self.recorders, started, self._each(kept), strict=True)
+        return self, [
+            each.refused(handle, state, outcome, attempts, raises, mine)
+            for each, state, mine in every
+        ]
 
-    def failed(self, handle: Lock, started: Any, error: BaseException) -> None:
-        for each, state in zip(self.recorders, started, strict=True):
-            each.failed(handle, state, error)
+    def failed(
+        self, handle: Lock, started: Any, error: BaseException, attempts: int, kept: Any
+    ) -> Any:
+        every = zip(self.recorders, started, self._each(kept), strict=True)
+        return self, [
+            each.failed(handle, state, error, attempts, mine) for each, state, mine in every
+        ]
 
-    def ended(self, handle: Lock, end: str, seconds: float, reason: str | None) -> None:
-        for each in self.recorders:
-            each.ended(handle, end, seconds, reason)
+    def ended(self, handle: Lock, kept: Any, end: str, seconds: float, reason: str | None) -> None:
+        for each, mine in zip(self.recorders, self._each(kept), strict=True):
+            each.ended(handle, mine, end, seconds, reason)
 
-    def renewal(self, handle: Lock, outcome: str) -> None:
-        for each in self.recorders:
-            each.renewal(handle, outcome)
+    def renewal(self, handle: Lock, kept: Any, outcome: str) -> None:
+        for each, mine in zip(self.recorders, self._each(kept), strict=True):
+            each.renewal(handle, mine, outcome)
 
     def store_error(self, handle: Lock, operation: str) -> None:
         for each in self.recorders:

@@ -71,49 +71,56 @@ class OtelRecorder(Recorder):
             },
         )
         token = context.attach(trace.set_span_in_context(span))
-        handle._attempts = 1  # a waiting acquire counts its own
         return span, token, caller, time.monotonic()
 
-    def _finish(self, handle: Lock, started: Any, outcome: str | None) -> Span:
+    def _finish(self, handle: Lock, started: Any, outcome: str | None, attempts: int) -> Span:
         span, token, _, began = started
         context.detach(token)
         attributes = self._names(handle)
         if outcome is not None:
             attributes["keel.lock.outcome"] = outcome
             span.set_attribute("keel.lock.outcome", outcome)
-        span.set_attribute("keel.lock.attempts", handle._attempts)
+        span.set_attribute("keel.lock.attempts", attempts)
         self.acquire_duration.record(time.monotonic() - began, attributes)
         return span  # type: ignore[no-any-return]
 
-    def acquired(self, handle: Lock, started: Any) -> None:
-        span = self._finish(handle, started, "acquired")
+    def acquired(self, handle: Lock, started: Any, attempts: int, kept: Any) -> Any:
+        span = self._finish(handle, started, "acquired", attempts)
         span.set_attribute("keel.lock.fence", handle.fence or 0)
         span.end()
         caller: Span = started[2]
-        handle._trace_caller = caller
         caller.add_event(
             "lock.acquired", {**self._names(handle), "keel.lock.fence": handle.fence or 0}
         )
+        return [self, caller]  # `ended` adds its event to the caller's span, then forgets it
 
-    def refused(self, handle: Lock, started: Any, outcome: str) -> None:
-        span = self._finish(handle, started, outcome)
-        if handle._raises:
+    def refused(
+        self, handle: Lock, started: Any, outcome: str, attempts: int, raises: bool, kept: Any
+    ) -> Any:
+        span = self._finish(handle, started, outcome, attempts)
+        if raises:
             span.set_attribute("error.type", "LockUnavailable")
             span.set_status(Status(StatusCode.ERROR, f"{handle.describe()} not acquired"))
         span.end()
+        return None
 
-    def failed(self, handle: Lock, started: Any, error: BaseException) -> None:
+    def failed(
+        self, handle: Lock, started: Any, error: BaseException, attempts: int, kept: Any
+    ) -> Any:
         stored = isinstance(error, LockStoreUnavailable)
-        span = self._finish(handle, started, "error" if stored else None)
+        span = self._finish(handle, started, "error" if stored else None, attempts)
         span.record_exception(error)
         span.set_attribute("error.type", type(error).__qualname__)
         span.set_status(Status(StatusCode.ERROR, type(error).__qualname__))
         span.end()
+        return None
 
-    def ended(self, handle: Lock, end: str, seconds: float, reason: str | None) -> None:
+    def ended(self, handle: Lock, kept: Any, end: str, seconds: float, reason: str | None) -> None:
         names = self._names(handle)
         self.hold_duration.record(seconds, {**names, "keel.lock.end": end})
-        caller, handle._trace_caller = handle._trace_caller, None
+        caller: Span | None = None
+        if kept is not None and kept[0] is self:
+            caller, kept[1] = kept[1], None
         event = {**names, "keel.lock.fence": handle.fence or 0, "keel.lock.end": end}
         if reason is None:
             if caller is not None:

@@ -366,58 +366,60 @@ def recorder() -> Recorder:
 
 
 class LocalRecorder(Recorder):
-    """Counts each step of every lock into this process's series (`collector()` shows them)."""
+    """Counts each step of every lock into this process's series (`collector()` shows them).
+
+    Its `kept` on a handle is (itself, the thread's series dict, the series of the handle's
+    store and name): a step in the same thread finds the series without a lookup."""
 
     traces = False
 
-    def _series(self, handle: Lock) -> _Series:
-        """The calling thread's series of `handle`'s store and name, cached on the handle for
-        this recorder and thread (the setting may change: then a new recorder)."""
-        cached = handle._meter
+    def _kept(self, handle: Lock, kept: Any) -> Any:
+        """`kept` if it is this recorder's and this thread's, else a new one for them."""
         mine = _numbers.local.series
-        if cached is not None and cached[0] is self and cached[1] is mine:
-            series: _Series = cached[2]
-            return series
-        series = _numbers.get(handle.store_alias, handle.name)
-        handle._meter = (self, mine, series)
-        return series
+        if kept is not None and kept[0] is self and kept[1] is mine:
+            return kept
+        return self, mine, _numbers.get(handle.store_alias, handle.name)
 
-    # `_series` and `_Series.observe` written out in the two steps of every cycle.
-    def acquired(self, handle: Lock, started: Any) -> None:
-        cached = handle._meter
-        if cached is not None and cached[0] is self and cached[1] is _numbers.local.series:
-            series = cached[2]
-        else:
-            series = self._series(handle)
+    # `_kept` and `_Series.observe` written out in the two steps of every cycle.
+    def acquired(self, handle: Lock, started: Any, attempts: int, kept: Any) -> Any:
+        if kept is None or kept[0] is not self or kept[1] is not _numbers.local.series:
+            kept = self._kept(handle, None)
         waited = time.monotonic() - started
-        histogram = series.waits[_ACQUIRED]
+        histogram = kept[2].waits[_ACQUIRED]
         histogram.counts[bisect_left(WAIT_BUCKETS, waited)] += 1
         histogram.total += waited
+        return kept
 
-    def ended(self, handle: Lock, end: str, seconds: float, reason: str | None) -> None:
-        cached = handle._meter
-        if cached is not None and cached[0] is self and cached[1] is _numbers.local.series:
-            series = cached[2]
-        else:
-            series = self._series(handle)
+    def ended(self, handle: Lock, kept: Any, end: str, seconds: float, reason: str | None) -> None:
+        if kept is None or kept[0] is not self or kept[1] is not _numbers.local.series:
+            kept = self._kept(handle, None)  # another thread's (the watchdog's): not ours
+        series: _Series = kept[2]
         histogram = series.held_for[_END[end]]
         histogram.counts[bisect_left(HELD_BUCKETS, seconds)] += 1
         histogram.total += seconds
         if reason is not None:
             series.lost[reason] = series.lost.get(reason, 0) + 1
 
-    def refused(self, handle: Lock, started: Any, outcome: str) -> None:
-        series = self._series(handle)
+    def refused(
+        self, handle: Lock, started: Any, outcome: str, attempts: int, raises: bool, kept: Any
+    ) -> Any:
+        kept = self._kept(handle, kept)
+        series: _Series = kept[2]
         series.observe(series.waits[_OUTCOME[outcome]], time.monotonic() - started)
+        return kept
 
-    def failed(self, handle: Lock, started: Any, error: BaseException) -> None:
+    def failed(
+        self, handle: Lock, started: Any, error: BaseException, attempts: int, kept: Any
+    ) -> Any:
         if isinstance(error, LockStoreUnavailable):
-            series = self._series(handle)
+            kept = self._kept(handle, kept)
+            series: _Series = kept[2]
             series.observe(series.waits[_ERROR], time.monotonic() - started)
             self.store_error(handle, "acquire")
+        return kept
 
-    def renewal(self, handle: Lock, outcome: str) -> None:
-        renewals = self._series(handle).renewals
+    def renewal(self, handle: Lock, kept: Any, outcome: str) -> None:
+        renewals = self._kept(handle, kept)[2].renewals
         renewals[outcome] = renewals.get(outcome, 0) + 1
         if outcome == "error":
             self.store_error(handle, "extend")
@@ -432,38 +434,46 @@ class LocalRecorder(Recorder):
 
 
 class SharedRecorder(Recorder):
-    """Writes each step of every lock to prometheus_client's metrics (multiprocess mode)."""
+    """Writes each step of every lock to prometheus_client's metrics (multiprocess mode).
+
+    Its `kept` on a handle is (itself, the series of the handle's store and name)."""
+
+    traces = False
 
     def __init__(self, shared: _SharedMetrics) -> None:
         self.shared = shared
 
-    def _series(self, handle: Lock) -> _SharedSeries:
-        cached = handle._meter
-        if cached is not None and cached[0] is self:
-            series: _SharedSeries = cached[1]
-            return series
-        series = self.shared.get(handle.store_alias, handle.name)
-        handle._meter = (self, series)
-        return series
+    def _kept(self, handle: Lock, kept: Any) -> Any:
+        if kept is not None and kept[0] is self:
+            return kept
+        return self, self.shared.get(handle.store_alias, handle.name)
 
-    traces = False
+    def acquired(self, handle: Lock, started: Any, attempts: int, kept: Any) -> Any:
+        kept = self._kept(handle, kept)
+        kept[1].count(_ACQUIRED, time.monotonic() - started, 1)
+        return kept
 
-    def acquired(self, handle: Lock, started: Any) -> None:
-        self._series(handle).count(_ACQUIRED, time.monotonic() - started, 1)
+    def refused(
+        self, handle: Lock, started: Any, outcome: str, attempts: int, raises: bool, kept: Any
+    ) -> Any:
+        kept = self._kept(handle, kept)
+        kept[1].count(_OUTCOME[outcome], time.monotonic() - started, 0)
+        return kept
 
-    def refused(self, handle: Lock, started: Any, outcome: str) -> None:
-        self._series(handle).count(_OUTCOME[outcome], time.monotonic() - started, 0)
-
-    def failed(self, handle: Lock, started: Any, error: BaseException) -> None:
+    def failed(
+        self, handle: Lock, started: Any, error: BaseException, attempts: int, kept: Any
+    ) -> Any:
         if isinstance(error, LockStoreUnavailable):
-            self._series(handle).count(_ERROR, time.monotonic() - started, 0)
+            kept = self._kept(handle, kept)
+            kept[1].count(_ERROR, time.monotonic() - started, 0)
             self.store_error(handle, "acquire")
+        return kept
 
-    def ended(self, handle: Lock, end: str, seconds: float, reason: str | None) -> None:
-        self._series(handle).end(_END[end], seconds, reason, -1)
+    def ended(self, handle: Lock, kept: Any, end: str, seconds: float, reason: str | None) -> None:
+        self._kept(handle, kept)[1].end(_END[end], seconds, reason, -1)
 
-    def renewal(self, handle: Lock, outcome: str) -> None:
-        self._series(handle).renewal(outcome)
+    def renewal(self, handle: Lock, kept: Any, outcome: str) -> None:
+        self._kept(handle, kept)[1].renewal(outcome)
         if outcome == "error":
             self.store_error(handle, "extend")
 
