@@ -16,22 +16,17 @@ from typing import Any
 
 from ..base import PERMIT_OWNERS, QUEUE_LEASE, AcquireResult
 from .dialects import Dialect
-from .dialects.base import LineStatements
+from .dialects.base import InTransaction, LineStatements
 
 
-class Line:
+class Line(InTransaction):
     """One attempt of a waiter in a key's line, on `cursor`, inside the transaction the store
     opened."""
 
     def __init__(self, dialect: Dialect, cursor: Any) -> None:
         assert dialect.line is not None
         self.sql: LineStatements = dialect.line
-        self.interval = dialect.interval
-        self.cursor = cursor
-
-    def run(self, sql: str, *params: Any) -> list[Any]:
-        self.cursor.execute(sql, params)
-        return list(self.cursor.fetchall()) if self.cursor.description else []
+        super().__init__(dialect, cursor)
 
     def _lock_row(self, key: str) -> tuple[str, float, bool]:
         """(owner, seconds left, waiting) of key's lock row, which stays locked. A row that is

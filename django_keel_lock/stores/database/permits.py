@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 from ..base import GATE_OWNER, PERMIT_OWNERS, AcquireResult, Mode
 from ..permits import Held, Step, plan_acquire
 from .dialects import Dialect
-from .dialects.base import PermitTransaction
+from .dialects.base import InTransaction, PermitTransaction
 
 
 class _Slot(NamedTuple):
@@ -74,18 +74,13 @@ class _Key:
         return max((s.slot for s in self.slots), default=-1) + 1
 
 
-class Transaction:
+class Transaction(InTransaction):
     """One permit operation's statements on `cursor`, inside the transaction the store opened."""
 
     def __init__(self, dialect: Dialect, cursor: Any) -> None:
         assert dialect.transaction is not None
         self.sql: PermitTransaction = dialect.transaction
-        self.interval = dialect.interval
-        self.cursor = cursor
-
-    def run(self, sql: str, *params: Any) -> list[Any]:
-        self.cursor.execute(sql, params)
-        return list(self.cursor.fetchall()) if self.cursor.description else []
+        super().__init__(dialect, cursor)
 
     def read(self, key: str) -> _Key | None:
         rows = self.run(self.sql.read, key)

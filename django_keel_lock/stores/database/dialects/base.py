@@ -188,6 +188,21 @@ class Dialect:
         return value  # type: ignore[no-any-return]
 
 
+class InTransaction:
+    """Statements of `dialect` run on `cursor`, inside the transaction the store opened: the
+    base of the line's attempt (`database.line`) and of the permit operations
+    (`database.permits`)."""
+
+    def __init__(self, dialect: Dialect, cursor: Any) -> None:
+        self.interval = dialect.interval
+        self.cursor = cursor
+
+    def run(self, sql: str, *params: Any) -> list[Any]:
+        """The rows of `sql` run with `params` (none for a statement that returns none)."""
+        self.cursor.execute(sql, params)
+        return list(self.cursor.fetchall()) if self.cursor.description else []
+
+
 # Columns every reading query returns, in this order.
 INFO = "key, owner, holder, fence, acquired_at, {remaining}"
 
