@@ -85,7 +85,6 @@ class Lock:
         "_next_owner",
         "_raises",
         "_renewal",
-        "_since",
         "_store",
         "_valid_until",
         "auto_extend",
@@ -154,13 +153,13 @@ class Lock:
         self._mutex = threading.Lock()  # state shared with the watchdog
         # What the core tells metrics (see metrics.py): the name (None: the key, normalised
         # when first asked for), whether a refusal raises, the last acquire's store calls; the
-        # recorder that saw the current acquisition (None: not measured) and when it was sent;
-        # and what the recorder last returned (`kept`), handed back to it, never read here.
+        # recorder that saw the current acquisition and when it was sent, one value so that
+        # `_ended` takes both at once (None: not measured); and what the recorder last
+        # returned (`kept`), handed back to it, never read here.
         self._name = spec.name
         self._raises = raises
         self._attempts = 0
-        self._metered: metrics.Recorder | None = None  # saw the current acquisition (`_ended`)
-        self._since = 0.0
+        self._metered: tuple[metrics.Recorder, float] | None = None
         self._meter: Any = None
 
     @property
@@ -208,7 +207,7 @@ class Lock:
                     self._refused(recorder, started, wait)
                 return False
             if recorder is not None:
-                self._metered, self._since = recorder, sent
+                self._metered = recorder, sent
                 attempts = 1 if wait <= 0 else self._attempts
                 self._meter = recorder.acquired(self, started, attempts, self._meter)
             if self.auto_extend:
@@ -489,7 +488,7 @@ class Lock:
                         raise cancelled
                 return False
             if recorder is not None:
-                self._metered, self._since = recorder, sent
+                self._metered = recorder, sent
                 attempts = 1 if wait <= 0 else self._attempts
                 self._meter = recorder.acquired(self, started, attempts, self._meter)
             if self.auto_extend:
@@ -601,15 +600,14 @@ class Lock:
     def _released(self, released: bool) -> bool:
         self._held = False
         if released:
-            recorder = self._metered
-            if recorder is not None:  # `_ended` written out: the hot path with metrics on
+            metered = self._metered
+            if metered is not None:  # `_ended` written out: the hot path with metrics on
                 if self.auto_extend:
                     self._ended("released", None)
                 else:  # no watchdog: no other thread that could end it too
                     self._metered = None
-                    recorder.ended(
-                        self, self._meter, "released", time.monotonic() - self._since, None
-                    )
+                    recorder, since = metered
+                    recorder.ended(self, self._meter, "released", time.monotonic() - since, None)
             _announce(signals.lock_released, lock=self)
         else:
             self._lost("release found the lock expired or taken over", cause="gone")
@@ -619,12 +617,14 @@ class Lock:
         """Tell the recorder that saw this acquisition how it ended, once: a release and the
         watchdog finding the lock lost may race."""
         with self._mutex:
-            recorder, self._metered = self._metered, None
-        if recorder is not None:
-            recorder.ended(self, self._meter, end, time.monotonic() - self._since, reason)
+            metered, self._metered = self._metered, None
+        if metered is not None:
+            recorder, since = metered
+            recorder.ended(self, self._meter, end, time.monotonic() - since, reason)
 
     def _store_error(self, operation: str) -> None:
-        recorder = self._metered or metrics.recorder
+        metered = self._metered
+        recorder = metrics.recorder if metered is None else metered[0]
         if recorder is not None:
             recorder.store_error(self, operation)
 
@@ -680,9 +680,9 @@ class Lock:
 
     def count_renewal(self, outcome: str) -> None:
         """One watchdog extend came back as `outcome` (one of metrics.RENEWAL_OUTCOMES)."""
-        recorder = self._metered
-        if recorder is not None:
-            recorder.renewal(self, self._meter, outcome)
+        metered = self._metered
+        if metered is not None:
+            metered[0].renewal(self, self._meter, outcome)
 
     def _lost(self, reason: str, owner: str | None = None, cause: str = "expired") -> bool:
         """Mark the current acquisition lost, once: `lost`, a WARNING, `lock_lost`, and the
