@@ -61,7 +61,10 @@ def test_redis_fence_after_a_failover_that_lost_it_goes_back_only_onto_a_clock_b
                 RedisLockStore(f"old-{uuid.uuid4().hex[:8]}", {"URL": primary.url})
             ) as old:
                 first = _fence_of_one_acquisition(old, key)
-                assert primary.cli("wait", "1", "10000").strip() == "1"  # the replica has it
+                # The replica has the counter (WAIT from another connection would not wait for
+                # the store's writes): only the next fence is lost.
+                (counter,) = primary.cli("--scan", "--pattern", "*:fence").split()
+                wait_for(lambda: replica.cli("get", counter).strip() == str(first))
                 replica.cli("replicaof", "no", "one")  # the partition, then the promotion
                 wait_for(lambda: "role:master" in replica.cli("info", "replication"))
                 lost = _fence_of_one_acquisition(old, key)  # only the old primary has it
