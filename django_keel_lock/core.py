@@ -147,7 +147,7 @@ class Lock:
         self._body_cancels = 0
         self._body_pending = 0
         self._held = False
-        self._acquiring = False  # an acquire of this handle is under way (`_begin`)
+        self._acquiring: object | None = None  # the mark of the acquire under way (`_begin`)
         self._valid_until = math.inf  # monotonic, the last expiry the store confirmed
         self._renewal: watchdog.Renewal | None = None
         self._mutex = threading.Lock()  # state shared with the watchdog
@@ -177,8 +177,9 @@ class Lock:
         True if acquired. Raises LockStoreUnavailable if the store cannot be reached.
         """
         wait, delay = self._wait_args(timeout, retry_delay)
-        owner = self._begin()
+        mine = object()  # this acquire's mark on the handle (`_begin`)
         try:
+            owner = self._begin(mine)
             recorder = metrics.recorder  # None while metrics are off: their only cost then
             started: Any = None
             try:
@@ -215,7 +216,8 @@ class Lock:
                 self._renewal.start_thread()
             return True
         finally:
-            self._acquiring = False
+            if self._acquiring is mine:  # not another acquire's, refused by _begin
+                self._acquiring = None
 
     # What an acquire that was not taken tells the recorder (one that was: written out in
     # `acquire` and `aacquire`, the hot path). A wait counted its store calls in `_attempts`.
@@ -328,22 +330,25 @@ class Lock:
         store = self._store
         return store.aextend if self.mode is EXCLUSIVE else store.aextend_permit
 
-    def _begin(self) -> str:
+    def _begin(self, mine: object) -> str:
+        """The owner token for an acquire, whose mark `mine` the handle then carries until the
+        acquire clears it (in its `finally`, which starts before this call: an exception
+        landing anywhere after the mark is set still clears it)."""
         if self._held and time.monotonic() >= self._valid_until:
             # By its own clock the lock ran out: the handle holds nothing and may try again.
             self._lost("its ttl ran out without a confirmed extend", owner=self.owner)
         with self._mutex:
-            if self._held or self._acquiring:
+            if self._held or self._acquiring is not None:
                 raise LockError(self._busy_message())
+            # The owner stays the same for every attempt until one succeeds: an attempt whose
+            # reply was lost (timeout, dropped connection) may still have taken the lock, and a
+            # retry with the same owner gets it back instead of stranding it until its ttl.
+            if self._next_owner is None:
+                self._next_owner = secrets.token_hex(16)
             # Until this acquire ends, another acquire of the handle is refused:
             # it would ask with the same pending owner, and the store grants one owner twice.
-            self._acquiring = True
-        # The owner stays the same for every attempt until one succeeds: an attempt whose
-        # reply was lost (timeout, dropped connection) may still have taken the lock, and a
-        # retry with the same owner gets it back instead of stranding it until its ttl.
-        if self._next_owner is None:
-            self._next_owner = secrets.token_hex(16)
-        return self._next_owner
+            self._acquiring = mine
+            return self._next_owner
 
     def _busy_message(self) -> str:
         """Why an acquire of this handle is refused while it holds or acquires its key."""
@@ -462,8 +467,9 @@ class Lock:
         Cancelled while waiting or while an attempt is in flight, it leaves no lock behind,
         nor a place in the key's line of waiters."""
         wait, delay = self._wait_args(timeout, retry_delay)
-        owner = self._begin()
+        mine = object()  # this acquire's mark on the handle (`_begin`)
         try:
+            owner = self._begin(mine)
             recorder = metrics.recorder
             started = None
             if recorder is not None:
@@ -496,7 +502,8 @@ class Lock:
                 self._renewal.start_task()
             return True
         finally:
-            self._acquiring = False
+            if self._acquiring is mine:  # not another acquire's, refused by _begin
+                self._acquiring = None
 
     async def _aattempt(
         self, owner: str, deadline: float | None, plain: bool, queued: bool = False

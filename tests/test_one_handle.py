@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Callable
 
 import pytest
 
 from django_keel_lock import Lock, LockError
+
+from .test_database_faults import wait_until
 
 BUSY = r"already acquiring .*each task needs its own handle: lock\(\.\.\.\) per task"
 
@@ -69,7 +70,9 @@ def test_a_thread_may_not_acquire_a_handle_another_thread_waits_with(
     got: list[bool] = []
     thread = threading.Thread(target=lambda: got.append(handle.acquire(timeout=10)))
     thread.start()
-    time.sleep(0.2)  # it waits for the holder
+    # Until the thread's acquire has begun (and waits for the holder): a fixed sleep could end
+    # first on a loaded machine, and then our acquire would be the first, not refused.
+    assert wait_until(lambda: handle._acquiring is not None, 10)
     with pytest.raises(LockError, match=BUSY):
         handle.acquire()
     with pytest.raises(LockError, match=BUSY):
@@ -79,4 +82,24 @@ def test_a_thread_may_not_acquire_a_handle_another_thread_waits_with(
     assert got == [True] and handle.held
     with pytest.raises(LockError, match=r"already holds .*lock\(\.\.\.\) per task"):
         handle.acquire()
+    assert handle.release()
+
+
+def test_an_interrupt_as_an_acquire_begins_leaves_the_handle_usable(
+    make_lock: Callable[..., Lock], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KeyboardInterrupt (or a task's time limit from a signal handler) that lands as the
+    acquire begins, here while it draws its owner token, leaves no mark of an acquire under
+    way: the next acquire of the handle takes the lock instead of raising "already acquiring"
+    for good."""
+    handle = make_lock(ttl=30)
+
+    def interrupted(nbytes: int) -> str:
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patched:
+        patched.setattr("secrets.token_hex", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            handle.acquire()
+    assert handle.acquire()
     assert handle.release()
