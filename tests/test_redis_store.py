@@ -191,6 +191,24 @@ def test_a_key_of_another_type_under_the_prefix_is_left_out_of_the_listing_and_n
         raw.delete(stray)
 
 
+@needs(os.path.exists(REDIS_SERVER), "the redis-server binary")
+def test_a_listing_the_server_refuses_is_a_store_error_not_an_empty_list(key: str) -> None:
+    """A user the server does not let read the locks (an ACL without HMGET): `locks list`
+    says the store failed, never "nothing is held" while locks are held."""
+    with redis_server() as server:
+        server.cli("acl", "setuser", "lister", "on", ">pw", "~*", "&*", "+@all", "-hmget")
+        admin = RedisLockStore("admin", {"URL": server.url})
+        lister = RedisLockStore("lister", {"URL": f"redis://lister:pw@127.0.0.1:{server.port}/0"})
+        try:
+            assert admin.acquire(key, "o" * 32, "h", 30).acquired
+            assert [info.key for info in admin.iter_locks()] == [key]
+            with pytest.raises(LockStoreUnavailable, match=r"NOPERM|no permissions"):
+                list(lister.iter_locks())
+        finally:
+            admin.close()
+            lister.close()
+
+
 def test_prefixes_keep_stores_apart(raw: redis.Redis[bytes], key: str) -> None:
     one = RedisLockStore("one", {"URL": URL, "KEY_PREFIX": "keel-one:"})
     two = RedisLockStore("two", {"URL": URL, "KEY_PREFIX": "keel-two:"})

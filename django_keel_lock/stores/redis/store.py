@@ -502,13 +502,16 @@ class RedisLockStore(ListeningStore, LockStore):
                 raise self._unavailable(exc) from exc
             for index, key in enumerate(page):
                 fields, pttl = replies[2 * index], replies[2 * index + 1]
-                if isinstance(fields, redis.ResponseError):
-                    # Not a lock (WRONGTYPE): something else wrote a key under our prefix. The
-                    # listing shows the locks and names the stray key, rather than failing.
+                if _not_a_lock(fields):
+                    # Something else wrote a key under our prefix. The listing shows the locks
+                    # and names the stray key, rather than failing.
                     logger.warning(
                         "lock store %r: key %r is not a lock: %s", self.alias, key, fields
                     )
                     continue
+                for reply in (fields, pttl):
+                    if isinstance(reply, redis.ResponseError):  # NOPERM, MOVED...: the store's
+                        raise self._unavailable(reply)
                 # Released or expired between SCAN and now, or caught mid-change: skip.
                 if fields[0] is None or fields[2] is None or int(pttl) <= 0:
                     continue
@@ -703,3 +706,9 @@ class RedisLockStore(ListeningStore, LockStore):
 
     def _native_async(self) -> bool:
         return self._async_client_factory() is not None
+
+
+def _not_a_lock(reply: object) -> bool:
+    """Whether a lock's HMGET `reply` says the key holds another type (WRONGTYPE): a key of
+    someone else's under the prefix, not a failure of the store."""
+    return isinstance(reply, redis.ResponseError) and str(reply).startswith("WRONGTYPE")
