@@ -63,6 +63,7 @@ bench: $(STAMP_TEST)
 # TOXENV's. PYENV_VERSION makes pyenv's python3.11/3.12/3.13 shims all answer.
 PYENV_ALL ?= 3.11.7:3.12.1:3.13.0
 tox: $(BIN)/python
+	.ci/system-deps test $(PYTHON)
 	$(BIN)/pip install -q 'tox>=4'
 	PYENV_VERSION=$(PYENV_ALL) $(BIN)/tox $(if $(TOXENV),-e $(TOXENV))
 

@@ -53,6 +53,8 @@ PROJECT = "mysite"
 QUICK_START = "## Quick start"
 EXTRAS = "redis,celery,tasks,prometheus"
 PLACEHOLDER = "/path/to/django-keel-lock"
+#: Fences a reader would run in a shell: only `sh` is followed, the others are refused.
+SHELLS = {"sh", "bash", "shell", "console", "shell-session", "zsh"}
 #: Runs each shell session's blocks in one namespace, naming the block that failed.
 SESSION = textwrap.dedent(
     """
@@ -234,7 +236,11 @@ def page_name(page: Path) -> str:
 def read_page(work: Path, page: Path, section: str | None, python: str, env: dict) -> int:
     """Follow `page` (its `section` only) in a copy of a prepared project; how many blocks ran.
     Failed names the block that did not work."""
-    blocks = [b for b in blocks_of(page, section=section) if b.language in {"python", "sh"}]
+    blocks = blocks_of(page, section=section)
+    for block in blocks:
+        if block.language in SHELLS - {"sh"}:
+            raise Failed(f"{block.where}: a ```{block.language} block: write ```sh (what runs)")
+    blocks = [b for b in blocks if b.language in {"python", "py", "sh"}]
     if not blocks:
         return 0
     name = page_name(page)
@@ -259,14 +265,15 @@ def main() -> int:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="keel-lock-reader-"))
     failed: list[str] = []
+    ran = 0
     try:
         if not args.wheel.is_file() or args.wheel.suffix != ".whl":
             raise Failed(f"{args.wheel} is not a wheel file (make dist builds one into dist/)")
         python, env = prepare(work, args.wheel.resolve(), find_python(args.python), args.django)
         for page, section in pages_to_read(args.pages):
             try:
-                read_page(work, page, section, python, env)
-            except Failed as exc:
+                ran += read_page(work, page, section, python, env)
+            except (Failed, ValueError, subprocess.TimeoutExpired) as exc:
                 print(f"FAILED: {exc}", file=sys.stderr, flush=True)
                 failed.append(page_name(page))
     except Failed as exc:
@@ -280,6 +287,10 @@ def main() -> int:
     if failed:
         print(f"\ndocs_as_reader: FAILED on {len(failed)} pages: {', '.join(failed)}")
         return 1
+    if ran == 0:
+        print("\ndocs_as_reader: FAILED: no example ran (no page, or every block skipped)")
+        return 1
+    print(f"\n{ran} examples ran.")
     print("\ndocs_as_reader: OK: every page's examples work in a new project, from the wheel.")
     return 0
 
