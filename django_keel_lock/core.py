@@ -207,20 +207,30 @@ class Lock:
                 if recorder is not None:
                     self._refused(recorder, started, wait)
                 return False
-            if recorder is not None:
-                self._metered = recorder, sent
-                attempts = 1 if wait <= 0 else self._attempts
-                self._meter = recorder.acquired(self, started, attempts, self._meter)
-            if self.auto_extend:
-                self._renewal = watchdog.Renewal(self, owner, sent)
-                self._renewal.start_thread()
+            renewal = self._taken(recorder, started, wait, owner, sent)
+            if renewal is not None:
+                renewal.start_thread()
             return True
         finally:
             if self._acquiring is mine:  # not another acquire's, refused by _begin
                 self._acquiring = None
 
-    # What an acquire that was not taken tells the recorder (one that was: written out in
-    # `acquire` and `aacquire`, the hot path). A wait counted its store calls in `_attempts`.
+    def _taken(
+        self, recorder: metrics.Recorder | None, started: Any, wait: float, owner: str, sent: float
+    ) -> watchdog.Renewal | None:
+        """Tell the recorder of an acquisition taken (a wait counted its store calls in
+        `_attempts`); its watchdog, to start in the caller's way, when `auto_extend`."""
+        if recorder is not None:
+            self._metered = recorder, sent
+            attempts = 1 if wait <= 0 else self._attempts
+            self._meter = recorder.acquired(self, started, attempts, self._meter)
+        if self.auto_extend:
+            self._renewal = watchdog.Renewal(self, owner, sent)
+            return self._renewal
+        return None
+
+    # What an acquire that was not taken tells the recorder (one that was: `_taken`). A wait
+    # counted its store calls in `_attempts`.
     def _refused(self, recorder: metrics.Recorder, started: Any, wait: float) -> None:
         outcome = "timeout" if wait > 0 else "contended"
         attempts = 1 if wait <= 0 else self._attempts
@@ -493,13 +503,9 @@ class Lock:
                     if cancelled is not None:
                         raise cancelled
                 return False
-            if recorder is not None:
-                self._metered = recorder, sent
-                attempts = 1 if wait <= 0 else self._attempts
-                self._meter = recorder.acquired(self, started, attempts, self._meter)
-            if self.auto_extend:
-                self._renewal = watchdog.Renewal(self, owner, sent)
-                self._renewal.start_task()
+            renewal = self._taken(recorder, started, wait, owner, sent)
+            if renewal is not None:
+                renewal.start_task()
             return True
         finally:
             if self._acquiring is mine:  # not another acquire's, refused by _begin
