@@ -17,7 +17,16 @@ import pytest
 from .support import ROOT
 
 SCRIPT = ROOT / ".ci" / "system-deps"
-TEST_PACKAGES = ["libmariadb-dev", "pkg-config", "gcc", "libc6-dev", "faketime", "chromium"]
+TEST_PACKAGES = [
+    "libmariadb-dev",
+    "pkg-config",
+    "gcc",
+    "libc6-dev",
+    "faketime",
+    "chromium",
+    "pgbouncer",
+    "etcd-server",
+]
 
 FAKES = {
     # Installed: the packages named in $FAKE_INSTALLED.
@@ -62,7 +71,11 @@ def test_a_machine_with_every_package_installs_nothing_and_says_nothing(tmp_path
 
 def test_as_root_the_missing_packages_are_installed_after_one_update(tmp_path: Path) -> None:
     status, _, apt = run(
-        tmp_path, "test", sys.executable, uid=0, installed=["gcc", "libc6-dev", "chromium"]
+        tmp_path,
+        "test",
+        sys.executable,
+        uid=0,
+        installed=["gcc", "libc6-dev", "chromium", "pgbouncer", "etcd-server"],
     )
     assert status == 0
     assert apt[0] == "apt-get update -qq"
@@ -73,7 +86,11 @@ def test_as_root_the_missing_packages_are_installed_after_one_update(tmp_path: P
 
 def test_not_root_it_stops_first_with_one_line_naming_what_to_install(tmp_path: Path) -> None:
     status, stderr, apt = run(
-        tmp_path, "test", sys.executable, uid=1000, installed=["gcc", "libc6-dev", "faketime"]
+        tmp_path,
+        "test",
+        sys.executable,
+        uid=1000,
+        installed=["gcc", "libc6-dev", "faketime", "pgbouncer", "etcd-server"],
     )
     assert status == 1
     assert apt == []
