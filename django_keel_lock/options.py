@@ -18,6 +18,7 @@ import socket
 import string
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, TypedDict, Unpack, cast
 
 from django.core.signals import setting_changed
@@ -362,6 +363,23 @@ class LockOptions(HandleOptions, total=False):
 
 #: The lock options' names, in their order of declaration.
 OPTION_NAMES: Final = tuple(LockOptions.__annotations__)
+#: Each lock option's default, as `HandleOptions` and `LockOptions` describe it (what an
+#: option left unset means; `LockViewMixin` offers them as its `lock_<option>` attributes).
+OPTION_DEFAULTS: Final[Mapping[str, object]] = MappingProxyType(
+    {
+        "ttl": None,
+        "timeout": 0,
+        "retry_delay": DEFAULT_RETRY_DELAY,
+        "store": "default",
+        "holder": None,
+        "auto_extend": False,
+        "max_hold": None,
+        "on_lost": RAISE,
+        "name": None,
+        "limit": None,
+        "shared": False,
+    }
+)
 
 
 def default_name(options: LockOptions, template: object) -> None:

@@ -27,15 +27,12 @@ from django.core.exceptions import BadRequest, ImproperlyConfigured
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
 
 from .core import Lock
-from .durations import Duration
 from .options import (
-    DEFAULT_RETRY_DELAY,
+    OPTION_DEFAULTS,
     OPTION_NAMES,
-    RAISE,
     InvalidKey,
     LockOptions,
     LockSpec,
-    OnLost,
     default_name,
 )
 
@@ -310,31 +307,18 @@ def lock_view(
 class LockViewMixin(_MixinBase):
     """Class-based view twin of `lock_view`: set `lock_key` (or override `get_lock_key`).
 
-    Each of the `LockOptions` is an attribute named `lock_<option>`: lock_ttl, lock_timeout,
-    lock_retry_delay, lock_store, lock_holder, lock_auto_extend, lock_max_hold, lock_on_lost
-    ("raise", "warn", or a method `(self, lock)`), lock_name (default: `lock_key` when it is
-    a template), lock_limit and lock_shared, with the same defaults and meanings; define a
-    method `lock_on_locked(self, request, key)` to answer instead of the 409.
+    Each of the `LockOptions` is an attribute named `lock_<option>` that a subclass may set:
+    lock_ttl, lock_timeout, lock_retry_delay, lock_store, lock_holder, lock_auto_extend,
+    lock_max_hold, lock_on_lost ("raise", "warn", or a method `(self, lock)`), lock_name
+    (default: `lock_key` when it is a template), lock_limit and lock_shared, with the same
+    defaults and meanings as `@lock_view`'s (one declaration: `options.LockOptions`; an
+    attribute a subclass leaves alone holds the option's default); define a method
+    `lock_on_locked(self, request, key)` to answer instead of the 409.
     """
 
     lock_key: ViewKey | None = None
-    lock_ttl: Duration | None = None
-    lock_timeout: Duration = 0
-    lock_retry_delay: Duration = DEFAULT_RETRY_DELAY
-    lock_store: str = "default"
-    lock_holder: str | None = None
-    #: True: the watchdog keeps the lock alive while the view runs (for at most lock_max_hold).
-    lock_auto_extend: bool = False
-    lock_max_hold: Duration | None = None
     #: A method `(self, request, key) -> HttpResponse` to answer instead of the default 409.
     lock_on_locked: OnLockedView | None = None
-    lock_on_lost: OnLost = RAISE
-    #: What metrics and traces call the locks; None: `lock_key` when it is a template.
-    lock_name: str | None = None
-    #: At most this many requests at once (a semaphore); None: one (a lock).
-    lock_limit: int | None = None
-    #: True: a shared lock (any number of shared requests, no exclusive one meanwhile).
-    lock_shared: bool = False
 
     def get_lock_key(self, request: HttpRequest, *args: Any, **kwargs: Any) -> str:
         """The key for this request: `lock_key` with <name> filled from the URL kwargs."""
@@ -360,5 +344,8 @@ class LockViewMixin(_MixinBase):
             return config.acall(parent, request, args, kwargs)
         return config.call(parent, request, args, kwargs)
 
+
+for _option in OPTION_NAMES:
+    setattr(LockViewMixin, f"lock_{_option}", OPTION_DEFAULTS[_option])
 
 __all__ = ["LockViewMixin", "conflict_response", "lock_view"]

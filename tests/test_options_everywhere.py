@@ -24,7 +24,7 @@ from django.views import View
 from django_keel_lock import Lock, LockViewMixin, lock, lock_view, locked, semaphore, signals
 from django_keel_lock.contrib import celery as contrib_celery
 from django_keel_lock.contrib import tasks as contrib_tasks
-from django_keel_lock.options import OPTION_NAMES, LockOptions
+from django_keel_lock.options import OPTION_DEFAULTS, OPTION_NAMES, LockOptions, LockSpec
 from django_keel_lock.testing import memory_lock_store
 
 try:
@@ -216,3 +216,8 @@ def test_a_task_names_its_locks_after_the_key_template_unless_given_a_name(
     surface: str, acquired: list[Lock]
 ) -> None:
     assert SURFACES[surface]({}, acquired).name == KEY
+
+
+def test_the_declared_defaults_are_what_an_unset_option_means() -> None:
+    assert set(OPTION_DEFAULTS) == set(OPTION_NAMES)
+    assert LockSpec.of("test", OPTION_DEFAULTS) == LockSpec.of("test", {})
