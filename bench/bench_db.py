@@ -1,80 +1,49 @@
-"""Database (and memory) store benchmark: uncontended cycles/s and cross-process handoff latency,
-next to a PostgreSQL advisory lock, the common 3-statement recipe on the same server, and
-django-mysql's Lock (GET_LOCK) on MariaDB. For PostgreSQL and MariaDB also the floor of any
-handoff through a table: two commits one after the other, nothing woken.
+"""Database store benchmark: uncontended cycles/s and cross-process handoff latency, next to
+a PostgreSQL advisory lock, the common 3-statement recipe on the same server, and
+django-mysql's Lock (GET_LOCK) on MariaDB; for PostgreSQL and MariaDB also the floor of any
+handoff through a table (two commits one after the other, nothing woken), and for SQLite the
+kernel's fcntl.flock. Every contender is measured in short alternating rounds of one run; the
+ratios are the median of the round-by-round ratios, with their least and most.
 
-    .venv/bin/python -m bench.bench_db [--seconds 3] [--rounds 40]
+    .venv/bin/python -m bench.bench_db [--rounds 10] [--seconds 0.25] [--handoffs 4]
 """
 
 from __future__ import annotations
 
-import argparse
-import multiprocessing
+import atexit
 import os
 import time
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
-from multiprocessing.connection import Connection
 from typing import Any
 
-from .common import interleaved_rates, percentile, print_table, setup_django
+from .common import (
+    COMPARED,
+    Contender,
+    HandoffRig,
+    Pair,
+    compared_rows,
+    measure,
+    print_table,
+    round_options,
+    setup_django,
+)
 
-STORES = ["memory", "sqlite", "postgres", "postgres-fast", "mariadb"]
+__all__ = ["Pair", "django_mysql_lock", "pg_raw"]  # bench_contention's
 
-
-#: How one process takes and gives back the lock a handoff passes around.
-Pair = tuple[Callable[[], object], Callable[[], object]]
-
-
-def _pair_waiter(make: Callable[[], Pair], pipe: Connection) -> None:
-    take, give = make()
-    while pipe.recv() == "go":
-        take()
-        returned = time.monotonic()
-        give()
-        pipe.send(returned)
-
-
-def handoff(make: Callable[[], Pair], rounds: int, thread: bool = False) -> list[float]:
-    """Milliseconds from the holder's release to a waiter's acquire returning, the waiter in
-    another process (a thread if `thread`); each side takes and gives with its own make()."""
-    parent, child = multiprocessing.Pipe()
-    if thread:
-        import threading
-
-        threading.Thread(target=_pair_waiter, args=(make, child), daemon=True).start()
-    else:
-        multiprocessing.get_context("fork").Process(
-            target=_pair_waiter, args=(make, child), daemon=True
-        ).start()
-    take, give = make()
-    samples = []
-    for _ in range(rounds):
-        take()
-        parent.send("go")
-        time.sleep(0.03)  # let the waiter start waiting
-        released = time.monotonic()
-        give()
-        samples.append((parent.recv() - released) * 1000)
-    parent.send("stop")
-    return samples
+STORES = ["sqlite", "postgres", "postgres-fast", "mariadb"]
 
 
-def handoff_store(alias: str, rounds: int) -> list[float]:
-    key = f"bench:handoff:{uuid.uuid4().hex}"
+def store_pair(alias: str, key: str) -> Pair:
+    from django_keel_lock import lock
 
-    def make() -> Pair:
-        from django_keel_lock import lock
+    handle = lock(key, ttl=30, store=alias)
 
-        handle = lock(key, ttl=30, store=alias)
+    def take() -> None:
+        assert handle.acquire(timeout=10), "waiter never got the lock"
 
-        def take() -> None:
-            assert handle.acquire(timeout=10), "waiter never got the lock"
-
-        return take, handle.release
-
-    return handoff(make, rounds, thread=alias == "memory")  # memory: one process
+    return take, handle.release
 
 
 def store_cycle(alias: str) -> Callable[[], None]:
@@ -143,17 +112,6 @@ def recipe_cycle() -> Callable[[], None]:
     return cycle
 
 
-def advisory_handoff(rounds: int) -> list[float]:
-    def make() -> Pair:
-        conn = pg_raw()
-        return (
-            lambda: conn.execute("SELECT pg_advisory_lock(77)"),
-            lambda: conn.execute("SELECT pg_advisory_unlock(77)"),
-        )
-
-    return handoff(make, rounds)
-
-
 #: Django connections set aside unclosed: a forked child's are its parent's sockets, and
 #: closing one (as garbage collection would) would end the parent's session.
 _SET_ASIDE: list[Any] = []
@@ -180,136 +138,112 @@ def django_mysql_cycle() -> Callable[[], None]:
     return cycle
 
 
-def django_mysql_handoff(rounds: int) -> list[float]:
-    name = f"bench:handoff:{uuid.uuid4().hex}"
-
-    def make() -> Pair:
-        held = django_mysql_lock(name)
-        return held.acquire, held.release
-
-    return handoff(make, rounds)
+def django_mysql_pair(name: str) -> Pair:
+    held = django_mysql_lock(name)
+    return held.acquire, held.release
 
 
-def commits_floor(alias: str, rounds: int) -> list[float]:
-    """Milliseconds of two autocommit UPDATEs of one row, one after the other, each round
-    after the same 30 ms pause as a handoff's: the least a handoff through a table can cost
-    where both the release and the take must commit (no wake-up, no second process)."""
+def commits_floor(alias: str) -> Callable[[int], list[float]]:
+    """Times n rounds of two autocommit UPDATEs of one row, one after the other, each after
+    the same pause as a handoff's: the least a handoff through a table can cost where both
+    the release and the take must commit (no wake-up, no second process)."""
     from django.db import connections
 
     with connections[alias].cursor() as cursor:
         cursor.execute("CREATE TABLE IF NOT EXISTS bench_commit_floor (id int PRIMARY KEY, n int)")
         cursor.execute("DELETE FROM bench_commit_floor")
         cursor.execute("INSERT INTO bench_commit_floor VALUES (1, 0)")
+
+    def run(rounds: int) -> list[float]:
         samples = []
-        for _ in range(rounds):
-            time.sleep(0.03)
-            started = time.monotonic()
-            cursor.execute("UPDATE bench_commit_floor SET n = n + 1 WHERE id = 1")
-            cursor.execute("UPDATE bench_commit_floor SET n = n + 1 WHERE id = 1")
-            samples.append((time.monotonic() - started) * 1000)
-    return samples
+        with connections[alias].cursor() as cursor:
+            for _ in range(rounds):
+                time.sleep(HandoffRig.SETTLE)
+                started = time.monotonic()
+                cursor.execute("UPDATE bench_commit_floor SET n = n + 1 WHERE id = 1")
+                cursor.execute("UPDATE bench_commit_floor SET n = n + 1 WHERE id = 1")
+                samples.append((time.monotonic() - started) * 1000)
+        return samples
+
+    return run
 
 
-def _flock_waiter(path: str, pipe: Connection) -> None:
+def advisory_pair() -> Pair:
+    conn = pg_raw()
+    return (
+        lambda: conn.execute("SELECT pg_advisory_lock(77)"),
+        lambda: conn.execute("SELECT pg_advisory_unlock(77)"),
+    )
+
+
+def flock_pair(path: str) -> Pair:
+    """The kernel's own blocking lock between two processes of one machine (fcntl.flock), the
+    floor for SQLite's handoff; each process opens the file itself (flock locks belong to an
+    open file)."""
     import fcntl
 
-    with open(path, "a") as file:  # its own open file: flock locks belong to one
-        while pipe.recv() == "go":
-            fcntl.flock(file, fcntl.LOCK_EX)
-            returned = time.monotonic()
-            fcntl.flock(file, fcntl.LOCK_UN)
-            pipe.send(returned)
+    file = open(path, "a")  # noqa: SIM115 - held for the process's life
+    return (lambda: fcntl.flock(file, fcntl.LOCK_EX), lambda: fcntl.flock(file, fcntl.LOCK_UN))
 
 
-def flock_handoff(rounds: int) -> list[float]:
-    """The kernel's own blocking handoff between two processes of one machine (fcntl.flock),
-    the floor for SQLite's."""
-    import fcntl
-    import tempfile
-
-    path = os.path.join(tempfile.gettempdir(), f"keel-lock-bench-{os.getpid()}.flock")
-    parent, child = multiprocessing.Pipe()
-    proc = multiprocessing.get_context("fork").Process(target=_flock_waiter, args=(path, child))
-    proc.daemon = True
-    proc.start()
-    samples = []
-    with open(path, "a") as file:
-        for _ in range(rounds):
-            fcntl.flock(file, fcntl.LOCK_EX)
-            parent.send("go")
-            time.sleep(0.03)
-            released = time.monotonic()
-            fcntl.flock(file, fcntl.LOCK_UN)
-            samples.append((parent.recv() - released) * 1000)
-    parent.send("stop")
-    os.unlink(path)
-    return samples
+def _rig(make: Callable[[], Pair], thread: bool = False) -> Callable[[int], list[float]]:
+    return HandoffRig(make, thread=thread).run
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--seconds", type=float, default=3.0, help="per cycles/s measurement")
-    parser.add_argument("--rounds", type=int, default=40, help="handoffs per store")
+def contenders(aliases: list[str]) -> list[Contender]:
+    """Our stores and, for each server, the locks we stand beside (each names the row of ours
+    it is compared with)."""
+    from django.conf import settings
+
+    def ours(alias: str) -> Contender:
+        key = f"bench:handoff:{uuid.uuid4().hex}"
+        thread = alias == "memory"  # one process's locks
+        rig = _rig(lambda: store_pair(alias, key), thread)
+        return Contender(f"keel-lock {alias}", store_cycle(alias), rig)
+
+    rows = [ours(alias) for alias in aliases]
+    if "postgres" in settings.DATABASES:
+        fast = "keel-lock postgres-fast" if "postgres-fast" in aliases else None
+        durable = "keel-lock postgres" if "postgres" in aliases else None
+        rows.append(Contender("pg advisory lock", advisory_cycle(), _rig(advisory_pair), fast))
+        rows.append(Contender("3-statement recipe (pg)", recipe_cycle(), ours=durable))
+    if "mariadb" in aliases:
+        name = f"bench:handoff:{uuid.uuid4().hex}"
+        rig = _rig(lambda: django_mysql_pair(name))
+        rows.append(Contender("django-mysql Lock", django_mysql_cycle(), rig, "keel-lock mariadb"))
+    for alias in ("postgres", "mariadb"):
+        if alias in aliases:
+            floor = commits_floor(alias)
+            rows.append(
+                Contender(f"2 commits, no wake ({alias})", None, floor, f"keel-lock {alias}")
+            )
+    if "sqlite" in aliases:
+        path = f"{settings.DATABASES['default']['NAME']}.{os.getpid()}.flock"
+        open(path, "a").close()
+        atexit.register(os.unlink, path)
+        rig = _rig(lambda: flock_pair(path))
+        rows.append(Contender("fcntl.flock (kernel)", None, rig, "keel-lock sqlite"))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = round_options(__doc__)
     parser.add_argument("--stores", default=",".join(STORES))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     setup_django()
     from django.conf import settings
 
     available = {"memory", "sqlite"} | set(settings.DATABASES) | {"postgres-fast"}
     if "postgres" not in settings.DATABASES:
         available.discard("postgres-fast")
-    print(f"django-keel-lock database benchmark, pid {os.getpid()}, {args.seconds:g}s per rate")
     aliases = [s for s in args.stores.split(",") if s in available]
-    contenders: dict[str, Callable[[], None]] = {alias: store_cycle(alias) for alias in aliases}
-    if "postgres" in settings.DATABASES:
-        contenders["advisory"] = advisory_cycle()
-        contenders["recipe"] = recipe_cycle()
-    if "mariadb" in aliases:
-        contenders["django-mysql"] = django_mysql_cycle()
-    # Cycles/s of everything in turns (ratios come from the same minutes), then handoffs.
-    results = interleaved_rates(contenders, args.seconds * len(contenders))
-    rows: list[list[object]] = []
-    p50: dict[str, float] = {}
-
-    def row(name: str, contender: str, samples: list[float]) -> None:
-        p50[contender] = percentile(samples, 50)
-        rows.append([name, results[contender], p50[contender], percentile(samples, 90)])
-
-    for alias in aliases:
-        row(f"keel-lock {alias}", alias, handoff_store(alias, args.rounds))
-    if "advisory" in results:
-        row("pg advisory lock", "advisory", advisory_handoff(args.rounds))
-        rows.append(["3-statement recipe (pg)", results["recipe"], "-", "-"])
-    if "django-mysql" in results:
-        row("django-mysql Lock", "django-mysql", django_mysql_handoff(args.rounds))
-    for alias in ("postgres", "mariadb"):
-        if alias in aliases:
-            floor = commits_floor(alias, args.rounds)
-            p50[f"floor-{alias}"] = percentile(floor, 50)
-            rows.append(
-                [f"2 commits, no wake ({alias})", "-", p50[f"floor-{alias}"], percentile(floor, 90)]
-            )
-    if "sqlite" in aliases:
-        handoff = flock_handoff(args.rounds)
-        rows.append(["fcntl.flock (kernel)", "-", percentile(handoff, 50), percentile(handoff, 90)])
-    print_table(["lock", "cycles/s", "handoff p50 ms", "handoff p90 ms"], rows)
-    if "recipe" in results and "postgres" in results:
-        print(
-            "\npostgres (durable) / 3-statement recipe: "
-            f"{results['postgres'] / results['recipe']:.2f}x"
-            " (target >= 1.2x)"
-        )
-    if "django-mysql" in p50 and "mariadb" in p50:
-        print(
-            "mariadb handoff p50 / django-mysql Lock's: "
-            f"{p50['mariadb'] / p50['django-mysql']:.2f}x (target <= 2x, and <= 5 ms); "
-            f"2 commits alone: {p50['floor-mariadb'] / p50['django-mysql']:.2f}x"
-        )
-    if "advisory" in results and "postgres-fast" in results:
-        print(
-            f"postgres-fast (DURABLE=False) / advisory lock: "
-            f"{results['postgres-fast'] / results['advisory']:.2f}x (target >= 0.8x)"
-        )
+    print(
+        f"django-keel-lock database benchmark, {os.cpu_count()} CPUs; {args.rounds} rounds of "
+        f"{args.seconds:g}s per cycles/s and of {args.handoffs} handoffs per contender"
+    )
+    rows = contenders(aliases)
+    results = measure(rows, args.rounds, args.seconds, args.handoffs)
+    print_table(COMPARED, compared_rows(rows, results))
 
 
 if __name__ == "__main__":

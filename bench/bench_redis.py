@@ -3,14 +3,15 @@ cross-process handoff latency, and fairness of 8 processes on one key.
 
 Compared: our RedisLockStore (through the public Lock handle), redis-py's `Lock`,
 python-redis-lock, pottery's `Redlock`, and a raw redis-py "SET NX PX + compare-and-delete
-EVALSHA" loop as the floor.
+EVALSHA" loop as the floor. Every contender is measured in short alternating rounds of one
+run; the ratios are the median of the round-by-round ratios, with their least and most.
 
-    .venv/bin/python -m bench.bench_redis [--seconds 2] [--rounds 40] [--fair-seconds 3]
+    .venv/bin/python -m bench.bench_redis [--rounds 10] [--seconds 0.25] [--handoffs 4]
+        [--fair-seconds 2] [--only keel-lock,python-redis-lock]
 """
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing
 import os
 import secrets
@@ -20,7 +21,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .common import interleaved_rates, percentile, print_table
+from .common import COMPARED, HandoffRig, Pair, compared_rows, measure, print_table, round_options
+from .common import Contender as Row
 
 COMPARE_AND_DELETE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -130,49 +132,25 @@ def _cycle(contender: Contender) -> Callable[[], None]:
     return cycle
 
 
-def cycles(names: list[str], seconds: float, slices: int = 8) -> dict[str, float]:
-    """Uncontended acquire+release per second for each contender. The machine may be shared,
-    so contenders take turns in short slices and each gets the median of its slices: a burst
-    of someone else's load hits all of them alike instead of one."""
-    return interleaved_rates({name: _cycle(Contender(name)) for name in names}, seconds, slices)
-
-
-def _waiter(name: str, key: str, pipe: Connection) -> None:
+def _pair(name: str, key: str) -> Pair:
+    """Take (each library's own blocking acquire, on a new handle) and give, on `key`."""
     contender = Contender(name)
-    while pipe.recv() == "go":
+    held: list[Any] = []
+
+    def take() -> None:
         handle = contender.handle(key)
-        assert contender.block(handle), "waiter never got the lock"
-        returned = time.monotonic()
-        contender.release(handle)
-        pipe.send(returned)
+        assert contender.block(handle), "never got the lock"
+        held.append(handle)
+
+    return take, lambda: contender.release(held.pop())
 
 
-def handoff(name: str, rounds: int) -> list[float]:
-    """Milliseconds from the holder's release to the waiter's acquire returning, the waiter
-    blocked in acquire in another process."""
-    contender = Contender(name)
+def row(name: str) -> Row:
+    """The contender `name` as a row of the side-by-side table, its handoff waiter started."""
     key = f"bench:handoff:{uuid.uuid4().hex}"
-    parent, child = multiprocessing.Pipe()
-    proc = multiprocessing.get_context("fork").Process(
-        target=_waiter, args=(name, key, child), daemon=True
-    )
-    proc.start()
-    samples = []
-    try:
-        for _ in range(rounds):
-            holder = contender.handle(key)
-            assert contender.try_acquire(holder)
-            parent.send("go")
-            time.sleep(0.03)  # let the waiter block
-            released = time.monotonic()
-            contender.release(holder)
-            samples.append((parent.recv() - released) * 1000)
-            while contender.client.exists(key):  # the waiter has released before the next round
-                time.sleep(0.0005)
-    finally:
-        parent.send("stop")
-        proc.join(5)
-    return samples
+    rig = HandoffRig(lambda: _pair(name, key))
+    ours = None if name == "keel-lock" else "keel-lock"
+    return Row(name, _cycle(Contender(name)), rig.run, ours)
 
 
 def _fair_worker(key: str, seconds: float, start_at: float, pipe: Connection) -> None:
@@ -210,35 +188,25 @@ def fairness(processes: int, seconds: float) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seconds", type=float, default=2.0, help="per cycles/s figure")
-    parser.add_argument("--rounds", type=int, default=40, help="handoffs per contender")
-    parser.add_argument("--fair-seconds", type=float, default=3.0)
+    parser = round_options(__doc__)
+    parser.add_argument("--fair-seconds", type=float, default=2.0)
     parser.add_argument("--only", default="", help="comma-separated contenders to run")
     args = parser.parse_args(argv)
     setup()
     names = [n for n in CONTENDERS if not args.only or n in args.only.split(",")]
-    print(f"Redis at {redis_url()}; {os.cpu_count()} CPUs; cycles over {args.seconds:g}s")
-    rows: list[list[object]] = []
-    results: dict[str, tuple[float, float, float]] = {}
-    per_second = cycles(names, args.seconds * len(names))
-    for name in names:
-        samples = handoff(name, args.rounds)
-        p50, p90 = percentile(samples, 50), percentile(samples, 90)
-        results[name] = (per_second[name], p50, p90)
-        rows.append([name, per_second[name], p50, p90])
-    print_table(["lock", "cycles/s", "handoff p50 ms", "handoff p90 ms"], rows)
-    if "keel-lock" in results:
-        ours = results["keel-lock"][0]
-        for other in ("raw SET NX PX + EVALSHA", "python-redis-lock"):
-            if other in results:
-                print(f"keel-lock cycles/s = {ours / results[other][0]:.2f} x {other}")
+    print(
+        f"Redis at {redis_url()}; {os.cpu_count()} CPUs; {args.rounds} rounds of "
+        f"{args.seconds:g}s per cycles/s and of {args.handoffs} handoffs per contender"
+    )
+    rows = [row(name) for name in names]
+    results = measure(rows, args.rounds, args.seconds, args.handoffs)
+    print_table(COMPARED, compared_rows(rows, results))
+    if "keel-lock" in names and args.fair_seconds > 0:
         counts = fairness(8, args.fair_seconds)
         mean = sum(counts) / len(counts)
         print(
             f"8 processes on one key for {args.fair_seconds:g}s: {sum(counts)} acquisitions, "
-            f"per process {counts}; min/mean = {min(counts) / mean:.2f} "
-            f"({'no starvation' if min(counts) >= mean / 2 else 'STARVATION'})"
+            f"per process {counts}; least share {min(counts) / mean:.2f} of the mean"
         )
 
 

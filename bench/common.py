@@ -1,10 +1,20 @@
-"""Shared benchmark plumbing: Django set-up on real databases, timing and table printing."""
+"""Shared benchmark plumbing: Django set-up on real databases, contenders measured in
+alternating rounds, median ratios with their spread, handoffs, and table printing."""
 
 from __future__ import annotations
 
+import argparse
+import multiprocessing
 import os
+import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def setup_django(settings_module: str = "bench.settings") -> None:
@@ -75,6 +85,196 @@ def interleaved_rates(
     return {name: percentile(values, 50) for name, values in samples.items()}
 
 
+def alternate(measures: dict[str, Callable[[], T]], rounds: int) -> dict[str, list[T]]:
+    """Each measure's results over `rounds` short rounds, the contenders taking turns within
+    each round (A B C, then C B A, ...: no contender always follows the same one). A slow
+    minute of a shared machine then lands on every contender's rounds alike, and the ratio of
+    two contenders within one round is what moves least."""
+    results: dict[str, list[T]] = {name: [] for name in measures}
+    order = list(measures)
+    for index in range(rounds):
+        for name in order if index % 2 == 0 else reversed(order):
+            results[name].append(measures[name]())
+    return results
+
+
+@dataclass(frozen=True)
+class Spread:
+    """A median and the least and most of the values it is the median of."""
+
+    median: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Spread:
+        if not values:
+            raise ValueError("a spread needs at least one value, got none")
+        return cls(statistics.median(values), min(values), max(values))
+
+    def __str__(self) -> str:
+        return f"{_ratio(self.median)} ({_ratio(self.low)}-{_ratio(self.high)})"
+
+
+def ratio_spread(ours: Sequence[float], theirs: Sequence[float]) -> Spread:
+    """The round-by-round ratio ours[i] / theirs[i] (both measured in round i): its median and
+    its range across rounds."""
+    if len(ours) != len(theirs):
+        raise ValueError(
+            f"ratios need as many rounds on each side, got {len(ours)} and {len(theirs)}"
+        )
+    return Spread.of([a / b for a, b in zip(ours, theirs, strict=True)])
+
+
+def _ratio(value: float) -> str:
+    if value < 0.1:
+        return f"{value:.3f}"
+    return f"{value:.2f}" if value < 10 else f"{value:.1f}"
+
+
+def round_options(doc: str | None) -> argparse.ArgumentParser:
+    """A parser for a bench that measures in alternating rounds (its --help: the doc's first
+    line)."""
+    parser = argparse.ArgumentParser(description=(doc or "").split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=10, help="alternating rounds")
+    parser.add_argument("--seconds", type=float, default=0.25, help="per cycles/s round")
+    parser.add_argument("--handoffs", type=int, default=4, help="per handoff round")
+    return parser
+
+
+#: How one side of a handoff takes (waiting) and gives back the lock.
+Pair = tuple[Callable[[], object], Callable[[], object]]
+
+
+def _pair_waiter(make: Callable[[], Pair], pipe: Connection) -> None:
+    take, give = make()
+    while pipe.recv() == "go":
+        take()
+        returned = time.monotonic()
+        give()
+        pipe.send(returned)
+
+
+class HandoffRig:
+    """A holder here and a waiter in another process (a thread if `thread`), each with the
+    take and give its own call of `make` returns, passing one lock back and forth: `run(n)`
+    times n handoffs, in milliseconds from the holder's give to the waiter's take returning."""
+
+    #: Between asking the waiter to take and giving: long enough for it to be waiting.
+    SETTLE = 0.03
+
+    def __init__(self, make: Callable[[], Pair], thread: bool = False) -> None:
+        self._pipe, child = multiprocessing.Pipe()
+        if thread:
+            threading.Thread(target=_pair_waiter, args=(make, child), daemon=True).start()
+        else:
+            process = multiprocessing.get_context("fork").Process(
+                target=_pair_waiter, args=(make, child), daemon=True
+            )
+            process.start()
+        self._take, self._give = make()
+
+    def run(self, handoffs: int) -> list[float]:
+        samples = []
+        for _ in range(handoffs):
+            self._take()  # waits while the waiter still holds it from the round before
+            self._pipe.send("go")
+            time.sleep(self.SETTLE)
+            released = time.monotonic()
+            self._give()
+            samples.append((self._pipe.recv() - released) * 1000)
+        return samples
+
+    def stop(self) -> None:
+        self._pipe.send("stop")  # the waiter gave the last one back before it answered
+
+
+@dataclass
+class Contender:
+    """One lock in a side-by-side table: how to time its uncontended cycle (`cycle`, called
+    over and over), how to time n of its handoffs (`handoffs(n)` -> milliseconds each), and
+    which keel-lock row it is compared with (`ours`; none for our own rows)."""
+
+    name: str
+    cycle: Callable[[], object] | None = None
+    handoffs: Callable[[int], list[float]] | None = None
+    ours: str | None = None
+
+
+@dataclass
+class Measured:
+    """A contender's rounds: cycles/s of each round, and the handoffs (ms) of each round."""
+
+    rates: list[float]
+    handoffs: list[list[float]]
+
+
+def measure(
+    contenders: Sequence[Contender], rounds: int, seconds: float, handoffs: int
+) -> dict[str, Measured]:
+    """Every contender's cycles/s in `rounds` alternating rounds of about `seconds` each, then
+    its handoffs in `rounds` alternating rounds of `handoffs` each."""
+    rates = alternate({c.name: _rate_of(c.cycle, seconds) for c in contenders if c.cycle}, rounds)
+    samples = alternate(
+        {c.name: _handoffs_of(c.handoffs, handoffs) for c in contenders if c.handoffs}, rounds
+    )
+    return {c.name: Measured(rates.get(c.name, []), samples.get(c.name, [])) for c in contenders}
+
+
+def _rate_of(cycle: Callable[[], object], seconds: float) -> Callable[[], float]:
+    return lambda: rate(cycle, seconds)
+
+
+def _handoffs_of(run: Callable[[int], list[float]], count: int) -> Callable[[], list[float]]:
+    return lambda: run(count)
+
+
+COMPARED = [
+    "lock",
+    "cycles/s",
+    "handoff p50 ms",
+    "handoff p90 ms",
+    "ours",
+    "cycles/s, ours / it",
+    "handoff p50, ours / it",
+]
+
+
+def compared_rows(
+    contenders: Sequence[Contender], results: dict[str, Measured]
+) -> list[list[object]]:
+    """The rows of a side-by-side table (columns: COMPARED): medians over the rounds, and for
+    a peer the median of the round-by-round ratios of the keel-lock row it faces to it, with
+    their least and most across rounds."""
+    rows: list[list[object]] = []
+    for contender in contenders:
+        mine = results[contender.name]
+        row: list[object] = [contender.name, _median_or_dash(mine.rates)]
+        pooled = [ms for each in mine.handoffs for ms in each]
+        row += [percentile(pooled, 50), percentile(pooled, 90)] if pooled else ["-", "-"]
+        row.append(contender.ours or "")
+        if contender.ours:
+            ours = results[contender.ours]
+            row.append(_ratio_or_dash(ours.rates, mine.rates))
+            row.append(_ratio_or_dash(_p50s(ours.handoffs), _p50s(mine.handoffs)))
+        else:
+            row += ["", ""]
+        rows.append(row)
+    return rows
+
+
+def _median_or_dash(values: Sequence[float]) -> float | str:
+    return statistics.median(values) if values else "-"
+
+
+def _ratio_or_dash(ours: Sequence[float], theirs: Sequence[float]) -> Spread | str:
+    return ratio_spread(ours, theirs) if ours and theirs else "-"
+
+
+def _p50s(rounds: Sequence[Sequence[float]]) -> list[float]:
+    return [statistics.median(each) for each in rounds]
+
+
 def percentile(values: Sequence[float], pct: float) -> float:
     ordered = sorted(values)
     index = min(len(ordered) - 1, max(0, round(pct / 100 * (len(ordered) - 1))))
@@ -97,7 +297,7 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> Non
 
 def _fmt(value: object) -> str:
     if isinstance(value, float):
-        if value >= 1000:
+        if value >= 100:
             return f"{value:,.0f}"
         return f"{value:.2f}"
     if isinstance(value, int) and not isinstance(value, bool):

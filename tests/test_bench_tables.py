@@ -1,0 +1,90 @@
+"""The bench's arithmetic: contenders taking turns, ratios taken round by round with their
+spread, the side-by-side rows, and instructions per cycle from callgrind's dumps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.callgrind import per_cycle, read_dumps, segments
+from bench.common import Contender, Measured, Spread, alternate, compared_rows, ratio_spread
+
+
+def test_alternate_gives_each_contender_every_round_in_turns_reversing_each_round():
+    calls: list[str] = []
+
+    def measure(name: str):
+        def run() -> int:
+            calls.append(name)
+            return len(calls)
+
+        return run
+
+    results = alternate({"a": measure("a"), "b": measure("b"), "c": measure("c")}, rounds=3)
+
+    assert calls == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
+    assert results == {"a": [1, 6, 7], "b": [2, 5, 8], "c": [3, 4, 9]}
+
+
+def test_ratio_spread_is_the_median_of_round_by_round_ratios_not_the_ratio_of_medians():
+    ours, theirs = [10.0, 30.0, 21.0], [10.0, 10.0, 7.0]  # medians 21 / 10 = 2.1
+
+    spread = ratio_spread(ours, theirs)
+
+    assert spread == Spread(median=3.0, low=1.0, high=3.0)
+    assert str(spread) == "3.00 (1.00-3.00)"
+
+
+def test_ratio_spread_refuses_rounds_that_do_not_pair_up():
+    with pytest.raises(ValueError, match="as many rounds on each side, got 2 and 3"):
+        ratio_spread([1.0, 2.0], [1.0, 2.0, 3.0])
+
+
+def test_compared_rows_set_each_peer_against_the_row_of_ours_it_names():
+    contenders = [
+        Contender("keel-lock postgres"),
+        Contender("keel-lock postgres-fast"),
+        Contender("recipe", ours="keel-lock postgres"),
+        Contender("advisory", ours="keel-lock postgres-fast"),
+    ]
+    results = {
+        "keel-lock postgres": Measured([100.0, 300.0], [[2.0, 4.0], [6.0]]),
+        "keel-lock postgres-fast": Measured([400.0, 400.0], [[1.0], [1.0]]),
+        "recipe": Measured([50.0, 100.0], []),
+        "advisory": Measured([800.0, 500.0], [[0.5], [0.25]]),
+    }
+
+    rows = compared_rows(contenders, results)
+
+    assert rows[0][:5] == ["keel-lock postgres", 200.0, 4.0, 6.0, ""]
+    assert rows[2][:6] == ["recipe", 75.0, "-", "-", "keel-lock postgres", Spread(2.5, 2.0, 3.0)]
+    assert rows[2][6] == "-"  # the recipe has no handoff
+    assert rows[3][4:] == ["keel-lock postgres-fast", Spread(0.65, 0.5, 0.8), Spread(3.0, 2.0, 4.0)]
+
+
+def test_segments_add_each_markers_dumps_to_the_run_before_it():
+    # Three markers, each dumping twice (a big dump: the run before it; a small: the marker).
+    assert segments([1000, 3, 50, 3, 70, 3], markers=3) == [1003, 53, 73]
+    with pytest.raises(ValueError, match="5 dumps are not an equal number for each of 3"):
+        segments([1, 2, 3, 4, 5], markers=3)
+
+
+def test_per_cycle_subtracts_the_shorter_run_and_divides_by_the_extra_cycles():
+    # start-up, then per cycle: base run, base + extra run
+    segs = [10**9, 58_000_000 + 7, 58_000_000 * 6 + 7, 40_000_000, 40_000_000 * 6]
+
+    assert per_cycle(segs, ["new", "reused"], extra=5000) == {"new": 58_000.0, "reused": 40_000.0}
+    with pytest.raises(ValueError, match="expected 3 segments, got 5"):
+        per_cycle(segs, ["new"], extra=5000)
+
+
+def test_read_dumps_orders_numbered_dumps_by_number_and_leaves_out_the_final_one(tmp_path: Path):
+    for name, count in [("cg.1", 5), ("cg.2", 7), ("cg.10", 11), ("cg", 99)]:
+        (tmp_path / name).write_text(
+            f"version: 1\ncmd: python\nsummary: {count}\ntotals: {count}\n"
+        )
+    for number in range(3, 10):
+        (tmp_path / f"cg.{number}").write_text(f"summary: {number * 100}\n")
+
+    assert read_dumps(str(tmp_path), "cg") == [5, 7, *[n * 100 for n in range(3, 10)], 11]
