@@ -145,10 +145,30 @@ def third_party_store_config() -> dict[str, Any] | None:
 
 
 THIRD_PARTY_STORE = third_party_store_config()
+#: The alias of the etcd store in the contract suite: a 3-member cluster of the run's own.
+ETCD = "etcd"
 #: The contract suite's stores: every built-in one that runs here, and the third party's.
-CONTRACT_STORES = ALL_STORES + (
-    [pytest.param(THIRD_PARTY, id=THIRD_PARTY)] if THIRD_PARTY_STORE else []
+CONTRACT_STORES = (
+    ALL_STORES
+    + [pytest.param(ETCD, id=ETCD)]
+    + ([pytest.param(THIRD_PARTY, id=THIRD_PARTY)] if THIRD_PARTY_STORE else [])
 )
+
+
+@pytest.fixture(scope="session")
+def etcd_alias(_databases: None) -> Iterator[str]:
+    """KEEL_LOCK_STORES["etcd"] on a 3-member etcd cluster started for the run (when the first
+    test asks for it); etcd missing skips, or fails under CI."""
+    from tests.support.etcd import etcd_cluster, etcd_installed
+
+    if not etcd_installed():
+        skip_or_fail("SERVER UNAVAILABLE: etcd (Debian's etcd-server) is not installed")
+    backend = "django_keel_lock.stores.EtcdLockStore"
+    with etcd_cluster() as cluster:
+        config = {"BACKEND": backend, "OPTIONS": {"ENDPOINTS": cluster.endpoints}}
+        with override_settings(KEEL_LOCK_STORES={**settings.KEEL_LOCK_STORES, ETCD: config}):
+            yield ETCD
+            get_lock_store(ETCD).close()
 
 
 @pytest.fixture(scope="session", autouse=True)

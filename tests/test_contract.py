@@ -1,8 +1,9 @@
-"""The contract every store passes unchanged: memory, SQLite, PostgreSQL, MariaDB (and Redis).
+"""The contract every store passes unchanged: memory, SQLite, PostgreSQL, MariaDB, Redis, etcd.
 
 Written against the public Lock API, so the core and the store are tested together. A third
 party's store joins as the alias "third-party" when KEEL_LOCK_CONTRACT_STORE names it
-(tests/conftest.py, docs/writing-a-store.md).
+(tests/conftest.py, docs/writing-a-store.md). Where a test waits for a lock to expire, it waits
+the store's `expiry_slack` more (etcd's leases count whole seconds; 0 for the others).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from tests.conftest import CONTRACT_STORES
 @pytest.fixture(params=CONTRACT_STORES)
 def store_alias(request: pytest.FixtureRequest) -> str:
     """Every store of the contract: the built-in ones and, if named, the third party's."""
+    if request.param == "etcd":
+        request.getfixturevalue("etcd_alias")
     return str(request.param)
 
 
@@ -62,7 +65,7 @@ def test_fence_strictly_increases_across_release_expiry_and_takeover(
     assert a.release()
     assert a.acquire()
     fences.append(a.fence)
-    time.sleep(0.45)  # a expires without releasing
+    time.sleep(0.45 + store.expiry_slack)  # a expires without releasing
     b = make_lock(ttl=5)
     assert b.acquire()
     fences.append(b.fence)
@@ -77,11 +80,11 @@ def test_fence_strictly_increases_across_release_expiry_and_takeover(
 
 
 def test_expired_lock_is_taken_over_and_stale_release_returns_false_keeping_new_holder(
-    make_lock: Callable[..., Lock],
+    make_lock: Callable[..., Lock], store: LockStore
 ) -> None:
     stale = make_lock(ttl=0.2)
     assert stale.acquire()
-    time.sleep(0.35)
+    time.sleep(0.35 + store.expiry_slack)
     assert stale.is_expired()
     fresh = make_lock(ttl=10)
     assert fresh.acquire()
@@ -123,10 +126,12 @@ def test_the_same_owner_asking_again_gets_its_acquisition_back(store: LockStore,
     assert store.release(key, "owner-a")
 
 
-def test_stale_extend_raises_and_marks_handle_not_held(make_lock: Callable[..., Lock]) -> None:
+def test_stale_extend_raises_and_marks_handle_not_held(
+    make_lock: Callable[..., Lock], store: LockStore
+) -> None:
     stale = make_lock(ttl=0.2)
     assert stale.acquire()
-    time.sleep(0.35)
+    time.sleep(0.35 + store.expiry_slack)
     fresh = make_lock(ttl=10)
     assert fresh.acquire()
     with pytest.raises(LockNotHeldError, match="expired or was taken over"):
@@ -136,12 +141,13 @@ def test_stale_extend_raises_and_marks_handle_not_held(make_lock: Callable[..., 
     fresh.release()
 
 
-def test_extend_pushes_expiry_out(make_lock: Callable[..., Lock]) -> None:
+def test_extend_pushes_expiry_out(make_lock: Callable[..., Lock], store: LockStore) -> None:
     handle = make_lock(ttl=0.5)
     assert handle.acquire()
     handle.extend(5)
     remaining = handle.remaining_time()
-    assert remaining is not None and 4.0 < remaining <= 5.01  # SQLite keeps milliseconds
+    slack = store.expiry_slack  # etcd's remaining time is whole seconds, rounded down
+    assert remaining is not None and 4.0 - slack < remaining <= 5.01  # SQLite keeps ms
     time.sleep(0.6)
     assert not handle.is_expired()
     assert not make_lock().acquire()
@@ -172,7 +178,9 @@ def test_acquire_twice_on_one_handle_is_an_error(make_lock: Callable[..., Lock])
     handle.release()
 
 
-def test_inspection_reports_holder_fence_and_remaining(make_lock: Callable[..., Lock]) -> None:
+def test_inspection_reports_holder_fence_and_remaining(
+    make_lock: Callable[..., Lock], store: LockStore
+) -> None:
     handle = make_lock(ttl=30, holder="worker-3")
     assert not handle.is_locked()
     assert handle.remaining_time() is None
@@ -182,12 +190,12 @@ def test_inspection_reports_holder_fence_and_remaining(make_lock: Callable[..., 
     assert info is not None
     assert info.key == handle.key and info.holder == "worker-3" and info.fence == handle.fence
     assert info.owner == handle.owner
-    assert 29.0 < info.expires_in <= 30.01
+    assert 29.0 - store.expiry_slack < info.expires_in <= 30.01
     assert info.acquired_at is not None and info.acquired_at.tzinfo is not None
     other = make_lock()
     assert other.is_locked()
     rt = other.remaining_time()
-    assert rt is not None and 29.0 < rt <= 30.01
+    assert rt is not None and 29.0 - store.expiry_slack < rt <= 30.01
     assert handle.release()
     assert not other.is_locked()
 
@@ -241,13 +249,15 @@ def test_wait_gives_up_at_deadline_without_big_overshoot(make_lock: Callable[...
     holder.release()
 
 
-def test_waiter_takes_over_when_holder_expires(make_lock: Callable[..., Lock]) -> None:
+def test_waiter_takes_over_when_holder_expires(
+    make_lock: Callable[..., Lock], store: LockStore
+) -> None:
     holder = make_lock(ttl=0.3)
     assert holder.acquire()
     started = time.monotonic()
     waiter = make_lock()
     assert waiter.acquire(timeout=3)
-    assert time.monotonic() - started < 1.5
+    assert time.monotonic() - started < 1.5 + store.expiry_slack
     assert waiter.fence is not None and holder.fence is not None and waiter.fence > holder.fence
     waiter.release()
 
@@ -307,7 +317,7 @@ def test_iter_locks_streams_live_locks_under_prefix(
     handles[3].release()
     expired = make_lock(f"{key}:900", ttl=0.1)
     assert expired.acquire()
-    time.sleep(0.2)
+    time.sleep(0.2 + store.expiry_slack)
     other = make_lock(f"other-{key}")
     assert other.acquire()
     listed = list(store.iter_locks(prefix=key + ":"))
@@ -323,7 +333,7 @@ def test_prune_removes_expired_entries_only(
     live = make_lock(f"{key}:live", ttl=30)
     dead = make_lock(f"{key}:dead", ttl=0.1)
     assert live.acquire() and dead.acquire()
-    time.sleep(0.2)
+    time.sleep(0.2 + store.expiry_slack)
     assert store.prune() >= 0
     assert live.is_locked()
     assert [info.key for info in store.iter_locks(prefix=key)] == [live.key]

@@ -10,6 +10,7 @@ from .permits import Held, Plan, Step, plan_acquire
 
 if TYPE_CHECKING:
     from .database import DatabaseLockStore
+    from .etcd import EtcdLockStore
     from .redis import RedisLockStore
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "SHARED",
     "AcquireResult",
     "DatabaseLockStore",
+    "EtcdLockStore",
     "Held",
     "LockInfo",
     "LockStore",
@@ -35,6 +37,10 @@ def __getattr__(name: str) -> Any:
         from .database import DatabaseLockStore
 
         return DatabaseLockStore
+    if name == "EtcdLockStore":
+        from .etcd import EtcdLockStore
+
+        return EtcdLockStore
     if name == "RedisLockStore":
         from .redis import RedisLockStore
 

@@ -114,6 +114,9 @@ class LockStore(ABC):
     #: True when the server itself deletes a lock once it expires (Redis key TTLs): `prune()`
     #: then has nothing to do, and `locks prune` says so rather than "pruned 0".
     expires_by_itself: bool = False
+    #: Seconds a lock may outlive its ttl on this store, when its server keeps coarser time
+    #: (etcd's leases count whole seconds): a lock lives at least its ttl, at most this more.
+    expiry_slack: float = 0.0
     #: True when the store keeps a line of the callers waiting for each exclusive lock
     #: (`acquire_queued`, `leave_queue`): a release then wakes only the first of them.
     queues: bool = False

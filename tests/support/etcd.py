@@ -1,0 +1,228 @@
+"""A real 3-member etcd cluster on free loopback ports for the etcd tests (and the bench).
+
+etcd (Debian's etcd-server, 3.4) must be on PATH or at /usr/bin/etcd; under CI=true a missing
+etcd fails the tests that need it (tests.conftest.skip_or_fail). Members run with a 50 ms
+heartbeat and a 500 ms election timeout, so a lost leader is replaced within about a second
+and the shortest lease is 1 s.
+
+    python -m tests.support.etcd count --endpoints E,E,E --key K --iterations N --counter FILE
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from .redis_servers import free_port, wait_port
+
+ETCD = shutil.which("etcd") or "/usr/bin/etcd"
+
+
+def etcd_installed() -> bool:
+    return os.path.exists(ETCD)
+
+
+class Member:
+    """One etcd member process; stoppable, killable and restartable with its data."""
+
+    def __init__(self, name: str, folder: str) -> None:
+        self.name = name
+        self.client_port, self.peer_port = free_port(), free_port()
+        self.dir = os.path.join(folder, name)
+        self.process: subprocess.Popen[bytes] | None = None
+        self.log = os.path.join(folder, f"{name}.log")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://127.0.0.1:{self.peer_port}"
+
+    def start(self, cluster: str, state: str = "new") -> None:
+        with open(self.log, "ab") as log:
+            self.process = subprocess.Popen(
+                [
+                    ETCD,
+                    "--name",
+                    self.name,
+                    "--data-dir",
+                    self.dir,
+                    "--listen-client-urls",
+                    self.url,
+                    "--advertise-client-urls",
+                    self.url,
+                    "--listen-peer-urls",
+                    self.peer_url,
+                    "--initial-advertise-peer-urls",
+                    self.peer_url,
+                    "--initial-cluster",
+                    cluster,
+                    "--initial-cluster-state",
+                    state,
+                    "--initial-cluster-token",
+                    f"keel-{os.getpid()}",
+                    "--heartbeat-interval",
+                    "50",
+                    "--election-timeout",
+                    "500",
+                    "--log-level",
+                    "warn",
+                ],
+                stdout=log,
+                stderr=log,
+            )
+
+    def kill(self) -> None:
+        """SIGKILL: the member vanishes, like a crash (its data stays for a restart)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+        self.process = None
+
+    def pause(self) -> None:
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGCONT)
+
+    def status(self) -> dict[str, Any]:
+        request = urllib.request.Request(
+            f"{self.url}/v3/maintenance/status", data=b"{}", method="POST"
+        )
+        with urllib.request.urlopen(request, timeout=2) as reply:
+            return dict(json.load(reply))
+
+
+class Cluster:
+    """Three members; `endpoints` for OPTIONS ENDPOINTS."""
+
+    def __init__(self, size: int = 3) -> None:
+        self.folder = tempfile.mkdtemp(prefix=f"keel-etcd-{os.getpid()}-")
+        self.members = [Member(f"m{i}", self.folder) for i in range(size)]
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [member.url for member in self.members]
+
+    @property
+    def initial(self) -> str:
+        return ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+
+    def start(self) -> Cluster:
+        for member in self.members:
+            member.start(self.initial)
+        for member in self.members:
+            wait_port(member.client_port, 30)
+        self.wait_healthy()
+        return self
+
+    def restart(self, member: Member) -> None:
+        member.kill()
+        member.start(self.initial, "existing")
+        wait_port(member.client_port, 30)
+
+    def leader(self) -> Member:
+        """The member that leads now (waiting up to 20 s for one)."""
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            for member in self.members:
+                if member.process is None:
+                    continue
+                try:
+                    status = member.status()
+                except OSError:
+                    continue
+                if status.get("leader") == status["header"]["member_id"]:
+                    return member
+            time.sleep(0.05)
+        raise RuntimeError("the etcd cluster has no leader after 20 s")
+
+    def wait_healthy(self) -> None:
+        """Until a leader exists and every running member answers."""
+        self.leader()
+        for member in self.members:
+            if member.process is not None:
+                deadline = time.monotonic() + 20
+                while True:
+                    try:
+                        member.status()
+                        break
+                    except OSError:
+                        if time.monotonic() > deadline:
+                            raise
+                        time.sleep(0.05)
+
+    def stop(self) -> None:
+        for member in self.members:
+            if member.process is not None and member.process.poll() is None:
+                try:
+                    member.resume()
+                except OSError:
+                    pass
+            member.kill()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+@contextmanager
+def etcd_cluster(size: int = 3) -> Iterator[Cluster]:
+    cluster = Cluster(size)
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+
+
+def _count(args: argparse.Namespace) -> None:
+    """A child's loop for the mutual exclusion test: under the lock, read the counter file,
+    pause, write it back plus one; a lost update means two holders at once."""
+    import django
+
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
+    django.setup()
+    from django_keel_lock import lock, set_lock_store
+    from django_keel_lock.stores import EtcdLockStore
+
+    store = EtcdLockStore("etcd-child", {"ENDPOINTS": args.endpoints.split(",")})
+    set_lock_store(store, "etcd-child")
+    fences = []
+    for _ in range(args.iterations):
+        with lock(args.key, store="etcd-child", ttl=10, timeout=60) as held:
+            with open(args.counter) as handle:
+                value = int(handle.read() or 0)
+            time.sleep(0.002)
+            with open(args.counter, "w") as handle:
+                handle.write(str(value + 1))
+            fences.append(held.fence)
+    print(json.dumps({"fences": fences}), flush=True)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.support.etcd")
+    commands = parser.add_subparsers(dest="command", required=True)
+    count = commands.add_parser("count")
+    count.add_argument("--endpoints", required=True)
+    count.add_argument("--key", required=True)
+    count.add_argument("--iterations", type=int, default=20)
+    count.add_argument("--counter", required=True)
+    args = parser.parse_args(argv)
+    _count(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
