@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import socket
 import threading
 import time
@@ -22,10 +23,13 @@ from django_keel_lock.stores import LockStore
 from django_keel_lock.stores.database import DatabaseLockStore
 from django_keel_lock.stores.redis import RedisLockStore
 
+from . import settings
 from .conftest import store_params
 from .support.redis_servers import FaultyProxy, RedisServer
 
-PROXIED = "keel-lock-behind-proxy"
+# This run's own name: the outage tests end a proxied store's sessions on the server by it,
+# and another run (CI's second pass, on the same server) must keep its own.
+PROXIED = f"keel-lock-behind-proxy-{settings.RUN_ID}-{os.getpid()}"
 TTL = 1.0
 # Renewal is store-independent beyond store.extend (which the contract suite covers): one
 # per-process store, one through worker threads, one native async.
@@ -201,7 +205,8 @@ def cut_proxy(proxy: FaultyProxy) -> None:
         autocommit=True,
     ) as admin:
         admin.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s",
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE application_name = %s AND datname = current_database()",
             [PROXIED],
         )
 
@@ -352,17 +357,17 @@ async def test_async_store_outage_marks_the_lock_lost(
 # -- a late extend after the loss ---------------------------------------------------------
 
 
-class _LateReplies:
-    """The reply side of one proxied connection: its bytes are held back while the proxy
-    holds this connection's replies."""
+class _Watched:
+    """One direction of one proxied connection, as the `LateReplyProxy` sees it: requests are
+    looked at for the marker, replies held back while the proxy holds this connection's."""
 
-    def __init__(self, sock: socket.socket, proxy: LateReplyProxy) -> None:
-        self.sock, self.proxy = sock, proxy
+    def __init__(self, sock: socket.socket, proxy: LateReplyProxy, upstream: socket.socket) -> None:
+        self.sock, self.proxy, self.upstream = sock, proxy, upstream
 
     def recv(self, size: int) -> bytes:
         data = self.sock.recv(size)
         if data:
-            self.proxy.arrived(self)
+            self.proxy.passing(self.upstream, data, reply=self.sock is self.upstream)
         return data
 
     def __getattr__(self, name: str) -> Any:
@@ -370,34 +375,34 @@ class _LateReplies:
 
 
 class LateReplyProxy(FaultyProxy):
-    """A proxy that, after `hold_next_reply()`, holds back every reply of the first connection
-    that gets one (its request ran; the answer comes late) until `let_go()`; other
-    connections pass."""
+    """A proxy that, after `hold_next_reply(marker)`, holds back every reply of the first
+    connection that sends a request holding `marker` (that request runs; its answer comes
+    late) until `let_go()`; other connections pass. The marker (the lock's key) picks the
+    extend's connection, never a listener's ping that happens to be answered first."""
 
     def __init__(self, target_port: int) -> None:
         super().__init__(target_port)
-        self.armed = False
-        self.held: _LateReplies | None = None
+        self.marker: bytes | None = None
+        self.held: socket.socket | None = None
         self.gone = threading.Event()
         self.guard = threading.Lock()
 
-    def hold_next_reply(self) -> None:
-        self.armed = True
+    def hold_next_reply(self, marker: str) -> None:
+        self.marker = marker.encode()
 
     def let_go(self) -> None:
         self.gone.set()
 
-    def arrived(self, connection: _LateReplies) -> None:
+    def passing(self, upstream: socket.socket, data: bytes, *, reply: bool) -> None:
         with self.guard:
-            if self.armed and self.held is None:
-                self.held = connection
-        if self.held is connection:
+            if not reply and self.held is None and self.marker and self.marker in data:
+                self.held = upstream
+        if reply and self.held is upstream:
             self.gone.wait(30)
 
     def _pump(self, source: socket.socket, sink: socket.socket, reply: bool) -> None:
-        if reply:
-            source = _LateReplies(source, self)  # type: ignore[assignment]
-        super()._pump(source, sink, reply)
+        upstream = source if reply else sink
+        super()._pump(_Watched(source, self, upstream), sink, reply)  # type: ignore[arg-type]
 
     def close(self) -> None:
         self.let_go()
@@ -442,7 +447,7 @@ def test_a_lock_given_up_for_lost_while_an_extend_was_unanswered_is_freed_in_the
         async def hold() -> None:
             assert await handle.aacquire()
             await asyncio.sleep(LATE_TTL / 2)  # one renewal confirmed (its expiry: 4/3 ttl)
-            proxy.hold_next_reply()  # the next extend is made; its answer comes too late
+            proxy.hold_next_reply(key)  # the next extend is made; its answer comes too late
             while not handle.lost:
                 await asyncio.sleep(0.02)
 
@@ -451,7 +456,7 @@ def test_a_lock_given_up_for_lost_while_an_extend_was_unanswered_is_freed_in_the
         else:
             assert handle.acquire()
             time.sleep(LATE_TTL / 2)
-            proxy.hold_next_reply()
+            proxy.hold_next_reply(key)
             assert wait_until(lambda: handle.lost, 2 * LATE_TTL), "the loss was never found"
         assert wait_until(lambda: lost_events, 1.0)  # sent after `lost` is set
         assert [reason for _, reason in lost_events] == [
