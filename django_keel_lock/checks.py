@@ -23,12 +23,15 @@ Errors
   django_keel_lock.E008  RedisLockStore OPTIONS CONNECTION names no CACHES alias, or a cache
                          that is not a django-redis cache.
   django_keel_lock.E009  KEEL_LOCK_DEFAULT_TTL is not a positive duration.
-  django_keel_lock.E010  A DatabaseLockStore's or RedisLockStore's OPTIONS SOCKET_TIMEOUT is not
-                         a positive duration.
+  django_keel_lock.E010  A DatabaseLockStore's, RedisLockStore's or EtcdLockStore's OPTIONS
+                         SOCKET_TIMEOUT is not a positive duration.
   django_keel_lock.E011  KEEL_LOCK_METRICS is not "prometheus", "otel", a list of them or None.
   django_keel_lock.E012  A @lock_view (or LockViewMixin) key template names a <name> that a URL
                          routed to the view does not capture: every request there fails
                          (a URL check: `check --tag urls`).
+  django_keel_lock.E013  EtcdLockStore OPTIONS are wrong: ENDPOINTS missing, empty or with a
+                         URL that is not http(s)://host:port, KEY_PREFIX not a str, a TLS
+                         file missing, KEY_FILE without CERT_FILE, USER without PASSWORD.
 
 Warnings
   django_keel_lock.W001  MemoryLockStore is the "default" store while DEBUG is False: it does not

@@ -1,0 +1,172 @@
+"""The etcd store when members fail: a 3-member cluster of the module's own, whose members the
+tests kill, stop and restart (tests/support/etcd.py)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from django_keel_lock import LockStoreUnavailable
+from django_keel_lock.stores import EtcdLockStore
+from tests.conftest import skip_or_fail
+from tests.support.etcd import Cluster, etcd_cluster, etcd_installed
+from tests.support.redis_servers import free_port
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    if not etcd_installed():
+        skip_or_fail("SERVER UNAVAILABLE: etcd (Debian's etcd-server) is not installed")
+    with etcd_cluster() as made:
+        yield made
+
+
+@pytest.fixture
+def healthy(cluster: Cluster) -> Iterator[Cluster]:
+    """The cluster with every member running and a leader, before and after the test."""
+    for member in cluster.members:
+        if member.process is None:
+            cluster.restart(member)
+    cluster.wait_healthy()
+    yield cluster
+    for member in cluster.members:
+        if member.process is not None and member.process.poll() is None:
+            member.resume()
+        else:
+            cluster.restart(member)
+
+
+def _store(endpoints: list[str], timeout: float = 5) -> EtcdLockStore:
+    return EtcdLockStore("etcd-faults", {"ENDPOINTS": endpoints, "SOCKET_TIMEOUT": timeout})
+
+
+def test_killing_the_leader_keeps_the_lock_and_the_next_fence_is_greater(
+    healthy: Cluster, key: str
+) -> None:
+    store = _store(healthy.endpoints)
+    try:
+        first = store.acquire(key, "owner-a", "a", 30)
+        assert first.fence is not None
+        leader = healthy.leader()
+        leader.kill()
+        healthy.leader()  # a new one is elected among the two left
+        # The lock survived: nobody else gets it, and its owner can still release it.
+        assert store.acquire(key, "owner-b", "b", 30).fence is None
+        info = store.get(key)
+        assert info is not None and info.owner == "owner-a" and info.fence == first.fence
+        assert store.release(key, "owner-a")
+        second = store.acquire(key, "owner-b", "b", 30)
+        assert second.fence is not None and second.fence > first.fence
+        assert store.release(key, "owner-b")
+    finally:
+        store.close()
+
+
+def test_a_lock_whose_holder_died_is_taken_over_after_a_leader_kill_within_ttl_and_election(
+    healthy: Cluster, key: str
+) -> None:
+    store = _store(healthy.endpoints)
+    try:
+        held = store.acquire(key, "owner-a", "a", 2)  # its holder never comes back
+        assert held.fence is not None
+        healthy.leader().kill()
+        started = time.monotonic()
+        while (taken := store.acquire(key, "owner-b", "b", 30)).fence is None:
+            assert time.monotonic() - started < 2 + 1 + store.expiry_slack + 2
+            time.sleep(0.1)
+        # A new leader gives leases their whole TTL again: up to ttl + election, not sooner.
+        assert taken.fence > held.fence
+    finally:
+        store.close()
+
+
+def test_a_member_down_first_in_the_list_sends_calls_to_the_next(
+    healthy: Cluster, key: str
+) -> None:
+    down = healthy.members[0]
+    down.kill()
+    nothing = f"http://127.0.0.1:{free_port()}"  # nothing listens there either
+    store = _store([nothing, down.url, *healthy.endpoints[1:]], timeout=3)
+    try:
+        started = time.monotonic()
+        assert store.acquire(key, "owner-a", "a", 30).fence is not None
+        assert time.monotonic() - started < 1.5  # refused connections fail over at once
+        assert store.release(key, "owner-a")
+    finally:
+        store.close()
+
+
+def test_a_stopped_member_first_in_the_list_is_passed_over_within_the_timeout(
+    healthy: Cluster, key: str
+) -> None:
+    stopped = healthy.members[0]
+    others = [m for m in healthy.members if m is not stopped]
+    if healthy.leader() is stopped:  # keep the leader running: the others need one
+        others[0].kill()
+        healthy.restart(others[0])
+        healthy.wait_healthy()
+    stopped.pause()
+    store = _store(healthy.endpoints, timeout=3)
+    try:
+        started = time.monotonic()
+        assert store.acquire(key, "owner-a", "a", 30).fence is not None
+        assert time.monotonic() - started < 3
+    finally:
+        stopped.resume()
+        store.release(key, "owner-a")
+        store.close()
+
+
+def test_every_member_down_is_lock_store_unavailable_within_the_timeout(
+    healthy: Cluster, key: str
+) -> None:
+    for member in healthy.members:
+        member.pause()  # frozen: connections open, nothing answers
+    store = _store(healthy.endpoints, timeout=1)
+    try:
+        for call in (
+            lambda: store.acquire(key, "owner-a", "a", 30),
+            lambda: store.release(key, "owner-a"),
+            lambda: store.extend(key, "owner-a", 30),
+            lambda: store.get(key),
+        ):
+            started = time.monotonic()
+            with pytest.raises(LockStoreUnavailable, match="cannot use etcd"):
+                call()
+            assert time.monotonic() - started < 1.5
+    finally:
+        for member in healthy.members:
+            member.resume()
+        store.close()
+    for member in healthy.members:
+        member.kill()  # and gone: refused at once
+    store = _store(healthy.endpoints, timeout=1)
+    try:
+        started = time.monotonic()
+        with pytest.raises(LockStoreUnavailable, match="Connection refused"):
+            store.acquire(key, "owner-a", "a", 30)
+        assert time.monotonic() - started < 0.5
+    finally:
+        store.close()
+
+
+def test_a_member_cut_off_from_the_others_refuses_at_once_and_the_call_moves_on(
+    healthy: Cluster, key: str
+) -> None:
+    """Two members stopped: the third has no leader and, asked with `hasleader`, says so at
+    once instead of waiting for a quorum; with nowhere else to go that is an outage."""
+    alone = next(m for m in healthy.members if m is not healthy.leader())
+    for member in healthy.members:
+        if member is not alone:
+            member.pause()
+    time.sleep(1.5)  # more than the election timeout: it knows it has no leader
+    store = _store([alone.url], timeout=3)
+    try:
+        started = time.monotonic()
+        with pytest.raises(LockStoreUnavailable, match="no leader"):
+            store.acquire(key, "owner-a", "a", 30)
+        assert time.monotonic() - started < 1
+    finally:
+        store.close()
