@@ -58,6 +58,7 @@ bench: $(STAMP_TEST)
 	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/python -m bench.bench_db
 	$(BIN)/python -m bench.bench_redis
+	$(BIN)/python -m bench.bench_core
 
 # Every tox env (each supported Python x Django pair; the Redis tests on redis-py 5.0), or
 # TOXENV's. PYENV_VERSION makes pyenv's python3.11/3.12/3.13 shims all answer.

@@ -4,7 +4,7 @@ them: a new handle per `with lock(key, store="memory")` (the usual way), one han
 median round, and the slowest and fastest), and instructions per cycle under valgrind's
 callgrind (bench.callgrind), which do not move with the machine's load.
 
-    .venv/bin/python -m bench.bench_core [--rounds 10] [--seconds 0.3] [--no-callgrind]
+    .venv/bin/python -m bench.bench_core [--rounds 20] [--seconds 0.1] [--no-callgrind]
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ def _rounds(seconds: float, cycle: Callable[[], object]) -> Callable[[], float]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=10, help="alternating rounds")
-    parser.add_argument("--seconds", type=float, default=0.3, help="per cycle and round")
+    parser.add_argument("--rounds", type=int, default=20, help="alternating rounds")
+    parser.add_argument("--seconds", type=float, default=0.1, help="per cycle and round")
     parser.add_argument("--no-callgrind", action="store_true", help="no instruction counts")
     args = parser.parse_args(argv)
     setup_django()

@@ -5,7 +5,7 @@ handoff through a table (two commits one after the other, nothing woken), and fo
 kernel's fcntl.flock. Every contender is measured in short alternating rounds of one run; the
 ratios are the median of the round-by-round ratios, with their least and most.
 
-    .venv/bin/python -m bench.bench_db [--rounds 10] [--seconds 0.25] [--handoffs 4]
+    .venv/bin/python -m bench.bench_db [--rounds 20] [--seconds 0.1] [--handoffs 2]
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ python-redis-lock, pottery's `Redlock`, and a raw redis-py "SET NX PX + compare-
 EVALSHA" loop as the floor. Every contender is measured in short alternating rounds of one
 run; the ratios are the median of the round-by-round ratios, with their least and most.
 
-    .venv/bin/python -m bench.bench_redis [--rounds 10] [--seconds 0.25] [--handoffs 4]
+    .venv/bin/python -m bench.bench_redis [--rounds 20] [--seconds 0.1] [--handoffs 2]
         [--fair-seconds 2] [--only keel-lock,python-redis-lock]
 """
 

@@ -100,9 +100,12 @@ def alternate(measures: dict[str, Callable[[], T]], rounds: int) -> dict[str, li
 
 @dataclass(frozen=True)
 class Spread:
-    """A median and the least and most of the values it is the median of."""
+    """A median, the middle half of the values around it (first to third quartile), and the
+    least and most of them."""
 
     median: float
+    q1: float
+    q3: float
     low: float
     high: float
 
@@ -110,15 +113,19 @@ class Spread:
     def of(cls, values: Sequence[float]) -> Spread:
         if not values:
             raise ValueError("a spread needs at least one value, got none")
-        return cls(statistics.median(values), min(values), max(values))
+        if len(values) == 1:
+            return cls(values[0], values[0], values[0], values[0], values[0])
+        q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
+        return cls(median, q1, q3, min(values), max(values))
 
     def __str__(self) -> str:
-        return f"{_ratio(self.median)} ({_ratio(self.low)}-{_ratio(self.high)})"
+        middle = f"{_ratio(self.q1)}-{_ratio(self.q3)}"
+        return f"{_ratio(self.median)} ({middle}; {_ratio(self.low)}-{_ratio(self.high)})"
 
 
 def ratio_spread(ours: Sequence[float], theirs: Sequence[float]) -> Spread:
-    """The round-by-round ratio ours[i] / theirs[i] (both measured in round i): its median and
-    its range across rounds."""
+    """The round-by-round ratio ours[i] / theirs[i] (both measured in round i): its median, its
+    middle half and its range across rounds."""
     if len(ours) != len(theirs):
         raise ValueError(
             f"ratios need as many rounds on each side, got {len(ours)} and {len(theirs)}"
@@ -132,13 +139,13 @@ def _ratio(value: float) -> str:
     return f"{value:.2f}" if value < 10 else f"{value:.1f}"
 
 
-def round_options(doc: str | None) -> argparse.ArgumentParser:
+def round_options(doc: str | None, rounds: int = 20) -> argparse.ArgumentParser:
     """A parser for a bench that measures in alternating rounds (its --help: the doc's first
-    line)."""
+    line). Short rounds keep the figures a ratio divides close in time."""
     parser = argparse.ArgumentParser(description=(doc or "").split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=10, help="alternating rounds")
-    parser.add_argument("--seconds", type=float, default=0.25, help="per cycles/s round")
-    parser.add_argument("--handoffs", type=int, default=4, help="per handoff round")
+    parser.add_argument("--rounds", type=int, default=rounds, help="alternating rounds")
+    parser.add_argument("--seconds", type=float, default=0.1, help="per cycles/s round")
+    parser.add_argument("--handoffs", type=int, default=2, help="per handoff round")
     return parser
 
 

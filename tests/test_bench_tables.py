@@ -28,12 +28,13 @@ def test_alternate_gives_each_contender_every_round_in_turns_reversing_each_roun
 
 
 def test_ratio_spread_is_the_median_of_round_by_round_ratios_not_the_ratio_of_medians():
-    ours, theirs = [10.0, 30.0, 21.0], [10.0, 10.0, 7.0]  # medians 21 / 10 = 2.1
+    ours, theirs = [10.0, 30.0, 21.0, 8.0, 4.0], [10.0, 10.0, 7.0, 2.0, 8.0]  # 10 / 8 = 1.25
 
-    spread = ratio_spread(ours, theirs)
+    spread = ratio_spread(ours, theirs)  # ratios 1, 3, 3, 4, 0.5
 
-    assert spread == Spread(median=3.0, low=1.0, high=3.0)
-    assert str(spread) == "3.00 (1.00-3.00)"
+    assert spread == Spread(median=3.0, q1=1.0, q3=3.0, low=0.5, high=4.0)
+    assert str(spread) == "3.00 (1.00-3.00; 0.50-4.00)"
+    assert ratio_spread([3.0], [2.0]) == Spread(1.5, 1.5, 1.5, 1.5, 1.5)
 
 
 def test_ratio_spread_refuses_rounds_that_do_not_pair_up():
@@ -58,9 +59,12 @@ def test_compared_rows_set_each_peer_against_the_row_of_ours_it_names():
     rows = compared_rows(contenders, results)
 
     assert rows[0][:5] == ["keel-lock postgres", 200.0, 4.0, 6.0, ""]
-    assert rows[2][:6] == ["recipe", 75.0, "-", "-", "keel-lock postgres", Spread(2.5, 2.0, 3.0)]
+    assert rows[2][:5] == ["recipe", 75.0, "-", "-", "keel-lock postgres"]
+    assert (rows[2][5].median, rows[2][5].low, rows[2][5].high) == (2.5, 2.0, 3.0)
     assert rows[2][6] == "-"  # the recipe has no handoff
-    assert rows[3][4:] == ["keel-lock postgres-fast", Spread(0.65, 0.5, 0.8), Spread(3.0, 2.0, 4.0)]
+    cycles, handoffs = rows[3][5], rows[3][6]
+    assert (cycles.median, cycles.low, cycles.high) == (0.65, 0.5, 0.8)
+    assert (handoffs.median, handoffs.low, handoffs.high) == (3.0, 2.0, 4.0)
 
 
 def test_segments_add_each_markers_dumps_to_the_run_before_it():
