@@ -13,6 +13,8 @@ from .exceptions import (
     LockStoreUnavailable,
     LockUnavailable,
 )
+from .idempotency import idempotent, once, run_once
+from .leaders import election
 from .registry import get_lock_store, set_lock_store
 from .version import __version__
 from .views import LockViewMixin, lock_view
@@ -29,12 +31,16 @@ __all__ = [
     "LockUnavailable",
     "LockViewMixin",
     "__version__",
+    "election",
     "force_release",
     "get_lock_store",
+    "idempotent",
     "lock",
     "lock_view",
     "locked",
+    "once",
     "restore_lock",
+    "run_once",
     "semaphore",
     "set_lock_store",
 ]
