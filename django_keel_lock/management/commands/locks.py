@@ -1,9 +1,14 @@
-"""`manage.py locks`: list, show, force-release and prune the locks of a store.
+"""`manage.py locks`: list, show, force-release and prune the locks of a store; run a command
+under a lock, or on one node only.
 
     manage.py locks list [--store ALIAS] [--prefix P] [--json]
     manage.py locks show KEY [--store ALIAS] [--json] [--show-owner]
     manage.py locks release KEY [--store ALIAS] [--fence N] [--yes]
     manage.py locks prune [--store ALIAS]
+    manage.py locks run KEY [--ttl T] [--wait T] [--grace T] [--store A] [--skip-ok] -- COMMAND...
+    manage.py locks lead NAME [--ttl T] [--grace T] [--store A] -- COMMAND...
+
+`run` and `lead` live in `..running` (their exit statuses are described there).
 
 Exit codes: 0 done; 1 the key is not held (show, release) or the release was declined at the
 prompt; 2 usage errors (bad arguments, a key the store cannot hold) and an unknown or
@@ -39,6 +44,7 @@ from ...exceptions import LockStoreUnavailable
 from ...options import printable, validate_key
 from ...registry import get_lock_store
 from ...stores.base import LockInfo, LockStore
+from .. import running
 
 EXIT_NOT_HELD = 1
 EXIT_CONFIG = 2
@@ -155,7 +161,10 @@ def checked_prefix(prefix: str) -> str:
 
 
 class Command(BaseCommand):
-    help = "List, show, force-release and prune the locks of a django-keel-lock store."
+    help = (
+        "List, show, force-release and prune the locks of a django-keel-lock store; run a "
+        "command under a lock (run) or on one node only (lead)."
+    )
     # A mistake in one alias must not turn every command into exit 1 ("not held"); the alias
     # used is checked when it is built (bad config: exit 2).
     requires_system_checks: list[str] = []
@@ -194,12 +203,18 @@ class Command(BaseCommand):
         )
         release.add_argument("--yes", action="store_true", help="do not ask for confirmation")
         add("prune", "Delete expired locks the store keeps (Redis deletes its own); say how many.")
+        running.add_arguments(add)
+
+    def create_parser(self, prog_name: str, subcommand: str, **kwargs: Any) -> CommandParser:
+        parser = super().create_parser(prog_name, subcommand, **kwargs)
+        running.check_command_split(parser)
+        return parser
 
     def handle(self, *args: Any, **options: Any) -> None:
         alias: str = options["store"]
         store = self.get_store(alias)
         try:
-            getattr(self, f"do_{options['action']}")(store, options)
+            status = getattr(self, f"do_{options['action']}")(store, options)
         except ImproperlyConfigured as exc:  # found only when the store is first used
             raise CommandError(str(exc), returncode=EXIT_CONFIG) from exc
         except LockStoreUnavailable as exc:
@@ -207,6 +222,8 @@ class Command(BaseCommand):
                 f"store {alias!r} is unavailable, nothing was done: {exc}",
                 returncode=EXIT_UNAVAILABLE,
             ) from exc
+        if status:  # run, lead: the command's exit status
+            raise SystemExit(status)
 
     def get_store(self, alias: str) -> LockStore:
         try:
@@ -322,6 +339,12 @@ class Command(BaseCommand):
         self.stdout.write(
             f"Pruned {count} expired lock{'' if count == 1 else 's'} from store {store.alias!r}."
         )
+
+    def do_run(self, store: LockStore, options: dict[str, Any]) -> int:
+        return running.do_run(store, self.checked_key(store, options["key"]), options)
+
+    def do_lead(self, store: LockStore, options: dict[str, Any]) -> int:
+        return running.do_lead(store, options["name"], options)
 
     # -- helpers --------------------------------------------------------------------------
     @staticmethod

@@ -1,0 +1,218 @@
+"""Run a command as a child process while a lock is held, and stop it when the lock is lost.
+
+`manage.py locks run` and `locks lead` use it; it knows nothing of stores or Django. A
+`Supervisor` starts the child, passes on the signals this process gets, and waits for the
+first of: the child exits, or `lost()` is called (from the lock's watchdog thread). When the
+lock is lost the child is sent SIGTERM, then SIGKILL after `grace` seconds.
+
+On Linux the child is also killed (SIGKILL) when this process dies without a word (`kill -9`,
+the OOM killer): `PR_SET_PDEATHSIG`, set between fork and exec. The kernel sends it when the
+*thread* that forked the child ends, so a supervisor is meant to start its child from a
+thread that outlives it (the main thread, as the command does). Elsewhere (macOS, BSD) a child
+whose supervisor was killed runs on: there is no such call.
+
+Process groups: without a terminal the child runs in a process group of its own, and each
+signal passed on goes to that whole group (a `sh -c` and what it started). On a terminal the
+child stays in ours, so it can read the terminal; Ctrl-C and Ctrl-\\ then reach it from the
+terminal itself, and are not sent a second time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from types import FrameType
+
+#: The exit status when the lock was held elsewhere (`EX_TEMPFAIL` in sysexits.h, what
+#: `flock -E 75` and cron wrappers use for "try again later").
+EXIT_HELD = 75
+#: The exit status when the lock was lost while the command ran and the command was stopped.
+#: Outside sysexits.h's 64-78 and below the 126-165 a shell gives, so it means only this.
+EXIT_LOST = 79
+#: A command that could not be started: not executable (126), not found (127), as a shell says.
+EXIT_CANNOT_RUN = 126
+EXIT_NOT_FOUND = 127
+
+#: Signals passed on to the child. With a terminal, the ones it sends to its whole foreground
+#: group (and so to the child already) are taken but not sent again.
+FORWARDED = (
+    signal.SIGTERM,
+    signal.SIGINT,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+)
+FROM_TERMINAL = frozenset({signal.SIGINT, signal.SIGQUIT, signal.SIGHUP})
+
+PR_SET_PDEATHSIG = 1
+
+
+def exit_status(returncode: int) -> int:
+    """A child's return code as a shell reports it: killed by signal N is 128 + N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _death_signal() -> Callable[[], None] | None:
+    """What the child runs between fork and exec: die with its parent (Linux), else None.
+
+    libc is loaded here, in the parent: the child only makes the call."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def die_with_parent() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before the call: nobody supervises
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return die_with_parent
+
+
+class Interrupted(BaseException):
+    """A signal passed on to a command that has not started: stop waiting for the lock."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class Supervisor:
+    """Runs one command; thread-safe `lost()`; `run()` from the main thread to pass signals on.
+
+    Use: `supervisor.waiting()` around the wait for the lock (a signal then raises
+    `Interrupted`), then `supervisor.run(argv, env)`, which returns the exit status."""
+
+    def __init__(self, grace: float) -> None:
+        self.grace = grace
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.signalled: int | None = None  # the last signal passed on (or taken before start)
+        self.lost_reason: str | None = None
+        #: The last `run` stopped its command because the lock was lost.
+        self.stopped = False
+        self._events: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._own_group = not _on_terminal()
+        self._wait_interrupts = False
+        self._previous: dict[int, object] = {}
+
+    def reset(self) -> None:
+        """Forget the last command and any loss reported for it: before the next lock."""
+        self._events, self.lost_reason, self.stopped = queue.SimpleQueue(), None, False
+
+    # -- the lock's side ---------------------------------------------------------------
+    def lost(self, reason: str) -> None:
+        """The lock is gone: stop the child (callable from any thread)."""
+        if self.lost_reason is None:
+            self.lost_reason = reason
+        self._events.put("lost")
+
+    # -- signals -------------------------------------------------------------------------
+    def install(self) -> None:
+        """Take the forwarded signals (main thread only; elsewhere nothing is passed on)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in FORWARDED:
+            self._previous[signum] = signal.signal(signum, self._on_signal)
+
+    def uninstall(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)  # type: ignore[arg-type]
+        self._previous.clear()
+
+    def waiting(self, on: bool) -> None:
+        """While on, a signal raises `Interrupted` (the wait for the lock is abandoned)."""
+        self._wait_interrupts = on
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.signalled = signum
+        if self._wait_interrupts:
+            raise Interrupted(signum)
+        if self.proc is not None and not (signum in FROM_TERMINAL and not self._own_group):
+            self._send(signum)
+
+    def _send(self, signum: int) -> None:
+        assert self.proc is not None
+        try:
+            if self._own_group:
+                os.killpg(self.proc.pid, signum)
+            else:
+                os.kill(self.proc.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass  # it ended meanwhile (a zombie we have not reaped)
+
+    # -- the child -----------------------------------------------------------------------
+    def run(self, argv: Sequence[str], env: Mapping[str, str]) -> int:
+        """Start `argv` and supervise it; its exit status, or EXIT_LOST when the lock was lost
+        (the child stopped). Raises OSError when it cannot be started. A supervisor runs one
+        command at a time, and may run another after it (`reset()` first)."""
+        self.proc = subprocess.Popen(
+            list(argv),
+            env=dict(env),
+            preexec_fn=_death_signal(),
+            process_group=0 if self._own_group else None,
+        )
+        threading.Thread(target=self._watch_exit, name="keel-lock-child", daemon=True).start()
+        if self.signalled is not None and self.signalled not in FROM_TERMINAL:
+            self._send(self.signalled)  # it came between the lock and the start
+        while True:
+            event = self._get(None)
+            if event == "exit":
+                return exit_status(self.proc.wait())
+            if event == "lost":
+                self._stop()
+                self.stopped = True
+                return EXIT_LOST
+
+    def _watch_exit(self) -> None:
+        """Wait for the child to end without reaping it, so its pid (and group) stays ours
+        until the main thread reaps it: no signal can reach a process that took its pid."""
+        assert self.proc is not None
+        try:
+            os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOWAIT)
+        except ChildProcessError:
+            pass
+        self._events.put("exit")
+
+    def _stop(self) -> None:
+        """SIGTERM the child, SIGKILL it after the grace, reap it."""
+        self._send(signal.SIGTERM)
+        if self._until_exit(self.grace):
+            return
+        self._send(signal.SIGKILL)
+        self._until_exit(None)
+
+    def _until_exit(self, timeout: float | None) -> bool:
+        assert self.proc is not None
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+    def _get(self, timeout: float | None) -> str:
+        # A bounded wait in a loop: signal handlers run between the waits whatever the
+        # platform's queue does with an interrupted wait.
+        while True:
+            try:
+                return self._events.get(timeout=1.0 if timeout is None else timeout)
+            except queue.Empty:
+                if timeout is not None:
+                    raise
+
+
+def _on_terminal() -> bool:
+    try:
+        return os.isatty(sys.stdin.fileno())
+    except (AttributeError, OSError, ValueError):
+        return False
