@@ -13,6 +13,7 @@ from .exceptions import (
     LockStoreUnavailable,
     LockUnavailable,
 )
+from .idempotency import idempotent, once, run_once
 from .leaders import election
 from .registry import get_lock_store, set_lock_store
 from .version import __version__
@@ -33,10 +34,13 @@ __all__ = [
     "election",
     "force_release",
     "get_lock_store",
+    "idempotent",
     "lock",
     "lock_view",
     "locked",
+    "once",
     "restore_lock",
+    "run_once",
     "semaphore",
     "set_lock_store",
 ]

@@ -122,3 +122,31 @@ class StoreLock(Lock):
         verbose_name = "lock in every store"
         verbose_name_plural = "locks in every store"
         default_permissions = ()
+
+
+class IdempotentResult(models.Model):
+    """What an idempotent request answered (or a `run_once` function returned), kept under its
+    key until `expires_at` for the retries (`django_keel_lock.idempotency`). Rows are written
+    only by `stores.database.results` (a fenced INSERT ... SELECT on the key's lock row); the
+    expired ones are deleted as it writes, and by `locks results --prune`."""
+
+    key = models.CharField(max_length=255, primary_key=True)
+    #: sha256 of the request's method, path and body digest ("" for a function's result).
+    fingerprint = models.CharField(max_length=64)
+    fence = models.BigIntegerField()
+    #: The response's HTTP status; 0 for a function's JSON result.
+    status = models.IntegerField()
+    data = models.BinaryField()
+    size = models.IntegerField()
+    created_at = models.DateTimeField()
+    expires_at = models.DateTimeField(db_index=True)
+
+    class Meta:
+        db_table = "django_keel_lock_result"
+        verbose_name = "idempotent result"
+        verbose_name_plural = "idempotent results"
+        ordering = ("key",)
+        default_permissions = ("view", "delete")
+
+    def __str__(self) -> str:
+        return self.key

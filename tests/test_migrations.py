@@ -170,6 +170,11 @@ def test_sqlmigrate_output_applied_by_hand_builds_and_removes_what_migrate_does(
             for column, _, collation in built["django_keel_lock_waiter"]["columns"]
         }
         assert waiter["key"] == "utf8mb4_nopad_bin"
+        result = {
+            column: collation
+            for column, _, collation in built["django_keel_lock_result"]["columns"]
+        }
+        assert result["key"] == "utf8mb4_nopad_bin"
 
 
 def readme_router() -> Any:
@@ -204,7 +209,12 @@ def test_the_documented_router_puts_the_lock_table_in_its_database_only() -> Non
         row = LockRow.objects.get(key=handle.key)  # the ORM reads it where the store wrote it
         handle.release()
 
-    ours = {"django_keel_lock_lock", "django_keel_lock_permit", "django_keel_lock_waiter"}
+    ours = {
+        "django_keel_lock_lock",
+        "django_keel_lock_permit",
+        "django_keel_lock_waiter",
+        "django_keel_lock_result",
+    }
     assert in_locks - {"django_migrations"} == ours
     assert not ours & in_elsewhere
     assert "auth_user" in in_elsewhere

@@ -281,6 +281,15 @@ class RedisLockStore(ListeningStore, LockStore):
         about the keys it waits for, not every release in the whole Redis."""
         return f"{self.channel}:{key}"
 
+    def lock_name(self, key: str) -> str:
+        """The Redis key of `key`'s lock: code kept beside the lock (idempotent results) names
+        its keys after it, so they share its hash tag and so its Cluster slot."""
+        return self._names(key)[0]
+
+    def client(self) -> Any:
+        """The sync redis-py client of this process (a RedisCluster with CLUSTER=True)."""
+        return self._client()
+
     def _names(self, key: str) -> tuple[str, str]:
         lock_name = f"{self.prefix}{{{escape_key(key)}}}"
         return lock_name, lock_name + ":fence"

@@ -1,0 +1,156 @@
+"""The HTTP side of idempotent requests: the key a request names, its fingerprint, and
+responses kept and replayed byte for byte."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import string
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from django.http import HttpRequest, HttpResponse, HttpResponseBase
+
+from ..views import wants_json
+
+#: The longest key a client may send (keys beside it: "idempotent:user:<pk>:" fit in 255).
+MAX_KEY_LENGTH = 200
+#: The header a replayed response carries.
+REPLAYED_HEADER = "Idempotent-Replayed"
+#: The response headers kept with a response and replayed: what describes its body and where
+#: it points. Never Set-Cookie (a session of the first request's) nor hop-by-hop headers.
+SAFE_HEADERS = frozenset(
+    {
+        "cache-control",
+        "content-disposition",
+        "content-language",
+        "content-type",
+        "etag",
+        "expires",
+        "last-modified",
+        "link",
+        "location",
+        "vary",
+    }
+)
+
+KeySource = str | Callable[..., "str | None"]
+
+
+class BadKey(ValueError):
+    """A request's idempotency key that cannot be used: answered with 400 and this text."""
+
+
+def check_client_key(key: str, what: str) -> str:
+    """`key` if it is 1 to MAX_KEY_LENGTH printable ASCII characters, else BadKey."""
+    if not key:
+        raise BadKey(f"{what} is empty")
+    if len(key) > MAX_KEY_LENGTH:
+        raise BadKey(f"{what} is {len(key)} characters long; at most {MAX_KEY_LENGTH}")
+    for index, char in enumerate(key):
+        if not " " <= char <= "~":
+            raise BadKey(f"{what} must be printable ASCII; found {char!r} at index {index}")
+    return key
+
+
+def check_template(template: str) -> list[str]:
+    """The {field}s of a key template ("stripe:{event_id}", "{data.object.id}"); a template
+    that is not one raises ValueError naming it."""
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise ValueError(f"idempotency key template {template!r}: {exc}") from None
+    fields = [field for _, field, spec, conv in parsed if field is not None]
+    for _, field, spec, conv in parsed:
+        if field is not None and (not field or spec or conv):
+            raise ValueError(
+                f"idempotency key template {template!r}: write {{name}} or {{a.b}} (a URL "
+                f"kwarg or a field of the JSON or form body), without format specs"
+            )
+    return fields
+
+
+def render_template(template: str, request: HttpRequest, url_kwargs: Mapping[str, Any]) -> str:
+    """The key `template` names for `request`: each {field} from the URL kwargs, else the
+    request's JSON body (dotted: {data.object.id}), else its form body; BadKey if absent."""
+    body: Any = None
+    out = []
+    for literal, field, _, _ in string.Formatter().parse(template):
+        out.append(literal)
+        if field is None:
+            continue
+        if field in url_kwargs:
+            out.append(str(url_kwargs[field]))
+            continue
+        if body is None:
+            body = _body_fields(request)
+        value = _dig(body, field.split("."))
+        if value is None or isinstance(value, (dict, list)):
+            raise BadKey(f"this request has no {{{field}}} for its idempotency key {template!r}")
+        out.append(str(value))
+    return "".join(out)
+
+
+def _body_fields(request: HttpRequest) -> Any:
+    content_type = request.content_type or ""
+    if content_type == "application/json" or content_type.endswith("+json"):
+        try:
+            return json.loads(request.body or b"null")
+        except ValueError:
+            raise BadKey("the request body is not JSON") from None
+    return request.POST
+
+
+def _dig(value: Any, path: list[str]) -> Any:
+    for part in path:
+        if isinstance(value, Mapping) or hasattr(value, "getlist"):
+            value = value.get(part)
+        elif isinstance(value, list) and part.isdigit() and int(part) < len(value):
+            value = value[int(part)]
+        else:
+            return None
+    return value
+
+
+def fingerprint(request: HttpRequest) -> str:
+    """What a retry must repeat: sha256 over the method, the full path and the body's digest."""
+    body = hashlib.sha256(request.body).hexdigest()
+    text = f"{request.method}\0{request.get_full_path()}\0{body}"
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
+
+
+def dump_response(response: HttpResponse) -> bytes:
+    """`response` as bytes: a JSON line of its status and safe headers, then its body."""
+    headers = [[name, value] for name, value in response.items() if name.lower() in SAFE_HEADERS]
+    head = {"status": response.status_code, "reason": response.reason_phrase, "headers": headers}
+    return json.dumps(head, separators=(",", ":")).encode() + b"\n" + response.content
+
+
+def load_response(data: bytes) -> HttpResponse:
+    """The response `dump_response` kept, with `Idempotent-Replayed: true`."""
+    head, _, body = data.partition(b"\n")
+    meta = json.loads(head)
+    response = HttpResponse(body, status=meta["status"], reason=meta.get("reason"))
+    del response["Content-Type"]
+    for name, value in meta["headers"]:
+        response[name] = value
+    response[REPLAYED_HEADER] = "true"
+    return response
+
+
+def problem(request: HttpRequest, status: int, detail: str) -> HttpResponse:
+    """An error answer about the idempotency key: JSON when the client asks for it."""
+    response: HttpResponse
+    if wants_json(request):
+        body = json.dumps({"detail": detail}).encode()
+        response = HttpResponse(body, status=status, content_type="application/json")
+    else:
+        response = HttpResponse(
+            f"{status} {detail}\n".encode(), status=status, content_type="text/plain; charset=utf-8"
+        )
+    return response
+
+
+def is_streaming(response: HttpResponseBase) -> bool:
+    """True for responses whose body is not in memory (StreamingHttpResponse, FileResponse)."""
+    return bool(getattr(response, "streaming", False))

@@ -1,0 +1,60 @@
+"""Where idempotent results live: a `ResultStore` beside each lock store.
+
+An idempotent request (`django_keel_lock.idempotency`) runs under the lock of its key and keeps
+what it answered under the same key, in the store that holds the lock: a table beside the lock
+table, keys beside the lock's in Redis, a dict in memory. The write is fenced: it is made only
+while the writer still holds the key's lock, and never over a result of a later fence, so a
+holder whose lock expired cannot overwrite what the one that took over kept.
+
+A store of another package provides one with a method `result_store(self) -> ResultStore`
+(see `idempotency.storage.result_store_for`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime
+
+
+@dataclass(frozen=True)
+class StoredResult:
+    """One kept result: what a request answered (`status` > 0) or a function returned (0)."""
+
+    key: str
+    fingerprint: str
+    fence: int
+    status: int
+    data: bytes
+    created_at: datetime | None = None  # by the store's clock, where it keeps one
+
+    @property
+    def size(self) -> int:
+        return len(self.data)
+
+
+class ResultStore(ABC):
+    """Results kept for `ttl` seconds, each under the key of the lock its writer held."""
+
+    @abstractmethod
+    def get(self, key: str) -> StoredResult | None:
+        """The live result kept under `key`, or None."""
+
+    @abstractmethod
+    def save(self, key: str, owner: str, fence: int, result: StoredResult, ttl: float) -> bool:
+        """Keep `result` under `key` for `ttl` seconds if `owner` still holds the lock on `key`
+        and no result of a fence >= `fence` is kept there, as one atomic step; True if kept."""
+
+    @abstractmethod
+    def forget(self, key: str) -> bool:
+        """Delete the result under `key`; True if there was one."""
+
+    @abstractmethod
+    def iter_results(self, prefix: str = "") -> Iterator[StoredResult]:
+        """The live results whose key starts with `prefix`, in key order where the store
+        can (Redis lists them as SCAN finds them)."""
+
+    def prune(self) -> int:
+        """Delete expired results the store keeps; how many (0 where they expire by themselves)."""
+        return 0

@@ -1,0 +1,110 @@
+"""Views for tests/test_idempotency.py: one set per store alias, under /<alias>/..."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections import Counter
+from typing import Any
+
+from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.urls import path
+from django.views import View
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from django_keel_lock import idempotent
+from django_keel_lock.idempotency.drf import IdempotentMixin
+
+STORES = ["memory", "sqlite", "postgres", "mariadb", "redis"]
+#: How many times each view ran, by the request's idempotency key (or "-").
+CALLS: Counter[str] = Counter()
+_mutex = threading.Lock()
+
+
+def _count(request: HttpRequest) -> int:
+    key = request.headers.get("Idempotency-Key", "-")
+    with _mutex:
+        CALLS[key] += 1
+        return CALLS[key]
+
+
+def pay(request: HttpRequest) -> HttpResponse:
+    """Answers as the JSON body asks: {"sleep": s, "first_sleep": s, "status": n, "raise":
+    true, "size": n}; each run's body is new (a uuid), so a replay is told from a rerun."""
+    run = _count(request)
+    asks: dict[str, Any] = json.loads(request.body or b"{}")
+    time.sleep(asks.get("sleep", 0) + (asks.get("first_sleep", 0) if run == 1 else 0))
+    if asks.get("raise") and run == 1:
+        raise RuntimeError("the view failed")
+    status = asks.get("status", 201) if run == 1 else 201
+    body = {"run": run, "id": uuid.uuid4().hex, "pad": "x" * asks.get("size", 0)}
+    response = JsonResponse(body, status=status)
+    response["Location"] = f"/payments/{body['id']}"
+    response["Set-Cookie"] = "secret=1"
+    response["X-Internal"] = "not kept"
+    return response
+
+
+def hook(request: HttpRequest, **kwargs: Any) -> HttpResponse:
+    event = json.loads(request.body)
+    with _mutex:
+        CALLS[f"hook:{event['id']}"] += 1
+    return HttpResponse(f"handled {event['id']} {uuid.uuid4().hex}")
+
+
+def stream(request: HttpRequest) -> StreamingHttpResponse:
+    _count(request)
+    time.sleep(json.loads(request.body or b"{}").get("sleep", 0))
+    return StreamingHttpResponse(iter([b"a", b"b"]))
+
+
+class PayView(View):
+    def post(self, request: HttpRequest) -> HttpResponse:
+        return pay(request)
+
+
+class DrfPay(IdempotentMixin, APIView):
+    idempotency_required = True
+    authentication_classes: list[Any] = []
+    permission_classes: list[Any] = []
+    idempotency_scope = "global"
+
+    def post(self, request: Any) -> Response:
+        run = _count(request)
+        return Response({"run": run, "id": uuid.uuid4().hex, "data": request.data}, status=201)
+
+
+def plain(request: HttpRequest) -> HttpResponse:
+    return pay(request)
+
+
+def _views(alias: str) -> list[Any]:
+    return [
+        path(f"{alias}/pay/", idempotent(store=alias)(pay)),
+        path(f"{alias}/pay-global/", idempotent(store=alias, scope="global")(pay)),
+        path(f"{alias}/pay-wait/", idempotent(store=alias, scope="global", wait="10s")(pay)),
+        path(f"{alias}/pay-short/", idempotent(store=alias, scope="global", ttl="1s")(pay)),
+        path(
+            f"{alias}/pay-lost/",
+            idempotent(store=alias, scope="global", lock_ttl="0.3s")(pay),
+        ),
+        path(f"{alias}/pay-small/", idempotent(store=alias, scope="global", max_body=100)(pay)),
+        path(f"{alias}/pay-required/", idempotent(store=alias, required=True)(pay)),
+        path(
+            f"{alias}/hooks/<str:provider>/",
+            idempotent("{provider}:{id}", store=alias, scope="global")(hook),
+        ),
+        path(f"{alias}/stream/", idempotent(store=alias, scope="global")(stream)),
+        path(f"{alias}/class/", idempotent(store=alias, scope="global")(PayView).as_view()),
+        path(
+            f"{alias}/drf/", type(f"Drf{alias}", (DrfPay,), {"idempotency_store": alias}).as_view()
+        ),
+        path(f"{alias}/mw/pay/", plain),
+        path(f"{alias}/free/pay/", plain),
+    ]
+
+
+urlpatterns = [pattern for alias in STORES for pattern in _views(alias)]

@@ -1,0 +1,431 @@
+"""@idempotent, its DRF mixin and middleware, run_once and @once, against the real stores."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.db import connections
+from django.http import HttpResponse
+from django.test import Client, override_settings
+
+from django_keel_lock import LockUnavailable, idempotent, lock, once, run_once
+from django_keel_lock.idempotency.storage import result_store_for
+from django_keel_lock.stores.results import StoredResult
+from tests.conftest import ALL_STORES, store_params
+from tests.support import idempotent_views as views
+
+pytestmark = pytest.mark.usefixtures("_urls")
+
+
+@pytest.fixture
+def _urls() -> Iterator[None]:
+    views.CALLS.clear()
+    with override_settings(ROOT_URLCONF="tests.support.idempotent_views"):
+        yield
+
+
+@pytest.fixture(params=ALL_STORES)
+def alias(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def idem_key() -> str:
+    return f"pay-{uuid.uuid4().hex}"
+
+
+def post(client: Client, url: str, key: str | None, body: Any = None, **headers: str) -> Any:
+    if key is not None:
+        headers["Idempotency-Key"] = key
+    data = json.dumps(body if body is not None else {})
+    return client.post(url, data, content_type="application/json", headers=headers)
+
+
+def user(name: str) -> Any:
+    return get_user_model().objects.create_user(f"{name}-{uuid.uuid4().hex[:10]}")
+
+
+def logged_in(who: Any) -> Client:
+    client = Client()
+    client.force_login(who)
+    return client
+
+
+# -- the behaviour, on every store --------------------------------------------------------
+def in_thread(fn: Any) -> threading.Thread:
+    """A thread (not started) that runs `fn` and then closes its database connections."""
+
+    def run() -> None:
+        try:
+            fn()
+        finally:
+            connections.close_all()
+
+    return threading.Thread(target=run)
+
+
+def send_together(url: str, key: str, body: Any, n: int = 10) -> list[Any]:
+    """`n` POSTs of `body` with `key`, from `n` threads released at once; their responses."""
+    answers: list[Any] = []
+    start = threading.Barrier(n)
+
+    def send() -> None:
+        client = Client()
+        start.wait()
+        try:
+            answers.append(post(client, url, key, body))
+        finally:
+            connections.close_all()  # the test client leaves a thread's connections open
+
+    threads = [threading.Thread(target=send) for _ in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return answers
+
+
+def test_ten_concurrent_requests_run_the_view_once_the_others_get_409(
+    alias: str, idem_key: str
+) -> None:
+    answers = send_together(f"/{alias}/pay-global/", idem_key, {"sleep": 0.5})
+    statuses = sorted(response.status_code for response in answers)
+    assert views.CALLS[idem_key] == 1
+    assert statuses == [201] + [409] * 9
+    refused = [response for response in answers if response.status_code == 409]
+    assert all(response["Retry-After"] == "1" for response in refused)
+
+
+def test_ten_concurrent_requests_that_wait_all_get_the_one_answer(
+    alias: str, idem_key: str
+) -> None:
+    answers = send_together(f"/{alias}/pay-wait/", idem_key, {"sleep": 0.3})
+    assert views.CALLS[idem_key] == 1
+    assert [response.status_code for response in answers] == [201] * 10
+    assert len({response.content for response in answers}) == 1
+    replayed = [response for response in answers if response.get("Idempotent-Replayed")]
+    assert len(replayed) == 9
+
+
+def test_replay_is_byte_identical_with_the_replay_header_and_safe_headers_only(
+    alias: str, idem_key: str
+) -> None:
+    client = Client()
+    first = post(client, f"/{alias}/pay-global/", idem_key, {"amount": 5})
+    again = post(client, f"/{alias}/pay-global/", idem_key, {"amount": 5})
+    assert views.CALLS[idem_key] == 1
+    assert (again.status_code, again.content) == (first.status_code, first.content)
+    assert again["Idempotent-Replayed"] == "true"
+    assert again["Content-Type"] == first["Content-Type"] == "application/json"
+    assert again["Location"] == first["Location"]
+    assert "Idempotent-Replayed" not in first
+    assert "X-Internal" not in again and "secret" not in again.cookies
+
+
+def test_the_same_key_with_another_body_or_path_gets_422(alias: str, idem_key: str) -> None:
+    client = Client()
+    assert post(client, f"/{alias}/pay-global/", idem_key, {"amount": 5}).status_code == 201
+    assert post(client, f"/{alias}/pay-global/", idem_key, {"amount": 6}).status_code == 422
+    other_path = client.post(
+        f"/{alias}/pay-global/?x=1", "{}", content_type="application/json",
+        headers={"Idempotency-Key": idem_key},
+    )  # fmt: skip
+    assert other_path.status_code == 422
+    assert views.CALLS[idem_key] == 1
+
+
+def test_5xx_and_exceptions_are_not_kept_and_the_key_is_free_at_once(
+    alias: str, idem_key: str
+) -> None:
+    client = Client(raise_request_exception=False)
+    failed = post(client, f"/{alias}/pay-global/", idem_key, {"status": 503})
+    assert failed.status_code == 503
+    assert post(client, f"/{alias}/pay-global/", idem_key, {"status": 503}).status_code == 201
+    assert views.CALLS[idem_key] == 2
+
+    raised_key = idem_key + "-raise"
+    assert post(client, f"/{alias}/pay-global/", raised_key, {"raise": True}).status_code == 500
+    assert not lock(f"idempotent:global:{raised_key}", store=alias).is_locked()
+    assert post(client, f"/{alias}/pay-global/", raised_key, {"raise": True}).status_code == 201
+    assert views.CALLS[raised_key] == 2
+
+
+def test_4xx_is_kept_but_409_and_429_are_not(alias: str, idem_key: str) -> None:
+    client = Client()
+    for status, runs in ((400, 1), (409, 2), (429, 2)):
+        key = f"{idem_key}-{status}"
+        assert post(client, f"/{alias}/pay-global/", key, {"status": status}).status_code == status
+        second = post(client, f"/{alias}/pay-global/", key, {"status": status})
+        assert views.CALLS[key] == runs
+        assert second.status_code == (status if runs == 1 else 201)
+
+
+def test_a_result_expires_after_its_ttl(alias: str, idem_key: str) -> None:
+    client = Client()
+    post(client, f"/{alias}/pay-short/", idem_key)
+    assert post(client, f"/{alias}/pay-short/", idem_key).get("Idempotent-Replayed") == "true"
+    time.sleep(1.2)
+    again = post(client, f"/{alias}/pay-short/", idem_key)
+    assert again.get("Idempotent-Replayed") is None
+    assert views.CALLS[idem_key] == 2
+
+
+def test_user_a_key_never_replays_to_user_b(alias: str, idem_key: str) -> None:
+    alice, bob = logged_in(user("alice")), logged_in(user("bob"))
+    first = post(alice, f"/{alias}/pay/", idem_key, {"amount": 5})
+    other = post(bob, f"/{alias}/pay/", idem_key, {"amount": 5})
+    assert other.status_code == 201 and other.get("Idempotent-Replayed") is None
+    assert other.content != first.content
+    assert views.CALLS[idem_key] == 2
+    assert post(alice, f"/{alias}/pay/", idem_key, {"amount": 5}).content == first.content
+
+
+def test_a_holder_that_lost_its_lock_cannot_keep_its_response_over_the_new_holders(
+    alias: str, idem_key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The first run sleeps past its 0.3 s lock; a retry takes the key over and answers first.
+    slow: list[Any] = []
+    thread = in_thread(
+        lambda: slow.append(post(Client(), f"/{alias}/pay-lost/", idem_key, {"first_sleep": 1.2}))
+    )
+    thread.start()
+    time.sleep(0.6)
+    taker = post(Client(), f"/{alias}/pay-lost/", idem_key, {"first_sleep": 1.2})
+    with caplog.at_level(logging.WARNING, "django_keel_lock"):
+        thread.join(10)
+    assert views.CALLS[idem_key] == 2
+    assert taker.get("Idempotent-Replayed") is None
+    later = post(Client(), f"/{alias}/pay-lost/", idem_key, {"first_sleep": 1.2})
+    assert later["Idempotent-Replayed"] == "true"
+    assert later.content == taker.content != slow[0].content
+    assert "the lock was lost while the view ran" in caplog.text
+
+
+def test_results_are_fenced_in_the_store(alias: str, idem_key: str) -> None:
+    """A writer whose lock expired and was taken over writes nothing, neither over the new
+    holder's result nor before it."""
+    results = result_store_for(alias)
+    key = f"idempotent:test:{idem_key}"
+    old = lock(key, store=alias, ttl=0.2)
+    assert old.acquire()
+    time.sleep(0.4)
+    new = lock(key, store=alias, ttl=30)
+    assert new.acquire()
+    assert new.fence is not None and old.fence is not None and new.fence > old.fence
+    mine = StoredResult(key, "fp", 0, 200, b"old")
+    assert not results.save(key, old.owner or "", old.fence, mine, 60)
+    theirs = StoredResult(key, "fp", 0, 201, b"new")
+    assert results.save(key, new.owner or "", new.fence, theirs, 60)
+    assert not results.save(key, new.owner or "", new.fence - 1, mine, 60)
+    found = results.get(key)
+    assert found is not None and (found.status, found.data) == (201, b"new")
+    new.release()
+    assert results.forget(key) and results.get(key) is None
+
+
+def test_the_store_lists_its_results(alias: str, idem_key: str) -> None:
+    client = Client()
+    post(client, f"/{alias}/pay-global/", idem_key)
+    listed = list(result_store_for(alias).iter_results(f"idempotent:global:{idem_key}"))
+    assert [(r.key, r.status) for r in listed] == [(f"idempotent:global:{idem_key}", 201)]
+    assert listed[0].size > 0 and listed[0].created_at is not None
+
+
+# -- the edges, on a database and the memory store -----------------------------------------
+EDGE_STORES = store_params(["memory", "postgres"])
+
+
+@pytest.mark.parametrize("alias", EDGE_STORES)
+@pytest.mark.parametrize(
+    "value",
+    ["x" * 201, "abc\x01def", "tab\there", "naïve", ""],
+    ids=["too-long", "control", "tab", "non-ascii", "empty"],
+)
+def test_bad_keys_get_400(alias: str, value: str) -> None:
+    client = Client()
+    response = post(client, f"/{alias}/pay-global/", value)
+    assert response.status_code == 400
+    assert b"idempotency key" in response.content
+    assert views.CALLS[value] == 0
+
+
+@pytest.mark.parametrize("alias", EDGE_STORES)
+def test_a_missing_required_key_gets_400_and_an_optional_one_runs_the_view(alias: str) -> None:
+    client = logged_in(user("carol"))
+    missing = post(client, f"/{alias}/pay-required/", None, Accept="application/json")
+    assert missing.status_code == 400 and "Idempotency-Key" in missing.json()["detail"]
+    assert post(client, f"/{alias}/pay/", None).status_code == 201
+    assert post(client, f"/{alias}/pay/", None).status_code == 201
+    assert views.CALLS["-"] == 2
+
+
+@pytest.mark.parametrize("alias", EDGE_STORES)
+def test_anonymous_without_a_session_gets_400_with_scope_user(alias: str, idem_key: str) -> None:
+    response = post(Client(), f"/{alias}/pay/", idem_key)
+    assert response.status_code == 400 and b"scope" in response.content
+
+
+@pytest.mark.parametrize("alias", EDGE_STORES)
+def test_a_large_body_is_answered_but_not_kept_and_logged(
+    alias: str, idem_key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    client = Client()
+    with caplog.at_level(logging.INFO, "django_keel_lock"):
+        assert post(client, f"/{alias}/pay-small/", idem_key, {"size": 200}).status_code == 201
+    assert "over max_body 100: not kept" in caplog.text
+    assert post(client, f"/{alias}/pay-small/", idem_key, {"size": 200}).status_code == 201
+    assert views.CALLS[idem_key] == 2
+
+
+@pytest.mark.parametrize("alias", EDGE_STORES)
+def test_streaming_responses_are_not_kept_but_still_guarded(alias: str, idem_key: str) -> None:
+    running: list[Any] = []
+    thread = in_thread(
+        lambda: running.append(post(Client(), f"/{alias}/stream/", idem_key, {"sleep": 0.6}))
+    )
+    thread.start()
+    time.sleep(0.3)
+    assert post(Client(), f"/{alias}/stream/", idem_key, {"sleep": 0.6}).status_code == 409
+    thread.join(10)
+    assert b"".join(running[0].streaming_content) == b"ab"
+    again = post(Client(), f"/{alias}/stream/", idem_key, {"sleep": 0})
+    assert again.status_code == 422 or again.streaming  # another body: 422 only if kept
+    assert post(Client(), f"/{alias}/stream/", idem_key, {"sleep": 0.6}).streaming
+    assert views.CALLS[idem_key] == 3
+
+
+@pytest.mark.parametrize("alias", EDGE_STORES)
+def test_a_webhook_key_comes_from_the_url_and_the_body(alias: str) -> None:
+    event = uuid.uuid4().hex
+    client = Client()
+    url = f"/{alias}/hooks/stripe/"
+    first = client.post(url, json.dumps({"id": event}), content_type="application/json")
+    again = client.post(url, json.dumps({"id": event}), content_type="application/json")
+    assert again["Idempotent-Replayed"] == "true" and again.content == first.content
+    assert views.CALLS[f"hook:{event}"] == 1
+    no_id = client.post(url, json.dumps({"other": 1}), content_type="application/json")
+    assert no_id.status_code == 400
+
+
+@pytest.mark.parametrize("alias", EDGE_STORES)
+def test_a_class_based_view(alias: str, idem_key: str) -> None:
+    client = Client()
+    first = post(client, f"/{alias}/class/", idem_key)
+    again = post(client, f"/{alias}/class/", idem_key)
+    assert again["Idempotent-Replayed"] == "true" and again.content == first.content
+
+
+@pytest.mark.parametrize("alias", EDGE_STORES)
+def test_get_requests_are_not_guarded(alias: str, idem_key: str) -> None:
+    client = Client()
+    for _ in range(2):
+        client.get(f"/{alias}/pay-global/", headers={"Idempotency-Key": idem_key})
+    assert views.CALLS[idem_key] == 2
+
+
+@pytest.mark.parametrize("alias", EDGE_STORES)
+def test_the_drf_mixin_on_an_api_view(alias: str, idem_key: str) -> None:
+    client = Client()
+    first = post(client, f"/{alias}/drf/", idem_key, {"amount": 5})
+    again = post(client, f"/{alias}/drf/", idem_key, {"amount": 5})
+    assert first.status_code == 201 and first.json()["data"] == {"amount": 5}
+    assert again["Idempotent-Replayed"] == "true" and again.content == first.content
+    assert post(client, f"/{alias}/drf/", idem_key, {"amount": 6}).status_code == 422
+    assert post(client, f"/{alias}/drf/", None).status_code == 400
+    assert views.CALLS[idem_key] == 1
+
+
+@pytest.mark.parametrize("alias", EDGE_STORES)
+def test_the_middleware_guards_its_prefixes_only(alias: str, idem_key: str) -> None:
+    with override_settings(
+        MIDDLEWARE=[
+            "django.contrib.sessions.middleware.SessionMiddleware",
+            "django.contrib.auth.middleware.AuthenticationMiddleware",
+            "django_keel_lock.idempotency.IdempotencyMiddleware",
+        ],
+        KEEL_LOCK_IDEMPOTENT_PATHS={f"/{alias}/mw/": {"store": alias, "scope": "global"}},
+    ):
+        client = Client()
+        first = post(client, f"/{alias}/mw/pay/", idem_key)
+        again = post(client, f"/{alias}/mw/pay/", idem_key)
+        assert again["Idempotent-Replayed"] == "true" and again.content == first.content
+        free = idem_key + "-free"
+        post(client, f"/{alias}/free/pay/", free)
+        assert post(client, f"/{alias}/free/pay/", free).get("Idempotent-Replayed") is None
+    assert views.CALLS[idem_key] == 1 and views.CALLS[free] == 2
+
+
+# -- run_once and @once --------------------------------------------------------------------
+def test_run_once_runs_once_and_returns_the_stored_result(alias: str, idem_key: str) -> None:
+    calls: list[int] = []
+
+    def work() -> dict[str, Any]:
+        calls.append(1)
+        return {"charged": [1, 2]}
+
+    assert run_once(idem_key, work, store=alias) == (True, {"charged": [1, 2]})
+    assert run_once(idem_key, work, store=alias) == (False, {"charged": [1, 2]})
+    assert len(calls) == 1
+
+
+def test_run_once_keeps_nothing_when_fn_raises_and_refuses_while_running(
+    alias: str, idem_key: str
+) -> None:
+    def fail() -> None:
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        run_once(idem_key, fail, store=alias)
+    assert run_once(idem_key, lambda: 7, store=alias) == (True, 7)
+    running = lock(f"once:{idem_key}-busy", store=alias)
+    assert running.acquire()
+    try:
+        with pytest.raises(LockUnavailable):
+            run_once(f"{idem_key}-busy", lambda: 1, store=alias)
+    finally:
+        running.release()
+
+
+@pytest.mark.parametrize("alias", store_params(["memory", "redis"]))
+def test_once_decorator_formats_its_key_from_the_arguments(alias: str) -> None:
+    seen: list[str] = []
+
+    @once("webhook:test:{event_id}", ttl="1m", store=alias)
+    def handle(event_id: str, amount: int) -> int:
+        seen.append(event_id)
+        return amount * 2
+
+    event = uuid.uuid4().hex
+    assert handle(event, 21) == 42
+    assert handle(event, 21) == 42
+    assert handle(event + "x", 1) == 2
+    assert seen == [event, event + "x"]
+    with pytest.raises(ValueError, match="event"):
+        once("webhook:{missing}")(lambda event_id: None)
+
+
+# -- options -------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"scope": "team"}, "scope must be"),
+        ({"ttl": 0}, "ttl must be"),
+        ({"wait": -1}, "wait must be"),
+        ({"max_body": -1}, "max_body must be"),
+        ({"statuses": [500]}, "5xx"),
+        ({"methods": "POST"}, "methods must be"),
+    ],
+)
+def test_bad_options_raise_at_decoration_naming_the_option(
+    options: dict[str, Any], message: str
+) -> None:
+    with pytest.raises((ValueError, TypeError), match=message):
+        idempotent(**options)(lambda request: HttpResponse())
