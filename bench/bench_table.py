@@ -34,7 +34,7 @@ def _size(store: Any) -> str:
     """The lock table's size on disk, where the database says so exactly (PostgreSQL)."""
     if not _is_postgres(store):
         return "-"
-    rows, _ = store._execute([("SELECT pg_total_relation_size('django_keel_lock_lock')", ())])
+    rows, _ = store.execute([("SELECT pg_total_relation_size('django_keel_lock_lock')", ())])
     return f"{int(rows[0][0]) / 1e6:.2f} MB"
 
 
@@ -69,7 +69,7 @@ def run(alias: str, keys: int, vacuum_every: int = 0) -> list[object]:
     Lock.objects.using(database).all().delete()
     Permit.objects.using(database).all().delete()
     if _is_postgres(store):
-        store._execute([("VACUUM FULL django_keel_lock_lock", ())])
+        store.execute([("VACUUM FULL django_keel_lock_lock", ())])
     from django.db import connections
 
     connections.close_all()  # not into the fork
@@ -96,7 +96,7 @@ def run(alias: str, keys: int, vacuum_every: int = 0) -> list[object]:
         if n % 1000 == 999:
             most = max(most, Lock.objects.using(database).count())
         if vacuum_every and n % vacuum_every == vacuum_every - 1 and _is_postgres(store):
-            store._execute([("VACUUM django_keel_lock_lock", ())])
+            store.execute([("VACUUM django_keel_lock_lock", ())])
     elapsed = clock() - started
     parent.send("stop")
     others, failed = parent.recv()

@@ -2,14 +2,14 @@
 
 From the settings: E010 (SOCKET_TIMEOUT), E005 (DATABASE names no database) and E006 (a vendor
 without a dialect). Tagged `database`, on the databases the command asks for, taking no lock:
-W003 and W006 (a table missing: not migrated there), W004 (it could not be inspected) and W008
-(MariaDB: a user without PROCESS).
+W003 and W006 (a table missing: not migrated there), W004 (it could not be inspected), and each
+vendor's own (`vendors.Vendor.check_database`): W008 (MariaDB: a user without PROCESS).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from importlib import import_module
 from typing import Any
 
@@ -19,8 +19,8 @@ from django.db import connections
 
 from ..checks import ID, check_socket_timeout, where
 from .dialects import DIALECTS
-from .dialects.base import PERMIT_TABLE
-from .dialects.base import TABLE as LOCK_TABLE
+from .dialects.schema import PERMIT_TABLE
+from .dialects.schema import TABLE as LOCK_TABLE
 
 #: A grant of global privileges, as SHOW GRANTS writes it: the privileges, then ON *.*.
 GLOBAL_GRANT = re.compile(r"GRANT (?P<privileges>.+?) ON \*\.\* TO ", re.IGNORECASE)
@@ -62,8 +62,15 @@ def _check_database(alias: str, database: Any) -> list[CheckMessage]:
     ]
 
 
-def check_tables(stores: Mapping[str, Any], databases: Sequence[str]) -> list[CheckMessage]:
-    """W003, W004, W006, W008 for `stores` (alias -> its DATABASES alias) on `databases`.
+#: A vendor's own checks of a database (`database`, the phrase naming the stores there).
+VendorChecks = Callable[[str, str], list[CheckMessage]]
+
+
+def check_tables(
+    stores: Mapping[str, Any], databases: Sequence[str], vendor_checks: VendorChecks
+) -> list[CheckMessage]:
+    """W003, W004, W006 and `vendor_checks` (MariaDB: W008) for `stores` (alias -> its
+    DATABASES alias) on `databases`.
 
     Warnings, not errors, although every lock on such a store fails: `migrate` runs the
     database checks of the database it migrates before migrating, and an error would stop the
@@ -77,11 +84,11 @@ def check_tables(stores: Mapping[str, Any], databases: Sequence[str]) -> list[Ch
     for database, aliases in on.items():
         named = ", ".join(repr(alias) for alias in aliases)
         keep = f"Lock stores {named} keep" if len(aliases) > 1 else f"Lock store {named} keeps"
-        messages.extend(_check_tables(database, keep))
+        messages.extend(_check_tables(database, keep, vendor_checks))
     return messages
 
 
-def _check_tables(database: str, stores: str) -> list[CheckMessage]:
+def _check_tables(database: str, stores: str, vendor_checks: VendorChecks) -> list[CheckMessage]:
     try:
         tables = connections[database].introspection.table_names()
     except Exception as exc:  # unreachable server, missing driver: a check never crashes
@@ -116,7 +123,7 @@ def _check_tables(database: str, stores: str) -> list[CheckMessage]:
                 id=ID.format("W006"),
             )
         )
-    return [*messages, *_check_process_privilege(database, stores)]
+    return [*messages, *vendor_checks(database, stores)]
 
 
 def has_process(grants: Sequence[str]) -> bool:
@@ -131,12 +138,11 @@ def has_process(grants: Sequence[str]) -> bool:
     return False
 
 
-def _check_process_privilege(database: str, stores: str) -> list[CheckMessage]:
-    """W008: on MariaDB, the clean-up reads information_schema.PROCESSLIST for the statements
-    of other connections in flight, and without PROCESS it sees only its own user's."""
+def check_process_privilege(database: str, stores: str) -> list[CheckMessage]:
+    """W008 (MariaDB's check): the clean-up reads information_schema.PROCESSLIST for the
+    statements of other connections in flight, and without PROCESS it sees only its own
+    user's."""
     connection = connections[database]
-    if connection.vendor != "mysql":
-        return []
     try:
         with connection.cursor() as cursor:
             # Without FOR: the current user's grants and those of its enabled roles.

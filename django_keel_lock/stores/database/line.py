@@ -15,16 +15,14 @@ from __future__ import annotations
 from typing import Any
 
 from ..base import PERMIT_OWNERS, QUEUE_LEASE, AcquireResult
-from .dialects import Dialect
-from .dialects.base import InTransaction, LineStatements
+from .dialects.base import InTransaction, LineStatements, ServerDialect
 
 
 class Line(InTransaction):
     """One attempt of a waiter in a key's line, on `cursor`, inside the transaction the store
     opened."""
 
-    def __init__(self, dialect: Dialect, cursor: Any) -> None:
-        assert dialect.line is not None
+    def __init__(self, dialect: ServerDialect, cursor: Any) -> None:
         self.sql: LineStatements = dialect.line
         super().__init__(dialect, cursor)
 

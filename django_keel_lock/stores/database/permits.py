@@ -77,9 +77,8 @@ class _Key:
 class Transaction(InTransaction):
     """One permit operation's statements on `cursor`, inside the transaction the store opened."""
 
-    def __init__(self, dialect: Dialect, cursor: Any) -> None:
-        assert dialect.transaction is not None
-        self.sql: PermitTransaction = dialect.transaction
+    def __init__(self, dialect: Dialect, sql: PermitTransaction, cursor: Any) -> None:
+        self.sql = sql
         super().__init__(dialect, cursor)
 
     def read(self, key: str) -> _Key | None:

@@ -16,18 +16,17 @@
   or, on SQLite, the doorbells beside the database file (`doorbells`).
 - Waiters for an exclusive lock stand in a line (PostgreSQL, MariaDB: the `Waiter` table, see
   `database.line`), and a release that someone waited for wakes only the first of them.
-- The SQL itself is each vendor's dialect (`dialects`).
+- What differs by database (its SQL, its wake-ups, its permits, its checks) is its vendor's
+  (`vendors`); this class runs statements and keeps what all share.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import suppress
-from functools import partial
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 from django.core.checks import CheckMessage
 from django.core.exceptions import ImproperlyConfigured, SynchronousOnlyOperation
@@ -38,13 +37,12 @@ from ..base import PERMIT_OWNERS, AcquireResult, Kind, LockInfo, LockStore, Mode
 from ..connections import Deadline, PerThread, SocketCheck, socket_timeout_option
 from ..wakeups import ListeningStore, ReleaseListener
 from . import checks
-from .dialects import DIALECTS, Dialect
-from .dialects.postgresql import is_psycopg3
-from .doorbells import DoorbellListener, Doorbells
+from .dialects import Dialect
+from .dialects.base import in_transaction
+from .doorbells import Doorbells
 from .libpq import PreparedStatements, Row, Statement
 from .line import Line
-from .listener import MariaDBListener, PostgresListener
-from .permits import Transaction
+from .vendors import VENDORS, ServerVendor, Vendor, check_database
 
 logger = logging.getLogger("django_keel_lock")
 
@@ -59,16 +57,8 @@ PRUNE_BATCH = 1000
 #: behind it (fewer with more threads), within one batch.
 SWEEP_EVERY = 500
 SWEEP_BATCH = 1000
-#: At most this many keys remembered as contended (`DatabaseLockStore._found_contended`).
-CONTENDED_KEYS = 1024
 T = TypeVar("T")
 _Result = tuple[list[Row], int]
-#: The listener of each `Dialect.listener`.
-LISTENERS: Mapping[str, type[ReleaseListener]] = {
-    "notify": PostgresListener,
-    "named-locks": MariaDBListener,
-    "doorbells": DoorbellListener,
-}
 
 
 class DatabaseLockStore(ListeningStore, LockStore):
@@ -101,7 +91,7 @@ class DatabaseLockStore(ListeningStore, LockStore):
         cls, stores: Mapping[str, Mapping[str, Any]], *, databases: Sequence[str]
     ) -> list[CheckMessage]:
         on = {alias: cls.database_option(options) for alias, options in stores.items()}
-        return checks.check_tables(on, databases)
+        return checks.check_tables(on, databases, check_database)
 
     @property
     def table_database(self) -> str:
@@ -121,34 +111,31 @@ class DatabaseLockStore(ListeningStore, LockStore):
         # False once the driver turned out to have no LISTEN (psycopg2), or SQLite's doorbells
         # could not be set up.
         self.push_possible = True
-        self._doorbells: Doorbells | None = None
         self._sweeps = _Sweeps()
         # (key, owner) of this process's waiters that stand in a line: their attempts go
         # straight to the line's transaction (the plain upsert could take the lock out of
         # turn when a take by a non-waiting acquire lowered the flag meanwhile).
         self._in_line: set[tuple[str, str]] = set()
-        # Keys whose last release here found someone waiting (MariaDB, `_found_contended`).
-        self._contended: set[str] = set()
-
-        # Whether the database has the line's table (migration 0005), as the first connection
-        # of the store found (None: none opened yet). A database migrated later gets lines
-        # from processes started after that.
-        self._line_table: bool | None = None
 
     @property
     def queues(self) -> bool:  # type: ignore[override]
-        # Before the first connection tells (`_has_line`), a wait stands in the line: its
+        # Before the first connection tells (`_line`), a wait stands in the line: its
         # attempts find out, and go on as plain acquires where the table is missing.
-        return self.dialect.line is not None and self._line_table is not False
+        vendor = self.vendor
+        return isinstance(vendor, ServerVendor) and vendor.line_table is not False
+
+    def _line(self) -> ServerVendor | None:
+        """The vendor where this store keeps lines: the vendor has them and the database
+        the table. Opens this thread's connection if need be (the first one finds out)."""
+        vendor = self.vendor
+        if not isinstance(vendor, ServerVendor):
+            return None
+        if vendor.line_table is None:
+            self._open()
+        return vendor if vendor.line_table else None
 
     def _has_line(self) -> bool:
-        """Whether this store keeps lines: its dialect has them and its database the table.
-        Opens this thread's connection if need be (the first one finds out)."""
-        if self.dialect.line is None:
-            return False
-        if self._line_table is None:
-            self._open()
-        return bool(self._line_table)
+        return self._line() is not None
 
     # -- connections ----------------------------------------------------------------------
     def _connection_settings(self) -> dict[str, Any]:
@@ -160,22 +147,10 @@ class DatabaseLockStore(ListeningStore, LockStore):
         settings = dict(base.settings_dict, AUTOCOMMIT=True)
         options = dict(settings.get("OPTIONS") or {})
         options.pop("pool", None)
-        if base.vendor in DIALECTS:
+        if base.vendor in VENDORS:
             self.dialect.connection_options(options, base, self.socket_timeout)
         settings["OPTIONS"] = options
         return settings
-
-    def _libpq_possible(self, settings: Mapping[str, Any]) -> bool:
-        """Whether the hot statements may be prepared once per connection and run through
-        libpq itself: psycopg 3, and prepared statements not turned off (pgbouncer in
-        transaction mode needs `"prepare_threshold": None`)."""
-        base = connections[self.database]
-        options = settings.get("OPTIONS") or {}
-        return (
-            base.vendor == "postgresql"
-            and is_psycopg3(base)
-            and options.get("prepare_threshold") is not None
-        )
 
     def _new_wrapper(self, deadline: Deadline | None = None) -> Any:
         """A connected wrapper of our own. Its setup (Django's, `connection_created`
@@ -201,16 +176,8 @@ class DatabaseLockStore(ListeningStore, LockStore):
         wrapper.get_new_connection = get_new_connection
         try:
             wrapper.ensure_connection()
-            dialect = self.dialect if wrapper.vendor in DIALECTS else None
-            session = dialect.session_sql(self.durable) if dialect is not None else ()
-            probe = dialect.line_table_sql if dialect is not None else ""
-            if session or probe:
-                with wrapper.connection.cursor() as cursor:
-                    for sql in session:
-                        cursor.execute(sql)
-                    if probe and self._line_table is None:
-                        cursor.execute(probe)
-                        self._line_table = bool(cursor.fetchone()[0])
+            if wrapper.vendor in VENDORS:
+                self.vendor.set_up(wrapper.connection, self.durable)
         except BaseException as exc:
             timed_out = deadline.disarm()
             _close_raw(wrapper, deadline)
@@ -235,27 +202,29 @@ class DatabaseLockStore(ListeningStore, LockStore):
             return conn, False
         deadline = Deadline(self.socket_timeout)
         wrapper = self._new_wrapper(deadline)
-        libpq = (
-            PreparedStatements(wrapper.connection.pgconn)
-            if self._libpq_possible(wrapper.settings_dict)
-            else None
-        )
+        libpq = self.vendor.fast_path(wrapper)
         return self._threads.put(_ThreadConnection(wrapper, deadline, libpq)), True
 
     @property
-    def dialect(self) -> Dialect:
-        dialect: Dialect | None = getattr(self, "_dialect", None)
-        if dialect is None:
-            vendor = connections[self.database].vendor
-            if vendor not in DIALECTS:
+    def vendor(self) -> Vendor:
+        """The store's ways on its database's vendor (see `vendors`)."""
+        vendor: Vendor | None = getattr(self, "_vendor", None)
+        if vendor is None:
+            name = connections[self.database].vendor
+            if name not in VENDORS:
                 raise LockStoreUnavailable(
                     f"DatabaseLockStore supports PostgreSQL, MariaDB and SQLite, "
-                    f"not {vendor!r} (database {self.database!r})"
+                    f"not {name!r} (database {self.database!r})"
                 )
-            dialect = self._dialect = DIALECTS[vendor]()
-        return dialect
+            vendor = self._vendor = VENDORS[name](self)
+        return vendor
 
-    def _execute(
+    @property
+    def dialect(self) -> Dialect:
+        """The SQL of the store's database (its vendor's)."""
+        return self.vendor.dialect
+
+    def execute(
         self,
         statements: Sequence[Statement],
         *,
@@ -303,9 +272,9 @@ class DatabaseLockStore(ListeningStore, LockStore):
                 cursor.execute(sql, params)
             return result
 
-        return self._run(work, idempotent=idempotent, closing=bool(after), key=key, holder=holder)
+        return self.run(work, idempotent=idempotent, closing=bool(after), key=key, holder=holder)
 
-    def _transaction(
+    def transaction(
         self,
         body: Callable[[Any], T],
         *,
@@ -316,9 +285,9 @@ class DatabaseLockStore(ListeningStore, LockStore):
         """`body(cursor)` inside one transaction (the dialect's `begin_sql` ... COMMIT), by
         `_execute`'s rules. Inside the caller's transaction (SQLite), in a savepoint of it
         instead: a failure midway leaves the caller's transaction as it was."""
-        return self._run(body, transaction=True, idempotent=idempotent, key=key, holder=holder)
+        return self.run(body, transaction=True, idempotent=idempotent, key=key, holder=holder)
 
-    def _run(
+    def run(
         self,
         work: Callable[..., T],
         *,
@@ -332,7 +301,7 @@ class DatabaseLockStore(ListeningStore, LockStore):
         `transaction`, `work(cursor)`) with the deadline, retry and error rules `_execute`
         states. `closing`: work ends by closing a guard, so even a data exception drops the
         connection."""
-        joined = self.dialect.callers_transaction(self.database)
+        joined = self.vendor.callers_transaction(self.database)
         if joined is not None:
             return self._run_joined(joined, work, transaction, key, holder)
         for attempt in (1, 2):
@@ -344,7 +313,7 @@ class DatabaseLockStore(ListeningStore, LockStore):
             deadline.arm()
             try:
                 if transaction:
-                    result = _in_transaction(conn.cursor, self.dialect.begin_sql, work)
+                    result = in_transaction(conn.cursor, self.dialect.begin_sql, work)
                 else:
                     result = work(conn.cursor, conn.libpq, database)
             except database.Error as exc:
@@ -435,13 +404,12 @@ class DatabaseLockStore(ListeningStore, LockStore):
         self, statements: Sequence[str], key: str, owner: str, holder: str, ttl: float
     ) -> AcquireResult:
         """Run an acquire upsert (`acquire_sql` or `acquire_queued_sql`): its result."""
-        dialect = self.dialect
-        params = dialect.acquire_params(key, owner, holder, ttl)
-        rows, _ = self._execute(
+        params = self.dialect.acquire_params(key, owner, holder, ttl)
+        rows, _ = self.execute(
             list(zip(statements, params, strict=True)), hot=True, key=key, holder=holder
         )
-        if not rows and dialect.refused_sql:  # only a refusal pays for this read
-            rows, _ = self._execute([(dialect.refused_sql, (key,))], key=key)
+        if not rows:
+            rows = self.vendor.refused(key)
         if not rows:  # freed since: worth trying again at once
             return AcquireResult(None, 0.0, "exclusive")
         fence, retry_in, marker = rows[0][:3]
@@ -453,19 +421,20 @@ class DatabaseLockStore(ListeningStore, LockStore):
 
     # -- the line of waiters (PostgreSQL, MariaDB) -----------------------------------------
     def acquire_queued(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
-        dialect = self.dialect
-        if not self._has_line():
-            if dialect.line is None:
+        vendor = self._line()
+        if vendor is None:
+            if not isinstance(self.vendor, ServerVendor):
                 return super().acquire_queued(key, owner, holder, ttl)
             return self.acquire(key, owner, holder, ttl)  # a database without the table
         self._tick()
+        dialect = vendor.dialect
         if (key, owner) not in self._in_line:
             # Not in the line yet: as cheap as acquire while nobody waits (PostgreSQL: one
             # statement, by libpq). Refused by permits: not queued.
             result = self._upsert(dialect.acquire_queued_sql, key, owner, holder, ttl)
             if result.acquired or (result.held_as != "exclusive" and result.retry_in):
                 return result
-        elif dialect.take_first_sql:
+        else:
             # In the line already, as a rule woken as its first: one statement if it is.
             params = {"owner": owner, "holder": holder, "ttl": dialect.interval(ttl), "key": key}
 
@@ -473,12 +442,12 @@ class DatabaseLockStore(ListeningStore, LockStore):
                 cursor.execute(dialect.take_first_sql, params)
                 return dialect.taken_fence(cursor)
 
-            fence = self._run(take, key=key, holder=holder)
+            fence = self.run(take, key=key, holder=holder)
             if fence is not None:
                 self._in_line.discard((key, owner))
                 return AcquireResult(fence)
         address = self.wake_address
-        result, queued = self._transaction(
+        result, queued = self.transaction(
             lambda cursor: Line(dialect, cursor).acquire(key, owner, holder, ttl, address),
             key=key,
             holder=holder,
@@ -490,234 +459,60 @@ class DatabaseLockStore(ListeningStore, LockStore):
         return result
 
     def leave_queue(self, key: str, owner: str) -> None:
-        line = self.dialect.line
-        if line is None:
+        vendor = self.vendor
+        if not isinstance(vendor, ServerVendor):
             return super().leave_queue(key, owner)
         if (key, owner) not in self._in_line:
             return  # never joined (or its place was given up already)
         self._in_line.discard((key, owner))
-        _, count = self._execute([(line.leave, (key, owner))], key=key)
+        _, count = self.execute([(vendor.dialect.line.leave, (key, owner))], key=key)
         if count > 0:
-            self._wake_first(key)
-
-    def _wake_first(self, key: str) -> None:
-        """Wake the first live waiter of `key`'s line if the lock is free (PostgreSQL: the
-        statement NOTIFYs it; MariaDB: interrupt its listener's nap, or ring the key's
-        doorbell if it has no listener to reach)."""
-        dialect = self.dialect
-        rows, _ = self._execute([(dialect.wake_first_sql, (key, key))], key=key)
-        if not dialect.ring_sql or not rows or rows[0][0] is None:
-            return
-        if int(rows[0][0]):
-            self._interrupt(key, [rows[0][0]])
-        else:
-            self._ring(key)
+            vendor.wake_first(key)
 
     def release(self, key: str, owner: str) -> bool:
-        dialect = self.dialect
-        line = self._has_line()
-        first: int | None = None
-        if dialect.ring_sql:  # MariaDB: the release's own reply says whether someone waited
-            # and, for a key found contended, whom to wake (see `Dialect.release_line_sql`).
-            if line and key in self._contended:
-                released, waited, first = self._run(
-                    partial(self._release_waking, key, owner), idempotent=False, key=key
-                )
-            else:
-
-                def work(cursor: Any, libpq: Any, database: Any) -> tuple[bool, bool, int]:
-                    cursor.execute(dialect.release_sql, (key, owner))
-                    return cursor.rowcount > 0, *dialect.released_waiting(cursor)
-
-                released, waited, _ = self._run(work, idempotent=False, key=key)
-            if released and line:
-                self._found_contended(key, waited)
-            if first:
-                waited = False  # its listener was woken inside the release: nothing to ring
-        else:  # PostgreSQL's release NOTIFYs itself; SQLite rings in `_announce`
-            sql = dialect.release_line_sql if line else dialect.release_sql
-            _, count = self._execute([(sql, (key, owner))], hot=True, idempotent=False, key=key)
-            released, waited = count > 0, False
-        self._released(key, released, waited, line=True, first=first)
+        released = self.vendor.release(key, owner, line=self._has_line())
         self._tick()
         return released
 
-    def _release_waking(
-        self, key: str, owner: str, cursor: Any, libpq: Any, database: Any
-    ) -> tuple[bool, bool, int]:
-        """MariaDB's release of a key found contended (`_run`'s work): `release_line_sql` in
-        a transaction that interrupts the first waiter's listener before it commits, so that
-        the waiter's wake-up and its take overlap the commit (the take waits for the row's
-        lock, then finds it released). (released, waited, that listener: 0 if none to
-        reach)."""
-        dialect = self.dialect
-
-        def body(cursor: Any) -> tuple[bool, bool, int]:
-            cursor.execute(dialect.release_line_sql, (key, owner))
-            released, (waited, first) = cursor.rowcount > 0, dialect.released_waiting(cursor)
-            if released and first:
-                self._kill(cursor, database, key, self._others([first]))
-            return released, waited, first
-
-        return _in_transaction(cursor, dialect.begin_sql, body)
-
-    def _found_contended(self, key: str, waited: bool) -> None:
-        """Remember whether `key`'s release here found someone waiting: its next release
-        asks for the first in line in the same statement if it did (MariaDB)."""
-        contended = self._contended
-        if not waited:
-            contended.discard(key)
-        elif key not in contended:
-            if len(contended) >= CONTENDED_KEYS:
-                contended.clear()  # a rough bound: at worst, one ring_line_sql more each
-            contended.add(key)
-
-    def _released(
-        self, key: str, released: bool, waited: bool, line: bool = False, first: int | None = None
-    ) -> None:
-        """Wake this process's waiters for `key`, and ring its doorbell for other processes'
-        if someone was refused it (see `Dialect.ring_sql`): only its first waiter's listener
-        if `line` (an exclusive lock's release) and the key's line has one to reach, `first`
-        if the release named it already (0: none to reach)."""
-        if not released:
-            return
-        self._announce(key)
-        if not waited or not self.dialect.ring_sql:
-            return
-        if first:
-            self._interrupt(key, [first])
-        else:
-            self._ring(key, line and first is None)
-
-    def _ring(self, key: str, line: bool = False) -> None:
-        """Interrupt the nap of every other listener subscribed to `key` (`line`: of only the
-        first waiter in its line, where it has a listener to reach)."""
-        dialect = self.dialect
-
-        def work(cursor: Any, libpq: Any, database: Any) -> list[Any]:
-            if line and self._line_table:
-                cursor.execute(dialect.ring_line_sql, (key, *dialect.bell_names(key)))
-                first, *bells = cursor.fetchall()[0]
-                return [first] if first else bells
-            cursor.execute(dialect.ring_sql, dialect.bell_names(key))
-            return list(cursor.fetchall()[0])
-
-        try:
-            listening = self._run(work, key=key)
-        except LockStoreUnavailable as exc:
-            logger.debug("lock store %r: ringing for %r failed: %s", self.alias, key, exc)
-            return
-        self._interrupt(key, listening)
-
-    def _interrupt(self, key: str, listening: Sequence[Any]) -> None:
-        """KILL QUERY the naps of the listeners whose connection ids are `listening` (None:
-        a free slot), but this process's. A failure is only logged: the release went through,
-        and a lost ring costs its waiters one poll."""
-        targets = self._others(listening)
-        if not targets:
-            return
-        try:
-            self._run(
-                lambda cursor, libpq, database: self._kill(cursor, database, key, targets), key=key
-            )
-        except LockStoreUnavailable as exc:
-            logger.debug("lock store %r: ringing for %r failed: %s", self.alias, key, exc)
-
-    def _others(self, listening: Sequence[Any]) -> list[int]:
-        """The connection ids in `listening` but None and this process's listener's."""
-        listener = self._listener  # a forked child's is its parent's: ring that one too
-        mine = (
-            getattr(listener, "connection_id", None) if listener and listener.usable_here else None
-        )
-        return [int(value) for value in listening if value is not None and int(value) != mine]
-
-    def _kill(self, cursor: Any, database: Any, key: str, targets: Sequence[int]) -> None:
-        """KILL QUERY each of `targets` on `cursor`; one refused (see `kill_refusals`) is
-        skipped."""
-        dialect = self.dialect
-        for target in targets:
-            try:
-                cursor.execute(dialect.kill_sql, (target,))
-            except database.OperationalError as exc:
-                if exc.args[0] not in dialect.kill_refusals:
-                    raise
-                logger.debug("lock store %r cannot ring %r: %s", self.alias, key, exc)
-
     def extend(self, key: str, owner: str, ttl: float) -> bool:
         dialect = self.dialect
-        _, count = self._execute(
+        _, count = self.execute(
             [(dialect.extend_sql, dialect.extend_params(key, owner, ttl))], hot=True, key=key
         )
         return count > 0
 
-    # -- permits --------------------------------------------------------------------------
-    # PostgreSQL: one call of a function of migration 0003 each; elsewhere one transaction,
-    # decided in Python (`database.permits`).
+    # -- permits: each vendor decides them (see `vendors`) ---------------------------------
     supports_modes = True
 
     def acquire_permit(
         self, key: str, owner: str, holder: str, ttl: float, mode: Mode, writer_wait: float = 0
     ) -> AcquireResult:
-        dialect = self.dialect
         self._tick()
-        if dialect.acquire_permit_sql:
-            params = (key, owner, holder, ttl, mode.kind, mode.limit, writer_wait)
-            rows, _ = self._execute(
-                [(dialect.acquire_permit_sql, params)], hot=True, key=key, holder=holder
-            )
-            fence, retry_in, held_as = rows[0][:3]
-            if fence is not None:
-                return AcquireResult(int(fence))
-            return AcquireResult(None, _seconds(retry_in), cast(Kind, _text(held_as)))
-        return self._transaction(
-            lambda cursor: Transaction(dialect, cursor).acquire(
-                key, owner, holder, ttl, mode, writer_wait
-            ),
-            key=key,
-            holder=holder,
-        )
+        return self.vendor.acquire_permit(key, owner, holder, ttl, mode, writer_wait)
 
     def release_permit(self, key: str, owner: str) -> bool:
-        dialect = self.dialect
-        if dialect.release_permit_sql:
-            rows, _ = self._execute(
-                [(dialect.release_permit_sql, (key, owner))], hot=True, idempotent=False, key=key
-            )
-            released, waited = bool(int(rows[0][0])), False  # the function NOTIFYs itself
-        else:
-            released, waited = self._transaction(
-                lambda cursor: Transaction(dialect, cursor).release(key, owner),
-                idempotent=False,
-                key=key,
-            )
-        self._released(key, released, waited)
+        vendor = self.vendor
+        released, waited = vendor.release_permit(key, owner)
+        vendor.released(key, released, waited)
         self._tick()
         return released
 
     def extend_permit(self, key: str, owner: str, ttl: float) -> bool:
-        dialect = self.dialect
-        if dialect.extend_permit_sql:
-            rows, _ = self._execute(
-                [(dialect.extend_permit_sql, (key, owner, ttl))], hot=True, key=key
-            )
-            return bool(int(rows[0][0]))
-        return self._transaction(
-            lambda cursor: Transaction(dialect, cursor).extend(key, owner, ttl), key=key
-        )
+        return self.vendor.extend_permit(key, owner, ttl)
 
     def holders(self, key: str) -> list[LockInfo]:
-        rows, _ = self._execute([(self.dialect.permit_listing.holders, (key, key))], key=key)
+        rows, _ = self.execute([(self.dialect.permit_listing.holders, (key, key))], key=key)
         return [self._info(row, PERMIT_OWNERS.get(row[6], "exclusive")) for row in rows]
 
     def get(self, key: str) -> LockInfo | None:
-        rows, _ = self._execute([(self.dialect.get_sql, (key,))], key=key)
+        rows, _ = self.execute([(self.dialect.get_sql, (key,))], key=key)
         return self._info(rows[0]) if rows else None
 
     def iter_locks(self, prefix: str = "") -> Iterator[LockInfo]:
         listing = self.dialect.permit_listing
         last = ""
         while True:
-            rows, _ = self._execute(
+            rows, _ = self.execute(
                 [(self.dialect.page_sql, (last, len(prefix), prefix, PAGE_SIZE))]
             )
             # A gated key's lock stands for its permits: each permit is listed in its place,
@@ -725,7 +520,7 @@ class DatabaseLockStore(ListeningStore, LockStore):
             gated = [row[0] for row in rows if row[1] in PERMIT_OWNERS]
             permits: dict[str, list[LockInfo]] = {}
             if gated:
-                found, _ = self._execute([(listing.permits_of_keys(len(gated)), gated)])
+                found, _ = self.execute([(listing.permits_of_keys(len(gated)), gated)])
                 for row in found:
                     permits.setdefault(row[0], []).append(self._info(row, PERMIT_OWNERS[row[6]]))
             for row in rows:
@@ -759,13 +554,14 @@ class DatabaseLockStore(ListeningStore, LockStore):
             ([(dialect.permit_listing.prune, (PRUNE_BATCH,))], []),
         ):
             while True:
-                _, count = self._execute(batch, after=after)
+                _, count = self.execute(batch, after=after)
                 pruned += max(count, 0)
                 if count < PRUNE_BATCH:
                     break
         # The lapsed places in lines of waiters go too (not counted: they are no locks).
-        if dialect.line is not None and self._has_line():
-            while self._execute([(dialect.line.prune, (PRUNE_BATCH,))])[1] >= PRUNE_BATCH:
+        lined = self._line()
+        if lined is not None:
+            while self.execute([(lined.dialect.line.prune, (PRUNE_BATCH,))])[1] >= PRUNE_BATCH:
                 pass
         return pruned
 
@@ -811,23 +607,16 @@ class DatabaseLockStore(ListeningStore, LockStore):
         """One round of clean-up (see above); how many rows it deleted."""
         dialect = self.dialect
         # Lapsed places in lines of waiters need no mark: they carry no fence.
-        line, deleted = dialect.line, 0
-        if line is not None and self._has_line():
+        lined, deleted = self._line(), 0
+        if lined is not None:
+            line = lined.dialect.line
             deleted = self._sweep_rows(line.sweep_select, (SWEEP_BATCH,), line.sweep_delete, ())
-        mark: int | None = None
-        if dialect.sweep_mark_sql:
-            (drawn,), _ = self._execute([(dialect.sweep_mark_sql, ())])
-            busy = {row[0] for row in self._execute([(dialect.sweep_busy_sql, ())])[0]}
-            mark = sweeps.mark
-            if mark is None or not sweeps.busy.isdisjoint(busy):
-                if mark is None:
-                    sweeps.mark, sweeps.busy = int(drawn[0]), busy
-                return deleted  # no mark yet, or some of its writers still write
-            sweeps.mark, sweeps.busy = int(drawn[0]), busy
+        first = self.vendor.sweep_params(sweeps)
+        if first is None:
+            return deleted
         # Permits first: those of a key whose lock row goes now wait for the next round, so
         # a key in use between two rounds keeps its slots. Each delete names the rows read
         # just before: the read, which may scan the whole table, holds no lock.
-        first = dialect.sweep_params(mark)
         deleted += self._sweep_rows(
             dialect.sweep_permits_select, (SWEEP_BATCH,), dialect.sweep_permits_delete, ()
         )
@@ -846,12 +635,12 @@ class DatabaseLockStore(ListeningStore, LockStore):
         """Read the rows a sweep may delete (`select`), then delete those (`delete`, which
         rechecks each); how many it deleted."""
         dialect = self.dialect
-        rows, _ = self._execute([(select, select_params)])
+        rows, _ = self.execute([(select, select_params)])
         if not rows:
             return 0
         sql, names = dialect.sweep_names(delete, [row[0] for row in rows])
         statements = [*((s, ()) for s in dialect.sweep_before), (sql, (*delete_params, *names))]
-        _, count = self._execute(statements)
+        _, count = self.execute(statements)
         return max(count, 0)
 
     def _info(self, row: Row, mode: Kind = "exclusive") -> LockInfo:
@@ -866,39 +655,28 @@ class DatabaseLockStore(ListeningStore, LockStore):
             mode=mode,
         )
 
-    # -- wake-ups -------------------------------------------------------------------------
+    # -- wake-ups: each vendor's own (see `vendors`) ------------------------------------
     def _listens(self) -> bool:
-        return self.push_possible and (self.dialect.pushes_releases or self.doorbells() is not None)
+        vendor = self.vendor
+        return self.push_possible and (vendor.pushes_releases or vendor.doorbells() is not None)
 
     @property
     def push_wakeups(self) -> bool:
         # A doorbell's ring may be missed: waiters woken by them still poll.
-        return self.dialect.pushes_releases and self.listener_ready()
+        return self.vendor.pushes_releases and self.listener_ready()
 
     def new_listener(self) -> ReleaseListener:
-        return LISTENERS[self.dialect.listener](self)
+        return self.vendor.listener(self)
+
+    @property
+    def release_listener(self) -> ReleaseListener | None:
+        """This process's listener, if one was started (a forked child's is its parent's)."""
+        return self._listener
 
     def doorbells(self) -> Doorbells | None:
         """Where this machine's processes waiting on this store hang their doorbells (SQLite on
         a file: see `database.doorbells`); None where there are none."""
-        if not self.dialect.rings_doorbells:
-            return None
-        name = connections[self.database].settings_dict["NAME"]
-        bells = self._doorbells
-        if bells is None or bells.name != name:  # the test runner renames the database
-            bells = self._doorbells = Doorbells.of(name)
-        return bells
-
-    def _announce(self, key: str) -> None:
-        """A release of `key` happened: wake its waiters in this process, and ring the
-        doorbells of the others'."""
-        self.wake_board.wake(key)
-        bells = self.doorbells()
-        if bells is not None:
-            listener, own = self._listener, None
-            if isinstance(listener, DoorbellListener) and listener.pid == os.getpid():
-                own = listener.bell_name
-            bells.ring(key, skip=own)
+        return self.vendor.doorbells()
 
     def close(self) -> None:
         self.stop_listener()
@@ -972,21 +750,6 @@ def _missing_schema(exc: Exception) -> bool:
     if type(exc).__module__.startswith("sqlite3"):
         return str(exc).startswith("no such table")
     return bool(exc.args) and exc.args[0] == _NO_SUCH_TABLE and "MySQL" in type(exc).__module__
-
-
-def _in_transaction(cursor: Any, begin: str, body: Callable[[Any], T]) -> T:
-    """`body(cursor)` between `begin` and COMMIT on the store's own connection."""
-    cursor.execute(begin)
-    try:
-        result = body(cursor)
-        cursor.execute("COMMIT")
-    except Exception:
-        # A data exception keeps the connection (see `_execute`): its transaction must end
-        # here. After anything worse the connection is dropped, and the server rolls back.
-        with suppress(Exception):
-            cursor.execute("ROLLBACK")
-        raise
-    return result
 
 
 def _in_savepoint(cursor: Any, body: Callable[[Any], T]) -> T:

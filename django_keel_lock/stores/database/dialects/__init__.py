@@ -3,9 +3,10 @@ module here and its entry below. The vendors supported are exactly these."""
 
 from __future__ import annotations
 
-from .base import SEQUENCE, TABLE, Dialect
+from .base import Dialect
 from .mysql import MySQLDialect
 from .postgresql import PostgresDialect
+from .schema import SEQUENCE, TABLE
 from .sqlite import SQLiteDialect
 
 DIALECTS: dict[str, type[Dialect]] = {

@@ -3,29 +3,28 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import suppress
 from datetime import UTC, datetime
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
-TABLE = "django_keel_lock_lock"
-PERMIT_TABLE = "django_keel_lock_permit"
-WAITER_TABLE = "django_keel_lock_waiter"
-SEQUENCE = "django_keel_lock_fence"
-#: The owner a released row is left with (SQL): no owner's token, so no extend or release can
-#: match a released row, however its clock reads compare with the release's.
-RELEASED = "''"
+from .schema import PERMIT_TABLE, RELEASED, TABLE, WAITER_TABLE
+
+T = TypeVar("T")
 
 
 class Dialect:
-    """The SQL one database speaks. Placeholders are the driver's own (%s, or ? for SQLite)."""
+    """The SQL every database the store supports speaks. Placeholders are the driver's own
+    (%s, or ? for SQLite). What only some speak is in a subclass: `ServerDialect` (PostgreSQL,
+    MariaDB: fences from a sequence, lines of waiters), and each vendor's own module."""
 
-    vendor = ""
-    acquire_sql: Sequence[str] = ()  # run in order; the last one's first row is (fence, retry_in)
-    release_sql = ""  # expires the row and sets its owner to RELEASED
-    extend_sql = ""
-    get_sql = ""
-    page_sql = ""
-    prune_sql = ""  # deletes at most %s expired rows
+    vendor: str
+    acquire_sql: Sequence[str]  # run in order; the last one's first row is (fence, retry_in)
+    release_sql: str  # expires the row and sets its owner to RELEASED
+    extend_sql: str
+    get_sql: str
+    page_sql: str
+    prune_sql: str  # deletes at most %s expired rows
     # Run before and after each prune batch: they hold off every acquire in flight (see
     # DatabaseLockStore.prune), and give up after a second rather than stall acquires longer.
     prune_guard: Sequence[str] = ()
@@ -33,98 +32,21 @@ class Dialect:
     # Clean-up as part of normal work (DatabaseLockStore._sweep). A round reads the free rows
     # it may delete (`sweep_select`, no locks taken), then deletes those still free
     # (`sweep_delete`, by key): the scan never holds a row lock, so no acquire waits for it.
-    # Where an acquire draws its fence before it looks for its key's row (a sequence in the
-    # INSERT's VALUES), only rows whose fence is at most a mark may go, once every
-    # transaction that was writing the table when the mark was drawn has ended:
-    # `sweep_mark_sql` draws the mark, `sweep_busy_sql` names the other transactions writing
-    # the table now. Without them (SQLite) no mark is needed.
-    sweep_select = ""  # (*sweep_params(mark), limit) -> rows of (key,)
-    sweep_delete = ""  # {names}: the keys (see `sweep_names`); (*sweep_params(mark), *those)
+    sweep_select: str  # (*sweep_params, limit) -> rows of (key,)
+    sweep_delete: str  # {names}: the keys (see `sweep_names`); (*sweep_params, *those)
     #: The same for expired permits of keys that have no lock row any more (a busy key keeps
     #: its slots, rewritten in place): (limit) -> rows of (id,); {names}: the ids.
-    sweep_permits_select = ""
-    sweep_permits_delete = ""
+    sweep_permits_select: str
+    sweep_permits_delete: str
     sweep_before: Sequence[str] = ()  # run before each delete, in the same round trip's turn
-    sweep_mark_sql = ""  # () -> (a fence drawn now,)
-    sweep_busy_sql = ""  # () -> rows of (an id of a transaction that writes the table now,)
-    #: Run when `acquire_sql` returned no row (SQLite's upsert says nothing on a refusal):
-    #: (NULL, retry_in, the owner if it is a PERMIT_OWNERS marker) of the live lock, if any.
-    refused_sql = ""
 
-    # -- permits (semaphores and shared locks) --------------------------------------------
-    #: Reading: every dialect. Deciding: PostgreSQL calls the functions of migration 0003, one
-    #: statement per operation (`*_permit_sql`); the others run `transaction` (see
-    #: `database.permits`), starting it with `begin_sql`.
+    #: Reading permits; deciding them is each vendor's (see `database.vendors`).
     permit_listing: PermitListing
-    transaction: PermitTransaction | None = None
     begin_sql = "BEGIN"
-    acquire_permit_sql = ""  # -> (fence, retry_in, held_as)
-    release_permit_sql = ""  # -> (1 or 0,)
-    extend_permit_sql = ""  # -> (1 or 0,)
 
     #: Seconds until `{column}` (a timestamp) passes, by the database's clock; the admin's
     #: changelist uses it too, so the two never disagree about whether a lock is held.
-    remaining_template = ""
-    #: Whether releases reach other processes' waiters through the store's listener
-    #: (PostgreSQL's LISTEN/NOTIFY, MariaDB's doorbells); without it they poll.
-    pushes_releases = False
-    #: Whether a release rings the doorbells of this machine's other waiting processes (see
-    #: `database.doorbells`): they look at once, and still poll, since a ring may be missed.
-    rings_doorbells = False
-    #: How this process hears releases in other processes, the name of the store's listener
-    #: for it: "notify" (PostgreSQL's LISTEN/NOTIFY), "named-locks" (MariaDB: a listener
-    #: waits on named locks, which a release interrupts with KILL QUERY) or "doorbells"
-    #: (SQLite: datagrams to sockets beside the database file).
-    listener = "notify"
-    #: Set where a release cannot wake other processes by itself (MariaDB): (`bell_names`) ->
-    #: the listeners to interrupt, each with `kill_sql` (their id), run only after a release
-    #: that `released_waiting` says someone waited for. Empty: the release statement does it.
-    ring_sql = ""
-    #: `ring_sql` for an exclusive lock's release (key, *bell_names) -> (the first waiter's
-    #: listener to interrupt, or 0 / NULL: ring the whole doorbell, whose slots follow).
-    ring_line_sql = ""
-    kill_sql = ""
-    kill_refusals: frozenset[int] = frozenset()  # error codes of a KILL that are not an outage
-
-    # -- the line of waiters (exclusive locks; see `LockStore.acquire_queued`) -------------
-    #: Where the store keeps a line (PostgreSQL, MariaDB): its statements, decided in Python
-    #: (`database.line`); None where it keeps none (SQLite).
-    line: LineStatements | None = None
-    #: () -> (whether the database has the line's table, migration 0005: where it has not,
-    #: the store keeps no line, and releases do not look for one),
-    line_table_sql = ""
-    #: `release_sql` where the database has the line's table (PostgreSQL: it NOTIFYs the
-    #: first waiter of the key's line; MariaDB: its reply names that waiter's listener, see
-    #: `released_waiting`, so a release of a key found contended runs it instead of
-    #: `release_sql` then `ring_line_sql`); "": `release_sql` either way.
-    release_line_sql = ""
-    #: `acquire_sql` for a waiter that waits its turn: a free row is taken only while its
-    #: `waiting` flag is down (nobody was refused since the last take), or by its own owner.
-    acquire_queued_sql: Sequence[str] = ()
-    #: (owner, holder, ttl, key: named) -> a waiter already in the line takes the free lock
-    #: in one statement if it is first in it, its fence read by `taken_fence` (None: it goes
-    #: on to the line's transaction); "" where the dialect has none (the transaction does it).
-    take_first_sql = ""
-    #: (key, key) -> wakes the first live waiter of key's line if the lock is free: PostgreSQL
-    #: NOTIFYs it itself (a row when it did); MariaDB returns (its listener's connection id, 0
-    #: when it has none to reach), for the store to interrupt.
-    wake_first_sql = ""
-
-    def bell_names(self, key: str) -> list[str]:
-        """The parameters of `ring_sql` for `key`."""
-        return []
-
-    def released_waiting(self, cursor: Any) -> tuple[bool, int]:
-        """Whether the release that just ran on `cursor` found someone waiting, and (after
-        `release_line_sql`) the listener to interrupt for the first in the key's line (0:
-        none to reach, ring the whole doorbell)."""
-        return False, 0
-
-    def taken_fence(self, cursor: Any) -> int | None:
-        """The fence of the `take_first_sql` that just ran on `cursor`, None if it took
-        nothing: its one row."""
-        row = cursor.fetchone()
-        return None if row is None else int(row[0])
+    remaining_template: str
 
     def remaining(self, column: str) -> str:
         return self.remaining_template.format(column=column)
@@ -152,19 +74,8 @@ class Dialect:
         """Statements run once on each new connection of the store."""
         return ()
 
-    def callers_transaction(self, database: str) -> Any:
-        """The calling thread's own driver connection to `database` when lock statements must
-        run on it, inside its open transaction, instead of on the store's connection (which
-        would wait behind that transaction); None to use the store's connection."""
-        return None
-
     def acquire_params(self, key: str, owner: str, holder: str, ttl: float) -> list[Sequence[Any]]:
         raise NotImplementedError
-
-    def sweep_params(self, mark: int | None) -> Sequence[Any]:
-        """The first parameters of `sweep_select` and `sweep_delete`: the mark (None where the
-        dialect has no `sweep_mark_sql`)."""
-        return (mark,)
 
     def sweep_names(self, delete: str, names: Sequence[Any]) -> tuple[str, Sequence[Any]]:
         """`delete` with its {names} matching any of `names`, and the parameters for them."""
@@ -188,6 +99,44 @@ class Dialect:
         return value  # type: ignore[no-any-return]
 
 
+class ServerDialect(Dialect):
+    """A database server's dialect (PostgreSQL, MariaDB): an acquire draws its fence from a
+    sequence, and exclusive waiters stand in a line (`models.Waiter`, `database.line`)."""
+
+    # Where an acquire draws its fence before it looks for its key's row (a sequence in the
+    # INSERT's VALUES), the sweep deletes only rows whose fence is at most a mark, once every
+    # transaction that was writing the table when the mark was drawn has ended:
+    sweep_mark_sql: str  # () -> (a fence drawn now,)
+    sweep_busy_sql: str  # () -> rows of (an id of a transaction that writes the table now,)
+
+    # -- the line of waiters (exclusive locks; see `LockStore.acquire_queued`) -------------
+    line: LineStatements
+    #: () -> (whether the database has the line's table, migration 0005: where it has not,
+    #: the store keeps no line, and releases do not look for one),
+    line_table_sql: str
+    #: `release_sql` where the database has the line's table: it also reaches the first
+    #: waiter of the key's line (PostgreSQL: NOTIFYs it; MariaDB: its reply names that
+    #: waiter's listener, see `MySQLDialect.released_waiting`).
+    release_line_sql: str
+    #: `acquire_sql` for a waiter that waits its turn: a free row is taken only while its
+    #: `waiting` flag is down (nobody was refused since the last take), or by its own owner.
+    acquire_queued_sql: Sequence[str]
+    #: (owner, holder, ttl, key: named) -> a waiter already in the line takes the free lock
+    #: in one statement if it is first in it, its fence read by `taken_fence` (None: it goes
+    #: on to the line's transaction).
+    take_first_sql: str
+    #: (key, key) -> wakes the first live waiter of key's line if the lock is free: PostgreSQL
+    #: NOTIFYs it itself (a row when it did); MariaDB returns (its listener's connection id, 0
+    #: when it has none to reach), for the store to interrupt.
+    wake_first_sql: str
+
+    def taken_fence(self, cursor: Any) -> int | None:
+        """The fence of the `take_first_sql` that just ran on `cursor`, None if it took
+        nothing: its one row."""
+        row = cursor.fetchone()
+        return None if row is None else int(row[0])
+
+
 class InTransaction:
     """Statements of `dialect` run on `cursor`, inside the transaction the store opened: the
     base of the line's attempt (`database.line`) and of the permit operations
@@ -201,6 +150,21 @@ class InTransaction:
         """The rows of `sql` run with `params` (none for a statement that returns none)."""
         self.cursor.execute(sql, params)
         return list(self.cursor.fetchall()) if self.cursor.description else []
+
+
+def in_transaction(cursor: Any, begin: str, body: Callable[[Any], T]) -> T:
+    """`body(cursor)` between `begin` and COMMIT on the store's own connection."""
+    cursor.execute(begin)
+    try:
+        result = body(cursor)
+        cursor.execute("COMMIT")
+    except Exception:
+        # A data exception keeps the connection (see `_execute`): its transaction must end
+        # here. After anything worse the connection is dropped, and the server rolls back.
+        with suppress(Exception):
+            cursor.execute("ROLLBACK")
+        raise
+    return result
 
 
 # Columns every reading query returns, in this order.

@@ -7,17 +7,8 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
-from .base import (
-    PERMIT_TABLE,
-    RELEASED,
-    SEQUENCE,
-    TABLE,
-    WAITER_TABLE,
-    Dialect,
-    line_statements,
-    permit_listing,
-    permit_transaction,
-)
+from .base import ServerDialect, line_statements, permit_listing, permit_transaction
+from .schema import PERMIT_TABLE, RELEASED, SEQUENCE, TABLE, WAITER_TABLE
 
 #: The doorbell of a key is BELL_SLOTS named locks, BELL_PREFIX + md5(key) + ":" + slot: each
 #: listener waiting for the key holds one of them (see `bell_names`).
@@ -26,9 +17,13 @@ BELL_SLOTS = 32
 #: A listener also holds ADDRESS_PREFIX + its wake address (see `ReleaseListener.address`), so
 #: that a release can reach the process of the first waiter in a key's line, and only it.
 ADDRESS_PREFIX = "keel_lock:at:"
+#: The database's clock (UTC, as the rows are written), and seconds until `{column}` by it.
+_NOW = "UTC_TIMESTAMP(6)"
+_REMAINING_TEMPLATE = "TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), {column}) / 1000000.0"
+_REMAINING = _REMAINING_TEMPLATE.format(column="expires_at")
 
 
-class MySQLDialect(Dialect):
+class MySQLDialect(ServerDialect):
     """MariaDB (10.3+: sequences). Acquire is an upsert plus a read of the row.
 
     Releases push wake-ups to other processes through doorbells, since MariaDB has no
@@ -56,19 +51,15 @@ class MySQLDialect(Dialect):
     """
 
     vendor = "mysql"
-    pushes_releases = True
-    listener = "named-locks"
-    _now = "UTC_TIMESTAMP(6)"
-    remaining_template = "TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), {column}) / 1000000.0"
-    _remaining = remaining_template.format(column="expires_at")
-    _free = f"(expires_at <= {_now} OR owner = VALUES(owner))"
+    remaining_template = _REMAINING_TEMPLATE
+    _free = f"(expires_at <= {_NOW} OR owner = VALUES(owner))"
     # MySQL applies SET assignments left to right, so `owner` and `expires_at` (which the
     # condition reads) come last and `expires_at` sees the already-updated owner. A refusal
     # raises `waiting`; a take by another owner lowers it (as PostgreSQL's acquire does).
     acquire_sql = (
         f"""
         INSERT INTO {TABLE} (`key`, owner, holder, fence, acquired_at, expires_at)
-        VALUES (%s, %s, %s, NEXTVAL({SEQUENCE}), {_now}, {_now} + INTERVAL %s MICROSECOND)
+        VALUES (%s, %s, %s, NEXTVAL({SEQUENCE}), {_NOW}, {_NOW} + INTERVAL %s MICROSECOND)
         ON DUPLICATE KEY UPDATE
             waiting = IF({_free}, IF(owner = VALUES(owner), waiting, NULL), TRUE),
             holder = IF({_free}, VALUES(holder), holder),
@@ -77,14 +68,14 @@ class MySQLDialect(Dialect):
             owner = IF({_free}, VALUES(owner), owner),
             expires_at = IF(owner = VALUES(owner), VALUES(expires_at), expires_at)
         """,
-        f"SELECT IF(owner = %s, fence, NULL), IF(owner = %s, NULL, {_remaining}), "
+        f"SELECT IF(owner = %s, fence, NULL), IF(owner = %s, NULL, {_REMAINING}), "
         f"IF(LEFT(owner, 1) = '*', owner, NULL) FROM {TABLE} WHERE `key` = %s",
     )
     # A waiter in the line (`LockStore.acquire_queued`): a free row is taken only while its
     # flag is down. `waiting` is assigned first, and the assignments after it read its new
     # value: it stays down where the row is taken, and is TRUE where it is refused, so every
     # later condition agrees with the first.
-    _free_queued = f"(owner = VALUES(owner) OR (expires_at <= {_now} AND waiting IS NOT TRUE))"
+    _free_queued = f"(owner = VALUES(owner) OR (expires_at <= {_NOW} AND waiting IS NOT TRUE))"
     acquire_queued_sql = (
         acquire_sql[0].replace(_free, _free_queued),
         acquire_sql[1],
@@ -94,8 +85,8 @@ class MySQLDialect(Dialect):
     # no owner of its own there (see Dialect.release_sql), so it cannot bring the lock back.
     # The flag is written back as it was, through LAST_INSERT_ID(): the reply carries it.
     _release = (
-        f"UPDATE {TABLE} l SET waiting = {{waiting}}, owner = {RELEASED}, expires_at = {_now} "
-        f"WHERE l.`key` = %s AND l.owner = %s AND l.expires_at > {_now}"
+        f"UPDATE {TABLE} l SET waiting = {{waiting}}, owner = {RELEASED}, expires_at = {_NOW} "
+        f"WHERE l.`key` = %s AND l.owner = %s AND l.expires_at > {_NOW}"
     )
     release_sql = _release.format(waiting="LAST_INSERT_ID(IFNULL(waiting, 0))")
     # (the key's bell_names) -> the connection id holding each slot, NULL for a free one
@@ -104,7 +95,7 @@ class MySQLDialect(Dialect):
     # when it has none to reach (no address: it polls; or its listener is reconnecting).
     _first = (
         f"SELECT IFNULL(IS_USED_LOCK(CONCAT('{ADDRESS_PREFIX}', NULLIF(w.address, ''))), 0) "
-        f"FROM {WAITER_TABLE} w WHERE w.`key` = {{key}} AND w.expires_at > {_now} "
+        f"FROM {WAITER_TABLE} w WHERE w.`key` = {{key}} AND w.expires_at > {_NOW} "
         "ORDER BY w.id LIMIT 1"
     )
     _first_of_key = _first.format(key="%s")
@@ -124,24 +115,24 @@ class MySQLDialect(Dialect):
         "IS NULL, NULL, waiting)"
     )
     # The first in a key's line takes the free lock in one statement (see
-    # Dialect.take_first_sql): a multi-table UPDATE of the lock row and the waiter's own
+    # ServerDialect.take_first_sql): a multi-table UPDATE of the lock row and the waiter's own
     # place, which lapses (the next waiter to join the line deletes it). Both rows are found
     # by a unique key, so they are locked before the subqueries read the line. The fence
     # comes back through LAST_INSERT_ID(), as the release's flag does.
     take_first_sql = f"""
         UPDATE {TABLE} l JOIN {WAITER_TABLE} w ON w.`key` = l.`key` AND w.owner = %(owner)s
         SET l.waiting = EXISTS (SELECT 1 FROM {WAITER_TABLE} o WHERE o.`key` = l.`key`
-                                AND o.owner <> %(owner)s AND o.expires_at > {_now}) OR NULL,
+                                AND o.owner <> %(owner)s AND o.expires_at > {_NOW}) OR NULL,
             l.holder = %(holder)s, l.fence = LAST_INSERT_ID(NEXTVAL({SEQUENCE})),
-            l.acquired_at = {_now}, l.owner = %(owner)s,
-            l.expires_at = {_now} + INTERVAL %(ttl)s MICROSECOND, w.expires_at = {_now}
-        WHERE l.`key` = %(key)s AND l.expires_at <= {_now} AND w.expires_at > {_now}
+            l.acquired_at = {_NOW}, l.owner = %(owner)s,
+            l.expires_at = {_NOW} + INTERVAL %(ttl)s MICROSECOND, w.expires_at = {_NOW}
+        WHERE l.`key` = %(key)s AND l.expires_at <= {_NOW} AND w.expires_at > {_NOW}
           AND NOT EXISTS (SELECT 1 FROM {WAITER_TABLE} e WHERE e.`key` = l.`key`
-                          AND e.expires_at > {_now} AND e.id < w.id)
+                          AND e.expires_at > {_NOW} AND e.id < w.id)
     """
     # (key, key) -> (that first waiter,) if the lock is free (`leave_queue`).
     wake_first_sql = (
-        f"SELECT ({_first_of_key}) FROM {TABLE} l WHERE l.`key` = %s AND l.expires_at <= {_now}"
+        f"SELECT ({_first_of_key}) FROM {TABLE} l WHERE l.`key` = %s AND l.expires_at <= {_NOW}"
     )
     kill_sql = "KILL QUERY %s"  # (connection id)
     # The listener's statements. (bell_names) -> the slot taken, NULL if all are taken: CASE
@@ -163,19 +154,19 @@ class MySQLDialect(Dialect):
     kill_refusals = frozenset({1094, 1095})
     extend_sql = f"""
         UPDATE {TABLE}
-        SET expires_at = GREATEST(expires_at, {_now} + INTERVAL %s MICROSECOND)
-        WHERE `key` = %s AND owner = %s AND expires_at > {_now}
+        SET expires_at = GREATEST(expires_at, {_NOW} + INTERVAL %s MICROSECOND)
+        WHERE `key` = %s AND owner = %s AND expires_at > {_NOW}
     """
     get_sql = (
-        f"SELECT `key`, owner, holder, fence, acquired_at, {_remaining} FROM {TABLE} "
-        f"WHERE `key` = %s AND expires_at > {_now}"
+        f"SELECT `key`, owner, holder, fence, acquired_at, {_REMAINING} FROM {TABLE} "
+        f"WHERE `key` = %s AND expires_at > {_NOW}"
     )
     page_sql = (
-        f"SELECT `key`, owner, holder, fence, acquired_at, {_remaining} FROM {TABLE} "
-        f"WHERE `key` > %s AND LEFT(`key`, %s) = %s AND expires_at > {_now} "
+        f"SELECT `key`, owner, holder, fence, acquired_at, {_REMAINING} FROM {TABLE} "
+        f"WHERE `key` > %s AND LEFT(`key`, %s) = %s AND expires_at > {_NOW} "
         "ORDER BY `key` LIMIT %s"
     )
-    prune_sql = f"DELETE FROM {TABLE} WHERE expires_at <= {_now} LIMIT %s"
+    prune_sql = f"DELETE FROM {TABLE} WHERE expires_at <= {_NOW} LIMIT %s"
     # READ COMMITTED for the sweep's deletes (SET TRANSACTION: the next transaction, here
     # that one statement): under REPEATABLE READ a delete by a key that is gone locks the gap
     # there, and inserts of new keys into it would wait. An acquire runs as one statement,
@@ -184,12 +175,12 @@ class MySQLDialect(Dialect):
     # connections: every process locking through this table must connect as the same user,
     # or have PROCESS.
     sweep_before = ("SET TRANSACTION ISOLATION LEVEL READ COMMITTED",)
-    sweep_select = f"SELECT `key` FROM {TABLE} WHERE fence <= %s AND expires_at <= {_now} LIMIT %s"
+    sweep_select = f"SELECT `key` FROM {TABLE} WHERE fence <= %s AND expires_at <= {_NOW} LIMIT %s"
     sweep_delete = (
-        f"DELETE FROM {TABLE} WHERE fence <= %s AND `key` {{names}} AND expires_at <= {_now}"
+        f"DELETE FROM {TABLE} WHERE fence <= %s AND `key` {{names}} AND expires_at <= {_NOW}"
     )
     _orphan = (
-        f"expires_at <= {_now} AND NOT EXISTS "
+        f"expires_at <= {_NOW} AND NOT EXISTS "
         f"(SELECT 1 FROM {TABLE} l WHERE l.`key` = {PERMIT_TABLE}.`key`)"
     )
     sweep_permits_select = f"SELECT id FROM {PERMIT_TABLE} WHERE {_orphan} LIMIT %s"
@@ -216,15 +207,15 @@ class MySQLDialect(Dialect):
     permit_listing = permit_listing(
         p="%s",
         key="`key`",
-        now=_now,
+        now=_NOW,
         remaining=remaining_template,
-        prune=f"DELETE FROM {PERMIT_TABLE} WHERE expires_at <= {_now} LIMIT %s",
+        prune=f"DELETE FROM {PERMIT_TABLE} WHERE expires_at <= {_NOW} LIMIT %s",
     )
     transaction = permit_transaction(
         p="%s",
         key="`key`",
-        now=_now,
-        until=f"{_now} + INTERVAL %s MICROSECOND",
+        now=_NOW,
+        until=f"{_NOW} + INTERVAL %s MICROSECOND",
         greatest="GREATEST",
         next_fence=f"NEXTVAL({SEQUENCE})",
         remaining=remaining_template,
@@ -240,12 +231,12 @@ class MySQLDialect(Dialect):
     line = line_statements(
         p="%s",
         key="`key`",
-        now=_now,
-        until=f"{_now} + INTERVAL %s MICROSECOND",
+        now=_NOW,
+        until=f"{_NOW} + INTERVAL %s MICROSECOND",
         remaining=remaining_template,
         next_fence=f"NEXTVAL({SEQUENCE})",
         keep_existing="ON DUPLICATE KEY UPDATE `key` = `key`",
-        prune=f"DELETE FROM {WAITER_TABLE} WHERE expires_at <= {_now} LIMIT %s",
+        prune=f"DELETE FROM {WAITER_TABLE} WHERE expires_at <= {_NOW} LIMIT %s",
     )
 
     def acquire_params(self, key: str, owner: str, holder: str, ttl: float) -> list[Sequence[Any]]:

@@ -6,17 +6,8 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
-from .base import (
-    INFO,
-    PERMIT_TABLE,
-    RELEASED,
-    SEQUENCE,
-    TABLE,
-    WAITER_TABLE,
-    Dialect,
-    line_statements,
-    permit_listing,
-)
+from .base import INFO, ServerDialect, line_statements, permit_listing
+from .schema import PERMIT_TABLE, RELEASED, SEQUENCE, TABLE, WAITER_TABLE
 
 # A release NOTIFYs on its key's own channel: CHANNEL_PREFIX + md5(key), a valid identifier
 # whatever the key, so a process LISTENs only to the keys it waits for. A release that finds
@@ -56,9 +47,8 @@ def _acquire(free: str) -> str:
         """
 
 
-class PostgresDialect(Dialect):
+class PostgresDialect(ServerDialect):
     vendor = "postgresql"
-    pushes_releases = True
     remaining_template = _REMAINING_TEMPLATE
     _remaining = remaining_template.format(column="expires_at")
     # One upsert whose DO UPDATE branch always writes the row it locked: it either takes it (free:
@@ -180,7 +170,7 @@ class PostgresDialect(Dialect):
     prune_unguard = ("COMMIT",)
 
     # Permits: each operation is one call of a function migration 0003 creates (one round
-    # trip; its rules are `stores.permits.plan_acquire`'s).
+    # trip; its rules are `stores.permits.plan_acquire`'s), which NOTIFYs as a release does.
     acquire_permit_sql = (
         "SELECT granted, retry_in, held_as "
         "FROM django_keel_lock_acquire_permit(%s, %s, %s, %s, %s, %s, %s)"

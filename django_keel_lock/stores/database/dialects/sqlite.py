@@ -8,15 +8,14 @@ from typing import Any
 
 from django.db import connections
 
-from .base import INFO, PERMIT_TABLE, RELEASED, TABLE, Dialect, permit_listing, permit_transaction
+from .base import INFO, Dialect, permit_listing, permit_transaction
+from .schema import PERMIT_TABLE, RELEASED, TABLE
 
 
 class SQLiteDialect(Dialect):
     """SQLite serialises writers, so MAX(fence) + 1 inside the upsert is race-free."""
 
     vendor = "sqlite"
-    rings_doorbells = True
-    listener = "doorbells"
     _now = "strftime('%Y-%m-%d %H:%M:%f', 'now')"
     remaining_template = "(julianday({column}) - julianday('now')) * 86400.0"
     _remaining = remaining_template.format(column="expires_at")
@@ -70,7 +69,8 @@ class SQLiteDialect(Dialect):
     sweep_permits_select = f"SELECT id FROM {PERMIT_TABLE} WHERE {_orphan} LIMIT ?"
     sweep_permits_delete = f"DELETE FROM {PERMIT_TABLE} WHERE id {{names}} AND {_orphan}"
 
-    # The upsert returns no row when it refuses: this reads what it found.
+    # The upsert returns no row when it refuses: this reads what it found (see
+    # `vendors.SQLite.refused`).
     refused_sql = (
         f"SELECT NULL, {_remaining}, CASE WHEN substr(owner, 1, 1) = '*' THEN owner END "
         f"FROM {TABLE} WHERE key = ? AND expires_at > {_now}"
@@ -100,9 +100,6 @@ class SQLiteDialect(Dialect):
         keep_existing="ON CONFLICT (key) DO NOTHING",
         for_update="",
     )
-
-    def sweep_params(self, mark: int | None) -> Sequence[Any]:
-        return ()
 
     def interval(self, seconds: float) -> Any:
         return f"+{seconds:.3f} seconds"  # a strftime modifier

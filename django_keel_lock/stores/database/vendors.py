@@ -1,0 +1,456 @@
+"""What the database store does its own way on each database: one class per vendor, each
+owning its SQL (a dialect), how its releases reach the waiters of other processes, how it
+decides permits, how its clean-up keeps fences increasing, its fast path and its checks.
+
+`DatabaseLockStore` runs the statements (`execute`, `run`, `transaction`: deadlines, retries,
+errors) and asks its vendor for the rest; nothing else in the store asks which database it is
+on. The wake-up mechanisms are the three vendors' own:
+
+- PostgreSQL: the release statement NOTIFYs (`PostgresListener` LISTENs);
+- MariaDB: a release someone waited for interrupts the naps of the waiters' listeners with
+  KILL QUERY (`MariaDBListener`, doorbells of named locks: see `MySQLDialect`);
+- SQLite: a release rings datagram doorbells beside the database file (`database.doorbells`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, cast
+
+from django.core.checks import CheckMessage
+from django.db import connections
+
+from ...exceptions import LockStoreUnavailable
+from ..base import AcquireResult, Kind, Mode
+from ..wakeups import ReleaseListener
+from . import checks
+from .dialects.base import Dialect, PermitTransaction, ServerDialect, in_transaction
+from .dialects.mysql import MySQLDialect
+from .dialects.postgresql import PostgresDialect, is_psycopg3
+from .dialects.sqlite import SQLiteDialect
+from .doorbells import DoorbellListener, Doorbells
+from .libpq import PreparedStatements, Row
+from .listener import MariaDBListener, PostgresListener
+from .permits import Transaction
+
+if TYPE_CHECKING:
+    from .store import DatabaseLockStore
+
+logger = logging.getLogger("django_keel_lock")
+
+#: At most this many keys remembered as contended (`MariaDB.found_contended`).
+CONTENDED_KEYS = 1024
+
+
+class Vendor:
+    """The store's ways on one database (see the module's docstring). The base is what every
+    vendor shares: permits decided in Python inside one transaction (`database.permits`),
+    releases that reach no other process by themselves, and no line of waiters."""
+
+    dialect: ClassVar[Dialect]
+    listener: ClassVar[type[ReleaseListener]]
+    #: Whether a release reaches the listeners of other processes' waiters, so that they need
+    #: not poll while theirs is ready (PostgreSQL, MariaDB). SQLite's doorbells may miss one.
+    pushes_releases: ClassVar[bool] = False
+
+    def __init__(self, store: DatabaseLockStore) -> None:
+        self.store = store
+
+    # -- connections ----------------------------------------------------------------------
+    def set_up(self, connection: Any, durable: bool) -> None:
+        """Set up a new driver `connection` of the store: the dialect's session statements."""
+        statements = self.dialect.session_sql(durable)
+        if statements:
+            with connection.cursor() as cursor:
+                for sql in statements:
+                    cursor.execute(sql)
+
+    def fast_path(self, wrapper: Any) -> PreparedStatements | None:
+        """The libpq path of the store's connection `wrapper` (see `libpq`), if it has one."""
+        return None
+
+    def callers_transaction(self, database: str) -> Any:
+        """The calling thread's own driver connection to `database` when lock statements must
+        run on it, inside its open transaction, instead of on the store's connection (which
+        would wait behind that transaction); None to use the store's connection."""
+        return None
+
+    @classmethod
+    def check_database(cls, database: str, stores: str) -> list[CheckMessage]:
+        """This vendor's own checks of `database`, where `stores` (a phrase) keep locks."""
+        return []
+
+    # -- acquire and release --------------------------------------------------------------
+    def refused(self, key: str) -> list[Row]:
+        """What holds `key`, read after an acquire that returned no row: nothing here (an
+        acquire's reply always says it)."""
+        return []
+
+    def release(self, key: str, owner: str, line: bool) -> bool:
+        """Release `key` if `owner` holds it, waking who waits for it (`line`: the database
+        has the line's table); whether it did."""
+        dialect = self.dialect
+        _, count = self.store.execute(
+            [(dialect.release_sql, (key, owner))], hot=True, idempotent=False, key=key
+        )
+        released = count > 0
+        self.released(key, released, False)
+        return released
+
+    def released(self, key: str, released: bool, waited: bool) -> None:
+        """A release ran: if it `released`, wake who waits for `key` (`waited`: it found
+        someone refused since the last take)."""
+        if released:
+            self.announce(key)
+
+    def announce(self, key: str) -> None:
+        """A release of `key` happened: wake its waiters in this process."""
+        self.store.wake_board.wake(key)
+
+    def doorbells(self) -> Doorbells | None:
+        """Where this machine's processes waiting on this store hang their doorbells; None
+        where they hang none."""
+        return None
+
+    # -- permits --------------------------------------------------------------------------
+    def acquire_permit(
+        self, key: str, owner: str, holder: str, ttl: float, mode: Mode, writer_wait: float
+    ) -> AcquireResult:
+        raise NotImplementedError
+
+    def release_permit(self, key: str, owner: str) -> tuple[bool, bool]:
+        """(released, someone was refused the key since its last take)."""
+        raise NotImplementedError
+
+    def extend_permit(self, key: str, owner: str, ttl: float) -> bool:
+        raise NotImplementedError
+
+    # -- clean-up -------------------------------------------------------------------------
+    def sweep_params(self, sweeps: Any) -> Sequence[Any] | None:
+        """The first parameters of this round's `sweep_select` and `sweep_delete`, None if
+        the round may delete no lock rows yet. Here none: the database's one writer computes
+        each fence inside its own write (see `DatabaseLockStore._sweep`)."""
+        return ()
+
+
+class PermitsInPython(Vendor):
+    """A vendor whose permit operations are each one transaction that `database.permits`
+    decides (MariaDB, SQLite), in the statements of `permits`."""
+
+    permits: ClassVar[PermitTransaction]
+
+    def _decide(self, cursor: Any) -> Transaction:
+        return Transaction(self.dialect, self.permits, cursor)
+
+    def acquire_permit(
+        self, key: str, owner: str, holder: str, ttl: float, mode: Mode, writer_wait: float
+    ) -> AcquireResult:
+        return self.store.transaction(
+            lambda cursor: self._decide(cursor).acquire(key, owner, holder, ttl, mode, writer_wait),
+            key=key,
+            holder=holder,
+        )
+
+    def release_permit(self, key: str, owner: str) -> tuple[bool, bool]:
+        return self.store.transaction(
+            lambda cursor: self._decide(cursor).release(key, owner), idempotent=False, key=key
+        )
+
+    def extend_permit(self, key: str, owner: str, ttl: float) -> bool:
+        return self.store.transaction(
+            lambda cursor: self._decide(cursor).extend(key, owner, ttl), key=key
+        )
+
+
+class ServerVendor(Vendor):
+    """A database server (PostgreSQL, MariaDB): fences from a sequence, so the clean-up draws
+    marks; exclusive waiters stand in a line (`database.line`)."""
+
+    dialect: ClassVar[ServerDialect]
+    pushes_releases = True
+
+    def __init__(self, store: DatabaseLockStore) -> None:
+        super().__init__(store)
+        # Whether the database has the line's table (migration 0005), as the first connection
+        # of the store found (None: none opened yet). A database migrated later gets lines
+        # from processes started after that.
+        self.line_table: bool | None = None
+
+    def set_up(self, connection: Any, durable: bool) -> None:
+        super().set_up(connection, durable)
+        if self.line_table is None:
+            with connection.cursor() as cursor:
+                cursor.execute(self.dialect.line_table_sql)
+                self.line_table = bool(cursor.fetchone()[0])
+
+    def sweep_params(self, sweeps: Any) -> Sequence[Any] | None:
+        """The mark this round deletes under, once the writers of the mark before have ended
+        (see `DatabaseLockStore._sweep`); None until then."""
+        store, dialect = self.store, self.dialect
+        (drawn,), _ = store.execute([(dialect.sweep_mark_sql, ())])
+        busy = {row[0] for row in store.execute([(dialect.sweep_busy_sql, ())])[0]}
+        mark = sweeps.mark
+        if mark is None or not sweeps.busy.isdisjoint(busy):
+            if mark is None:
+                sweeps.mark, sweeps.busy = int(drawn[0]), busy
+            return None  # no mark yet, or some of its writers still write
+        sweeps.mark, sweeps.busy = int(drawn[0]), busy
+        return (mark,)
+
+    def wake_first(self, key: str) -> None:
+        """Wake the first live waiter of `key`'s line if the lock is free (PostgreSQL: the
+        statement NOTIFYs it)."""
+        self.store.execute([(self.dialect.wake_first_sql, (key, key))], key=key)
+
+
+class Postgres(ServerVendor):
+    """PostgreSQL: releases NOTIFY; permits are functions of migration 0003, one statement
+    each; acquire, release and extend run through libpq itself with psycopg 3."""
+
+    dialect: ClassVar[PostgresDialect] = PostgresDialect()
+    listener = PostgresListener
+
+    def fast_path(self, wrapper: Any) -> PreparedStatements | None:
+        # Prepared once per connection: not where the project turned prepared statements off
+        # (`"prepare_threshold": None`, as pgbouncer in transaction mode needs).
+        options = wrapper.settings_dict.get("OPTIONS") or {}
+        if not is_psycopg3(wrapper) or options.get("prepare_threshold") is None:
+            return None
+        return PreparedStatements(wrapper.connection.pgconn)
+
+    def release(self, key: str, owner: str, line: bool) -> bool:
+        # The statement NOTIFYs the key's waiters itself, or the first of its line.
+        dialect = self.dialect
+        sql = dialect.release_line_sql if line else dialect.release_sql
+        _, count = self.store.execute([(sql, (key, owner))], hot=True, idempotent=False, key=key)
+        released = count > 0
+        self.released(key, released, False)
+        return released
+
+    def acquire_permit(
+        self, key: str, owner: str, holder: str, ttl: float, mode: Mode, writer_wait: float
+    ) -> AcquireResult:
+        params = (key, owner, holder, ttl, mode.kind, mode.limit, writer_wait)
+        rows, _ = self.store.execute(
+            [(self.dialect.acquire_permit_sql, params)], hot=True, key=key, holder=holder
+        )
+        fence, retry_in, held_as = rows[0][:3]
+        if fence is not None:
+            return AcquireResult(int(fence))
+        return AcquireResult(None, _seconds(retry_in), cast(Kind, _text(held_as)))
+
+    def release_permit(self, key: str, owner: str) -> tuple[bool, bool]:
+        rows, _ = self.store.execute(
+            [(self.dialect.release_permit_sql, (key, owner))], hot=True, idempotent=False, key=key
+        )
+        return bool(int(rows[0][0])), False  # the function NOTIFYs itself
+
+    def extend_permit(self, key: str, owner: str, ttl: float) -> bool:
+        rows, _ = self.store.execute(
+            [(self.dialect.extend_permit_sql, (key, owner, ttl))], hot=True, key=key
+        )
+        return bool(int(rows[0][0]))
+
+
+class MariaDB(PermitsInPython, ServerVendor):
+    """MariaDB: a release that someone waited for rings the key's doorbell, interrupting the
+    naps of the waiters' listeners with KILL QUERY (see `MySQLDialect`)."""
+
+    dialect: ClassVar[MySQLDialect] = MySQLDialect()
+    permits = dialect.transaction
+    listener = MariaDBListener
+
+    def __init__(self, store: DatabaseLockStore) -> None:
+        super().__init__(store)
+        # Keys whose last release here found someone waiting (`found_contended`).
+        self.contended: set[str] = set()
+
+    @classmethod
+    def check_database(cls, database: str, stores: str) -> list[CheckMessage]:
+        return checks.check_process_privilege(database, stores)
+
+    def release(self, key: str, owner: str, line: bool) -> bool:
+        # The release's own reply says whether someone waited and, for a key found
+        # contended, whom to wake (see `ServerDialect.release_line_sql`).
+        store, dialect = self.store, self.dialect
+        first: int | None = None  # not asked
+        if line and key in self.contended:
+            work = self._release_waking(key, owner)
+            released, waited, first = store.run(work, idempotent=False, key=key)
+        else:
+
+            def plain(cursor: Any, libpq: Any, database: Any) -> tuple[bool, bool]:
+                cursor.execute(dialect.release_sql, (key, owner))
+                return cursor.rowcount > 0, dialect.released_waiting(cursor)[0]
+
+            released, waited = store.run(plain, idempotent=False, key=key)
+        if not released:
+            return False
+        if line:
+            self.found_contended(key, waited)
+        self.announce(key)
+        if waited and not first:  # a first named was woken inside the release already
+            # Not asked: the first in the key's line, if it has a listener to reach; 0:
+            # none to reach, the whole doorbell.
+            self._ring(key, line=line and first is None)
+        return True
+
+    def released(self, key: str, released: bool, waited: bool) -> None:
+        super().released(key, released, waited)
+        if released and waited:
+            self._ring(key)
+
+    def _release_waking(self, key: str, owner: str) -> Any:
+        """The work (for `run`) of a release of a key found contended: `release_line_sql` in
+        a transaction that interrupts the first waiter's listener before it commits, so that
+        the waiter's wake-up and its take overlap the commit (the take waits for the row's
+        lock, then finds it released). (released, waited, that listener: 0 if none to
+        reach)."""
+        dialect = self.dialect
+
+        def work(cursor: Any, libpq: Any, database: Any) -> tuple[bool, bool, int]:
+            def body(cursor: Any) -> tuple[bool, bool, int]:
+                cursor.execute(dialect.release_line_sql, (key, owner))
+                released, (waited, first) = cursor.rowcount > 0, dialect.released_waiting(cursor)
+                if released and first:
+                    self._kill(cursor, database, key, self._others([first]))
+                return released, waited, first
+
+            return in_transaction(cursor, dialect.begin_sql, body)
+
+        return work
+
+    def found_contended(self, key: str, waited: bool) -> None:
+        """Remember whether `key`'s release here found someone waiting: its next release
+        asks for the first in line in the same statement if it did."""
+        contended = self.contended
+        if not waited:
+            contended.discard(key)
+        elif key not in contended:
+            if len(contended) >= CONTENDED_KEYS:
+                contended.clear()  # a rough bound: at worst, one ring_line_sql more each
+            contended.add(key)
+
+    def wake_first(self, key: str) -> None:
+        """Interrupt the nap of the first live waiter's listener if the lock is free, or
+        ring the key's doorbell if it has no listener to reach."""
+        rows, _ = self.store.execute([(self.dialect.wake_first_sql, (key, key))], key=key)
+        if not rows or rows[0][0] is None:
+            return
+        if int(rows[0][0]):
+            self._interrupt(key, [rows[0][0]])
+        else:
+            self._ring(key)
+
+    def _ring(self, key: str, line: bool = False) -> None:
+        """Interrupt the nap of every other listener subscribed to `key` (`line`: of only the
+        first waiter in its line, where it has a listener to reach)."""
+        dialect = self.dialect
+
+        def work(cursor: Any, libpq: Any, database: Any) -> list[Any]:
+            if line:
+                cursor.execute(dialect.ring_line_sql, (key, *dialect.bell_names(key)))
+                first, *bells = cursor.fetchall()[0]
+                return [first] if first else bells
+            cursor.execute(dialect.ring_sql, dialect.bell_names(key))
+            return list(cursor.fetchall()[0])
+
+        try:
+            listening = self.store.run(work, key=key)
+        except LockStoreUnavailable as exc:
+            logger.debug("lock store %r: ringing for %r failed: %s", self.store.alias, key, exc)
+            return
+        self._interrupt(key, listening)
+
+    def _interrupt(self, key: str, listening: Sequence[Any]) -> None:
+        """KILL QUERY the naps of the listeners whose connection ids are `listening` (None:
+        a free slot), but this process's. A failure is only logged: the release went through,
+        and a lost ring costs its waiters one poll."""
+        targets = self._others(listening)
+        if not targets:
+            return
+        try:
+            self.store.run(
+                lambda cursor, libpq, database: self._kill(cursor, database, key, targets), key=key
+            )
+        except LockStoreUnavailable as exc:
+            logger.debug("lock store %r: ringing for %r failed: %s", self.store.alias, key, exc)
+
+    def _others(self, listening: Sequence[Any]) -> list[int]:
+        """The connection ids in `listening` but None and this process's listener's."""
+        listener = self.store.release_listener  # a forked child's is its parent's: ring it too
+        mine = (
+            getattr(listener, "connection_id", None) if listener and listener.usable_here else None
+        )
+        return [int(value) for value in listening if value is not None and int(value) != mine]
+
+    def _kill(self, cursor: Any, database: Any, key: str, targets: Sequence[int]) -> None:
+        """KILL QUERY each of `targets` on `cursor`; one refused (see `kill_refusals`) is
+        skipped."""
+        dialect = self.dialect
+        for target in targets:
+            try:
+                cursor.execute(dialect.kill_sql, (target,))
+            except database.OperationalError as exc:
+                if exc.args[0] not in dialect.kill_refusals:
+                    raise
+                logger.debug("lock store %r cannot ring %r: %s", self.store.alias, key, exc)
+
+
+class SQLite(PermitsInPython):
+    """SQLite: one writer at a time, no line of waiters; a release rings the doorbells of
+    this machine's other waiting processes, who still poll (a ring may be missed)."""
+
+    dialect: ClassVar[SQLiteDialect] = SQLiteDialect()
+    permits = dialect.transaction
+    listener = DoorbellListener
+
+    def __init__(self, store: DatabaseLockStore) -> None:
+        super().__init__(store)
+        self._doorbells: Doorbells | None = None
+
+    def callers_transaction(self, database: str) -> Any:
+        return self.dialect.callers_transaction(database)
+
+    def refused(self, key: str) -> list[Row]:
+        # The upsert returns no row when it refuses: only a refusal pays for this read.
+        return self.store.execute([(self.dialect.refused_sql, (key,))], key=key)[0]
+
+    def doorbells(self) -> Doorbells | None:
+        name = connections[self.store.database].settings_dict["NAME"]
+        bells = self._doorbells
+        if bells is None or bells.name != name:  # the test runner renames the database
+            bells = self._doorbells = Doorbells.of(name)
+        return bells
+
+    def announce(self, key: str) -> None:
+        super().announce(key)
+        bells = self.doorbells()
+        if bells is not None:
+            listener, own = self.store.release_listener, None
+            if isinstance(listener, DoorbellListener) and listener.pid == os.getpid():
+                own = listener.bell_name
+            bells.ring(key, skip=own)
+
+
+#: The vendors the store supports, by Django's `vendor` of the database: exactly these.
+VENDORS: dict[str, type[Vendor]] = {
+    vendor.dialect.vendor: vendor for vendor in (Postgres, MariaDB, SQLite)
+}
+
+
+def _seconds(value: Any) -> float | None:
+    return None if value is None else max(0.0, float(value))
+
+
+def _text(value: Any) -> str | None:
+    """A text column's value (the libpq path gives bytes)."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def check_database(database: str, stores: str) -> list[CheckMessage]:
+    """The checks of `database`'s vendor (see `Vendor.check_database`)."""
+    vendor = VENDORS.get(connections[database].vendor)
+    return [] if vendor is None else vendor.check_database(database, stores)
