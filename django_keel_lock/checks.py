@@ -32,6 +32,8 @@ Errors
   django_keel_lock.E013  EtcdLockStore OPTIONS are wrong: ENDPOINTS missing, empty or with a
                          URL that is not http(s)://host:port, KEY_PREFIX not a str, a TLS
                          file missing, KEY_FILE without CERT_FILE, USER without PASSWORD.
+  django_keel_lock.E014  RedisLockStore OPTIONS MIN_REPLICAS is not a whole number >= 0, or is
+                         set with CLUSTER.
 
 Warnings
   django_keel_lock.W001  MemoryLockStore is the "default" store while DEBUG is False: it does not

@@ -5,7 +5,7 @@ django_keel_lock.checks' docstring, where these are registered from."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from django.core.checks import CheckMessage, Error
@@ -25,17 +25,22 @@ def where(alias: str) -> str:
 
 def check_socket_timeout(alias: str, options: Mapping[str, Any]) -> list[CheckMessage]:
     """E010: OPTIONS SOCKET_TIMEOUT is not a positive duration."""
+    hint = (
+        "The longest one store call waits on the network: a duration such as 5, "
+        '0.5 or "1500ms"; leave it out for the default 5 s.'
+    )
+    return option_error(ID.format("E010"), hint, socket_timeout_option, alias, options)
+
+
+def option_error(
+    check_id: str, hint: str, parse: Callable[[str, Mapping[str, Any]], object], *args: Any
+) -> list[CheckMessage]:
+    """The Error `check_id` (a whole id) saying why `parse(*args)`, a store's reading of one
+    of its options, raised ImproperlyConfigured; nothing when it did not."""
     try:
-        socket_timeout_option(alias, options)
+        parse(*args)
     except ImproperlyConfigured as exc:
-        return [
-            Error(
-                f"{exc}.",
-                hint="The longest one store call waits on the network: a duration such as 5, "
-                '0.5 or "1500ms"; leave it out for the default 5 s.',
-                id=ID.format("E010"),
-            )
-        ]
+        return [Error(f"{exc}.", hint=hint, id=check_id)]
     return []
 
 

@@ -1,10 +1,10 @@
 """The Redis store's system checks (ids in django_keel_lock.checks' docstring).
 
 From the settings: E007 (a package missing), E008 (CONNECTION is no django-redis cache), W005
-(a cache's clear() would flush the locks) and E010 (SOCKET_TIMEOUT). These need no redis-py:
-with it missing, `django_keel_lock.checks` asks `check_unimportable`. Tagged `database`: W007
-and W009, the settings of a Sentinel master, asked each within the store's SOCKET_TIMEOUT or
-2 s, whichever is shorter.
+(a cache's clear() would flush the locks), E010 (SOCKET_TIMEOUT) and E014 (MIN_REPLICAS).
+These need no redis-py: with it missing, `django_keel_lock.checks` asks `check_unimportable`.
+Tagged `database`: W007 and W009, the settings of a Sentinel master, asked each within the
+store's SOCKET_TIMEOUT or 2 s, whichever is shorter.
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Warning
+from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
 from ...conf import conf, is_store_config, store_options
 from ...exceptions import LockStoreUnavailable
-from ..checks import ID, check_socket_timeout, where
+from ..checks import ID, check_socket_timeout, option_error, where
 
 if TYPE_CHECKING:
     from .store import RedisLockStore
@@ -66,8 +67,33 @@ def _missing_packages(options: Mapping[str, Any]) -> list[str]:
     return missing
 
 
+def min_replicas_option(alias: str, options: Mapping[str, Any]) -> int:
+    """OPTIONS MIN_REPLICAS: how many replicas must acknowledge each acquire and extend
+    (WAIT) before it counts; 0 (the default) waits for none. ImproperlyConfigured saying what
+    is wrong otherwise."""
+    value = options.get("MIN_REPLICAS", 0)
+    named = f"{where(alias)} OPTIONS MIN_REPLICAS"
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ImproperlyConfigured(f"{named} must be a whole number >= 0, got {value!r}")
+    if value and options.get("CLUSTER"):
+        raise ImproperlyConfigured(
+            f"{named} is {value} with CLUSTER: WAIT is not sent through a cluster's "
+            "pipelines, so the store cannot ask a shard's replicas"
+        )
+    return value
+
+
+def _check_min_replicas_option(alias: str, options: Mapping[str, Any]) -> list[CheckMessage]:
+    """E014: MIN_REPLICAS is not a whole number >= 0, or is set with CLUSTER."""
+    hint = (
+        "The number of replicas that must acknowledge a lock before acquire returns it "
+        "(Redis WAIT), e.g. 1; leave it out (0) to wait for none."
+    )
+    return option_error(ID.format("E014"), hint, min_replicas_option, alias, options)
+
+
 def check_config(alias: str, options: Mapping[str, Any]) -> list[CheckMessage]:
-    """E007, E008, W005, E010 for the Redis store `alias`."""
+    """E007, E008, W005, E010, E014 for the Redis store `alias`."""
     messages: list[CheckMessage] = []
     missing = _missing_packages(options)
     if missing:
@@ -84,6 +110,7 @@ def check_config(alias: str, options: Mapping[str, Any]) -> list[CheckMessage]:
         messages.extend(_check_connection(where(alias), connection))
     messages.extend(_check_database(where(alias), options))
     messages.extend(check_socket_timeout(alias, options))
+    messages.extend(_check_min_replicas_option(alias, options))
     return messages
 
 

@@ -11,13 +11,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from django.conf import settings
 from django.core.cache import InvalidCacheBackendError
@@ -49,6 +50,7 @@ from .clients import (
     LoopClient,
     LoopClients,
     NoBackoff,
+    NoScriptError,
     Retry,
     ScriptConnection,
     SentinelConnectionPool,
@@ -86,6 +88,8 @@ from .scripts import (
 DEFAULT_PREFIX = "keel-lock:"
 PAGE_SIZE = 500
 
+T = TypeVar("T")
+
 #: One script call: the script, its KEYS, its ARGV.
 Call = tuple[Script, tuple[str, ...], tuple[Any, ...]]
 
@@ -115,9 +119,15 @@ class RedisLockStore(ListeningStore, LockStore):
     SOCKET_TIMEOUT (seconds, default 5) is the longest one call waits on the network: for
     connecting, and for each reply. A URL's own `?socket_timeout=` wins; with CONNECTION the
     cache's SOCKET_TIMEOUT is kept when it is shorter.
+
+    MIN_REPLICAS (default 0) makes each acquire and extend wait (WAIT) up to half of
+    SOCKET_TIMEOUT for that many replicas to acknowledge it; with fewer, the lock is given back
+    and the call raises LockStoreUnavailable.
     """
 
-    option_names = frozenset({"CONNECTION", "URL", "KEY_PREFIX", "CLUSTER", "SOCKET_TIMEOUT"})
+    option_names = frozenset(
+        {"CONNECTION", "URL", "KEY_PREFIX", "CLUSTER", "SOCKET_TIMEOUT", "MIN_REPLICAS"}
+    )
     listener_class = RedisListener
     expires_by_itself = True  # each lock is a key with a PEXPIRE: Redis deletes it at its ttl
     queues = True
@@ -171,6 +181,7 @@ class RedisLockStore(ListeningStore, LockStore):
         self.channel = f"{prefix}released"
         self.wake_prefix = f"{prefix}wake:"  # + a listener's address: its wake channel
         self.socket_timeout = socket_timeout_option(alias, self.options)
+        self.min_replicas = checks.min_replicas_option(alias, self.options)
         self._mutex = threading.Lock()
         self._client_obj: Any = None
         self._client_pid = 0
@@ -364,16 +375,22 @@ class RedisLockStore(ListeningStore, LockStore):
     # arguments) and how its reply is read are written once; the sync method runs the call with
     # `_run`, the async one with `_arun`.
     def acquire(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
-        return self._acquired(self._run(*self._acquire_call(key, owner, holder, ttl)))
+        return self._acquired(
+            self._granting(self._acquire_call(key, owner, holder, ttl), key, owner)
+        )
 
     async def aacquire(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
-        return self._acquired(await self._arun(*self._acquire_call(key, owner, holder, ttl)))
+        call = self._acquire_call(key, owner, holder, ttl)
+        return self._acquired(await self._agranting(call, key, owner))
 
     def acquire_queued(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
-        return self._acquired(self._run(*self._queued_call(key, owner, holder, ttl)))
+        return self._acquired(
+            self._granting(self._queued_call(key, owner, holder, ttl), key, owner)
+        )
 
     async def aacquire_queued(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
-        return self._acquired(await self._arun(*self._queued_call(key, owner, holder, ttl)))
+        call = self._queued_call(key, owner, holder, ttl)
+        return self._acquired(await self._agranting(call, key, owner))
 
     def leave_queue(self, key: str, owner: str) -> None:
         self._run(*self._line_call(LEAVE_QUEUE, key, owner))
@@ -388,10 +405,10 @@ class RedisLockStore(ListeningStore, LockStore):
         return self._released(key, await self._arun(*self._line_call(RELEASE, key, owner)))
 
     def extend(self, key: str, owner: str, ttl: float) -> bool:
-        return bool(self._run(*self._extend_call(key, owner, ttl)))
+        return bool(self._granting(self._extend_call(key, owner, ttl), key, owner))
 
     async def aextend(self, key: str, owner: str, ttl: float) -> bool:
-        return bool(await self._arun(*self._extend_call(key, owner, ttl)))
+        return bool(await self._agranting(self._extend_call(key, owner, ttl), key, owner))
 
     def get(self, key: str) -> LockInfo | None:
         return self._got(key, self._run(GET, self._names(key)[:1], ()))
@@ -428,6 +445,93 @@ class RedisLockStore(ListeningStore, LockStore):
         """GET's reply: the lock on `key`, or None."""
         return None if reply is None else self._info(key, *reply)
 
+    # -- replicas (MIN_REPLICAS) ------------------------------------------------------------
+    # A script that may grant (acquire, extend and their permit twins) is followed by WAIT on
+    # the same connection, in the same round trip: a grant fewer than MIN_REPLICAS replicas
+    # acknowledged within half of SOCKET_TIMEOUT is given back and the call raises, so a
+    # failover to a replica that never saw it cannot hand it out again. It narrows that
+    # window, not closes it: replication stays asynchronous, Sentinel may promote a replica
+    # that had not acknowledged, and a grant can be acknowledged after WAIT gave up.
+    def _granting(self, call: Call, key: str, owner: str, permit: bool = False) -> Any:
+        if not self.min_replicas:
+            return self._run(*call)
+        waiting, run = ready(self._run_waiting), ready(self._run)
+        return run_ready(self._on_replicas(call, key, owner, permit, waiting, run))
+
+    async def _agranting(self, call: Call, key: str, owner: str, permit: bool = False) -> Any:
+        if not self.min_replicas:
+            return await self._arun(*call)
+        return await self._on_replicas(call, key, owner, permit, self._arun_waiting, self._arun)
+
+    async def _on_replicas(
+        self,
+        call: Call,
+        key: str,
+        owner: str,
+        permit: bool,
+        waiting: Callable[..., Awaitable[tuple[Any, int]]],
+        run: Callable[..., Awaitable[Any]],
+    ) -> Any:
+        """`call` with WAIT (`waiting`), for sync and async callers alike (as `run_script`);
+        a grant short of acknowledgements is given back (`run`) and raises."""
+        reply, acks = await waiting(*call)
+        granted = not isinstance(reply, list) and int(reply) > 0
+        if granted and acks < self.min_replicas:
+            give_back = self._release_permit_call(key, owner) if permit else None
+            with contextlib.suppress(LockStoreUnavailable):  # else it expires at its ttl
+                await run(*(give_back or self._line_call(RELEASE, key, owner)))
+            raise LockStoreUnavailable(
+                f"lock store {self.alias!r}: {acks} of the {self.min_replicas} replicas "
+                f"(MIN_REPLICAS) acknowledged {key!r} within {self._wait_ms} ms "
+                f"({self._where()}); it was given back"
+            )
+        return reply
+
+    @property
+    def _wait_ms(self) -> int:
+        return _ms(self.socket_timeout / 2)
+
+    def _run_waiting(
+        self, script: Script, keys: Sequence[str], args: Sequence[Any]
+    ) -> tuple[Any, int]:
+        """`script`'s reply and how many replicas acknowledged its writes (WAIT)."""
+        wait = pack_command(b"WAIT", self.min_replicas, self._wait_ms)
+        try:
+            own = self._script_connection()
+            if own is None:
+                reply, acks = self._waiting_pipeline(self._client(), script, keys, args)
+                return reply, int(acks)
+            run = pack_command(b"EVALSHA", script.sha, len(keys), *keys, *args)
+            reply, acks = own.call(run, wait, errors_inline=True)
+            if isinstance(reply, NoScriptError):  # the whole text this once (NOSCRIPT: no write)
+                run = pack_command(b"EVAL", script.text, len(keys), *keys, *args)
+                reply, acks = own.call(run, wait)
+            elif isinstance(reply, Exception):
+                raise reply
+            return reply, int(acks)
+        except (*STORE_ERRORS, OSError) as exc:
+            raise self._unavailable(exc) from exc
+
+    async def _arun_waiting(
+        self, script: Script, keys: Sequence[str], args: Sequence[Any]
+    ) -> tuple[Any, int]:
+        if not self._native_async():
+            return await asyncio.wrap_future(self.submit(self._run_waiting, script, keys, args))
+        reply, acks = await self._on_loop_client(
+            lambda client: self._waiting_pipeline(client, script, keys, args)
+        )
+        return reply, int(acks)
+
+    def _waiting_pipeline(
+        self, client: Any, script: Script, keys: Sequence[str], args: Sequence[Any]
+    ) -> Any:
+        """EVAL then WAIT in one pipeline of `client` (one connection): its replies, or with
+        an async client an awaitable of them."""
+        pipe = client.pipeline(transaction=False)
+        pipe.eval(script.text, len(keys), *keys, *args)
+        pipe.execute_command("WAIT", self.min_replicas, self._wait_ms)
+        return pipe.execute()
+
     # -- permits --------------------------------------------------------------------------
     supports_modes = True
 
@@ -435,13 +539,13 @@ class RedisLockStore(ListeningStore, LockStore):
         self, key: str, owner: str, holder: str, ttl: float, mode: Mode, writer_wait: float = 0
     ) -> AcquireResult:
         call = self._permit_call(key, owner, holder, ttl, mode, writer_wait)
-        return self._acquired(self._run(*call))
+        return self._acquired(self._granting(call, key, owner, mode.kind != "exclusive"))
 
     async def aacquire_permit(
         self, key: str, owner: str, holder: str, ttl: float, mode: Mode, writer_wait: float = 0
     ) -> AcquireResult:
         call = self._permit_call(key, owner, holder, ttl, mode, writer_wait)
-        return self._acquired(await self._arun(*call))
+        return self._acquired(await self._agranting(call, key, owner, mode.kind != "exclusive"))
 
     def release_permit(self, key: str, owner: str) -> bool:
         return self._released(key, self._run(*self._release_permit_call(key, owner)))
@@ -450,10 +554,11 @@ class RedisLockStore(ListeningStore, LockStore):
         return self._released(key, await self._arun(*self._release_permit_call(key, owner)))
 
     def extend_permit(self, key: str, owner: str, ttl: float) -> bool:
-        return bool(self._run(*self._extend_permit_call(key, owner, ttl)))
+        return bool(self._granting(self._extend_permit_call(key, owner, ttl), key, owner, True))
 
     async def aextend_permit(self, key: str, owner: str, ttl: float) -> bool:
-        return bool(await self._arun(*self._extend_permit_call(key, owner, ttl)))
+        call = self._extend_permit_call(key, owner, ttl)
+        return bool(await self._agranting(call, key, owner, True))
 
     def holders(self, key: str) -> list[LockInfo]:
         return self._holders(key, self._run(HOLDERS, self._permit_names(key)[:3], ()))
@@ -701,11 +806,16 @@ class RedisLockStore(ListeningStore, LockStore):
         worker threads when only the sync client knows how to reach the server."""
         if not self._native_async():
             return await asyncio.wrap_future(self.submit(self._run, script, keys, args))
+        return await self._on_loop_client(
+            lambda client: run_script(script, keys, args, client.evalsha, client.script_load)
+        )
+
+    async def _on_loop_client(self, work: Callable[[Any], Awaitable[T]]) -> T:
+        """`work(client)` on this loop's redis.asyncio client."""
         used = self._loop_client() or await self._new_loop_client()
-        client = used.client
         used.calls += 1
         try:
-            return await run_script(script, keys, args, client.evalsha, client.script_load)
+            return await work(used.client)
         except (*STORE_ERRORS, OSError) as exc:  # asyncio can raise raw socket errors on connect
             raise self._unavailable(exc) from exc
         finally:
