@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         median = statistics.median(each)
         spread = f"{min(each):,.0f}-{max(each):,.0f}"
         rows.append([name, median, spread, 1e6 / median, counts.get(name, "-")])
-    print_table(["cycle", "cycles/s", "slowest-fastest round", "us", "instructions"], rows)
+    print_table(["cycle", "cycles/s", "slowest-fastest round", "µs", "instructions"], rows)
 
 
 if __name__ == "__main__":

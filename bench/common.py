@@ -133,6 +133,14 @@ def ratio_spread(ours: Sequence[float], theirs: Sequence[float]) -> Spread:
     return Spread.of([a / b for a, b in zip(ours, theirs, strict=True)])
 
 
+def verdict(spread: Spread, higher_is_faster: bool) -> str:
+    """What a B / A ratio's rounds say: "within noise" while its middle half holds 1.00, else
+    whether B is faster or slower (a higher ratio is faster for a rate, slower for a time)."""
+    if spread.q1 <= 1.0 <= spread.q3:
+        return "within noise"
+    return "B faster" if (spread.median > 1.0) == higher_is_faster else "B slower"
+
+
 def _ratio(value: float) -> str:
     if value < 0.1:
         return f"{value:.3f}"

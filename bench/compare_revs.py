@@ -39,6 +39,7 @@ from .common import (
     rate,
     ratio_spread,
     round_options,
+    verdict,
 )
 
 STORES = ["memory", "sqlite", "postgres", "postgres-fast", "mariadb", "redis"]
@@ -202,27 +203,37 @@ def compare_store(sides: list[Side], store: str, args: argparse.Namespace) -> li
     rounds = alternate({s.label: handoffs_of(s) for s in sides}, args.rounds)
     pooled = {label: [ms for each in r for ms in each] for label, r in rounds.items()}
     p50s = {label: [statistics.median(each) for each in r] for label, r in rounds.items()}
+    cycles = ratio_spread(rates[b.label], rates[a.label])
+    handoff = ratio_spread(p50s[b.label], p50s[a.label])
     return [
         [
             "cycles/s, a new handle each `with`",
             statistics.median(rates[a.label]),
             statistics.median(rates[b.label]),
-            ratio_spread(rates[b.label], rates[a.label]),
+            cycles,
+            verdict(cycles, higher_is_faster=True),
         ],
         [
             "handoff p50 ms",
             percentile(pooled[a.label], 50),
             percentile(pooled[b.label], 50),
-            ratio_spread(p50s[b.label], p50s[a.label]),
+            handoff,
+            verdict(handoff, higher_is_faster=False),
         ],
-        ["handoff p90 ms", percentile(pooled[a.label], 90), percentile(pooled[b.label], 90), ""],
+        [
+            "handoff p90 ms",
+            percentile(pooled[a.label], 90),
+            percentile(pooled[b.label], 90),
+            "",
+            "",
+        ],
     ]
 
 
 def instruction_rows(sides: list[Side], names: list[str]) -> list[list[object]]:
     a, b = (callgrind.instructions(names, tree=side.tree) for side in sides)
     return [
-        [f"instructions per cycle, {name}", a[name], b[name], f"{b[name] / a[name]:.3f}"]
+        [f"instructions per cycle, {name}", a[name], b[name], f"{b[name] / a[name]:.3f}", ""]
         for name in names
     ]
 
@@ -262,9 +273,11 @@ def run(sides: list[Side], args: argparse.Namespace) -> None:
     stores = [s for s in args.stores.split(",") if s in up]
     print(
         f"{os.cpu_count()} CPUs; {args.rounds} alternating rounds of {args.seconds:g}s per "
-        f"cycles/s and of {args.handoffs} handoffs per figure; B / A: median (least-most)"
+        f"cycles/s and of {args.handoffs} handoffs per figure;\nB / A: the median of the "
+        "rounds' ratios (their middle half; least-most); within noise while the middle half "
+        "holds 1.00"
     )
-    headers = ["figure", sides[0].name, sides[1].name, "B / A"]
+    headers = ["figure", sides[0].name, sides[1].name, "B / A", ""]
     for store in stores:
         rows = compare_store(sides, store, args)
         if store == "memory" and not args.no_callgrind and callgrind.available():

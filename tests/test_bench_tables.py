@@ -8,7 +8,15 @@ from pathlib import Path
 import pytest
 
 from bench.callgrind import per_cycle, read_dumps, segments
-from bench.common import Contender, Measured, Spread, alternate, compared_rows, ratio_spread
+from bench.common import (
+    Contender,
+    Measured,
+    Spread,
+    alternate,
+    compared_rows,
+    ratio_spread,
+    verdict,
+)
 
 
 def test_alternate_gives_each_contender_every_round_in_turns_reversing_each_round():
@@ -40,6 +48,13 @@ def test_ratio_spread_is_the_median_of_round_by_round_ratios_not_the_ratio_of_me
 def test_ratio_spread_refuses_rounds_that_do_not_pair_up():
     with pytest.raises(ValueError, match="as many rounds on each side, got 2 and 3"):
         ratio_spread([1.0, 2.0], [1.0, 2.0, 3.0])
+
+
+def test_verdict_is_within_noise_while_the_middle_half_of_the_ratios_holds_one():
+    assert verdict(Spread(1.08, 0.97, 1.2, 0.5, 3.0), higher_is_faster=True) == "within noise"
+    assert verdict(Spread(1.08, 1.01, 1.2, 0.5, 3.0), higher_is_faster=True) == "B faster"
+    assert verdict(Spread(1.08, 1.01, 1.2, 0.5, 3.0), higher_is_faster=False) == "B slower"
+    assert verdict(Spread(0.9, 0.8, 0.95, 0.5, 3.0), higher_is_faster=False) == "B faster"
 
 
 def test_compared_rows_set_each_peer_against_the_row_of_ours_it_names():
