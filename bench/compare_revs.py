@@ -3,7 +3,7 @@ alternating rounds of one run.
 
 Each revision is checked out in a `git worktree` under /tmp and served by a worker process that
 imports the package from that checkout (checked: every module of ours it loaded comes from
-there) and this checkout's bench; each worker migrates a bench database of its own. The
+there) and this checkout's bench, on a bench database of that revision's own. The
 coordinator asks the two workers in turns (A, B, B, A, ...) for one short round of a figure, so
 the machine's drift lands on both alike; per store it prints each figure's median for A and
 B and the median of the round-by-round ratios B / A, with their least and most. Running a
@@ -60,7 +60,8 @@ class Side:
         self.sha = git("rev-parse", "--verify", f"{rev}^{{commit}}")
         self.tree = os.path.join(root, label)
         git("worktree", "add", "--detach", self.tree, self.sha)
-        env = {**os.environ, "KEEL_BENCH_DB": f"keel_lock_compare_{label}"}
+        # A database per revision (its own migrations), kept for the next run of that revision.
+        env = {**os.environ, "KEEL_BENCH_DB": f"keel_lock_compare_{self.sha[:10]}"}
         env.pop("PYTHONPATH", None)
         command = [
             sys.executable,
