@@ -34,6 +34,7 @@ from django.core.exceptions import PermissionDenied
 from django.db import NotSupportedError, models
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models.constants import LOOKUP_SEP
+from django.db.models.functions import Now
 from django.db.models.sql.compiler import SQLCompiler
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
@@ -44,7 +45,7 @@ from django.utils.http import url_has_allowed_host_and_scheme
 
 from .conf import conf
 from .core import force_release
-from .models import Lock, StoreLock
+from .models import IdempotentResult, Lock, StoreLock
 from .registry import get_lock_store
 from .stores.base import PERMIT_OWNERS, LockInfo
 from .stores.database.dialects import DIALECTS
@@ -741,3 +742,40 @@ def _count(value: str | None) -> int | None:
         return max(0, int(value)) if value is not None else None
     except ValueError:
         return None
+
+
+# -- idempotent results (django_keel_lock.idempotency) ---------------------------------------
+@admin.register(IdempotentResult)
+class IdempotentResultAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    """The kept answers of idempotent requests (the database stores' table), read-only; the
+    "Delete" action forgets them, so the next request with such a key runs its view again.
+    The bodies are not shown: they are what a user was answered."""
+
+    list_display = ("key", "status_display", "age_display", "size", "expires_at")
+    search_fields = ("key",)
+    fields = ("key", "status_display", "fence", "size", "created_at", "expires_at")
+    readonly_fields = fields
+    list_per_page = 100
+    show_full_result_count = False
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def get_queryset(self, request: HttpRequest) -> models.QuerySet[IdempotentResult]:
+        # Where the database store keeps them (as the lock table's changelist), without the
+        # data column: a listing reads no bodies. The expired ones wait for their clean-up.
+        queryset = super().get_queryset(request).using(_model_database()).defer("data")
+        return queryset.filter(expires_at__gt=Now())
+
+    @admin.display(description="status", ordering="status")
+    def status_display(self, obj: IdempotentResult) -> str:
+        return "function result" if obj.status == 0 else str(obj.status)
+
+    @admin.display(description="age", ordering="-created_at")
+    def age_display(self, obj: IdempotentResult) -> str:
+        # By this server's clock: a display, nothing is decided by it.
+        age = (timezone.now() - obj.created_at).total_seconds()
+        return format_remaining(age) if age > 0 else "0s"

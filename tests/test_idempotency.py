@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import threading
@@ -12,6 +13,8 @@ from typing import Any
 
 import pytest
 from django.contrib.auth import get_user_model
+from django.core.management import call_command
+from django.core.management.base import CommandError
 from django.db import connections
 from django.http import HttpResponse
 from django.test import Client, override_settings
@@ -361,6 +364,44 @@ def test_the_middleware_guards_its_prefixes_only(alias: str, idem_key: str) -> N
         post(client, f"/{alias}/free/pay/", free)
         assert post(client, f"/{alias}/free/pay/", free).get("Idempotent-Replayed") is None
     assert views.CALLS[idem_key] == 1 and views.CALLS[free] == 2
+
+
+# -- manage.py locks results / forget, and the admin ------------------------------------------
+def test_the_command_lists_results_and_forgets_one(alias: str, idem_key: str) -> None:
+    client = Client()
+    post(client, f"/{alias}/pay-global/", idem_key)
+    key = f"idempotent:global:{idem_key}"
+    out = io.StringIO()
+    call_command("locks", "results", "--store", alias, "--prefix", key, stdout=out)
+    header, row = out.getvalue().splitlines()
+    assert header.split() == ["KEY", "STATUS", "AGE", "SIZE"]
+    assert row.split()[:2] == [key, "201"] and int(row.split()[3]) > 0
+    out = io.StringIO()
+    call_command("locks", "results", "--store", alias, "--prefix", key, "--json", stdout=out)
+    assert json.loads(out.getvalue())["key"] == key
+    call_command("locks", "forget", key, "--store", alias, stdout=io.StringIO())
+    with pytest.raises(CommandError) as missing:
+        call_command("locks", "forget", key, "--store", alias, stdout=io.StringIO())
+    assert missing.value.returncode == 1
+    assert post(client, f"/{alias}/pay-global/", idem_key).get("Idempotent-Replayed") is None
+    assert views.CALLS[idem_key] == 2
+
+
+def test_the_admin_lists_results_without_bodies_and_deletes_one(idem_key: str) -> None:
+    answered = post(Client(), "/sqlite/pay-global/", idem_key)  # the "default" store's database
+    key = f"idempotent:global:{idem_key}"
+    admin_user = get_user_model().objects.create_superuser(f"admin-{uuid.uuid4().hex[:10]}")
+    browser = logged_in(admin_user)
+    url = "/admin/django_keel_lock/idempotentresult/"
+    page = browser.get(url, {"q": idem_key})
+    assert page.status_code == 200 and key in page.content.decode()
+    assert answered.json()["id"] not in page.content.decode()  # no body is shown
+    deleted = browser.post(
+        url,
+        {"action": "delete_selected", "_selected_action": [key], "post": "yes"},
+    )
+    assert deleted.status_code == 302
+    assert result_store_for("sqlite").get(key) is None
 
 
 # -- run_once and @once --------------------------------------------------------------------

@@ -9,6 +9,7 @@ import uuid
 from collections import Counter
 from typing import Any
 
+from django.contrib import admin
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.urls import path
 from django.views import View
@@ -107,4 +108,7 @@ def _views(alias: str) -> list[Any]:
     ]
 
 
-urlpatterns = [pattern for alias in STORES for pattern in _views(alias)]
+urlpatterns = [
+    path("admin/", admin.site.urls),
+    *(pattern for alias in STORES for pattern in _views(alias)),
+]

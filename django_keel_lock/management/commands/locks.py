@@ -7,8 +7,11 @@ under a lock, or on one node only.
     manage.py locks prune [--store ALIAS]
     manage.py locks run KEY [--ttl T] [--wait T] [--grace T] [--store A] [--skip-ok] -- COMMAND...
     manage.py locks lead NAME [--ttl T] [--grace T] [--store A] -- COMMAND...
+    manage.py locks results [--store ALIAS] [--prefix P] [--json] [--prune]
+    manage.py locks forget KEY [--store ALIAS]
 
-`run` and `lead` live in `..running` (their exit statuses are described there).
+`run` and `lead` live in `..running` (their exit statuses are described there); `results` and
+`forget` (idempotent results) in `..results`.
 
 Exit codes: 0 done; 1 the key is not held (show, release) or the release was declined at the
 prompt; 2 usage errors (bad arguments, a key the store cannot hold) and an unknown or
@@ -44,7 +47,7 @@ from ...exceptions import LockStoreUnavailable
 from ...options import printable, validate_key
 from ...registry import get_lock_store
 from ...stores.base import LockInfo, LockStore
-from .. import running
+from .. import results, running
 
 EXIT_NOT_HELD = 1
 EXIT_CONFIG = 2
@@ -204,6 +207,7 @@ class Command(BaseCommand):
         release.add_argument("--yes", action="store_true", help="do not ask for confirmation")
         add("prune", "Delete expired locks the store keeps (Redis deletes its own); say how many.")
         running.add_arguments(add)
+        results.add_arguments(add)
 
     def create_parser(self, prog_name: str, subcommand: str, **kwargs: Any) -> CommandParser:
         parser = super().create_parser(prog_name, subcommand, **kwargs)
@@ -345,6 +349,12 @@ class Command(BaseCommand):
 
     def do_lead(self, store: LockStore, options: dict[str, Any]) -> int:
         return running.do_lead(store, options["name"], options)
+
+    def do_results(self, store: LockStore, options: dict[str, Any]) -> int:
+        return results.do_results(store, options, self.stdout.write)
+
+    def do_forget(self, store: LockStore, options: dict[str, Any]) -> int:
+        return results.do_forget(store, options, self.stdout.write)
 
     # -- helpers --------------------------------------------------------------------------
     @staticmethod
