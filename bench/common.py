@@ -228,12 +228,26 @@ def measure(
     contenders: Sequence[Contender], rounds: int, seconds: float, handoffs: int
 ) -> dict[str, Measured]:
     """Every contender's cycles/s in `rounds` alternating rounds of about `seconds` each, then
-    its handoffs in `rounds` alternating rounds of `handoffs` each."""
+    its handoffs in `rounds` alternating rounds of `handoffs` each. Within a round each peer
+    runs right after (or, every other round, right before) the row of ours it faces, so the
+    two figures of a ratio are measured next to each other."""
+    contenders = paired(contenders)
     rates = alternate({c.name: _rate_of(c.cycle, seconds) for c in contenders if c.cycle}, rounds)
     samples = alternate(
         {c.name: _handoffs_of(c.handoffs, handoffs) for c in contenders if c.handoffs}, rounds
     )
     return {c.name: Measured(rates.get(c.name, []), samples.get(c.name, [])) for c in contenders}
+
+
+def paired(contenders: Sequence[Contender]) -> list[Contender]:
+    """The contenders in measuring order: each row of ours followed by the peers facing it."""
+    order = []
+    for contender in contenders:
+        if contender.ours is None:
+            order.append(contender)
+            order += [peer for peer in contenders if peer.ours == contender.name]
+    named = {c.name for c in order}
+    return order + [c for c in contenders if c.name not in named]
 
 
 def _rate_of(cycle: Callable[[], object], seconds: float) -> Callable[[], float]:

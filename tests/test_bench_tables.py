@@ -14,6 +14,7 @@ from bench.common import (
     Spread,
     alternate,
     compared_rows,
+    paired,
     ratio_spread,
     verdict,
 )
@@ -80,6 +81,20 @@ def test_compared_rows_set_each_peer_against_the_row_of_ours_it_names():
     cycles, handoffs = rows[3][5], rows[3][6]
     assert (cycles.median, cycles.low, cycles.high) == (0.65, 0.5, 0.8)
     assert (handoffs.median, handoffs.low, handoffs.high) == (3.0, 2.0, 4.0)
+
+
+def test_paired_puts_each_peer_right_after_the_row_of_ours_it_faces():
+    contenders = [
+        Contender("ours a"),
+        Contender("ours b"),
+        Contender("peer of b", ours="ours b"),
+        Contender("peer of a", ours="ours a"),
+        Contender("peer of nobody here", ours="ours c"),
+    ]
+
+    names = [c.name for c in paired(contenders)]
+
+    assert names == ["ours a", "peer of a", "ours b", "peer of b", "peer of nobody here"]
 
 
 def test_segments_add_each_markers_dumps_to_the_run_before_it():
