@@ -142,6 +142,7 @@ def run_one(name: str, args: argparse.Namespace) -> int:
                 ("semaphore", 2, False),
                 ("semaphore-extended", 2, True),
             )
+            if target.modes or limit is None
         ]
         config: dict[str, Any] = {
             **settings,

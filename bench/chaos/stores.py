@@ -84,6 +84,8 @@ class Target:
     name = ""
     #: Workers are threads of the run's own process (the memory store lives in one process).
     threads = False
+    #: The store has semaphores (the run's semaphore keys are left out where it has not).
+    modes = True
 
     def __init__(self, run: str) -> None:
         self.run = run
@@ -382,6 +384,72 @@ class RedisSentinelPlain(RedisSentinel):
     GUARD = ()
 
 
+class RedisSentinelWaits(RedisSentinelPlain):
+    """redis-sentinel-plain with the store's MIN_REPLICAS 1: each acquire and extend waits
+    for the replica (WAIT) and gives the lock back when it does not acknowledge."""
+
+    name = "redis-sentinel-waits"
+
+    def start(self) -> dict[str, Any]:
+        settings = super().start()
+        settings["store"]["OPTIONS"]["MIN_REPLICAS"] = 1
+        return settings
+
+
+class Etcd(Target):
+    """A 3-member etcd cluster (tests/support/etcd.py), reached through a proxy in front of
+    each member's client port. Faults: a member killed (the leader half the time) and
+    restarted a moment later with its data; a member stopped (SIGSTOP) past the election
+    timeout, then continued; a proxy stalled or its connections dropped (a member cut off from
+    the clients). No semaphores: the store has none."""
+
+    name = "etcd"
+    modes = False
+
+    def start(self) -> dict[str, Any]:
+        from tests.support.etcd import etcd_cluster
+
+        cluster = self.stack.enter_context(etcd_cluster())
+        proxies = [FaultyProxy(member.client_port) for member in cluster.members]
+        for proxy in proxies:
+            self.stack.callback(proxy.close)
+
+        def kill(rng: random.Random) -> dict[str, Any]:
+            leader = rng.random() < 0.5
+            member = cluster.leader() if leader else rng.choice(cluster.members)
+            member.kill()
+            time.sleep(rng.uniform(0.2, 2.0))
+            cluster.restart(member)
+            return {"member": member.name, "leader": leader}
+
+        def pause(rng: random.Random) -> dict[str, Any]:
+            member = rng.choice(cluster.members)
+            member.pause()
+            time.sleep(rng.uniform(0.5, 3.0))
+            member.resume()
+            return {"member": member.name}
+
+        def stall(rng: random.Random) -> dict[str, Any]:
+            proxy = rng.choice(proxies)
+            proxy.mode = "stall"
+            time.sleep(rng.uniform(0.5, 3 * SOCKET_TIMEOUT))
+            proxy.mode = "pass"
+            return {"port": proxy.port}
+
+        def drop(rng: random.Random) -> dict[str, Any]:
+            proxy = rng.choice(proxies)
+            proxy.drop_connections()
+            return {"port": proxy.port}
+
+        self.faults.update(member_kill=kill, member_pause=pause, proxy_stall=stall, proxy_drop=drop)
+        endpoints = [f"http://127.0.0.1:{proxy.port}" for proxy in proxies]
+        store = {
+            "BACKEND": "django_keel_lock.stores.EtcdLockStore",
+            "OPTIONS": {"ENDPOINTS": endpoints, "SOCKET_TIMEOUT": SOCKET_TIMEOUT},
+        }
+        return self.settings(store)
+
+
 TARGETS: dict[str, type[Target]] = {
     target.name: target
     for target in (
@@ -394,5 +462,7 @@ TARGETS: dict[str, type[Target]] = {
         RedisCluster,
         RedisSentinel,
         RedisSentinelPlain,
+        RedisSentinelWaits,
+        Etcd,
     )
 }
