@@ -149,3 +149,38 @@ def test_manage_py_check_reports_the_etcd_store_settings() -> None:
     with override_settings(KEEL_LOCK_STORES=stores):
         found = [m for m in check_stores() if m.id == "django_keel_lock.E013"]
     assert len(found) == 1 and "'etcd:2379' is not a member's client URL" in found[0].msg
+
+
+# -- manage.py locks and the admin ------------------------------------------------------------
+def test_manage_py_locks_lists_shows_and_releases_an_etcd_lock(etcd_alias: str, key: str) -> None:
+    held = lock(key, store=etcd_alias, ttl=30, holder="web-7:1")
+    assert held.acquire()
+    table = _run_locks("list", "--store", etcd_alias, "--prefix", key).splitlines()
+    fence, mode, expires, *_, holder, listed = table[1].split()
+    assert (int(fence), mode, holder, listed) == (held.fence, "exclusive", "web-7:1", key)
+    assert 28 <= float(expires.rstrip("s")) <= 30
+    assert key in _run_locks("show", key, "--store", etcd_alias)
+    _run_locks("release", key, "--store", etcd_alias, "--yes")
+    assert not held.is_locked() and held.release() is False
+
+
+@pytest.mark.django_db
+def test_the_admin_lists_etcd_locks_with_the_store_note(
+    etcd_alias: str, key: str, admin_client: Any
+) -> None:
+    with lock(key, store=etcd_alias, ttl=30, holder="web-8:2") as held:
+        html = admin_client.get("/admin/django_keel_lock/lock/stores/").content.decode()
+        part = html[html.index(f'data-store="{etcd_alias}"') :]
+        assert key in part and "web-8:2" in part and f">{held.fence}<" in part
+        assert "Locks in etcd" in part  # EtcdLockStore.admin_note
+        assert held.owner is not None and held.owner not in html
+
+
+def _run_locks(*args: str) -> str:
+    import io
+
+    from django.core.management import call_command
+
+    out = io.StringIO()
+    call_command("locks", *args, stdout=out, stderr=io.StringIO())
+    return out.getvalue()
