@@ -170,3 +170,21 @@ def test_a_member_cut_off_from_the_others_refuses_at_once_and_the_call_moves_on(
         assert time.monotonic() - started < 1
     finally:
         store.close()
+
+
+def test_a_lock_survives_every_member_restarting(healthy: Cluster, key: str) -> None:
+    store = _store(healthy.endpoints)
+    try:
+        held = store.acquire(key, "owner-a", "a", 30)
+        assert held.fence is not None
+        for member in healthy.members:
+            member.kill()
+        for member in healthy.members:
+            member.start(healthy.initial, "existing")
+        healthy.wait_healthy()
+        info = store.get(key)  # on disk, with its lease: nobody else may take it
+        assert info is not None and info.owner == "owner-a" and info.fence == held.fence
+        assert store.acquire(key, "owner-b", "b", 30).fence is None
+        assert store.release(key, "owner-a")
+    finally:
+        store.close()
