@@ -22,7 +22,7 @@ from django.test import Client, override_settings
 from django_keel_lock import LockUnavailable, idempotent, lock, once, run_once
 from django_keel_lock.idempotency.storage import result_store_for
 from django_keel_lock.stores.results import StoredResult
-from tests.conftest import ALL_STORES, store_params
+from tests.conftest import ALL_STORES, DATABASE_STORES, store_params
 from tests.support import idempotent_views as views
 
 pytestmark = pytest.mark.usefixtures("_urls")
@@ -210,6 +210,14 @@ def test_a_holder_that_lost_its_lock_cannot_keep_its_response_over_the_new_holde
     assert later["Idempotent-Replayed"] == "true"
     assert later.content == taker.content != slow[0].content
     assert "the lock was lost while the view ran" in caplog.text
+
+
+@pytest.mark.parametrize("alias", store_params(DATABASE_STORES))
+def test_kept_under_debug_whose_cursor_formats_the_sql(alias: str, idem_key: str) -> None:
+    client = Client()
+    with override_settings(DEBUG=True):
+        post(client, f"/{alias}/pay-global/", idem_key)
+        assert post(client, f"/{alias}/pay-global/", idem_key)["Idempotent-Replayed"] == "true"
 
 
 def test_results_are_fenced_in_the_store(alias: str, idem_key: str) -> None:

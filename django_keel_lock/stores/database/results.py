@@ -26,6 +26,7 @@ CLEAN_EVERY = 100
 CLEAN_BATCH = 1000
 PAGE_SIZE = 500
 
+_SQLITE_NOW = "strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now')"
 _COLUMNS = "(key, fingerprint, fence, status, data, size, created_at, expires_at)"
 # Per vendor: the fenced upsert, and the ttl as its parameter. The lock row's own expiry is
 # read by the clock the lock store writes it with.
@@ -43,18 +44,17 @@ _SAVE: Mapping[str, str] = {
             created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at
         WHERE r.fence < EXCLUDED.fence OR r.expires_at <= clock_timestamp()
     """,
+    # Through Django's cursor, as the ORM writes: %s placeholders, %% for a percent sign.
     "sqlite": f"""
         INSERT INTO django_keel_lock_result AS r {_COLUMNS}
-        SELECT ?, ?, ?, ?, ?, ?, strftime('%Y-%m-%d %H:%M:%f', 'now'),
-               strftime('%Y-%m-%d %H:%M:%f', 'now', ?)
+        SELECT %s, %s, %s, %s, %s, %s, {_SQLITE_NOW}, strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now', %s)
         FROM django_keel_lock_lock l
-        WHERE l.key = ? AND l.owner = ? AND l.expires_at > strftime('%Y-%m-%d %H:%M:%f', 'now')
+        WHERE l.key = %s AND l.owner = %s AND l.expires_at > {_SQLITE_NOW}
         ON CONFLICT (key) DO UPDATE SET
             fingerprint = excluded.fingerprint, fence = excluded.fence,
             status = excluded.status, data = excluded.data, size = excluded.size,
             created_at = excluded.created_at, expires_at = excluded.expires_at
-        WHERE r.fence < excluded.fence
-           OR r.expires_at <= strftime('%Y-%m-%d %H:%M:%f', 'now')
+        WHERE r.fence < excluded.fence OR r.expires_at <= {_SQLITE_NOW}
     """,
     # MariaDB applies the SET assignments left to right: the condition reads `fence` and
     # `expires_at`, so they come last.
