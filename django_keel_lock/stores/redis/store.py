@@ -538,14 +538,15 @@ class RedisLockStore(ListeningStore, LockStore):
     def acquire_permit(
         self, key: str, owner: str, holder: str, ttl: float, mode: Mode, writer_wait: float = 0
     ) -> AcquireResult:
-        call = self._permit_call(key, owner, holder, ttl, mode, writer_wait)
-        return self._acquired(self._granting(call, key, owner, mode.kind != "exclusive"))
+        return self._acquired(
+            self._granting(*self._permit_grant(key, owner, holder, ttl, mode, writer_wait))
+        )
 
     async def aacquire_permit(
         self, key: str, owner: str, holder: str, ttl: float, mode: Mode, writer_wait: float = 0
     ) -> AcquireResult:
-        call = self._permit_call(key, owner, holder, ttl, mode, writer_wait)
-        return self._acquired(await self._agranting(call, key, owner, mode.kind != "exclusive"))
+        grant = self._permit_grant(key, owner, holder, ttl, mode, writer_wait)
+        return self._acquired(await self._agranting(*grant))
 
     def release_permit(self, key: str, owner: str) -> bool:
         return self._released(key, self._run(*self._release_permit_call(key, owner)))
@@ -566,13 +567,16 @@ class RedisLockStore(ListeningStore, LockStore):
     async def aholders(self, key: str) -> list[LockInfo]:
         return self._holders(key, await self._arun(HOLDERS, self._permit_names(key)[:3], ()))
 
-    def _permit_call(
+    def _permit_grant(
         self, key: str, owner: str, holder: str, ttl: float, mode: Mode, writer_wait: float
-    ) -> Call:
+    ) -> tuple[Call, str, str, bool]:
+        """What `_granting` takes for a permit acquire: the call, the key, the owner, and
+        whether the grant is a permit (anything but an exclusive acquire)."""
         gate_owner = GATE_OWNER.get(mode.kind, "")  # "" for an exclusive acquire
         wait_ms = round(max(0.0, writer_wait) * 1000)
         args = (owner, holder, _ms(ttl), gate_owner, mode.limit, wait_ms)
-        return ACQUIRE_PERMIT, self._permit_names(key), args
+        call = ACQUIRE_PERMIT, self._permit_names(key), args
+        return call, key, owner, mode.kind != "exclusive"
 
     def _release_permit_call(self, key: str, owner: str) -> Call:
         return RELEASE_PERMIT, self._permit_names(key)[:3], (owner, self.release_channel(key))
