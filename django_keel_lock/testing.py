@@ -15,7 +15,6 @@ import functools
 import inspect
 from collections.abc import Callable, Iterator
 from contextlib import ContextDecorator
-from types import TracebackType
 from typing import Any, TypeVar, cast
 
 from .registry import get_lock_store, lock_store_override, set_lock_store
@@ -42,12 +41,7 @@ class memory_lock_store(ContextDecorator):  # lower case: used like a function
             set_lock_store(store, store.alias)
         return stores[0]
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         for alias, previous in self._saved.pop().items():
             set_lock_store(previous, alias)
 
