@@ -151,6 +151,15 @@ class Renewal:
             return None  # an extend would not push the expiry out any more
         return seconds
 
+    def due(self) -> tuple[float, float] | None:
+        """The extend to send now: how many seconds, and when it is sent (it is `unanswered`
+        until `settle`); None when `max_hold` allows no more (`capped` says what then)."""
+        seconds = self.extension()
+        if seconds is None:
+            return None
+        self.unanswered = True
+        return seconds, time.monotonic()
+
     def capped(self) -> float | None:
         """`max_hold` reached: the pause until the lock runs out, then (None) report it lost."""
         left = self.time_left()
@@ -206,12 +215,11 @@ class Renewal:
     def _run_thread(self) -> None:
         pause: float | None = self.interval
         while pause is not None and not self._wait(pause):
-            seconds = self.extension()
-            if seconds is None:
+            due = self.due()
+            if due is None:
                 pause = self.capped()
                 continue
-            sent = time.monotonic()
-            self.unanswered = True
+            seconds, sent = due
             future = self.store.submit(self.extend, self.key, self.owner, seconds)
             future.add_done_callback(lambda _: self._kick.set())
             # Wait for the answer, but no longer than the lock is known to live.
@@ -232,12 +240,11 @@ class Renewal:
             await asyncio.sleep(pause)
             if self.stopped:
                 return
-            seconds = self.extension()
-            if seconds is None:
+            due = self.due()
+            if due is None:
                 pause = self.capped()
                 continue
-            sent = time.monotonic()
-            self.unanswered = True
+            seconds, sent = due
             task = asyncio.ensure_future(self.aextend(self.key, self.owner, seconds))
             _pending.add(task)
             task.add_done_callback(_forget)
