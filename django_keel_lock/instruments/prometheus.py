@@ -365,13 +365,48 @@ def recorder() -> Recorder:
         return LocalRecorder()
 
 
-class LocalRecorder(Recorder):
+class _Counting(Recorder):
+    """What the two ways of counting share: which outcome and which wait a refusal, a store
+    failure or a renewal counts (`_waited`, `_renewed` say where)."""
+
+    traces = False
+
+    def _kept(self, handle: Lock, kept: Any) -> Any:
+        raise NotImplementedError
+
+    def _waited(self, kept: Any, outcome: int, seconds: float) -> None:
+        raise NotImplementedError
+
+    def _renewed(self, kept: Any, outcome: str) -> None:
+        raise NotImplementedError
+
+    def refused(
+        self, handle: Lock, started: Any, outcome: str, attempts: int, raises: bool, kept: Any
+    ) -> Any:
+        kept = self._kept(handle, kept)
+        self._waited(kept, _OUTCOME[outcome], time.monotonic() - started)
+        return kept
+
+    def failed(
+        self, handle: Lock, started: Any, error: BaseException, attempts: int, kept: Any
+    ) -> Any:
+        if isinstance(error, LockStoreUnavailable):
+            kept = self._kept(handle, kept)
+            self._waited(kept, _ERROR, time.monotonic() - started)
+            self.store_error(handle, "acquire")
+        return kept
+
+    def renewal(self, handle: Lock, kept: Any, outcome: str) -> None:
+        self._renewed(self._kept(handle, kept), outcome)
+        if outcome == "error":
+            self.store_error(handle, "extend")
+
+
+class LocalRecorder(_Counting):
     """Counts each step of every lock into this process's series (`collector()` shows them).
 
     Its `kept` on a handle is (itself, the thread's series dict, the series of the handle's
     store and name): a step in the same thread finds the series without a lookup."""
-
-    traces = False
 
     def _kept(self, handle: Lock, kept: Any) -> Any:
         """`kept` if it is this recorder's and this thread's, else a new one for them."""
@@ -400,29 +435,13 @@ class LocalRecorder(Recorder):
         if reason is not None:
             series.lost[reason] = series.lost.get(reason, 0) + 1
 
-    def refused(
-        self, handle: Lock, started: Any, outcome: str, attempts: int, raises: bool, kept: Any
-    ) -> Any:
-        kept = self._kept(handle, kept)
+    def _waited(self, kept: Any, outcome: int, seconds: float) -> None:
         series: _Series = kept[2]
-        series.observe(series.waits[_OUTCOME[outcome]], time.monotonic() - started)
-        return kept
+        series.observe(series.waits[outcome], seconds)
 
-    def failed(
-        self, handle: Lock, started: Any, error: BaseException, attempts: int, kept: Any
-    ) -> Any:
-        if isinstance(error, LockStoreUnavailable):
-            kept = self._kept(handle, kept)
-            series: _Series = kept[2]
-            series.observe(series.waits[_ERROR], time.monotonic() - started)
-            self.store_error(handle, "acquire")
-        return kept
-
-    def renewal(self, handle: Lock, kept: Any, outcome: str) -> None:
-        renewals = self._kept(handle, kept)[2].renewals
+    def _renewed(self, kept: Any, outcome: str) -> None:
+        renewals = kept[2].renewals
         renewals[outcome] = renewals.get(outcome, 0) + 1
-        if outcome == "error":
-            self.store_error(handle, "extend")
 
     def store_error(self, handle: Lock, operation: str) -> None:
         _numbers.store_error(handle.store_alias, operation)
@@ -433,12 +452,10 @@ class LocalRecorder(Recorder):
             series.observe(series.held_for[_FORCED], seconds)
 
 
-class SharedRecorder(Recorder):
+class SharedRecorder(_Counting):
     """Writes each step of every lock to prometheus_client's metrics (multiprocess mode).
 
     Its `kept` on a handle is (itself, the series of the handle's store and name)."""
-
-    traces = False
 
     def __init__(self, shared: _SharedMetrics) -> None:
         self.shared = shared
@@ -453,29 +470,14 @@ class SharedRecorder(Recorder):
         kept[1].count(_ACQUIRED, time.monotonic() - started, 1)
         return kept
 
-    def refused(
-        self, handle: Lock, started: Any, outcome: str, attempts: int, raises: bool, kept: Any
-    ) -> Any:
-        kept = self._kept(handle, kept)
-        kept[1].count(_OUTCOME[outcome], time.monotonic() - started, 0)
-        return kept
-
-    def failed(
-        self, handle: Lock, started: Any, error: BaseException, attempts: int, kept: Any
-    ) -> Any:
-        if isinstance(error, LockStoreUnavailable):
-            kept = self._kept(handle, kept)
-            kept[1].count(_ERROR, time.monotonic() - started, 0)
-            self.store_error(handle, "acquire")
-        return kept
+    def _waited(self, kept: Any, outcome: int, seconds: float) -> None:
+        kept[1].count(outcome, seconds, 0)
 
     def ended(self, handle: Lock, kept: Any, end: str, seconds: float, reason: str | None) -> None:
         self._kept(handle, kept)[1].end(_END[end], seconds, reason, -1)
 
-    def renewal(self, handle: Lock, kept: Any, outcome: str) -> None:
-        self._kept(handle, kept)[1].renewal(outcome)
-        if outcome == "error":
-            self.store_error(handle, "extend")
+    def _renewed(self, kept: Any, outcome: str) -> None:
+        kept[1].renewal(outcome)
 
     def store_error(self, handle: Lock, operation: str) -> None:
         self.shared.store_errors.labels(handle.store_alias, operation).inc()
