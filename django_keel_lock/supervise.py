@@ -143,6 +143,8 @@ class Supervisor:
 
     def _send(self, signum: int) -> None:
         assert self.proc is not None
+        if self.proc.returncode is not None:  # reaped: its pid may be another process's now
+            return
         try:
             if self._own_group:
                 os.killpg(self.proc.pid, signum)
