@@ -24,6 +24,7 @@ from bench.chaos.checker import LIVENESS_MARGIN, Report, check
 
 from .conftest import needs
 from .support import ROOT
+from .support.etcd import etcd_installed
 from .support.redis_servers import REDIS_SERVER
 
 CONFIG: dict[str, Any] = {
@@ -306,6 +307,7 @@ SHARD = os.environ.get("KEEL_CHAOS_SHARD", "1/1")
 HAS_REDIS = needs(os.path.exists(REDIS_SERVER), "the redis-server binary")
 HAS_POSTGRES = needs(settings.SERVERS["postgres"], "PostgreSQL (the fenced resource)")
 HAS_MARIADB = needs(settings.SERVERS["mariadb"], "MariaDB")
+HAS_ETCD = needs(etcd_installed(), "etcd (Debian's etcd-server)")
 STORES = [
     pytest.param("memory", marks=[HAS_POSTGRES]),
     pytest.param("sqlite", marks=[HAS_POSTGRES]),
@@ -315,6 +317,7 @@ STORES = [
     pytest.param("redis", marks=[HAS_POSTGRES, HAS_REDIS]),
     pytest.param("redis-cluster", marks=[HAS_POSTGRES, HAS_REDIS]),
     pytest.param("redis-sentinel", marks=[HAS_POSTGRES, HAS_REDIS]),
+    pytest.param("etcd", marks=[HAS_POSTGRES, HAS_ETCD]),
 ]
 
 
