@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -33,11 +34,37 @@ def etcd_installed() -> bool:
     return os.path.exists(ETCD)
 
 
-class Member:
-    """One etcd member process; stoppable, killable and restartable with its data."""
+def make_certificates(folder: str) -> dict[str, str]:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, signed by it (PEM
+    files in `folder`, made with openssl): the paths by name."""
+    paths = {name: os.path.join(folder, f"{name}.pem") for name in ("ca", "ca-key")}
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj",
+             "/CN=keel-test-ca", "-keyout", paths["ca-key"], "-out", paths["ca"])  # fmt: skip
+    for who, extra in (("server", "subjectAltName=IP:127.0.0.1"), ("client", "")):
+        key, request = os.path.join(folder, f"{who}-key.pem"), os.path.join(folder, f"{who}.csr")
+        cert, ext = os.path.join(folder, f"{who}.pem"), os.path.join(folder, f"{who}.ext")
+        with open(ext, "w") as handle:
+            handle.write(extra + "\n")
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={who}",
+                 "-keyout", key, "-out", request)  # fmt: skip
+        _openssl("x509", "-req", "-in", request, "-CA", paths["ca"], "-CAkey", paths["ca-key"],
+                 "-CAcreateserial", "-days", "2", "-extfile", ext, "-out", cert)  # fmt: skip
+        paths[who], paths[f"{who}-key"] = cert, key
+    return paths
 
-    def __init__(self, name: str, folder: str) -> None:
+
+def _openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+
+class Member:
+    """One etcd member process; stoppable, killable and restartable with its data. With
+    `tls` (make_certificates' paths) its client URL is https and asks for a client
+    certificate."""
+
+    def __init__(self, name: str, folder: str, tls: dict[str, str] | None = None) -> None:
         self.name = name
+        self.tls = tls
         self.client_port, self.peer_port = free_port(), free_port()
         self.dir = os.path.join(folder, name)
         self.process: subprocess.Popen[bytes] | None = None
@@ -45,7 +72,7 @@ class Member:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.client_port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
@@ -80,10 +107,19 @@ class Member:
                     "500",
                     "--log-level",
                     "warn",
+                    *self._tls_flags(),
                 ],
                 stdout=log,
                 stderr=log,
             )
+
+    def _tls_flags(self) -> list[str]:
+        if not self.tls:
+            return []
+        return [
+            *("--cert-file", self.tls["server"], "--key-file", self.tls["server-key"]),
+            *("--trusted-ca-file", self.tls["ca"], "--client-cert-auth"),
+        ]
 
     def kill(self) -> None:
         """SIGKILL: the member vanishes, like a crash (its data stays for a restart)."""
@@ -104,16 +140,21 @@ class Member:
         request = urllib.request.Request(
             f"{self.url}/v3/maintenance/status", data=b"{}", method="POST"
         )
-        with urllib.request.urlopen(request, timeout=2) as reply:
+        context = None
+        if self.tls:
+            context = ssl.create_default_context(cafile=self.tls["ca"])
+            context.load_cert_chain(self.tls["client"], self.tls["client-key"])
+        with urllib.request.urlopen(request, timeout=2, context=context) as reply:
             return dict(json.load(reply))
 
 
 class Cluster:
     """Three members; `endpoints` for OPTIONS ENDPOINTS."""
 
-    def __init__(self, size: int = 3) -> None:
+    def __init__(self, size: int = 3, tls: bool = False) -> None:
         self.folder = tempfile.mkdtemp(prefix=f"keel-etcd-{os.getpid()}-")
-        self.members = [Member(f"m{i}", self.folder) for i in range(size)]
+        self.tls = make_certificates(self.folder) if tls else None
+        self.members = [Member(f"m{i}", self.folder, self.tls) for i in range(size)]
 
     @property
     def endpoints(self) -> list[str]:
@@ -179,8 +220,8 @@ class Cluster:
 
 
 @contextmanager
-def etcd_cluster(size: int = 3) -> Iterator[Cluster]:
-    cluster = Cluster(size)
+def etcd_cluster(size: int = 3, tls: bool = False) -> Iterator[Cluster]:
+    cluster = Cluster(size, tls)
     try:
         yield cluster.start()
     finally:
