@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import threading
 import time
 import uuid
@@ -12,18 +13,22 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from asgiref.sync import sync_to_async
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import connections
 from django.http import HttpResponse
-from django.test import Client, override_settings
+from django.test import AsyncClient, Client, override_settings
 
 from django_keel_lock import LockUnavailable, idempotent, lock, once, run_once
 from django_keel_lock.idempotency.storage import result_store_for
+from django_keel_lock.stores import RedisLockStore
 from django_keel_lock.stores.results import StoredResult
-from tests.conftest import ALL_STORES, DATABASE_STORES, store_params
+from tests.conftest import ALL_STORES, DATABASE_STORES, needs, serving, store_params
 from tests.support import idempotent_views as views
+from tests.support.redis_servers import REDIS_SERVER, redis_cluster
 
 pytestmark = pytest.mark.usefixtures("_urls")
 
@@ -169,6 +174,28 @@ def test_4xx_is_kept_but_409_and_429_are_not(alias: str, idem_key: str) -> None:
         second = post(client, f"/{alias}/pay-global/", key, {"status": status})
         assert views.CALLS[key] == runs
         assert second.status_code == (status if runs == 1 else 201)
+
+
+@pytest.mark.parametrize("alias", store_params(["sqlite", "postgres", "redis"]))
+def test_under_atomic_requests_the_answer_is_kept_once_committed_and_not_on_rollback(
+    alias: str, idem_key: str
+) -> None:
+    databases = ["default", "postgres"] if "postgres" in settings.DATABASES else ["default"]
+    for database in databases:
+        connections[database].settings_dict["ATOMIC_REQUESTS"] = True
+    try:
+        client = Client()
+        first = post(client, f"/{alias}/pay-global/", idem_key)
+        again = post(client, f"/{alias}/pay-global/", idem_key)
+        assert again["Idempotent-Replayed"] == "true" and again.content == first.content
+        rolled = idem_key + "-rollback"
+        post(client, f"/{alias}/pay-global/", rolled, {"rollback": databases})
+        second = post(client, f"/{alias}/pay-global/", rolled, {"rollback": databases})
+        assert second.status_code == 201 and second.get("Idempotent-Replayed") is None
+    finally:
+        for database in databases:
+            connections[database].settings_dict["ATOMIC_REQUESTS"] = False
+    assert views.CALLS[idem_key] == 1 and views.CALLS[rolled] == 2
 
 
 def test_a_result_expires_after_its_ttl(alias: str, idem_key: str) -> None:
@@ -335,6 +362,19 @@ def test_a_class_based_view(alias: str, idem_key: str) -> None:
 
 
 @pytest.mark.parametrize("alias", EDGE_STORES)
+async def test_an_async_view(alias: str, idem_key: str) -> None:
+    client = AsyncClient()
+    headers = {"Idempotency-Key": idem_key}
+    try:
+        first = await client.post(f"/{alias}/async/", "{}", "application/json", headers=headers)
+        again = await client.post(f"/{alias}/async/", "{}", "application/json", headers=headers)
+    finally:  # the thread the sync parts ran in keeps its connections otherwise
+        await sync_to_async(connections.close_all)()
+    assert first.status_code == 201 and again["Idempotent-Replayed"] == "true"
+    assert again.content == first.content and views.CALLS[idem_key] == 1
+
+
+@pytest.mark.parametrize("alias", EDGE_STORES)
 def test_get_requests_are_not_guarded(alias: str, idem_key: str) -> None:
     client = Client()
     for _ in range(2):
@@ -478,3 +518,25 @@ def test_bad_options_raise_at_decoration_naming_the_option(
 ) -> None:
     with pytest.raises((ValueError, TypeError), match=message):
         idempotent(**options)(lambda request: HttpResponse())
+
+
+# -- Redis Cluster: each result in its lock's slot -------------------------------------------
+@needs(os.path.exists(REDIS_SERVER), "the redis-server binary")
+def test_on_a_redis_cluster_each_result_lives_in_its_locks_slot() -> None:
+    with redis_cluster(3) as nodes:
+        store = RedisLockStore(
+            f"cluster-{uuid.uuid4().hex[:8]}", {"URL": nodes[0].url, "CLUSTER": True}
+        )
+        with serving(store) as alias:
+            keys = [f"order:{uuid.uuid4().hex}:{n}" for n in range(12)]
+            for key in keys:  # keys in many slots: a CROSSSLOT script would fail here
+                assert run_once(key, lambda key=key: key, store=alias) == (True, key)
+                assert run_once(key, lambda: "again", store=alias) == (False, key)
+            results = result_store_for(alias)
+            client = store.client()
+            for key in keys:
+                lock_slot = client.keyslot(store.lock_name(f"once:{key}"))
+                assert client.keyslot(store.lock_name(f"once:{key}") + ":result") == lock_slot
+            listed = {result.key for result in results.iter_results("once:order:")}
+            assert listed == {f"once:{key}" for key in keys}
+            assert len({client.keyslot(store.lock_name(f"once:{k}")) for k in keys}) > 1

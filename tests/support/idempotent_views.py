@@ -9,7 +9,9 @@ import uuid
 from collections import Counter
 from typing import Any
 
+from asgiref.sync import sync_to_async
 from django.contrib import admin
+from django.db import transaction
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.urls import path
 from django.views import View
@@ -40,6 +42,9 @@ def pay(request: HttpRequest) -> HttpResponse:
     time.sleep(asks.get("sleep", 0) + (asks.get("first_sleep", 0) if run == 1 else 0))
     if asks.get("raise") and run == 1:
         raise RuntimeError("the view failed")
+    if asks.get("rollback") and run == 1:
+        for alias in asks["rollback"]:
+            transaction.set_rollback(True, using=alias)
     status = asks.get("status", 201) if run == 1 else 201
     body = {"run": run, "id": uuid.uuid4().hex, "pad": "x" * asks.get("size", 0)}
     response = JsonResponse(body, status=status)
@@ -60,6 +65,10 @@ def stream(request: HttpRequest) -> StreamingHttpResponse:
     _count(request)
     time.sleep(json.loads(request.body or b"{}").get("sleep", 0))
     return StreamingHttpResponse(iter([b"a", b"b"]))
+
+
+async def apay(request: HttpRequest) -> HttpResponse:
+    return await sync_to_async(pay)(request)
 
 
 class PayView(View):
@@ -103,6 +112,7 @@ def _views(alias: str) -> list[Any]:
         path(
             f"{alias}/drf/", type(f"Drf{alias}", (DrfPay,), {"idempotency_store": alias}).as_view()
         ),
+        path(f"{alias}/async/", idempotent(store=alias, scope="global")(apay)),
         path(f"{alias}/mw/pay/", plain),
         path(f"{alias}/free/pay/", plain),
     ]
