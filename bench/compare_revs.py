@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import traceback
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -50,6 +51,10 @@ def git(*args: str) -> str:
     return subprocess.run(
         ["git", "-C", REPO, *args], check=True, capture_output=True, text=True
     ).stdout.strip()
+
+
+class Failed(Exception):
+    """A worker could not measure a figure (its store refused, its revision broke)."""
 
 
 class Side:
@@ -88,7 +93,10 @@ class Side:
         answer = self.worker.stdout.readline()
         if not answer:
             raise RuntimeError(f"the worker of {self.name} ended (its errors are above)")
-        return json.loads(answer)
+        reply = json.loads(answer)
+        if isinstance(reply, dict) and "failed" in reply:
+            raise Failed(f"{self.name}: {reply['failed']}")
+        return reply
 
     def close(self, keep: bool) -> None:
         if self.worker.poll() is None:
@@ -176,7 +184,12 @@ def serve() -> None:
             answers.write("null\n")
             answers.flush()
             return
-        answers.write(json.dumps(getattr(worker, op)(**request)) + "\n")
+        try:
+            reply = getattr(worker, op)(**request)
+        except Exception as exc:  # one store's failure ends that store's table, not the run
+            traceback.print_exc()
+            reply = {"failed": f"{type(exc).__name__}: {exc}"}
+        answers.write(json.dumps(reply) + "\n")
         answers.flush()
 
 
@@ -280,9 +293,16 @@ def run(sides: list[Side], args: argparse.Namespace) -> None:
     )
     headers = ["figure", sides[0].name, sides[1].name, "B / A", ""]
     for store in stores:
-        rows = compare_store(sides, store, args)
+        try:
+            rows = compare_store(sides, store, args)
+        except Failed as exc:
+            print(f"\n{store}: not compared, {exc}")
+            continue
         if store == "memory" and not args.no_callgrind and callgrind.available():
-            rows += instruction_rows(sides, CYCLES[:2])
+            try:
+                rows += instruction_rows(sides, CYCLES[:2])
+            except subprocess.CalledProcessError as exc:
+                print(f"\ninstructions not counted: {exc}\n{exc.stderr.decode()[-2000:]}")
         print(f"\n{store}")
         print_table(headers, rows)
 
