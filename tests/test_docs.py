@@ -149,7 +149,7 @@ def test_a_skip_marker_must_sit_on_the_line_before_the_block(tmp_path: Path) -> 
 
 # -- the built site in a browser -----------------------------------------------------------
 
-STORES = ["memory", "SQLite", "PostgreSQL", "MariaDB", "Redis"]
+STORES = ["memory", "SQLite", "PostgreSQL", "MariaDB", "Redis", "etcd"]
 
 
 @pytest.fixture(scope="module")
