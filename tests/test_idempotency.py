@@ -22,13 +22,22 @@ from django.db import connections
 from django.http import HttpResponse
 from django.test import AsyncClient, Client, override_settings
 
-from django_keel_lock import LockUnavailable, idempotent, lock, once, run_once
+from django_keel_lock import (
+    LockStoreMisconfigured,
+    LockUnavailable,
+    idempotent,
+    lock,
+    once,
+    run_once,
+)
 from django_keel_lock.idempotency.storage import result_store_for
 from django_keel_lock.stores import RedisLockStore
-from django_keel_lock.stores.results import StoredResult
+from django_keel_lock.stores.memory_results import MemoryResults
+from django_keel_lock.stores.results import ResultStore, StoredResult
 from tests.conftest import ALL_STORES, DATABASE_STORES, needs, serving, store_params
 from tests.support import idempotent_views as views
 from tests.support.redis_servers import REDIS_SERVER, redis_cluster
+from tests.support.third_party_store import DictLockStore
 
 pytestmark = pytest.mark.usefixtures("_urls")
 
@@ -499,6 +508,8 @@ def test_once_decorator_formats_its_key_from_the_arguments(alias: str) -> None:
     assert seen == [event, event + "x"]
     with pytest.raises(ValueError, match="event"):
         once("webhook:{missing}")(lambda event_id: None)
+    with pytest.raises(TypeError, match="JSON-serialisable"):
+        run_once(uuid.uuid4().hex, lambda: {1, 2}, store=alias)
 
 
 # -- options -------------------------------------------------------------------------------
@@ -540,3 +551,25 @@ def test_on_a_redis_cluster_each_result_lives_in_its_locks_slot() -> None:
             listed = {result.key for result in results.iter_results("once:order:")}
             assert listed == {f"once:{key}" for key in keys}
             assert len({client.keyslot(store.lock_name(f"once:{k}")) for k in keys}) > 1
+
+
+# -- a store of another package --------------------------------------------------------------
+class DictStoreWithResults(DictLockStore):
+    """A third party's store that keeps results: its `result_store()` hands one out."""
+
+    def result_store(self) -> ResultStore:
+        return MemoryResults(self)
+
+
+def test_a_third_party_store_keeps_results_through_its_result_store_method(
+    idem_key: str,
+) -> None:
+    with serving(DictStoreWithResults(f"dict-{uuid.uuid4().hex[:8]}")) as alias:
+        assert run_once(idem_key, lambda: 1, store=alias) == (True, 1)
+        assert run_once(idem_key, lambda: 2, store=alias) == (False, 1)
+
+
+def test_a_store_without_a_result_store_is_refused_naming_the_way_out(idem_key: str) -> None:
+    with serving(DictLockStore(f"dict-{uuid.uuid4().hex[:8]}")) as alias:
+        with pytest.raises(LockStoreMisconfigured, match=r"result_store\(self\)"):
+            run_once(idem_key, lambda: 1, store=alias)

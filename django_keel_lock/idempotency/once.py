@@ -16,6 +16,8 @@ import json
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
+from asgiref.sync import iscoroutinefunction
+
 from ..durations import Duration
 from ..options import LockSpec, check_key_fields, format_key, ttl_seconds
 from ..stores.results import StoredResult
@@ -61,7 +63,7 @@ class _Once:
                 handle.release()
                 return False, json.loads(found.data)
             value = fn()
-            data = json.dumps(value).encode()
+            data = _dumps(key, value)
         except BaseException:
             handle.release()
             raise
@@ -78,6 +80,16 @@ class _Once:
         if not after_commit(keep):
             handle.release()
         return True, value
+
+
+def _dumps(key: str, value: Any) -> bytes:
+    try:
+        return json.dumps(value).encode()
+    except (TypeError, ValueError) as exc:
+        raise TypeError(
+            f"the result of the function run once under {key!r} must be JSON-serialisable "
+            f"(it ran; nothing is kept, so the next call runs it again): {exc}"
+        ) from None
 
 
 def once(
@@ -97,6 +109,8 @@ def once(
     )
 
     def decorate(fn: F) -> F:
+        if iscoroutinefunction(fn):
+            raise TypeError(f"once() takes a sync function; {fn.__qualname__} is async")
         check_key_fields(key, fn)
 
         @functools.wraps(fn)
