@@ -4,6 +4,7 @@ alternating rounds, median ratios with their spread, handoffs, and table printin
 from __future__ import annotations
 
 import argparse
+import math
 import multiprocessing
 import os
 import statistics
@@ -29,6 +30,39 @@ def setup_django(settings_module: str = "bench.settings") -> None:
 
     for alias in settings.DATABASES:
         call_command("migrate", database=alias, verbosity=0)
+
+
+def drop_databases(name: str) -> None:
+    """Drop the bench databases called `name` (PostgreSQL, MariaDB, SQLite's file and its
+    wake-up files), once nothing of the bench uses them."""
+    import shutil
+
+    from . import settings
+
+    pg, my = settings.DATABASES["postgres"], settings.DATABASES["mariadb"]
+    try:
+        import psycopg
+
+        with psycopg.connect(
+            host=pg["HOST"], port=pg["PORT"], user=pg["USER"], dbname="postgres", autocommit=True
+        ) as conn:
+            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    except Exception as exc:
+        print(f"PostgreSQL database {name} not dropped: {exc}")
+    try:
+        import MySQLdb
+
+        conn = MySQLdb.connect(host=my["HOST"], port=my["PORT"], user=my["USER"], passwd="")
+        conn.cursor().execute("SET SESSION lock_wait_timeout = 10")
+        conn.cursor().execute(f"DROP DATABASE IF EXISTS {name}")
+        conn.close()
+    except Exception as exc:
+        print(f"MariaDB database {name} not dropped: {exc}")
+    path = settings.sqlite_path(name)
+    for leftover in (path, path + "-wal", path + "-shm"):
+        if os.path.exists(leftover):
+            os.unlink(leftover)
+    shutil.rmtree(path + ".keel-bells", ignore_errors=True)
 
 
 def _create_databases(databases: dict[str, dict[str, object]], name: str) -> None:
@@ -100,23 +134,26 @@ def alternate(measures: dict[str, Callable[[], T]], rounds: int) -> dict[str, li
 
 @dataclass(frozen=True)
 class Spread:
-    """A median, the middle half of the values around it (first to third quartile), and the
-    least and most of them."""
+    """A median, the middle half of the values around it (first to third quartile), the least
+    and most of them, and how many are above and below 1 (for ratios)."""
 
     median: float
     q1: float
     q3: float
     low: float
     high: float
+    above: int = 0
+    below: int = 0
 
     @classmethod
     def of(cls, values: Sequence[float]) -> Spread:
         if not values:
             raise ValueError("a spread needs at least one value, got none")
+        above, below = sum(v > 1.0 for v in values), sum(v < 1.0 for v in values)
         if len(values) == 1:
-            return cls(values[0], values[0], values[0], values[0], values[0])
+            return cls(values[0], values[0], values[0], values[0], values[0], above, below)
         q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
-        return cls(median, q1, q3, min(values), max(values))
+        return cls(median, q1, q3, min(values), max(values), above, below)
 
     def __str__(self) -> str:
         middle = f"{_ratio(self.q1)}-{_ratio(self.q3)}"
@@ -133,12 +170,24 @@ def ratio_spread(ours: Sequence[float], theirs: Sequence[float]) -> Spread:
     return Spread.of([a / b for a, b in zip(ours, theirs, strict=True)])
 
 
+def sign_test(above: int, below: int) -> float:
+    """The two-sided p-value of `above` rounds against `below` if either side were as likely
+    (the sign test: a ratio's rounds, ties left out)."""
+    rounds = above + below
+    if rounds == 0:
+        return 1.0
+    tail = sum(math.comb(rounds, k) for k in range(max(above, below), rounds + 1))
+    return min(1.0, 2 * tail / 2**rounds)
+
+
 def verdict(spread: Spread, higher_is_faster: bool) -> str:
-    """What a B / A ratio's rounds say: "within noise" while its middle half holds 1.00, else
-    whether B is faster or slower (a higher ratio is faster for a rate, slower for a time)."""
-    if spread.q1 <= 1.0 <= spread.q3:
+    """What a B / A ratio's rounds say: "within noise" unless the rounds fall on one side of
+    1.00 more often than chance allows (sign test, p < 0.05; so 4 rounds never tell, and 30
+    tell when 21 or more agree), else whether B is faster or slower (a higher ratio is
+    faster for a rate, slower for a time)."""
+    if sign_test(spread.above, spread.below) >= 0.05:
         return "within noise"
-    return "B faster" if (spread.median > 1.0) == higher_is_faster else "B slower"
+    return "B faster" if (spread.above > spread.below) == higher_is_faster else "B slower"
 
 
 def _ratio(value: float) -> str:

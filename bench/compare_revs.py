@@ -3,7 +3,7 @@ alternating rounds of one run.
 
 Each revision is checked out in a `git worktree` under /tmp and served by a worker process that
 imports the package from that checkout (checked: every module of ours it loaded comes from
-there) and this checkout's bench, on a bench database of that revision's own. The
+there) and this checkout's bench, on bench databases of its own (dropped at the end). The
 coordinator asks the two workers in turns (A, B, B, A, ...) for one short round of a figure, so
 the machine's drift lands on both alike; per store it prints each figure's median for A and
 B and the median of the round-by-round ratios B / A, with their least and most. Running a
@@ -35,6 +35,7 @@ from .bench_core import CYCLES
 from .common import (
     HandoffRig,
     alternate,
+    drop_databases,
     percentile,
     print_table,
     rate,
@@ -65,8 +66,9 @@ class Side:
         self.sha = git("rev-parse", "--verify", f"{rev}^{{commit}}")
         self.tree = os.path.join(root, label)
         git("worktree", "add", "--detach", self.tree, self.sha)
-        # A database per revision (its own migrations), kept for the next run of that revision.
-        env = {**os.environ, "KEEL_BENCH_DB": f"keel_lock_compare_{self.sha[:10]}"}
+        # Databases of this run's and side's own (the revision's migrations), dropped at the end.
+        self.database = f"keel_lock_compare_{os.getpid()}_{label}"
+        env = {**os.environ, "KEEL_BENCH_DB": self.database}
         env.pop("PYTHONPATH", None)
         command = [
             sys.executable,
@@ -102,6 +104,7 @@ class Side:
         if self.worker.poll() is None:
             self.ask(op="stop")
             self.worker.wait(30)
+        drop_databases(self.database)
         if not keep:
             git("worktree", "remove", "--force", self.tree)
 
@@ -288,16 +291,19 @@ def run(sides: list[Side], args: argparse.Namespace) -> None:
     print(
         f"{os.cpu_count()} CPUs; {args.rounds} alternating rounds of {args.seconds:g}s per "
         f"cycles/s and of {args.handoffs} handoffs per figure;\nB / A: the median of the "
-        "rounds' ratios (their middle half; least-most); within noise while the middle half "
-        "holds 1.00"
+        "rounds' ratios (their middle half; least-most); within noise unless more rounds "
+        "fall on one side of 1.00 than chance allows (sign test, p < 0.05)"
     )
     headers = ["figure", sides[0].name, sides[1].name, "B / A", ""]
+    slower: list[str] = []
     for store in stores:
         try:
             rows = compare_store(sides, store, args)
         except Failed as exc:
             print(f"\n{store}: not compared, {exc}")
+            slower.append(f"{store}: not compared")
             continue
+        slower += [f"{store}, {row[0]}: {row[3]}" for row in rows if row[4] == "B slower"]
         if store == "memory" and not args.no_callgrind and callgrind.available():
             try:
                 rows += instruction_rows(sides, CYCLES[:2])
@@ -305,6 +311,7 @@ def run(sides: list[Side], args: argparse.Namespace) -> None:
                 print(f"\ninstructions not counted: {exc}\n{exc.stderr.decode()[-2000:]}")
         print(f"\n{store}")
         print_table(headers, rows)
+    print("\nB slower than A beyond the noise:", "; ".join(slower) if slower else "nowhere")
 
 
 if __name__ == "__main__":

@@ -12,10 +12,16 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 BENCH_DB = os.environ.get("KEEL_BENCH_DB", "keel_lock_bench")  # bench_table has its own
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 
+
+def sqlite_path(name: str) -> str:
+    """The SQLite file of the bench database `name`."""
+    return os.path.join(tempfile.gettempdir(), f"{name.replace('_', '-')}.sqlite3")
+
+
 DATABASES = {
     "default": {
         "ENGINE": "django.db.backends.sqlite3",
-        "NAME": os.path.join(tempfile.gettempdir(), f"{BENCH_DB.replace('_', '-')}.sqlite3"),
+        "NAME": sqlite_path(BENCH_DB),
     },
     "postgres": {
         "ENGINE": "django.db.backends.postgresql",

@@ -16,6 +16,7 @@ from bench.common import (
     compared_rows,
     paired,
     ratio_spread,
+    sign_test,
     verdict,
 )
 
@@ -41,9 +42,9 @@ def test_ratio_spread_is_the_median_of_round_by_round_ratios_not_the_ratio_of_me
 
     spread = ratio_spread(ours, theirs)  # ratios 1, 3, 3, 4, 0.5
 
-    assert spread == Spread(median=3.0, q1=1.0, q3=3.0, low=0.5, high=4.0)
+    assert spread == Spread(median=3.0, q1=1.0, q3=3.0, low=0.5, high=4.0, above=3, below=1)
     assert str(spread) == "3.00 (1.00-3.00; 0.50-4.00)"
-    assert ratio_spread([3.0], [2.0]) == Spread(1.5, 1.5, 1.5, 1.5, 1.5)
+    assert ratio_spread([3.0], [2.0]) == Spread(1.5, 1.5, 1.5, 1.5, 1.5, above=1)
 
 
 def test_ratio_spread_refuses_rounds_that_do_not_pair_up():
@@ -51,11 +52,24 @@ def test_ratio_spread_refuses_rounds_that_do_not_pair_up():
         ratio_spread([1.0, 2.0], [1.0, 2.0, 3.0])
 
 
-def test_verdict_is_within_noise_while_the_middle_half_of_the_ratios_holds_one():
-    assert verdict(Spread(1.08, 0.97, 1.2, 0.5, 3.0), higher_is_faster=True) == "within noise"
-    assert verdict(Spread(1.08, 1.01, 1.2, 0.5, 3.0), higher_is_faster=True) == "B faster"
-    assert verdict(Spread(1.08, 1.01, 1.2, 0.5, 3.0), higher_is_faster=False) == "B slower"
-    assert verdict(Spread(0.9, 0.8, 0.95, 0.5, 3.0), higher_is_faster=False) == "B faster"
+def test_sign_test_is_the_binomial_two_sided_p_value():
+    assert sign_test(2, 2) == 1.0
+    assert sign_test(4, 0) == 2 / 16
+    assert sign_test(0, 4) == 2 / 16
+    assert sign_test(21, 9) == pytest.approx(0.0428, abs=1e-4)
+    assert sign_test(20, 10) == pytest.approx(0.0987, abs=1e-4)
+    assert sign_test(0, 0) == 1.0
+
+
+def test_verdict_tells_only_when_the_rounds_agree_more_often_than_chance():
+    def rounds(above: int, below: int, median: float) -> Spread:
+        return Spread(median, median, median, median, median, above, below)
+
+    assert verdict(rounds(4, 0, 1.2), higher_is_faster=True) == "within noise"  # 4 never tell
+    assert verdict(rounds(20, 10, 1.2), higher_is_faster=True) == "within noise"
+    assert verdict(rounds(21, 9, 1.05), higher_is_faster=True) == "B faster"
+    assert verdict(rounds(21, 9, 1.05), higher_is_faster=False) == "B slower"
+    assert verdict(rounds(3, 27, 0.9), higher_is_faster=False) == "B faster"
 
 
 def test_compared_rows_set_each_peer_against_the_row_of_ours_it_names():
