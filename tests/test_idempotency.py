@@ -45,8 +45,17 @@ pytestmark = pytest.mark.usefixtures("_urls")
 @pytest.fixture
 def _urls() -> Iterator[None]:
     views.CALLS.clear()
+    views.GATE.clear()
     with override_settings(ROOT_URLCONF="tests.support.idempotent_views"):
         yield
+    views.GATE.set()  # never leave a request thread blocked
+
+
+def eventually(condition: Any, seconds: float = 10) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
 
 
 @pytest.fixture(params=ALL_STORES)
@@ -89,8 +98,9 @@ def in_thread(fn: Any) -> threading.Thread:
     return threading.Thread(target=run)
 
 
-def send_together(url: str, key: str, body: Any, n: int = 10) -> list[Any]:
-    """`n` POSTs of `body` with `key`, from `n` threads released at once; their responses."""
+def send_together(url: str, key: str, body: Any, n: int = 10) -> tuple[list[Any], list[Any]]:
+    """`n` POSTs of `body` with `key`, from `n` threads released at once: their responses,
+    as they come, and the threads (started)."""
     answers: list[Any] = []
     start = threading.Barrier(n)
 
@@ -105,26 +115,29 @@ def send_together(url: str, key: str, body: Any, n: int = 10) -> list[Any]:
     threads = [threading.Thread(target=send) for _ in range(n)]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join(30)
-    return answers
+    return answers, threads
 
 
 def test_ten_concurrent_requests_run_the_view_once_the_others_get_409(
     alias: str, idem_key: str
 ) -> None:
-    answers = send_together(f"/{alias}/pay-global/", idem_key, {"sleep": 0.5})
-    statuses = sorted(response.status_code for response in answers)
+    # The first holds on until the nine others have their answer: all of them came meanwhile.
+    answers, threads = send_together(f"/{alias}/pay-global/", idem_key, {"gate": True})
+    eventually(lambda: len(answers) == 9)
+    views.GATE.set()
+    for thread in threads:
+        thread.join(30)
     assert views.CALLS[idem_key] == 1
-    assert statuses == [201] + [409] * 9
-    refused = [response for response in answers if response.status_code == 409]
-    assert all(response["Retry-After"] == "1" for response in refused)
+    assert [response.status_code for response in answers] == [409] * 9 + [201]
+    assert all(response["Retry-After"] == "1" for response in answers[:9])
 
 
 def test_ten_concurrent_requests_that_wait_all_get_the_one_answer(
     alias: str, idem_key: str
 ) -> None:
-    answers = send_together(f"/{alias}/pay-wait/", idem_key, {"sleep": 0.3})
+    answers, threads = send_together(f"/{alias}/pay-wait/", idem_key, {"sleep": 0.3})
+    for thread in threads:
+        thread.join(30)
     assert views.CALLS[idem_key] == 1
     assert [response.status_code for response in answers] == [201] * 10
     assert len({response.content for response in answers}) == 1
@@ -236,7 +249,8 @@ def test_a_holder_that_lost_its_lock_cannot_keep_its_response_over_the_new_holde
         lambda: slow.append(post(Client(), f"/{alias}/pay-lost/", idem_key, {"first_sleep": 1.2}))
     )
     thread.start()
-    time.sleep(0.6)
+    eventually(lambda: views.CALLS[idem_key] == 1)  # the slow run has begun
+    time.sleep(0.5)  # and its 0.3 s lock has expired
     taker = post(Client(), f"/{alias}/pay-lost/", idem_key, {"first_sleep": 1.2})
     with caplog.at_level(logging.WARNING, "django_keel_lock"):
         thread.join(10)
@@ -335,17 +349,17 @@ def test_a_large_body_is_answered_but_not_kept_and_logged(
 @pytest.mark.parametrize("alias", EDGE_STORES)
 def test_streaming_responses_are_not_kept_but_still_guarded(alias: str, idem_key: str) -> None:
     running: list[Any] = []
-    thread = in_thread(
-        lambda: running.append(post(Client(), f"/{alias}/stream/", idem_key, {"sleep": 0.6}))
-    )
+    url = f"/{alias}/stream/"
+    thread = in_thread(lambda: running.append(post(Client(), url, idem_key, {"gate": True})))
     thread.start()
-    time.sleep(0.3)
-    assert post(Client(), f"/{alias}/stream/", idem_key, {"sleep": 0.6}).status_code == 409
+    eventually(lambda: views.CALLS[idem_key] == 1)  # the first is in the view
+    assert post(Client(), url, idem_key, {"gate": True}).status_code == 409
+    views.GATE.set()
     thread.join(10)
     assert b"".join(running[0].streaming_content) == b"ab"
-    again = post(Client(), f"/{alias}/stream/", idem_key, {"sleep": 0})
-    assert again.status_code == 422 or again.streaming  # another body: 422 only if kept
-    assert post(Client(), f"/{alias}/stream/", idem_key, {"sleep": 0.6}).streaming
+    # Nothing was kept: the same request runs again, and another body is no 422.
+    assert post(Client(), url, idem_key, {"gate": True}).streaming
+    assert post(Client(), url, idem_key, {"other": 1}).streaming
     assert views.CALLS[idem_key] == 3
 
 

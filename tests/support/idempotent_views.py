@@ -24,6 +24,8 @@ from django_keel_lock.idempotency.drf import IdempotentMixin
 STORES = ["memory", "sqlite", "postgres", "mariadb", "redis"]
 #: How many times each view ran, by the request's idempotency key (or "-").
 CALLS: Counter[str] = Counter()
+#: A view asked to ({"gate": true}) waits for this before it answers (at most 10 s).
+GATE = threading.Event()
 _mutex = threading.Lock()
 
 
@@ -35,11 +37,14 @@ def _count(request: HttpRequest) -> int:
 
 
 def pay(request: HttpRequest) -> HttpResponse:
-    """Answers as the JSON body asks: {"sleep": s, "first_sleep": s, "status": n, "raise":
-    true, "size": n}; each run's body is new (a uuid), so a replay is told from a rerun."""
+    """Answers as the JSON body asks: {"sleep": s, "first_sleep": s, "gate": true (wait for
+    GATE), "status": n, "raise": true, "size": n, "rollback": [aliases]}; each run's body is
+    new (a uuid), so a replay is told from a rerun."""
     run = _count(request)
     asks: dict[str, Any] = json.loads(request.body or b"{}")
     time.sleep(asks.get("sleep", 0) + (asks.get("first_sleep", 0) if run == 1 else 0))
+    if asks.get("gate"):
+        GATE.wait(10)
     if asks.get("raise") and run == 1:
         raise RuntimeError("the view failed")
     if asks.get("rollback") and run == 1:
@@ -63,7 +68,8 @@ def hook(request: HttpRequest, **kwargs: Any) -> HttpResponse:
 
 def stream(request: HttpRequest) -> StreamingHttpResponse:
     _count(request)
-    time.sleep(json.loads(request.body or b"{}").get("sleep", 0))
+    if json.loads(request.body or b"{}").get("gate"):
+        GATE.wait(10)
     return StreamingHttpResponse(iter([b"a", b"b"]))
 
 
