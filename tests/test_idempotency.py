@@ -31,10 +31,19 @@ from django_keel_lock import (
     run_once,
 )
 from django_keel_lock.idempotency.storage import result_store_for
+from django_keel_lock.models import IdempotentResult
 from django_keel_lock.stores import RedisLockStore
+from django_keel_lock.stores.database import results as database_results
 from django_keel_lock.stores.memory_results import MemoryResults
 from django_keel_lock.stores.results import ResultStore, StoredResult
-from tests.conftest import ALL_STORES, DATABASE_STORES, needs, serving, store_params
+from tests.conftest import (
+    ALL_STORES,
+    DATABASE_STORES,
+    database_of,
+    needs,
+    serving,
+    store_params,
+)
 from tests.support import idempotent_views as views
 from tests.support.redis_servers import REDIS_SERVER, redis_cluster
 from tests.support.third_party_store import DictLockStore
@@ -587,3 +596,35 @@ def test_a_store_without_a_result_store_is_refused_naming_the_way_out(idem_key: 
     with serving(DictLockStore(f"dict-{uuid.uuid4().hex[:8]}")) as alias:
         with pytest.raises(LockStoreMisconfigured, match=r"result_store\(self\)"):
             run_once(idem_key, lambda: 1, store=alias)
+
+
+# -- clean-up -------------------------------------------------------------------------------
+@pytest.mark.parametrize("alias", store_params(DATABASE_STORES))
+def test_expired_results_are_deleted_by_prune_and_by_the_writes(
+    alias: str, idem_key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    results = result_store_for(alias)
+    key = f"idempotent:test:{idem_key}"
+
+    def keep(name: str, ttl: float) -> None:
+        handle = lock(name, store=alias, ttl=30)
+        assert handle.acquire() and handle.owner is not None and handle.fence is not None
+        kept = StoredResult(name, "fp", 0, 201, b"x")
+        assert results.save(name, handle.owner, handle.fence, kept, ttl)
+        handle.release()
+
+    keep(key, 0.2)
+    time.sleep(0.4)
+    assert results.get(key) is None  # expired: not read, though its row is still there
+    out = io.StringIO()
+    call_command("locks", "results", "--store", alias, "--prune", "--prefix", key, stdout=out)
+    assert "pruned" in out.getvalue() and not out.getvalue().startswith("pruned 0 ")
+    assert not IdempotentResult.objects.using(database_of(alias)).filter(key=key).exists()
+
+    # Every CLEAN_EVERY-th write of a process deletes expired rows (here: every write).
+    monkeypatch.setattr(database_results, "CLEAN_EVERY", 1)
+    keep(key + "-a", 0.2)
+    time.sleep(0.4)
+    keep(key + "-b", 60)
+    rows = IdempotentResult.objects.using(database_of(alias)).filter(key__startswith=key)
+    assert list(rows.values_list("key", flat=True)) == [key + "-b"]
