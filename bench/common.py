@@ -180,12 +180,17 @@ def sign_test(above: int, below: int) -> float:
     return min(1.0, 2 * tail / 2**rounds)
 
 
+#: How unlikely by chance a B / A verdict must be. A run judges a dozen figures, so 0.05 would
+#: call one of them changed in about every second A/A run; 0.01 in about one in nine.
+SIGNIFICANCE = 0.01
+
+
 def verdict(spread: Spread, higher_is_faster: bool) -> str:
     """What a B / A ratio's rounds say: "within noise" unless the rounds fall on one side of
-    1.00 more often than chance allows (sign test, p < 0.05; so 4 rounds never tell, and 30
-    tell when 21 or more agree), else whether B is faster or slower (a higher ratio is
-    faster for a rate, slower for a time)."""
-    if sign_test(spread.above, spread.below) >= 0.05:
+    1.00 more often than chance allows (sign test, p < SIGNIFICANCE; so 7 rounds never tell,
+    and 30 tell when 23 or more agree), else whether B is faster or slower (a higher ratio
+    is faster for a rate, slower for a time)."""
+    if sign_test(spread.above, spread.below) >= SIGNIFICANCE:
         return "within noise"
     return "B faster" if (spread.above > spread.below) == higher_is_faster else "B slower"
 

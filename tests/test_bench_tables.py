@@ -58,6 +58,7 @@ def test_sign_test_is_the_binomial_two_sided_p_value():
     assert sign_test(0, 4) == 2 / 16
     assert sign_test(21, 9) == pytest.approx(0.0428, abs=1e-4)
     assert sign_test(20, 10) == pytest.approx(0.0987, abs=1e-4)
+    assert sign_test(23, 7) == pytest.approx(0.0052, abs=1e-4)
     assert sign_test(0, 0) == 1.0
 
 
@@ -65,10 +66,10 @@ def test_verdict_tells_only_when_the_rounds_agree_more_often_than_chance():
     def rounds(above: int, below: int, median: float) -> Spread:
         return Spread(median, median, median, median, median, above, below)
 
-    assert verdict(rounds(4, 0, 1.2), higher_is_faster=True) == "within noise"  # 4 never tell
-    assert verdict(rounds(20, 10, 1.2), higher_is_faster=True) == "within noise"
-    assert verdict(rounds(21, 9, 1.05), higher_is_faster=True) == "B faster"
-    assert verdict(rounds(21, 9, 1.05), higher_is_faster=False) == "B slower"
+    assert verdict(rounds(6, 0, 1.2), higher_is_faster=True) == "within noise"  # 6 never tell
+    assert verdict(rounds(22, 8, 1.2), higher_is_faster=True) == "within noise"  # p = 0.016
+    assert verdict(rounds(23, 7, 1.05), higher_is_faster=True) == "B faster"  # p = 0.005
+    assert verdict(rounds(23, 7, 1.05), higher_is_faster=False) == "B slower"
     assert verdict(rounds(3, 27, 0.9), higher_is_faster=False) == "B faster"
 
 
