@@ -36,15 +36,24 @@ def etcd_installed() -> bool:
 
 def make_certificates(folder: str) -> dict[str, str]:
     """A CA, a server certificate for 127.0.0.1 and a client certificate, signed by it (PEM
-    files in `folder`, made with openssl): the paths by name."""
+    files in `folder`, made with openssl): the paths by name. With the extensions Python
+    3.13's strict verification (VERIFY_X509_STRICT) asks for; the server's may serve as a
+    client's too, as etcd's gateway dials its own gRPC server with it."""
     paths = {name: os.path.join(folder, f"{name}.pem") for name in ("ca", "ca-key")}
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj",
-             "/CN=keel-test-ca", "-keyout", paths["ca-key"], "-out", paths["ca"])  # fmt: skip
-    for who, extra in (("server", "subjectAltName=IP:127.0.0.1"), ("client", "")):
+             "/CN=keel-test-ca", "-keyout", paths["ca-key"], "-out", paths["ca"],
+             "-addext", "basicConstraints=critical,CA:TRUE",
+             "-addext", "keyUsage=critical,keyCertSign,cRLSign")  # fmt: skip
+    leaf = "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\n"
+    leaf += "authorityKeyIdentifier=keyid\nsubjectKeyIdentifier=hash\n"
+    for who, extra in (
+        ("server", "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth"),
+        ("client", "extendedKeyUsage=clientAuth"),
+    ):
         key, request = os.path.join(folder, f"{who}-key.pem"), os.path.join(folder, f"{who}.csr")
         cert, ext = os.path.join(folder, f"{who}.pem"), os.path.join(folder, f"{who}.ext")
         with open(ext, "w") as handle:
-            handle.write(extra + "\n")
+            handle.write(leaf + extra + "\n")
         _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={who}",
                  "-keyout", key, "-out", request)  # fmt: skip
         _openssl("x509", "-req", "-in", request, "-CA", paths["ca"], "-CAkey", paths["ca-key"],
