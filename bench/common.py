@@ -201,13 +201,13 @@ def _ratio(value: float) -> str:
     return f"{value:.2f}" if value < 10 else f"{value:.1f}"
 
 
-def round_options(doc: str | None, rounds: int = 20) -> argparse.ArgumentParser:
+def round_options(doc: str | None, rounds: int = 20, handoffs: int = 2) -> argparse.ArgumentParser:
     """A parser for a bench that measures in alternating rounds (its --help: the doc's first
     line). Short rounds keep the figures a ratio divides close in time."""
     parser = argparse.ArgumentParser(description=(doc or "").split("\n")[0])
     parser.add_argument("--rounds", type=int, default=rounds, help="alternating rounds")
     parser.add_argument("--seconds", type=float, default=0.1, help="per cycles/s round")
-    parser.add_argument("--handoffs", type=int, default=2, help="per handoff round")
+    parser.add_argument("--handoffs", type=int, default=handoffs, help="per handoff round")
     return parser
 
 

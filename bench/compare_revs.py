@@ -11,7 +11,7 @@ revision against itself (A/A) shows the noise floor. The memory store's instruct
 cycle come from callgrind (one run per revision: they do not drift).
 
     .venv/bin/python -m bench.compare_revs REV_A REV_B [--stores memory,redis]
-        [--rounds 30] [--seconds 0.1] [--handoffs 2] [--no-callgrind] [--keep]
+        [--rounds 30] [--seconds 0.1] [--handoffs 4] [--no-callgrind] [--keep]
 """
 
 from __future__ import annotations
@@ -256,7 +256,7 @@ def instruction_rows(sides: list[Side], names: list[str]) -> list[list[object]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = round_options(__doc__, rounds=30)
+    parser = round_options(__doc__, rounds=30, handoffs=4)
     parser.add_argument("rev_a", nargs="?", help="the revision before (A)")
     parser.add_argument("rev_b", nargs="?", help="the revision after (B)")
     parser.add_argument("--stores", default=",".join(STORES))
