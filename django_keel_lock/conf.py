@@ -25,7 +25,13 @@ DEFAULT_STORES: dict[str, dict[str, Any]] = {
 #: KEEL_LOCK_DEFAULT_TTL when it is unset: the ttl of a lock that names none.
 DEFAULT_TTL = 30.0
 #: Every setting django-keel-lock reads; check W010 names any other KEEL_LOCK* setting.
-SETTING_NAMES = ("KEEL_LOCK_STORES", "KEEL_LOCK_DEFAULT_TTL", "KEEL_LOCK_METRICS")
+SETTING_NAMES = (
+    "KEEL_LOCK_STORES",
+    "KEEL_LOCK_DEFAULT_TTL",
+    "KEEL_LOCK_METRICS",
+    # Read by idempotency.IdempotencyMiddleware, where its options are checked.
+    "KEEL_LOCK_IDEMPOTENT_PATHS",
+)
 #: What KEEL_LOCK_METRICS may name, and the module each needs (from the extra of its name:
 #: django-keel-lock[prometheus] installs prometheus_client, [otel] opentelemetry-api).
 METRIC_BACKENDS: dict[str, str] = {

@@ -30,6 +30,7 @@ from django_keel_lock import (
     once,
     run_once,
 )
+from django_keel_lock.checks import check_stores
 from django_keel_lock.idempotency.storage import result_store_for
 from django_keel_lock.models import IdempotentResult
 from django_keel_lock.stores import RedisLockStore
@@ -482,6 +483,11 @@ def test_the_admin_lists_results_without_bodies_and_deletes_one(idem_key: str) -
     )
     assert deleted.status_code == 302
     assert result_store_for("sqlite").get(key) is None
+
+
+def test_the_middleware_setting_is_one_of_ours_for_check_w010() -> None:
+    with override_settings(KEEL_LOCK_IDEMPOTENT_PATHS={"/api/": {}}):
+        assert not [m for m in check_stores() if m.id == "django_keel_lock.W010"]
 
 
 # -- run_once and @once --------------------------------------------------------------------

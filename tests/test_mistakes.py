@@ -243,7 +243,8 @@ def test_w010_a_misspelled_setting_is_named_with_the_one_meant(name: str, meant:
     )
     assert (
         message.hint
-        == "The settings are KEEL_LOCK_STORES, KEEL_LOCK_DEFAULT_TTL, KEEL_LOCK_METRICS."
+        == "The settings are KEEL_LOCK_STORES, KEEL_LOCK_DEFAULT_TTL, KEEL_LOCK_METRICS, "
+        "KEEL_LOCK_IDEMPOTENT_PATHS."
     )
 
 
