@@ -233,26 +233,27 @@ class Attempt:
 
     def _keepable(self, response: HttpResponseBase) -> StoredResult | None:
         key = self.handle.key
-        if http.is_streaming(response):
-            logger.debug("idempotent %r: a streaming response is not kept", key)
+        if not isinstance(response, HttpResponse):  # streaming and file responses
+            logger.debug("idempotent %r: a %s is not kept", key, type(response).__name__)
             return None
         if not self.spec.statuses(response.status_code):
             return None
         render = getattr(response, "render", None)
         if callable(render):
             render()  # a TemplateResponse (or DRF's Response): its bytes are what is kept
-        assert isinstance(response, HttpResponse)
-        data = http.dump_response(response)
-        if len(response.content) > self.spec.max_body:
+        size = len(response.content)
+        if size > self.spec.max_body:
             logger.info(
                 "idempotent %r: the response body is %d bytes, over max_body %d: not kept; "
                 "a retry runs the view again",
                 key,
-                len(response.content),
+                size,
                 self.spec.max_body,
             )
             return None
-        return StoredResult(key, self.fingerprint, 0, response.status_code, data)
+        return StoredResult(
+            key, self.fingerprint, 0, response.status_code, http.dump_response(response)
+        )
 
     def _keep(self, result: StoredResult) -> None:
         handle = self.handle

@@ -9,7 +9,7 @@ import string
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from django.http import HttpRequest, HttpResponse, HttpResponseBase
+from django.http import HttpRequest, HttpResponse
 
 from ..views import wants_json
 
@@ -149,8 +149,3 @@ def problem(request: HttpRequest, status: int, detail: str) -> HttpResponse:
             f"{status} {detail}\n".encode(), status=status, content_type="text/plain; charset=utf-8"
         )
     return response
-
-
-def is_streaming(response: HttpResponseBase) -> bool:
-    """True for responses whose body is not in memory (StreamingHttpResponse, FileResponse)."""
-    return bool(getattr(response, "streaming", False))
