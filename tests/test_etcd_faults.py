@@ -11,7 +11,7 @@ import pytest
 from django_keel_lock import LockStoreUnavailable
 from django_keel_lock.stores import EtcdLockStore
 from tests.conftest import skip_or_fail
-from tests.support.etcd import Cluster, etcd_cluster, etcd_installed
+from tests.support.etcd import Cluster, LosesOneReply, etcd_cluster, etcd_installed
 from tests.support.redis_servers import free_port
 
 
@@ -188,3 +188,43 @@ def test_a_lock_survives_every_member_restarting(healthy: Cluster, key: str) -> 
         assert store.release(key, "owner-a")
     finally:
         store.close()
+
+
+def test_an_acquire_whose_reply_was_lost_is_sent_to_the_next_member_and_gets_its_lock(
+    healthy: Cluster, key: str
+) -> None:
+    """The transaction is applied, its reply lost: the client sends it again to the next
+    member, which finds the lock the asker's own; the lock is kept, with its fence and lease."""
+    proxy = LosesOneReply(healthy.members[0].client_port)
+    store = _store([proxy.url, *healthy.endpoints[1:]])
+    try:
+        proxy.armed = "/v3/kv/txn"
+        taken = store.acquire(key, "owner-a", "a", 30)
+        assert proxy.cut == 1 and taken.fence is not None
+        time.sleep(0.5)  # a lease wrongly revoked behind the reply would be gone by now
+        info = store.get(key)
+        assert info is not None and info.owner == "owner-a" and info.fence == taken.fence
+        assert store.acquire(key, "owner-b", "b", 30).fence is None
+        assert store.release(key, "owner-a")
+    finally:
+        store.close()
+        proxy.close()
+
+
+def test_a_release_whose_reply_was_lost_is_unavailable_and_never_sent_twice(
+    healthy: Cluster, key: str
+) -> None:
+    """Sent again, the release would find the lock gone and say "not released": instead the
+    caller hears the store could not say (its handle keeps the owner)."""
+    proxy = LosesOneReply(healthy.members[0].client_port)
+    store = _store([proxy.url, *healthy.endpoints[1:]])
+    try:
+        assert store.acquire(key, "owner-a", "a", 30).fence is not None
+        proxy.armed = "/v3/kv/txn"
+        with pytest.raises(LockStoreUnavailable):
+            store.release(key, "owner-a")
+        assert proxy.cut == 1
+        assert store.get(key) is None  # applied once, on the member behind the proxy
+    finally:
+        store.close()
+        proxy.close()

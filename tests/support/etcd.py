@@ -11,14 +11,17 @@ and the shortest lease is 1 s.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import signal
+import socket
 import ssl
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -226,6 +229,56 @@ class Cluster:
                     pass
             member.kill()
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class LosesOneReply:
+    """A TCP proxy in front of a member that, once armed with a path ("/v3/kv/txn"), passes
+    the next request for it on and cuts the client's connection instead of passing its reply:
+    the request was applied, its answer lost. Everything else passes."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.armed: str | None = None
+        self.cut = 0  # replies lost so far
+        self._doomed: set[socket.socket] = set()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self._listener.getsockname()[1])
+        self.url = f"http://127.0.0.1:{self.port}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+                upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            except OSError:
+                return
+            threading.Thread(target=self._requests, args=(client, upstream), daemon=True).start()
+            threading.Thread(target=self._replies, args=(upstream, client), daemon=True).start()
+
+    def _requests(self, client: socket.socket, upstream: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := client.recv(65536):
+                if self.armed and data.startswith(f"POST {self.armed} ".encode()):
+                    self.armed = None
+                    self._doomed.add(client)  # before the request goes: its reply never comes
+                upstream.sendall(data)
+        upstream.close()
+
+    def _replies(self, upstream: socket.socket, client: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := upstream.recv(65536):
+                if client in self._doomed:
+                    self.cut += 1
+                    break
+                client.sendall(data)
+        for sock in (client, upstream):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def close(self) -> None:
+        self._listener.close()
 
 
 @contextmanager

@@ -205,11 +205,14 @@ class EtcdLockStore(ListeningStore, LockStore):
             return AcquireResult(int(reply["header"]["revision"]))
         found = _kvs(reply, 0)
         if found and unb64(found[0].get("value", "")) == owner:
-            # The asker's own lock (a retry after a lost reply): renewed with the new lease.
-            created = found[0]["create_revision"]
+            # The asker's own lock (a retry after a lost reply): renewed with the new lease. Its
+            # old lease goes, unless it is this one (the client sent the transaction again,
+            # to another member, after the first one's reply was lost).
+            created, old = found[0]["create_revision"], found[0].get("lease", "0")
             again = self._txn([_owned_by(name, owner), _created_at(name, created)], writes)
             if again.get("succeeded"):
-                self._revoke_later(found[0].get("lease", "0"))
+                if old != lease:
+                    self._revoke_later(old)
                 return AcquireResult(int(created))
         self._revoke_later(lease)
         return AcquireResult(None, None, "exclusive")
