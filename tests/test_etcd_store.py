@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from typing import Any
 
 import pytest
@@ -184,3 +185,29 @@ def _run_locks(*args: str) -> str:
     out = io.StringIO()
     call_command("locks", *args, stdout=out, stderr=io.StringIO())
     return out.getvalue()
+
+
+# -- leader election ----------------------------------------------------------------------------
+def test_an_election_on_etcd_hands_leadership_on_with_a_greater_term(
+    etcd_alias: str, key: str
+) -> None:
+    import threading
+
+    from django_keel_lock import election
+
+    leader = election(key, ttl=5, store=etcd_alias, holder="one:1")
+    other = election(key, ttl=5, store=etcd_alias, holder="two:2")
+    term = leader.campaign()
+    found = other.current()
+    assert found is not None and (found.holder, found.term) == ("one:1", term)
+    terms: list[int] = []
+    waiting = threading.Thread(target=lambda: terms.append(other.campaign(timeout=10)))
+    waiting.start()
+    time.sleep(0.3)
+    assert not terms
+    started = time.monotonic()
+    assert leader.resign()
+    waiting.join(10)
+    assert terms and terms[0] > term and other.is_leader()
+    assert time.monotonic() - started < 2  # woken by the watch, not by the ttl
+    assert other.resign()
