@@ -211,3 +211,45 @@ def test_an_election_on_etcd_hands_leadership_on_with_a_greater_term(
     assert terms and terms[0] > term and other.is_leader()
     assert time.monotonic() - started < 2  # woken by the watch, not by the ttl
     assert other.resign()
+
+
+# -- idempotent results -------------------------------------------------------------------------
+def test_run_once_on_etcd_runs_once_and_answers_the_duplicate_with_the_kept_result(
+    etcd_alias: str, key: str
+) -> None:
+    from django_keel_lock import run_once
+
+    calls: list[int] = []
+
+    def charge() -> dict[str, int]:
+        calls.append(1)
+        return {"charged": 42}
+
+    assert run_once(key, charge, store=etcd_alias, ttl=60) == (True, {"charged": 42})
+    assert run_once(key, charge, store=etcd_alias, ttl=60) == (False, {"charged": 42})
+    assert calls == [1]
+
+
+def test_etcd_results_are_fenced_listed_forgotten_and_expire(etcd_alias: str, key: str) -> None:
+    from django_keel_lock.idempotency.storage import result_store_for
+    from django_keel_lock.stores.results import StoredResult
+
+    store, results = get_lock_store(etcd_alias), result_store_for(etcd_alias)
+    answer = StoredResult(key, "fp", 0, 200, b"\x00ok")
+    old = store.acquire(key, "owner-a", "a", 30).fence
+    assert old is not None
+    assert results.save(key, "owner-a", old, answer, 60)
+    assert not results.save(key, "owner-a", old, answer, 60)  # never over the same fence
+    assert store.force_release(key) is not None
+    new = store.acquire(key, "owner-b", "b", 30).fence
+    assert new is not None and new > old
+    assert not results.save(key, "owner-a", old, answer, 60)  # a holder that lost its lock
+    assert results.save(key, "owner-b", new, answer, 1)
+    kept = results.get(key)
+    assert kept is not None and (kept.fence, kept.status, kept.data) == (new, 200, b"\x00ok")
+    assert [each.key for each in results.iter_results(key)] == [key]
+    time.sleep(1 + store.expiry_slack)  # its lease (1 s) runs out
+    assert results.get(key) is None
+    assert results.save(key, "owner-b", new, answer, 60) and results.forget(key)
+    assert results.get(key) is None and not results.forget(key)
+    assert store.release(key, "owner-b")

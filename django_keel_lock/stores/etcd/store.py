@@ -38,6 +38,7 @@ from django.core.exceptions import ImproperlyConfigured
 from ...exceptions import LockStoreUnavailable
 from ..base import AcquireResult, LockInfo, LockStore
 from ..connections import socket_timeout_option
+from ..results import ResultStore
 from ..wakeups import ListeningStore
 from . import checks
 from .client import EtcdClient, EtcdUnavailable, b64, parse_endpoints, range_end, unb64
@@ -161,24 +162,26 @@ class EtcdLockStore(ListeningStore, LockStore):
     def _info_name(self, key: str) -> str:
         return f"{self.prefix}info/{key}"
 
-    def _call(self, path: str, body: Mapping[str, Any], *, once: bool = False) -> Any:
+    def call(self, path: str, body: Mapping[str, Any], *, once: bool = False) -> Any:
+        """etcd's answer to POST `body` to `path`; LockStoreUnavailable when none came in
+        time (`EtcdClient.call`)."""
         try:
             return self.client.call(path, body, once=once)
         except EtcdUnavailable as exc:
             raise LockStoreUnavailable(f"lock store {self.alias!r} cannot use etcd: {exc}") from exc
 
-    def _txn(self, compare: list[Any], success: list[Any], failure: Sequence[Any] = ()) -> Any:
+    def txn(self, compare: list[Any], success: list[Any], failure: Sequence[Any] = ()) -> Any:
         """One transaction (sent again to another member if unanswered: every one of ours
         gives the same result run twice, but a release's, which says `once`)."""
-        return self._call(
+        return self.call(
             "/v3/kv/txn", {"compare": compare, "success": success, "failure": list(failure)}
         )
 
-    def _grant(self, ttl: float) -> str:
+    def grant(self, ttl: float) -> str:
         """A new lease of `ttl` (rounded up to whole seconds); its id."""
-        return str(self._call("/v3/lease/grant", {"TTL": lease_seconds(ttl)})["ID"])
+        return str(self.call("/v3/lease/grant", {"TTL": lease_seconds(ttl)})["ID"])
 
-    def _revoke_later(self, lease: str) -> None:
+    def revoke_later(self, lease: str) -> None:
         """Revoke a lease no key uses any more, on a worker thread: nothing waits for it, and
         if it fails the lease runs out by itself."""
         self.submit(self._revoke, lease)
@@ -192,15 +195,15 @@ class EtcdLockStore(ListeningStore, LockStore):
     def _time_to_live(self, lease: str) -> int:
         """Whole seconds left on `lease` (rounded down); -1 when it is gone."""
         # The gateway leaves out zeros: no TTL is 0 s left (under a second), not gone.
-        return int(self._call("/v3/lease/timetolive", {"ID": lease}).get("TTL", 0))
+        return int(self.call("/v3/lease/timetolive", {"ID": lease}).get("TTL", 0))
 
     # -- the protocol ---------------------------------------------------------------------
     def acquire(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
-        lease = self._grant(ttl)
+        lease = self.grant(ttl)
         name = self.lock_name(key)
         info = json.dumps({"h": holder, "t": round(time.time() * 1000)})
         writes = [_put(name, owner, lease), _put(self._info_name(key), info, lease)]
-        reply = self._txn([_created_at(name, 0)], writes, [_range(name)])
+        reply = self.txn([_created_at(name, 0)], writes, [_range(name)])
         if reply.get("succeeded"):
             return AcquireResult(int(reply["header"]["revision"]))
         found = _kvs(reply, 0)
@@ -209,17 +212,17 @@ class EtcdLockStore(ListeningStore, LockStore):
             # old lease goes, unless it is this one (the client sent the transaction again,
             # to another member, after the first one's reply was lost).
             created, old = found[0]["create_revision"], found[0].get("lease", "0")
-            again = self._txn([_owned_by(name, owner), _created_at(name, created)], writes)
+            again = self.txn([_owned_by(name, owner), _created_at(name, created)], writes)
             if again.get("succeeded"):
                 if old != lease:
-                    self._revoke_later(old)
+                    self.revoke_later(old)
                 return AcquireResult(int(created))
-        self._revoke_later(lease)
+        self.revoke_later(lease)
         return AcquireResult(None, None, "exclusive")
 
     def release(self, key: str, owner: str) -> bool:
         name = self.lock_name(key)
-        reply = self._call(
+        reply = self.call(
             "/v3/kv/txn",
             {
                 "compare": [_owned_by(name, owner)],
@@ -231,13 +234,13 @@ class EtcdLockStore(ListeningStore, LockStore):
             return False
         found = _kvs(reply, 0)
         if found:
-            self._revoke_later(found[0].get("lease", "0"))
+            self.revoke_later(found[0].get("lease", "0"))
         self.wake_board.wake(key)
         return True
 
     def extend(self, key: str, owner: str, ttl: float) -> bool:
         name, info_name = self.lock_name(key), self._info_name(key)
-        reply = self._txn([_owned_by(name, owner)], [_range(name), _range(info_name)])
+        reply = self.txn([_owned_by(name, owner)], [_range(name), _range(info_name)])
         found = _kvs(reply, 0) if reply.get("succeeded") else []
         if not found:
             return False
@@ -247,21 +250,21 @@ class EtcdLockStore(ListeningStore, LockStore):
             return False
         if left >= ttl:
             return True  # it lives that long already: never shortened
-        lease = self._grant(ttl)
+        lease = self.grant(ttl)
         info = _kvs(reply, 1)
         value = unb64(info[0]["value"]) if info else json.dumps({"h": "", "t": None})
-        again = self._txn(
+        again = self.txn(
             [_owned_by(name, owner), _created_at(name, found[0]["create_revision"])],
             [_put(name, owner, lease), _put(info_name, value, lease)],
         )
         if not again.get("succeeded"):
-            self._revoke_later(lease)
+            self.revoke_later(lease)
             return False
-        self._revoke_later(old)
+        self.revoke_later(old)
         return True
 
     def get(self, key: str) -> LockInfo | None:
-        reply = self._txn([], [_range(self.lock_name(key)), _range(self._info_name(key))])
+        reply = self.txn([], [_range(self.lock_name(key)), _range(self._info_name(key))])
         found, info = _kvs(reply, 0), _kvs(reply, 1)
         if not found:
             return None
@@ -293,17 +296,23 @@ class EtcdLockStore(ListeningStore, LockStore):
         cut = len(self.lock_name(""))
         key = b64(start)
         while True:
-            page = self._call("/v3/kv/range", {"key": key, "range_end": end, "limit": PAGE_SIZE})
+            page = self.call("/v3/kv/range", {"key": key, "range_end": end, "limit": PAGE_SIZE})
             kvs = page.get("kvs") or []
             for found in kvs:
                 name = unb64(found["key"])[cut:]
-                info = self._call("/v3/kv/range", {"key": b64(self._info_name(name))})
+                info = self.call("/v3/kv/range", {"key": b64(self._info_name(name))})
                 each = self._info(name, found, (info.get("kvs") or [None])[0])
                 if each is not None:
                     yield each
             if not page.get("more") or not kvs:
                 return
             key = b64(unb64(kvs[-1]["key"]) + "\0")
+
+    def result_store(self) -> ResultStore:
+        """Where idempotent results of this store's locks are kept: beside them in etcd."""
+        from .results import EtcdResults
+
+        return EtcdResults(self)
 
     def close(self) -> None:
         self.stop_listener()
