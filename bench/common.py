@@ -180,15 +180,17 @@ def sign_test(above: int, below: int) -> float:
     return min(1.0, 2 * tail / 2**rounds)
 
 
-#: How unlikely by chance a B / A verdict must be. A run judges a dozen figures, so 0.05 would
-#: call one of them changed in about every second A/A run; 0.01 in about one in nine.
-SIGNIFICANCE = 0.01
+#: How unlikely by chance a B / A verdict must be. A run judges a dozen figures, and a busy
+#: machine's rounds are not quite independent: at 0.05 about every second A/A run called one
+#: figure changed, at 0.01 one run in two of the last two did; 0.001 calls about one in eighty
+#: (in theory), and still tells a change most rounds agree on.
+SIGNIFICANCE = 0.001
 
 
 def verdict(spread: Spread, higher_is_faster: bool) -> str:
     """What a B / A ratio's rounds say: "within noise" unless the rounds fall on one side of
-    1.00 more often than chance allows (sign test, p < SIGNIFICANCE; so 7 rounds never tell,
-    and 30 tell when 23 or more agree), else whether B is faster or slower (a higher ratio
+    1.00 more often than chance allows (sign test, p < SIGNIFICANCE; so 10 rounds never tell,
+    and 30 tell when 25 or more agree), else whether B is faster or slower (a higher ratio
     is faster for a rate, slower for a time)."""
     if sign_test(spread.above, spread.below) >= SIGNIFICANCE:
         return "within noise"

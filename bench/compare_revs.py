@@ -292,7 +292,7 @@ def run(sides: list[Side], args: argparse.Namespace) -> None:
         f"{os.cpu_count()} CPUs; {args.rounds} alternating rounds of {args.seconds:g}s per "
         f"cycles/s and of {args.handoffs} handoffs per figure;\nB / A: the median of the "
         "rounds' ratios (their middle half; least-most); within noise unless more rounds "
-        "fall on one side of 1.00 than chance allows (sign test, p < 0.01)"
+        "fall on one side of 1.00 than chance allows (sign test, p < 0.001)"
     )
     headers = ["figure", sides[0].name, sides[1].name, "B / A", ""]
     slower: list[str] = []

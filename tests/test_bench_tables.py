@@ -66,10 +66,10 @@ def test_verdict_tells_only_when_the_rounds_agree_more_often_than_chance():
     def rounds(above: int, below: int, median: float) -> Spread:
         return Spread(median, median, median, median, median, above, below)
 
-    assert verdict(rounds(6, 0, 1.2), higher_is_faster=True) == "within noise"  # 6 never tell
-    assert verdict(rounds(22, 8, 1.2), higher_is_faster=True) == "within noise"  # p = 0.016
-    assert verdict(rounds(23, 7, 1.05), higher_is_faster=True) == "B faster"  # p = 0.005
-    assert verdict(rounds(23, 7, 1.05), higher_is_faster=False) == "B slower"
+    assert verdict(rounds(10, 0, 1.2), higher_is_faster=True) == "within noise"  # 10 never tell
+    assert verdict(rounds(24, 6, 1.2), higher_is_faster=True) == "within noise"  # p = 0.0014
+    assert verdict(rounds(25, 5, 1.05), higher_is_faster=True) == "B faster"  # p = 0.0003
+    assert verdict(rounds(25, 5, 1.05), higher_is_faster=False) == "B slower"
     assert verdict(rounds(3, 27, 0.9), higher_is_faster=False) == "B faster"
 
 
