@@ -46,7 +46,7 @@ def test_one_leader_at_a_time_among_five_processes_and_terms_increase(
     alias: str, key: str, tmp_path: Path
 ) -> None:
     log = tmp_path / "log"
-    procs = [candidate(alias, key, log, hold=0.2) for _ in range(5)]
+    procs = [candidate(alias, key, log, hold=0.1) for _ in range(5)]
     try:
         for proc in procs:
             assert proc.wait(60) == 0

@@ -18,6 +18,7 @@ from django_keel_lock.supervise import EXIT_HELD, EXIT_LOST
 from tests.conftest import needs_store, store_params
 from tests.support.commands import (
     alive,
+    catches,
     child_command,
     notes_of,
     start_locks,
@@ -150,7 +151,8 @@ def test_a_signal_while_waiting_for_the_lock_stops_the_wait(key: str, tmp_path: 
         proc = start_locks(
             "run", key, "--store", "sqlite", "--wait", "30", "--", *child_command(notes)
         )
-        time.sleep(1)  # it waits in the line
+        wait_for(lambda: catches(proc.pid, signal.SIGTERM), message="locks run to start")
+        time.sleep(0.3)  # it waits in the line
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=10)
     finally:

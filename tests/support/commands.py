@@ -82,3 +82,13 @@ def alive(pid: int) -> bool:
         except ProcessLookupError:
             return False
         return True
+
+
+def catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler for `signum` (its SigCgt in /proc)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            mask = next(line for line in status if line.startswith("SigCgt:")).split()[1]
+    except (FileNotFoundError, StopIteration):
+        return False
+    return bool(int(mask, 16) >> (signum - 1) & 1)
