@@ -136,6 +136,13 @@ def _release(handle: Lock) -> None:
         sys.stderr.write(f"locks: could not release {handle.key!r} ({exc}); it expires\n")
 
 
+def _resign(leader: Election) -> None:
+    try:
+        leader.resign()
+    except LockStoreUnavailable as exc:  # leadership ends with its ttl
+        sys.stderr.write(f"locks: could not resign {leader.name!r} ({exc}); it expires\n")
+
+
 def do_run(store: LockStore, key: str, options: dict[str, Any]) -> int:
     """`locks run`: the exit status (the caller exits with it)."""
     command = _command(options)
@@ -210,7 +217,7 @@ def do_lead(store: LockStore, name: str, options: dict[str, Any]) -> int:
             try:
                 status = _start(supervisor, command, _env(leader.key, term))
             finally:
-                leader.resign()
+                _resign(leader)
             if not supervisor.stopped or supervisor.signalled is not None:
                 return status
             sys.stderr.write(f"locks: {name!r}: {supervisor.lost_reason}; campaigning again\n")
@@ -227,7 +234,7 @@ def _campaign(leader: Election, supervisor: Supervisor) -> int | None:
             return leader.campaign()
         except Interrupted:
             return None
-        except LockUnavailable:  # pragma: no cover - campaign() without a timeout waits on
+        except LockUnavailable:  # not raised without a timeout; were it, ask again
             continue
         except LockStoreUnavailable as exc:
             sys.stderr.write(f"locks: store unavailable while campaigning ({exc}); retrying\n")
