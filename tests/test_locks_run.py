@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 from django.core.management import CommandError, call_command
+from django.test import override_settings
 
 from django_keel_lock import get_lock_store, lock
+from django_keel_lock.conf import conf
 from django_keel_lock.supervise import EXIT_HELD, EXIT_LOST
 from tests.conftest import needs_store, store_params
 from tests.support.commands import (
@@ -220,3 +222,33 @@ def test_the_command_gets_its_own_options_untouched(key: str, tmp_path: Path) ->
                   PY, "-c", code, str(out), "--ttl", "9", "--", "--store")  # fmt: skip
     assert status == 0
     assert out.read_text() == repr(["--ttl", "9", "--", "--store"])
+
+
+DOWN = {"BACKEND": "django_keel_lock.stores.RedisLockStore",
+        "OPTIONS": {"URL": "redis://127.0.0.1:1/0"}}  # fmt: skip
+
+
+def test_a_store_that_cannot_be_reached_is_exit_3_and_nothing_runs(tmp_path: Path) -> None:
+    notes = tmp_path / "notes"
+    with override_settings(KEEL_LOCK_STORES={**conf.STORES, "down": DOWN}):
+        with pytest.raises(CommandError) as info:
+            call_command("locks", "run", "k", "--store", "down", "--", *child_command(notes),
+                         stdout=io.StringIO(), stderr=io.StringIO())  # fmt: skip
+    assert info.value.returncode == 3
+    assert "store 'down' is unavailable" in str(info.value)
+    assert not notes.exists()
+
+
+def test_wait_runs_the_command_once_the_holder_releases(key: str, tmp_path: Path) -> None:
+    notes = tmp_path / "notes"
+    holder = lock(key, store="sqlite", ttl=30)
+    assert holder.acquire()
+    proc = start_locks("run", key, "--store", "sqlite", "--wait", "20", "--",
+                       *child_command(notes, code=4))  # fmt: skip
+    wait_for(lambda: catches(proc.pid, signal.SIGTERM), message="locks run to start")
+    time.sleep(0.3)
+    assert not notes.exists()  # waiting
+    holder.release()
+    proc.communicate(timeout=20)
+    assert proc.returncode == 4
+    assert int(notes_of(notes)[0].split()[1]) > (holder.fence or 0)
