@@ -33,13 +33,14 @@ from django_keel_lock import (
 from django_keel_lock.checks import check_stores
 from django_keel_lock.idempotency.storage import result_store_for
 from django_keel_lock.models import IdempotentResult
-from django_keel_lock.stores import RedisLockStore
+from django_keel_lock.stores import DatabaseLockStore, RedisLockStore
 from django_keel_lock.stores.database import results as database_results
 from django_keel_lock.stores.memory_results import MemoryResults
 from django_keel_lock.stores.results import ResultStore, StoredResult
 from tests.conftest import (
     ALL_STORES,
     DATABASE_STORES,
+    database_like,
     database_of,
     needs,
     serving,
@@ -634,3 +635,53 @@ def test_expired_results_are_deleted_by_prune_and_by_the_writes(
     keep(key + "-b", 60)
     rows = IdempotentResult.objects.using(database_of(alias)).filter(key__startswith=key)
     assert list(rows.values_list("key", flat=True)) == [key + "-b"]
+
+
+# -- found in review: each failed before its fix --------------------------------------------
+@pytest.mark.parametrize("alias", store_params(["mariadb"]))
+def test_a_waiting_duplicate_whose_transaction_read_first_gets_the_replay_not_a_second_run(
+    alias: str, idem_key: str
+) -> None:
+    # ATOMIC_REQUESTS with OPTIONS isolation_level "repeatable read" (InnoDB's own default;
+    # Django's is read committed): the duplicate's transaction reads (its scope's tenant
+    # lookup) before it waits for the key; the result kept meanwhile must be read past that
+    # snapshot, or the view runs twice.
+    database = database_of(alias)
+    saved = connections[database].settings_dict["OPTIONS"]
+    connections[database].settings_dict["OPTIONS"] = {**saved, "isolation_level": "repeatable read"}
+    connections[database].settings_dict["ATOMIC_REQUESTS"] = True
+    connections[database].close()  # this thread's reconnects with the isolation level
+    url, body = f"/{alias}/pay-wait-tenant/", {"first_sleep": 1}
+    try:
+        first: list[Any] = []
+        thread = in_thread(
+            lambda: first.append(post(Client(), url, idem_key, body, X_Database=database))
+        )
+        thread.start()
+        eventually(lambda: views.CALLS[idem_key] == 1)  # the first is in the view
+        again = post(Client(), url, idem_key, body, X_Database=database)
+        thread.join(10)
+    finally:
+        connections[database].settings_dict["ATOMIC_REQUESTS"] = False
+        connections[database].settings_dict["OPTIONS"] = saved
+        connections[database].close()
+    assert views.CALLS[idem_key] == 1
+    assert again["Idempotent-Replayed"] == "true" and again.content == first[0].content
+
+
+@pytest.mark.parametrize("alias", store_params(["mariadb"]))
+def test_results_live_their_ttl_on_a_mariadb_whose_session_time_zone_is_not_utc(
+    alias: str, idem_key: str
+) -> None:
+    base = database_of(alias)
+    options = {**connections.settings[base].get("OPTIONS", {})}
+    options["init_command"] = "SET time_zone = '+05:00'"
+    with database_like(base, f"tz_{os.getpid()}", OPTIONS=options) as database:
+        store = DatabaseLockStore(f"tz-{uuid.uuid4().hex[:8]}", {"DATABASE": database})
+        with serving(store) as tz_alias:
+            assert run_once(idem_key, lambda: 1, store=tz_alias, ttl="1h") == (True, 1)
+            assert run_once(idem_key, lambda: 2, store=tz_alias, ttl="1h") == (False, 1)
+            results = result_store_for(tz_alias)
+            assert [r.key for r in results.iter_results(f"once:{idem_key}")] == [f"once:{idem_key}"]
+            results.prune()
+            assert results.get(f"once:{idem_key}") is not None

@@ -47,7 +47,7 @@ def _make(store: LockStore) -> ResultStore:
     if isinstance(store, DatabaseLockStore):
         from ..stores.database.results import DatabaseResults
 
-        return DatabaseResults(store.database, store.alias)
+        return DatabaseResults(store)
     if isinstance(store, MemoryLockStore):
         from ..stores.memory_results import MemoryResults
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 import time
@@ -11,6 +12,7 @@ from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.contrib import admin
+from django.contrib.auth import get_user_model
 from django.db import transaction
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.urls import path
@@ -59,6 +61,23 @@ def pay(request: HttpRequest) -> HttpResponse:
     return response
 
 
+def upload(request: HttpRequest) -> HttpResponse:
+    """A multipart form with a file: answers what it read of both (after the key's check)."""
+    run = _count(request)
+    upload = request.FILES["file"]
+    digest = hashlib.sha256(upload.read()).hexdigest()
+    body = {"run": run, "id": uuid.uuid4().hex, "note": request.POST["note"], "sha256": digest}
+    return JsonResponse(body, status=201)
+
+
+def tenant(request: HttpRequest) -> str:
+    """A scope that reads the database first, as a tenant lookup would (the database alias
+    from the X-Database header): a transaction's first read, before the key is checked."""
+    database = request.headers.get("X-Database", "default")
+    get_user_model().objects.using(database).filter(pk=-1).exists()
+    return "tenant-1"
+
+
 def hook(request: HttpRequest, **kwargs: Any) -> HttpResponse:
     event = json.loads(request.body)
     with _mutex:
@@ -102,6 +121,11 @@ def _views(alias: str) -> list[Any]:
         path(f"{alias}/pay/", idempotent(store=alias)(pay)),
         path(f"{alias}/pay-global/", idempotent(store=alias, scope="global")(pay)),
         path(f"{alias}/pay-wait/", idempotent(store=alias, scope="global", wait="10s")(pay)),
+        path(
+            f"{alias}/pay-wait-tenant/",
+            idempotent(store=alias, scope=tenant, wait="10s")(pay),
+        ),
+        path(f"{alias}/upload/", idempotent(store=alias, scope="global")(upload)),
         path(f"{alias}/pay-short/", idempotent(store=alias, scope="global", ttl="1s")(pay)),
         path(
             f"{alias}/pay-lost/",

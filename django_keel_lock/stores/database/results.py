@@ -3,8 +3,12 @@ database.
 
 The write is one statement, INSERT ... SELECT from the key's lock row: a row is written only
 while that row has the writer as its live owner (by the database's clock), and an existing
-result is replaced only by one of a later fence. Reads, listings and deletes go through the
-ORM. Expired rows are deleted every CLEAN_EVERY writes of a process, CLEAN_BATCH at a time.
+result is replaced only by one of a later fence. Reads and writes go through the lock store's
+own connection, as its locks do: outside the caller's transaction, whose snapshot (REPEATABLE
+READ) may be older than the result a waiting duplicate must find. Listings and deletes (the
+command, the admin) go through the ORM. Every comparison with "now" is by the clock the lock
+store writes with (UTC_TIMESTAMP on MySQL, not the session time zone's CURRENT_TIMESTAMP).
+Expired rows are deleted every CLEAN_EVERY writes of a process, CLEAN_BATCH at a time.
 """
 
 from __future__ import annotations
@@ -12,24 +16,28 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.db import DatabaseError, connections
-from django.db.models import QuerySet
+from django.db.models import DateTimeField, Func, QuerySet
 from django.db.models.functions import Now
 
 from ...exceptions import LockStoreUnavailable
 from ...models import IdempotentResult
 from ..results import ResultStore, StoredResult
 
+if TYPE_CHECKING:
+    from .store import DatabaseLockStore
+
 CLEAN_EVERY = 100
 CLEAN_BATCH = 1000
 PAGE_SIZE = 500
 
-_SQLITE_NOW = "strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now')"
+_SQLITE_NOW = "strftime('%Y-%m-%d %H:%M:%f', 'now')"
 _COLUMNS = "(key, fingerprint, fence, status, data, size, created_at, expires_at)"
 # Per vendor: the fenced upsert, and the ttl as its parameter. The lock row's own expiry is
-# read by the clock the lock store writes it with.
+# read by the clock the lock store writes it with. Run on the lock store's raw driver cursor:
+# %s placeholders for psycopg and MySQLdb, ? for sqlite3.
 _SAVE: Mapping[str, str] = {
     "postgresql": f"""
         INSERT INTO django_keel_lock_result AS r {_COLUMNS}
@@ -44,12 +52,12 @@ _SAVE: Mapping[str, str] = {
             created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at
         WHERE r.fence < EXCLUDED.fence OR r.expires_at <= clock_timestamp()
     """,
-    # Through Django's cursor, as the ORM writes: %s placeholders, %% for a percent sign.
+    # On the lock store's own (raw sqlite3) cursor: ? placeholders.
     "sqlite": f"""
         INSERT INTO django_keel_lock_result AS r {_COLUMNS}
-        SELECT %s, %s, %s, %s, %s, %s, {_SQLITE_NOW}, strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now', %s)
+        SELECT ?, ?, ?, ?, ?, ?, {_SQLITE_NOW}, strftime('%Y-%m-%d %H:%M:%f', 'now', ?)
         FROM django_keel_lock_lock l
-        WHERE l.key = %s AND l.owner = %s AND l.expires_at > {_SQLITE_NOW}
+        WHERE l.key = ? AND l.owner = ? AND l.expires_at > {_SQLITE_NOW}
         ON CONFLICT (key) DO UPDATE SET
             fingerprint = excluded.fingerprint, fence = excluded.fence,
             status = excluded.status, data = excluded.data, size = excluded.size,
@@ -82,6 +90,28 @@ _SAVE: Mapping[str, str] = {
 }
 
 _FENCE_OF = "SELECT fence FROM django_keel_lock_result WHERE `key` = %s"
+# Per vendor: the live result of a key, by the lock store's clock.
+_GET: Mapping[str, str] = {
+    "postgresql": """
+        SELECT fingerprint, fence, status, data FROM django_keel_lock_result
+        WHERE key = %s AND expires_at > clock_timestamp()
+    """,
+    "sqlite": f"""
+        SELECT fingerprint, fence, status, data FROM django_keel_lock_result
+        WHERE key = ? AND expires_at > {_SQLITE_NOW}
+    """,
+    "mysql": """
+        SELECT fingerprint, fence, status, data FROM django_keel_lock_result
+        WHERE `key` = %s AND expires_at > UTC_TIMESTAMP(6)
+    """,
+}
+
+
+def _now(vendor: str) -> Func:
+    """The ORM's "now" by the clock the lock store writes expiries with."""
+    if vendor == "mysql":
+        return Func(template="UTC_TIMESTAMP(6)", output_field=DateTimeField())
+    return Now()
 
 
 def _ttl_param(vendor: str, ttl: float) -> Any:
@@ -93,11 +123,12 @@ def _ttl_param(vendor: str, ttl: float) -> Any:
 
 
 class DatabaseResults(ResultStore):
-    """Results in the `IdempotentResult` table of the DATABASES alias `database`."""
+    """Results in the `IdempotentResult` table of the database of `store`."""
 
-    def __init__(self, database: str, alias: str = "default") -> None:
-        self.database = database
-        self.alias = alias  # the lock store's, for messages
+    def __init__(self, store: DatabaseLockStore) -> None:
+        self.store = store
+        self.database = store.database
+        self.alias = store.alias  # for messages
         self._writes = itertools.count(1)
         self._mutex = threading.Lock()
 
@@ -110,32 +141,31 @@ class DatabaseResults(ResultStore):
     def _rows(self) -> QuerySet[IdempotentResult]:
         return IdempotentResult.objects.using(self.database)
 
+    @property
+    def _vendor(self) -> str:
+        return str(connections[self.database].vendor)
+
     def get(self, key: str) -> StoredResult | None:
-        try:
-            row = self._rows().filter(key=key, expires_at__gt=Now()).first()
-        except DatabaseError as exc:
-            raise self._unavailable(exc) from exc
-        return None if row is None else _result(row)
+        rows, _ = self.store.execute([(_GET[self._vendor], (key,))], key=key)
+        if not rows:
+            return None
+        fingerprint, fence, status, data = rows[0]
+        return StoredResult(key, str(fingerprint), int(fence), int(status), bytes(data))
 
     def save(self, key: str, owner: str, fence: int, result: StoredResult, ttl: float) -> bool:
-        connection = connections[self.database]
-        vendor = connection.vendor
+        vendor = self._vendor
         params = (
             key, result.fingerprint, fence, result.status, result.data, result.size,
             _ttl_param(vendor, ttl), key, owner,
         )  # fmt: skip
-        try:
-            with connection.cursor() as cursor:
-                cursor.execute(_SAVE[vendor], params)
-                kept: bool = cursor.rowcount > 0
-                if vendor == "mysql" and cursor.rowcount == 1:
-                    # Django connects with CLIENT_FOUND_ROWS: 1 is a row inserted, or one
-                    # left as it was (2: updated). The fence tells: no one else writes ours.
-                    cursor.execute(_FENCE_OF, (key,))
-                    row = cursor.fetchone()
-                    kept = row is not None and int(row[0]) == fence
-        except DatabaseError as exc:
-            raise self._unavailable(exc) from exc
+        # Not sent twice: a retry after a lost reply would find its own row and say "not kept".
+        _, count = self.store.execute([(_SAVE[vendor], params)], idempotent=False, key=key)
+        kept = count > 0
+        if vendor == "mysql" and count == 1:
+            # Django connects with CLIENT_FOUND_ROWS: 1 is a row inserted, or one left as it
+            # was (2: updated). The fence tells: no one else writes ours.
+            rows, _ = self.store.execute([(_FENCE_OF, (key,))], key=key)
+            kept = bool(rows) and int(rows[0][0]) == fence
         with self._mutex:
             clean = next(self._writes) % CLEAN_EVERY == 0
         if clean:
@@ -152,7 +182,7 @@ class DatabaseResults(ResultStore):
     def iter_results(self, prefix: str = "") -> Iterator[StoredResult]:
         last = None
         while True:
-            rows = self._rows().filter(key__startswith=prefix, expires_at__gt=Now())
+            rows = self._rows().filter(key__startswith=prefix, expires_at__gt=_now(self._vendor))
             if last is not None:
                 rows = rows.filter(key__gt=last)
             try:
@@ -171,13 +201,14 @@ class DatabaseResults(ResultStore):
             while True:
                 keys = list(
                     self._rows()
-                    .filter(expires_at__lte=Now())
+                    .filter(expires_at__lte=_now(self._vendor))
                     .order_by()
                     .values_list("key", flat=True)[: batch or CLEAN_BATCH]
                 )
                 if not keys:
                     return pruned
-                deleted, _ = self._rows().filter(key__in=keys, expires_at__lte=Now()).delete()
+                expired = self._rows().filter(key__in=keys, expires_at__lte=_now(self._vendor))
+                deleted, _ = expired.delete()
                 pruned += deleted
                 if batch is not None or len(keys) < CLEAN_BATCH:
                     return pruned
