@@ -101,9 +101,15 @@ class Side:
         return reply
 
     def close(self, keep: bool) -> None:
-        if self.worker.poll() is None:
-            self.ask(op="stop")
-            self.worker.wait(30)
+        """Stop the worker (ended it if it does not stop), drop its databases and, unless
+        `keep`, remove the worktree, whatever state the run left them in."""
+        try:
+            if self.worker.poll() is None:
+                self.ask(op="stop")
+                self.worker.wait(30)
+        except (RuntimeError, OSError, subprocess.TimeoutExpired):
+            self.worker.kill()
+            self.worker.wait(10)
         drop_databases(self.database)
         if not keep:
             git("worktree", "remove", "--force", self.tree)
