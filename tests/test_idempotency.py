@@ -16,11 +16,13 @@ import pytest
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.contrib.auth import get_user_model
+from django.core.files.base import ContentFile
 from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import connections
 from django.http import HttpResponse
 from django.test import AsyncClient, Client, override_settings
+from django.test.client import encode_multipart
 
 from django_keel_lock import (
     LockStoreMisconfigured,
@@ -685,3 +687,65 @@ def test_results_live_their_ttl_on_a_mariadb_whose_session_time_zone_is_not_utc(
             assert [r.key for r in results.iter_results(f"once:{idem_key}")] == [f"once:{idem_key}"]
             results.prune()
             assert results.get(f"once:{idem_key}") is not None
+
+
+def csrf_client() -> tuple[Client, str]:
+    """A client that passes CSRF checks the way a browser does (cookie and header)."""
+    client = Client(enforce_csrf_checks=True)
+    secret = uuid.uuid4().hex  # 32 letters and digits: a CSRF secret
+    client.cookies["csrftoken"] = secret
+    return client, secret
+
+
+def upload(client: Client, secret: str, url: str, key: str, boundary: str, content: bytes) -> Any:
+    body = encode_multipart(
+        boundary, {"note": "scan", "file": ContentFile(content, name="scan.pdf")}
+    )
+    return client.post(
+        url,
+        body,
+        content_type=f"multipart/form-data; boundary={boundary}",
+        headers={"Idempotency-Key": key, "X-CSRFToken": secret},
+    )
+
+
+@pytest.mark.parametrize("alias", EDGE_STORES)
+def test_a_multipart_upload_read_by_csrf_first_is_kept_and_replayed_whatever_its_boundary(
+    alias: str, idem_key: str
+) -> None:
+    # CsrfViewMiddleware reads request.POST first: a multipart body is then consumed, and a
+    # browser (or requests) sends each retry with a new random boundary.
+    client, secret = csrf_client()
+    url = f"/{alias}/upload/"
+    first = upload(client, secret, url, idem_key, "boundary-one", b"%PDF" * 100)
+    again = upload(client, secret, url, idem_key, "boundary-two", b"%PDF" * 100)
+    assert first.status_code == 201 and first.json()["note"] == "scan"
+    assert again["Idempotent-Replayed"] == "true" and again.content == first.content
+    assert upload(client, secret, url, idem_key, "three", b"other").status_code == 422
+    assert views.CALLS[idem_key] == 1
+
+
+@pytest.mark.parametrize("alias", EDGE_STORES)
+def test_an_upload_over_data_upload_max_memory_size_is_not_refused(
+    alias: str, idem_key: str
+) -> None:
+    # Files are not held by DATA_UPLOAD_MAX_MEMORY_SIZE; reading request.body is.
+    _, secret = csrf_client()
+    with override_settings(DATA_UPLOAD_MAX_MEMORY_SIZE=1000):
+        first = upload(Client(), secret, f"/{alias}/upload/", idem_key, "b1", b"x" * 5000)
+        again = upload(Client(), secret, f"/{alias}/upload/", idem_key, "b2", b"x" * 5000)
+    assert first.status_code == 201, first.content
+    assert again["Idempotent-Replayed"] == "true" and views.CALLS[idem_key] == 1
+
+
+def test_the_same_bytes_under_another_content_type_get_422(idem_key: str) -> None:
+    # What the view reads of a body depends on its type (request.POST of a form; none of
+    # text/plain): a retry is the same request only with the same type.
+    client = Client()
+    headers = {"Idempotency-Key": idem_key}
+    form = "application/x-www-form-urlencoded"
+    assert client.post("/memory/pay-global/", "{}", form, headers=headers).status_code == 201
+    other = client.post("/memory/pay-global/", "{}", "text/plain", headers=headers)
+    assert other.status_code == 422 and views.CALLS[idem_key] == 1
+    charset = client.post("/memory/pay-global/", "{}", f"{form}; charset=utf-8", headers=headers)
+    assert charset.status_code == 422  # a charset changes what request.POST decodes

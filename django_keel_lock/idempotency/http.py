@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from django.http import HttpRequest, HttpResponse
+from django.utils.http import parse_header_parameters
 
 from ..views import wants_json
 
@@ -113,10 +114,34 @@ def _dig(value: Any, path: list[str]) -> Any:
 
 
 def fingerprint(request: HttpRequest) -> str:
-    """What a retry must repeat: sha256 over the method, the full path and the body's digest."""
-    body = hashlib.sha256(request.body).hexdigest()
-    text = f"{request.method}\0{request.get_full_path()}\0{body}"
+    """What a retry must repeat: sha256 over the method, the full path, the body's media type
+    and charset (they decide what the view reads of it) and the body's digest."""
+    media_type, params = parse_header_parameters(request.META.get("CONTENT_TYPE", ""))
+    media_type = media_type.lower()
+    charset = params.get("charset", "").lower()
+    if media_type == "multipart/form-data":
+        body = _form_digest(request)
+    else:
+        body = hashlib.sha256(request.body).hexdigest()
+    text = f"{request.method}\0{request.get_full_path()}\0{media_type}\0{charset}\0{body}"
     return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
+
+
+def _form_digest(request: HttpRequest) -> str:
+    """A multipart body's digest, over its fields and files as parsed: the raw body holds a
+    boundary each send picks anew, it may be read already (CsrfViewMiddleware reads
+    request.POST, which consumes it), and a file is not held to DATA_UPLOAD_MAX_MEMORY_SIZE."""
+    digest = hashlib.sha256()
+    for name, values in request.POST.lists():
+        digest.update(json.dumps(["field", name, values]).encode() + b"\n")
+    for name, uploads in request.FILES.lists():
+        for upload in uploads:
+            about = ["file", name, upload.name, upload.content_type, upload.size]
+            digest.update(json.dumps(about).encode() + b"\n")
+            for chunk in upload.chunks():  # from its start
+                digest.update(chunk)
+            upload.seek(0)  # the view reads it from its start too
+    return digest.hexdigest()
 
 
 def dump_response(response: HttpResponse) -> bytes:
