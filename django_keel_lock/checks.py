@@ -61,6 +61,9 @@ Warnings
   django_keel_lock.W011  KEEL_LOCK_METRICS names a backend whose package is not installed: locks
                          work, those metrics are off (pip install django-keel-lock[prometheus]
                          or [otel]).
+  django_keel_lock.W012  A DatabaseLockStore on PostgreSQL behind a transaction pooler (declared
+                         in OPTIONS TRANSACTION_POOLER, or found: the server sees another client
+                         address than ours) with no OPTIONS LISTEN_DATABASE: its waiters poll.
 """
 
 from __future__ import annotations

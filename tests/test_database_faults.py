@@ -50,12 +50,15 @@ def server_alias(request: pytest.FixtureRequest) -> str:
 @contextmanager
 def behind_proxy(alias: str, **options: Any) -> Iterator[tuple[DatabaseLockStore, FaultyProxy]]:
     """A store (registered under its alias) on the database of the store `alias`, reached
-    through a FaultyProxy, with these OPTIONS."""
+    through a FaultyProxy, with these OPTIONS. The proxy is no pooler: said so
+    (TRANSACTION_POOLER: False), as a project behind a plain TCP proxy says it, or the store
+    would take it for one (stores.md, Behind a pooler)."""
     database = database_of(alias)
     proxy = FaultyProxy(int(connections.settings[database]["PORT"]))
     name = f"{database}-proxied-{uuid.uuid4().hex[:8]}"
     try:
         with database_like(database, name, HOST="127.0.0.1", PORT=proxy.port) as through:
+            options = {"TRANSACTION_POOLER": False, **options}
             store = DatabaseLockStore(name, {"DATABASE": through, **options})
             with serving(store):
                 yield store, proxy

@@ -3,6 +3,9 @@ tests kill, stop and restart (tests/support/etcd.py)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 
@@ -11,6 +14,7 @@ import pytest
 from django_keel_lock import LockStoreUnavailable
 from django_keel_lock.stores import EtcdLockStore
 from tests.conftest import skip_or_fail
+from tests.support import ROOT
 from tests.support.etcd import Cluster, LosesOneReply, etcd_cluster, etcd_installed
 from tests.support.redis_servers import free_port
 
@@ -228,3 +232,34 @@ def test_a_release_whose_reply_was_lost_is_unavailable_and_never_sent_twice(
     finally:
         store.close()
         proxy.close()
+
+
+def test_a_process_exits_promptly_with_lease_revocations_queued_against_a_frozen_cluster(
+    healthy: Cluster,
+) -> None:
+    """Revocations run on the store's worker threads, which the interpreter waits for at exit:
+    each waits at most 1 s and at most 16 are queued, the rest of the leases run out alone."""
+    child = (
+        "import django, sys; django.setup()\n"
+        "from django_keel_lock.stores import EtcdLockStore\n"
+        "store = EtcdLockStore('etcd-exit', {'ENDPOINTS': sys.argv[1].split(',')})\n"
+        "for lease in range(1, 101): store.revoke_later(str(lease))\n"
+    )
+    for member in healthy.members:
+        member.pause()
+    try:
+        started = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-c", child, ",".join(healthy.endpoints)],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT), "DJANGO_SETTINGS_MODULE": "tests.settings"},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        took = time.monotonic() - started
+    finally:
+        for member in healthy.members:
+            member.resume()
+    assert done.returncode == 0, done.stderr
+    assert took < 15, f"exit took {took:.1f}s"  # 100 revocations of 5 s each: minutes

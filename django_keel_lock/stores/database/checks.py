@@ -3,7 +3,8 @@
 From the settings: E010 (SOCKET_TIMEOUT), E005 (DATABASE names no database) and E006 (a vendor
 without a dialect). Tagged `database`, on the databases the command asks for, taking no lock:
 W003 and W006 (a table missing: not migrated there), W004 (it could not be inspected), and each
-vendor's own (`vendors.Vendor.check_database`): W008 (MariaDB: a user without PROCESS).
+vendor's own (`vendors.Vendor.check_database`): W008 (MariaDB: a user without PROCESS); W012
+(PostgreSQL behind a transaction pooler with no LISTEN_DATABASE: waiters poll).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from django.core.checks import CheckMessage, Error, Warning
 from django.db import connections
 
 from ..checks import ID, check_socket_timeout, where
+from . import pooler
 from .dialects import DIALECTS
 from .dialects.schema import PERMIT_TABLE
 from .dialects.schema import TABLE as LOCK_TABLE
@@ -28,19 +30,32 @@ GLOBAL_GRANT = re.compile(r"GRANT (?P<privileges>.+?) ON \*\.\* TO ", re.IGNOREC
 
 def check_config(alias: str, database: Any, options: Mapping[str, Any]) -> list[CheckMessage]:
     """E010, E005, E006 for the store `alias` on the DATABASES alias `database`."""
-    return [*check_socket_timeout(alias, options), *_check_database(alias, database)]
+    return [
+        *check_socket_timeout(alias, options),
+        *_check_database(alias, database),
+        *_check_listen_database(alias, options.get("LISTEN_DATABASE")),
+    ]
+
+
+def _check_listen_database(alias: str, listen: Any) -> list[CheckMessage]:
+    if listen is None or listen in settings.DATABASES:
+        return []
+    return [_no_such_database(alias, "LISTEN_DATABASE", listen)]
+
+
+def _no_such_database(alias: str, option: str, value: Any) -> Error:
+    """E005: OPTIONS `option` names no DATABASES alias."""
+    known = ", ".join(sorted(settings.DATABASES)) or "none"
+    return Error(
+        f"{where(alias)} OPTIONS {option} {value!r} is not in DATABASES.",
+        hint=f"Databases configured: {known}.",
+        id=ID.format("E005"),
+    )
 
 
 def _check_database(alias: str, database: Any) -> list[CheckMessage]:
     if database not in settings.DATABASES:
-        known = ", ".join(sorted(settings.DATABASES)) or "none"
-        return [
-            Error(
-                f"{where(alias)} OPTIONS DATABASE {database!r} is not in DATABASES.",
-                hint=f"Databases configured: {known}.",
-                id=ID.format("E005"),
-            )
-        ]
+        return [_no_such_database(alias, "DATABASE", database)]
     engine = str(settings.DATABASES[database].get("ENGINE", ""))
     try:
         # The backend class says its vendor; nothing is instantiated or connected.
@@ -124,6 +139,51 @@ def _check_tables(database: str, stores: str, vendor_checks: VendorChecks) -> li
             )
         )
     return [*messages, *vendor_checks(database, stores)]
+
+
+def check_poolers(
+    stores: Mapping[str, Mapping[str, Any]], databases: Sequence[str]
+) -> list[CheckMessage]:
+    """W012 for `stores` (alias -> OPTIONS) on PostgreSQL `databases`: a store behind a
+    transaction pooler (declared, or found by `pooler.seen` on Django's connection) with no
+    LISTEN_DATABASE, whose waiters therefore poll."""
+    messages: list[CheckMessage] = []
+    for alias, options in stores.items():
+        database = options.get("DATABASE", "default")
+        if database not in databases or database not in connections.settings:
+            continue
+        if options.get("LISTEN_DATABASE") or options.get("TRANSACTION_POOLER") is False:
+            continue
+        connection = connections[database]
+        if connection.vendor != "postgresql":
+            continue
+        why = "declared so (OPTIONS TRANSACTION_POOLER: True)"
+        if options.get("TRANSACTION_POOLER") is None:
+            try:
+                connection.ensure_connection()
+                seen = pooler.seen(connection.connection)
+            except Exception:  # unreachable: W004's to report
+                continue
+            if not seen.pooled:
+                continue
+            why = f"the server sees the connection from {seen.server}, not {seen.ours}"
+        messages.append(_poller(str(alias), database, why))
+    return messages
+
+
+def _poller(alias: str, database: str, why: str) -> Warning:
+    return Warning(
+        f"Lock store {alias!r} keeps locks in database {database!r}, which is reached through "
+        f"a transaction pooler ({why}): the store LISTENs for releases on no connection "
+        "there, so its waiters poll (each notices a release up to its retry_delay late).",
+        hint=(
+            "Add a DATABASES alias for the same database that reaches PostgreSQL directly "
+            f'(or through session pooling), with "TEST": {{"MIRROR": "{database}"}}, and '
+            "name it in OPTIONS LISTEN_DATABASE. If this is no transaction pooler (session "
+            "pooling, a plain proxy), set OPTIONS TRANSACTION_POOLER: False."
+        ),
+        id=ID.format("W012"),
+    )
 
 
 def has_process(grants: Sequence[str]) -> bool:

@@ -1,4 +1,6 @@
-"""The hot statements on PostgreSQL with psycopg 3: prepared once per connection, run by libpq."""
+"""The hot statements on PostgreSQL with psycopg 3, run by libpq itself: prepared once per
+connection, or (behind a transaction pooler, where a connection's prepared statements may be on
+another server connection) sent whole each time as unnamed statements."""
 
 from __future__ import annotations
 
@@ -22,32 +24,45 @@ class PreparedStatements:
     statement needs none of it: its parameters are a few strings and numbers, and
     what comes back is a number or NULL. The blocking libpq call releases the GIL like
     psycopg's own wait does. Only the store's own thread uses this connection.
+
+    Not `named`: each statement goes as an unnamed one (Parse, Bind, Execute and Sync in one
+    round trip), which leaves nothing behind on the server connection: what a transaction
+    pooler needs. The server then plans it each time.
     """
 
-    __slots__ = ("names", "pgconn")
+    __slots__ = ("named", "names", "pgconn", "texts")
 
-    def __init__(self, pgconn: Any) -> None:
-        self.pgconn = pgconn
+    def __init__(self, pgconn: Any, named: bool = True) -> None:
+        self.pgconn, self.named = pgconn, named
         self.names: dict[str, bytes] = {}  # SQL text -> its prepared statement's name
+        self.texts: dict[str, bytes] = {}  # SQL text -> as libpq takes it ($1, $2, ...)
+
+    def _text(self, sql: str) -> bytes:
+        number = itertools.count(1)  # the driver's %s placeholders become $1, $2, ...
+        text = self.texts[sql] = _PLACEHOLDER.sub(lambda _: f"${next(number)}", sql).encode()
+        return text
 
     def _prepare(self, sql: str, error: type[Exception]) -> bytes:
         name = f"keel_lock_{hashlib.md5(sql.encode()).hexdigest()[:16]}".encode()
-        number = itertools.count(1)  # the driver's %s placeholders become $1, $2, ...
-        numbered = _PLACEHOLDER.sub(lambda _: f"${next(number)}", sql)
-        result = self.pgconn.prepare(name, numbered.encode())
+        result = self.pgconn.prepare(name, self._text(sql))
         if result.status not in _RESULT_OK:
             raise _failure(result, error)
         self.names[sql] = name
         return name
+
+    def _run(self, sql: str, values: list[bytes | None], error: type[Exception]) -> Any:
+        if self.named:
+            name = self.names.get(sql) or self._prepare(sql, error)
+            return self.pgconn.exec_prepared(name, values)
+        return self.pgconn.exec_params(self.texts.get(sql) or self._text(sql), values)
 
     def execute(
         self, statements: Sequence[Statement], error: type[Exception]
     ) -> tuple[list[Row], int]:
         result: Any = None
         for sql, params in statements:
-            name = self.names.get(sql) or self._prepare(sql, error)
             values = [None if p is None else str(p).encode() for p in params]
-            result = self.pgconn.exec_prepared(name, values)
+            result = self._run(sql, values, error)
             if result.status not in _RESULT_OK:
                 raise _failure(result, error)
         if result is None:
@@ -70,8 +85,10 @@ def _failure(result: Any, error: type[Exception]) -> Exception:
     message = (result.error_message or b"").decode("utf-8", "replace").strip()
     sqlstate = result.error_field(_SQLSTATE) or b""
     # 42P01, 42883: a table or function of ours is missing (not migrated), which the store
-    # tells from the class's sqlstate, as from its cursor's errors.
-    if sqlstate.startswith(b"22") or sqlstate in (b"42P01", b"42883"):
+    # tells from the class's sqlstate, as from its cursor's errors; 26000, 42P05: a prepared
+    # statement missing or there already (a transaction pooler in front, see
+    # `vendors.Postgres.lost_session`).
+    if sqlstate.startswith(b"22") or sqlstate in _OWN_CLASS:
         from psycopg import errors
 
         try:
@@ -80,6 +97,8 @@ def _failure(result: Any, error: type[Exception]) -> Exception:
             error = errors.DataError
     return error(message or f"libpq status {result.status}")
 
+
+_OWN_CLASS = frozenset({b"42P01", b"42883", b"26000", b"42P05"})
 
 # libpq's PG_DIAG_SQLSTATE (fixed by libpq's ABI).
 _SQLSTATE = 67

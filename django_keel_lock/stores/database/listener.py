@@ -40,10 +40,12 @@ LISTEN_TCP = {
 
 class PostgresListener(ReleaseListener):
     """One LISTEN connection per process, listening to the channels of the keys this process
-    waits for: turns other processes' releases into wake-ups. LISTEN, UNLISTEN and the ping
-    (SELECT 1, after `ping_after` quiet seconds) wait for the server's answer, so each that
-    returns proves the connection alive, and a gone one raises (or, if no reply comes within
-    the store's SOCKET_TIMEOUT, has its socket cut and raises)."""
+    waits for: turns other processes' releases into wake-ups. It connects to the store's
+    LISTEN_DATABASE if it has one (behind a transaction pooler), else to its DATABASE.
+    LISTEN, UNLISTEN and the ping (SELECT 1, after `ping_after` quiet seconds) wait for the
+    server's answer, so each that returns proves the connection alive, and a gone one raises
+    (or, if no reply comes within the store's SOCKET_TIMEOUT, has its socket cut and
+    raises)."""
 
     store: DatabaseLockStore
     replies_inline = True
@@ -53,12 +55,20 @@ class PostgresListener(ReleaseListener):
 
     def connect(self) -> bool:
         store = self.store
-        base = connections[store.database]
-        wrapper = type(base)(store._connection_settings(), store.database)
+        database = store.listen_database or store.database
+        base = connections[database]
+        wrapper = type(base)(store._connection_settings(database), database)
         params = {**LISTEN_TCP, **wrapper.get_connection_params()}
         raw = wrapper.get_new_connection(params)
         self.fileno = raw.fileno()
         if not hasattr(raw, "notifies"):  # psycopg2: no push wake-ups, waiters poll
+            raw.close()
+            store.push_possible = False
+            return False
+        raw.autocommit = True
+        if not store.vendor.may_listen(raw):
+            # Behind a transaction pooler a LISTEN would hear the releases of whichever
+            # session the pooler lent: waiters poll (check W012 says what to set).
             raw.close()
             store.push_possible = False
             return False

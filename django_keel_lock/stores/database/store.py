@@ -63,7 +63,7 @@ _Result = tuple[list[Row], int]
 
 class DatabaseLockStore(ListeningStore, LockStore):
     """The default store: the `Lock` table in a Django database (OPTIONS: DATABASE, DURABLE,
-    SOCKET_TIMEOUT).
+    SOCKET_TIMEOUT; on PostgreSQL also TRANSACTION_POOLER and LISTEN_DATABASE).
 
     DURABLE=False (PostgreSQL) skips the commit flush for lock writes: faster, but a database
     crash can forget locks taken in the last moments before it, so two holders may then overlap.
@@ -72,10 +72,22 @@ class DatabaseLockStore(ListeningStore, LockStore):
     (whole seconds, the drivers' unit; libpq waits at least 2), to set up a new connection, and
     for a call's statements. A call past it raises LockStoreUnavailable and its connection is
     dropped (see `connections.Deadline`). SQLite has no server to wait for: it ignores it.
+
+    TRANSACTION_POOLER (PostgreSQL): whether DATABASE is reached through a pooler that may run
+    each transaction on another server connection (PgBouncer's pool_mode = transaction, RDS
+    Proxy, Supavisor's transaction port). None (the default): the store's first connection
+    finds out (see `pooler`). Behind one the store keeps nothing on a session.
+
+    LISTEN_DATABASE (PostgreSQL): the DATABASES alias whose connection the listener LISTENs on
+    for other processes' releases, where DATABASE cannot keep a session (behind a transaction
+    pooler); the same database, reached directly or through session pooling. Default: DATABASE
+    itself, except behind a transaction pooler, where waiters then poll.
     """
 
     max_key_length = 255
-    option_names = frozenset({"DATABASE", "DURABLE", "SOCKET_TIMEOUT"})
+    option_names = frozenset(
+        {"DATABASE", "DURABLE", "SOCKET_TIMEOUT", "TRANSACTION_POOLER", "LISTEN_DATABASE"}
+    )
 
     @staticmethod
     def database_option(options: Mapping[str, Any]) -> Any:
@@ -91,7 +103,10 @@ class DatabaseLockStore(ListeningStore, LockStore):
         cls, stores: Mapping[str, Mapping[str, Any]], *, databases: Sequence[str]
     ) -> list[CheckMessage]:
         on = {alias: cls.database_option(options) for alias, options in stores.items()}
-        return checks.check_tables(on, databases, check_database)
+        return [
+            *checks.check_tables(on, databases, check_database),
+            *checks.check_poolers(stores, databases),
+        ]
 
     @property
     def table_database(self) -> str:
@@ -106,6 +121,7 @@ class DatabaseLockStore(ListeningStore, LockStore):
                 f"DATABASES (configured: {', '.join(connections.settings)})"
             )
         self.durable = bool(self.options.get("DURABLE", True))
+        self.transaction_pooler, self.listen_database = _pooler_options(alias, self.options)
         self.socket_timeout = socket_timeout_option(alias, self.options)
         self._threads: PerThread[_ThreadConnection] = PerThread(_close_connection)
         # False once the driver turned out to have no LISTEN (psycopg2), or SQLite's doorbells
@@ -138,12 +154,12 @@ class DatabaseLockStore(ListeningStore, LockStore):
         return self._line() is not None
 
     # -- connections ----------------------------------------------------------------------
-    def _connection_settings(self) -> dict[str, Any]:
-        """The database's settings for a connection of our own: never from Django's pool
-        (we would drain it and never give connections back), in autocommit whatever the
-        project's AUTOCOMMIT (each lock statement commits on its own, or nobody else would
-        see it), psycopg 3 tuned for our few statements, MariaDB in utf8mb4."""
-        base = connections[self.database]
+    def _connection_settings(self, database: str | None = None) -> dict[str, Any]:
+        """The settings of `database` (ours by default) for a connection of our own: never
+        from Django's pool (we would drain it and never give connections back), in autocommit
+        whatever the project's AUTOCOMMIT (each lock statement commits on its own, or nobody
+        else would see it), psycopg 3 tuned for our few statements, MariaDB in utf8mb4."""
+        base = connections[database or self.database]
         settings = dict(base.settings_dict, AUTOCOMMIT=True)
         options = dict(settings.get("OPTIONS") or {})
         options.pop("pool", None)
@@ -325,6 +341,8 @@ class DatabaseLockStore(ListeningStore, LockStore):
                     raise self._timed_out() from exc
                 if _missing_schema(exc):
                     raise self._not_migrated(exc) from exc
+                if attempt == 1 and self.vendor.lost_session(exc):
+                    continue  # it did not run: again, on a connection set up for that
                 if fresh or attempt == 2 or not idempotent:
                     raise LockStoreUnavailable(
                         f"lock store {self.alias!r} (database {self.database!r}) failed: {exc}"
@@ -739,6 +757,24 @@ def _close_raw(wrapper: Any, deadline: Deadline) -> None:
 _UNDEFINED = frozenset({"42P01", "42883"})
 #: MariaDB's "table doesn't exist" (ER_NO_SUCH_TABLE; a sequence is a table there).
 _NO_SUCH_TABLE = 1146
+
+
+def _pooler_options(alias: str, options: Mapping[str, Any]) -> tuple[bool | None, str | None]:
+    """OPTIONS TRANSACTION_POOLER (None, True or False) and LISTEN_DATABASE (None or a
+    DATABASES alias), checked."""
+    pooled = options.get("TRANSACTION_POOLER")
+    if pooled is not None and not isinstance(pooled, bool):
+        raise ImproperlyConfigured(
+            f"KEEL_LOCK_STORES[{alias!r}] OPTIONS TRANSACTION_POOLER must be True, False or "
+            f"None (find out), got {pooled!r}"
+        )
+    listen = options.get("LISTEN_DATABASE")
+    if listen is not None and listen not in connections.settings:
+        raise ImproperlyConfigured(
+            f"KEEL_LOCK_STORES[{alias!r}] OPTIONS LISTEN_DATABASE {listen!r} is not in "
+            f"DATABASES (configured: {', '.join(connections.settings)})"
+        )
+    return pooled, listen
 
 
 def _missing_schema(exc: Exception) -> bool:

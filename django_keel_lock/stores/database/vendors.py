@@ -25,7 +25,7 @@ from django.db import connections
 from ...exceptions import LockStoreUnavailable
 from ..base import AcquireResult, Kind, Mode
 from ..wakeups import ReleaseListener
-from . import checks
+from . import checks, pooler
 from .dialects.base import Dialect, PermitTransaction, ServerDialect, in_transaction
 from .dialects.mysql import MySQLDialect
 from .dialects.postgresql import PostgresDialect, is_psycopg3
@@ -49,7 +49,8 @@ class Vendor:
     vendor shares: permits decided in Python inside one transaction (`database.permits`),
     releases that reach no other process by themselves, and no line of waiters."""
 
-    dialect: ClassVar[Dialect]
+    dialect_class: ClassVar[type[Dialect]]
+    dialect: Dialect
     listener: ClassVar[type[ReleaseListener]]
     #: Whether a release reaches the listeners of other processes' waiters, so that they need
     #: not poll while theirs is ready (PostgreSQL, MariaDB). SQLite's doorbells may miss one.
@@ -57,19 +58,36 @@ class Vendor:
 
     def __init__(self, store: DatabaseLockStore) -> None:
         self.store = store
+        self.dialect = self.new_dialect()
+
+    def new_dialect(self) -> Dialect:
+        """The SQL this store speaks (its OPTIONS may choose a variant)."""
+        return self.dialect_class()
 
     # -- connections ----------------------------------------------------------------------
     def set_up(self, connection: Any, durable: bool) -> None:
         """Set up a new driver `connection` of the store: the dialect's session statements."""
-        statements = self.dialect.session_sql(durable)
+        statements = self.session_statements(connection, durable)
         if statements:
             with connection.cursor() as cursor:
                 for sql in statements:
                     cursor.execute(sql)
 
+    def session_statements(self, connection: Any, durable: bool) -> Sequence[str]:
+        return self.dialect.session_sql(durable)
+
     def fast_path(self, wrapper: Any) -> PreparedStatements | None:
         """The libpq path of the store's connection `wrapper` (see `libpq`), if it has one."""
         return None
+
+    def lost_session(self, exc: Exception) -> bool:
+        """Whether the driver error `exc` says the connection's session was not there for the
+        statement, which therefore did not run (retried on a new connection)."""
+        return False
+
+    def may_listen(self, raw: Any) -> bool:
+        """Whether the listener may listen on its driver connection `raw` (see `listener`)."""
+        return True
 
     def callers_transaction(self, database: str) -> Any:
         """The calling thread's own driver connection to `database` when lock statements must
@@ -168,7 +186,7 @@ class ServerVendor(Vendor):
     """A database server (PostgreSQL, MariaDB): fences from a sequence, so the clean-up draws
     marks; exclusive waiters stand in a line (`database.line`)."""
 
-    dialect: ClassVar[ServerDialect]
+    dialect: ServerDialect
     pushes_releases = True
 
     def __init__(self, store: DatabaseLockStore) -> None:
@@ -207,18 +225,95 @@ class ServerVendor(Vendor):
 
 class Postgres(ServerVendor):
     """PostgreSQL: releases NOTIFY; permits are functions of migration 0003, one statement
-    each; acquire, release and extend run through libpq itself with psycopg 3."""
+    each; acquire, release and extend run through libpq itself with psycopg 3.
 
-    dialect: ClassVar[PostgresDialect] = PostgresDialect()
+    Behind a transaction pooler (`pooled`: OPTIONS TRANSACTION_POOLER, else found out on the
+    store's first connection, see `pooler`) a connection's session is not its own: each
+    transaction may run on another server connection, and what a session keeps would be left
+    for the pooler's next client. So there the store keeps nothing on a session: no prepared
+    statements (libpq sends unnamed ones, psycopg prepares none), no SET (DURABLE: False is
+    each write's own, see `PostgresDialect`), and no LISTEN but on OPTIONS LISTEN_DATABASE
+    (else waiters poll: check W012). A prepared statement found missing (or there already)
+    is a pooler found late: the store then behaves as behind one, and the statement, which
+    did not run, runs again.
+    """
+
+    dialect_class = PostgresDialect
+    dialect: PostgresDialect
     listener = PostgresListener
 
+    def __init__(self, store: DatabaseLockStore) -> None:
+        super().__init__(store)
+        self.pooled: bool | None = store.transaction_pooler
+
+    def new_dialect(self) -> PostgresDialect:
+        return PostgresDialect(durable=self.store.durable)
+
+    def session_statements(self, connection: Any, durable: bool) -> Sequence[str]:
+        if self.pooled is None:
+            self._found(pooler.seen(connection))
+        if not self.pooled:
+            return super().session_statements(connection, durable)
+        if hasattr(connection, "prepare_threshold"):  # psycopg 3
+            connection.prepare_threshold = None
+        return ()
+
+    def _found(self, seen: pooler.Seen) -> None:
+        """The store's first connection (or its listener's) says whether a pooler is in
+        front; a warning says what that turns off."""
+        if self.pooled is not None:
+            return
+        self.pooled = seen.pooled
+        if seen.pooled:
+            store = self.store
+            logger.warning(
+                "lock store %r: database %r is reached through a pooler or proxy (the server "
+                "sees the connection from %s, not %s): no prepared statements, no session "
+                "settings%s. If it pools by session or is no pooler, set OPTIONS "
+                "TRANSACTION_POOLER: False.",
+                store.alias,
+                store.database,
+                seen.server,
+                seen.ours,
+                ""
+                if store.listen_database
+                else (
+                    ", no LISTEN (waiters poll; set OPTIONS LISTEN_DATABASE to a database "
+                    "alias that reaches PostgreSQL directly)"
+                ),
+            )
+
     def fast_path(self, wrapper: Any) -> PreparedStatements | None:
-        # Prepared once per connection: not where the project turned prepared statements off
-        # (`"prepare_threshold": None`, as pgbouncer in transaction mode needs).
+        # Not where the project turned psycopg's prepared statements off
+        # (`"prepare_threshold": None`); behind a transaction pooler, unnamed statements.
         options = wrapper.settings_dict.get("OPTIONS") or {}
         if not is_psycopg3(wrapper) or options.get("prepare_threshold") is None:
             return None
-        return PreparedStatements(wrapper.connection.pgconn)
+        return PreparedStatements(wrapper.connection.pgconn, named=not self.pooled)
+
+    def lost_session(self, exc: Exception) -> bool:
+        # 26000: no prepared statement of that name; 42P05: one is there already (another
+        # client's, on the server connection the pooler gave us).
+        if getattr(exc, "sqlstate", None) not in ("26000", "42P05"):
+            return False
+        if not self.pooled:
+            self.pooled = True
+            logger.warning(
+                "lock store %r: database %r lost a prepared statement (%s): a transaction "
+                "pooler is in front; the store keeps nothing on sessions from now on. Set "
+                "OPTIONS TRANSACTION_POOLER: True to say so from the start.",
+                self.store.alias,
+                self.store.database,
+                exc,
+            )
+        return True
+
+    def may_listen(self, raw: Any) -> bool:
+        if self.store.listen_database:
+            return True  # a database alias named for this: trusted to keep a session
+        if self.pooled is None:
+            self._found(pooler.seen(raw))
+        return not self.pooled
 
     def release(self, key: str, owner: str, line: bool) -> bool:
         # The statement NOTIFYs the key's waiters itself, or the first of its line.
@@ -258,8 +353,9 @@ class MariaDB(PermitsInPython, ServerVendor):
     """MariaDB: a release that someone waited for rings the key's doorbell, interrupting the
     naps of the waiters' listeners with KILL QUERY (see `MySQLDialect`)."""
 
-    dialect: ClassVar[MySQLDialect] = MySQLDialect()
-    permits = dialect.transaction
+    dialect_class = MySQLDialect
+    dialect: MySQLDialect
+    permits = MySQLDialect.transaction
     listener = MariaDBListener
 
     def __init__(self, store: DatabaseLockStore) -> None:
@@ -403,8 +499,9 @@ class SQLite(PermitsInPython):
     """SQLite: one writer at a time, no line of waiters; a release rings the doorbells of
     this machine's other waiting processes, who still poll (a ring may be missed)."""
 
-    dialect: ClassVar[SQLiteDialect] = SQLiteDialect()
-    permits = dialect.transaction
+    dialect_class = SQLiteDialect
+    dialect: SQLiteDialect
+    permits = SQLiteDialect.transaction
     listener = DoorbellListener
 
     def __init__(self, store: DatabaseLockStore) -> None:
@@ -437,7 +534,7 @@ class SQLite(PermitsInPython):
 
 #: The vendors the store supports, by Django's `vendor` of the database: exactly these.
 VENDORS: dict[str, type[Vendor]] = {
-    vendor.dialect.vendor: vendor for vendor in (Postgres, MariaDB, SQLite)
+    vendor.dialect_class.vendor: vendor for vendor in (Postgres, MariaDB, SQLite)
 }
 
 

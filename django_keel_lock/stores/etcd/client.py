@@ -202,11 +202,14 @@ class EtcdClient:
         self._preferred = 0  # the endpoint that answered last
         self._threads: PerThread[dict[int, _Connection]] = PerThread(_close_all)
 
-    def call(self, path: str, body: Mapping[str, Any], *, once: bool = False) -> Any:
+    def call(
+        self, path: str, body: Mapping[str, Any], *, once: bool = False, within: float = 0
+    ) -> Any:
         """POST `body` to `path` (e.g. "/v3/kv/txn") and return the answer; EtcdUnavailable
-        when no endpoint answered in time. With `once`, a request that was sent is never sent
-        again (to another endpoint), as it may have been applied."""
-        until = time.monotonic() + self.timeout
+        when no endpoint answered in time (`within` seconds if given, else the client's
+        timeout). With `once`, a request that was sent is never sent again (to another
+        endpoint), as it may have been applied."""
+        until = time.monotonic() + (within or self.timeout)
         payload = json.dumps(body).encode()
         count = len(self.endpoints)
         start = self._preferred

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import ssl
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import UTC, datetime
@@ -46,6 +47,8 @@ from .listener import EtcdListener
 
 DEFAULT_PREFIX = "keel-lock/"
 PAGE_SIZE = 100
+#: The most lease revocations queued at once; beyond them leases run out by themselves.
+MAX_REVOKING = 16
 
 
 def lease_seconds(ttl: float) -> int:
@@ -139,6 +142,8 @@ class EtcdLockStore(ListeningStore, LockStore):
             prefix += "/"
         self.prefix = prefix
         self.socket_timeout = socket_timeout_option(alias, self.options)
+        self._revoking = 0  # revocations queued or running (`revoke_later`)
+        self._revoking_mutex = threading.Lock()
         self.client = EtcdClient(
             endpoints, self.socket_timeout, self._tls(endpoints), self._credentials()
         )
@@ -183,14 +188,25 @@ class EtcdLockStore(ListeningStore, LockStore):
 
     def revoke_later(self, lease: str) -> None:
         """Revoke a lease no key uses any more, on a worker thread: nothing waits for it, and
-        if it fails the lease runs out by itself."""
+        if it fails, or too many wait already (a slow etcd), the lease runs out by itself.
+        Each waits at most 1 s: the worker threads finish what is queued before the
+        interpreter exits."""
+        with self._revoking_mutex:
+            if self._revoking >= MAX_REVOKING:
+                return
+            self._revoking += 1
         self.submit(self._revoke, lease)
 
     def _revoke(self, lease: str) -> None:
         try:
-            self.client.call("/v3/lease/revoke", {"ID": lease})
+            self.client.call(
+                "/v3/lease/revoke", {"ID": lease}, within=min(1.0, self.socket_timeout)
+            )
         except EtcdUnavailable:
             pass  # it runs out on its own
+        finally:
+            with self._revoking_mutex:
+                self._revoking -= 1
 
     def _time_to_live(self, lease: str) -> int:
         """Whole seconds left on `lease` (rounded down); -1 when it is gone."""

@@ -28,6 +28,13 @@ _FIRST_CHANNEL = (
 _REMAINING_TEMPLATE = "EXTRACT(EPOCH FROM ({column} - clock_timestamp()))::float8"
 
 
+#: Appended to a write's RETURNING list (`{flush}`): its transaction, the statement's own,
+#: commits without waiting for the WAL flush (`synchronous_commit` is read at the commit; set
+#: local, it ends with the transaction, so nothing stays on the connection: a pooler's next
+#: client of the server connection is not affected).
+NO_FLUSH = ", set_config('synchronous_commit', 'off', true)"
+
+
 def _acquire(free: str) -> str:
     """The acquire upsert that takes the row where `free` holds (see `acquire_sql`)."""
     return f"""
@@ -43,7 +50,7 @@ def _acquire(free: str) -> str:
             waiting = CASE WHEN {free} THEN l.waiting AND l.owner = EXCLUDED.owner ELSE true END
         RETURNING CASE WHEN owner = %s THEN fence END,
                   CASE WHEN owner <> %s THEN {_REMAINING_TEMPLATE.format(column="expires_at")} END,
-                  CASE WHEN left(owner, 1) = '*' THEN owner END
+                  CASE WHEN left(owner, 1) = '*' THEN owner END{{flush}}
         """
 
 
@@ -63,7 +70,7 @@ class PostgresDialect(ServerDialect):
     # No CTE, no second statement: the plan is as cheap as a plain UPDATE's. A refusal also
     # says whether permits hold the key (their marker owner, see PERMIT_OWNERS).
     _free = "(l.expires_at <= EXCLUDED.acquired_at OR l.owner = EXCLUDED.owner)"
-    acquire_sql = (_acquire(_free),)
+    _acquire_template = _acquire(_free)
     # A waiter in the line (`LockStore.acquire_queued`): its first attempt is this upsert, which
     # takes a free row only while nobody waits for it; any other refusal goes on to the line's
     # transaction (`database.line`).
@@ -71,7 +78,7 @@ class PostgresDialect(ServerDialect):
         "(l.owner = EXCLUDED.owner OR (l.expires_at <= EXCLUDED.acquired_at "
         "AND l.waiting IS NOT TRUE))"
     )
-    acquire_queued_sql = (_acquire(_free_queued),)
+    _acquire_queued_template = _acquire(_free_queued)
     # Release marks the row expired (and ownerless: see RELEASED) rather than deleting it, so
     # the next acquirer goes through the UPDATE branch and draws its fence after it holds the
     # row lock. The channel is md5 of the key's UTF-8 bytes, as `notify_channel` computes it
@@ -85,10 +92,10 @@ class PostgresDialect(ServerDialect):
     _release = f"""
         UPDATE {TABLE} AS l SET owner = {RELEASED}, expires_at = clock_timestamp()
         WHERE key = %s AND owner = %s AND expires_at > clock_timestamp()
-        RETURNING CASE WHEN waiting IS TRUE THEN pg_notify({{channel}}, l.key) END
+        RETURNING CASE WHEN waiting IS TRUE THEN pg_notify({{channel}}, l.key) END{{flush}}
     """
-    release_sql = _release.format(channel=_KEY_CHANNEL)
-    release_line_sql = _release.format(channel=_FIRST_CHANNEL)
+    _release_template = _release.format(channel=_KEY_CHANNEL, flush="{flush}")
+    _release_line_template = _release.format(channel=_FIRST_CHANNEL, flush="{flush}")
     # A waiter in the line that is first in it takes the free lock in one statement, as the
     # release that woke it expects (the line's transaction is for joining and keeping a
     # place): the UPDATE draws its fence once it holds the row; its place goes with the
@@ -97,7 +104,7 @@ class PostgresDialect(ServerDialect):
     # waited for the row is not in it, so the flag stays raised whoever is left (lowered by
     # the next take through the line's transaction, which reads the line after the row's
     # lock): lowered here, that waiter's turn would be lost to plain takes.
-    take_first_sql = f"""
+    _take_first_template = f"""
         WITH took AS (
             UPDATE {TABLE} AS l SET owner = %(owner)s, holder = %(holder)s,
                 fence = nextval('{SEQUENCE}'), acquired_at = clock_timestamp(),
@@ -111,7 +118,7 @@ class PostgresDialect(ServerDialect):
             DELETE FROM {WAITER_TABLE} w WHERE w.key = %(key)s AND w.owner = %(owner)s
               AND EXISTS (SELECT FROM took)
         )
-        SELECT fence FROM took
+        SELECT fence{{flush}} FROM took
     """
     # Taking one's place out of the line wakes the next if the lock is free (`leave_queue`).
     wake_first_sql = (
@@ -120,10 +127,11 @@ class PostgresDialect(ServerDialect):
         f"AND EXISTS (SELECT FROM {WAITER_TABLE} w WHERE w.key = %s "
         "AND w.expires_at > clock_timestamp())"
     )
-    extend_sql = f"""
+    _extend_template = f"""
         UPDATE {TABLE}
         SET expires_at = GREATEST(expires_at, clock_timestamp() + make_interval(secs => %s))
         WHERE key = %s AND owner = %s AND expires_at > clock_timestamp()
+        RETURNING 1{{flush}}
     """
     get_sql = (
         f"SELECT {INFO.format(remaining=_remaining)} FROM {TABLE} "
@@ -171,12 +179,12 @@ class PostgresDialect(ServerDialect):
 
     # Permits: each operation is one call of a function migration 0003 creates (one round
     # trip; its rules are `stores.permits.plan_acquire`'s), which NOTIFYs as a release does.
-    acquire_permit_sql = (
-        "SELECT granted, retry_in, held_as "
+    _acquire_permit_template = (
+        "SELECT granted, retry_in, held_as{flush} "
         "FROM django_keel_lock_acquire_permit(%s, %s, %s, %s, %s, %s, %s)"
     )
-    release_permit_sql = "SELECT django_keel_lock_release_permit(%s, %s)"
-    extend_permit_sql = "SELECT django_keel_lock_extend_permit(%s, %s, %s)"
+    _release_permit_template = "SELECT django_keel_lock_release_permit(%s, %s){flush}"
+    _extend_permit_template = "SELECT django_keel_lock_extend_permit(%s, %s, %s){flush}"
     # Prune tests the expiry on the row it deletes too: a grant may have filled the slot
     # since the subquery read it, and a row it waits for is rechecked only against the
     # conditions on the table it deletes from.
@@ -202,6 +210,20 @@ class PostgresDialect(ServerDialect):
         "WHERE expires_at <= clock_timestamp() LIMIT %s) AND expires_at <= clock_timestamp()",
     )
 
+    def __init__(self, *, durable: bool = True) -> None:
+        # Not `durable` (DURABLE: False): every write of the hot path commits without waiting
+        # for the flush, each by itself (NO_FLUSH), so nothing is set on the connection.
+        hot = "" if durable else NO_FLUSH
+        self.acquire_sql = (self._acquire_template.format(flush=hot),)
+        self.acquire_queued_sql = (self._acquire_queued_template.format(flush=hot),)
+        self.release_sql = self._release_template.format(flush=hot)
+        self.release_line_sql = self._release_line_template.format(flush=hot)
+        self.take_first_sql = self._take_first_template.format(flush=hot)
+        self.extend_sql = self._extend_template.format(flush=hot)
+        self.acquire_permit_sql = self._acquire_permit_template.format(flush=hot)
+        self.release_permit_sql = self._release_permit_template.format(flush=hot)
+        self.extend_permit_sql = self._extend_permit_template.format(flush=hot)
+
     def sweep_names(self, delete: str, names: Sequence[Any]) -> tuple[str, Sequence[Any]]:
         # One array parameter: one statement text whatever the count, prepared once.
         return delete.format(names="= ANY(%s)"), (list(names),)
@@ -222,9 +244,9 @@ class PostgresDialect(ServerDialect):
     def session_sql(self, durable: bool) -> Sequence[str]:
         # Our statements rely on READ COMMITTED (an upsert locks and rereads the row's latest
         # version). Autocommit statements run at the session default, which a server or role
-        # may set to SERIALIZABLE: contention would then fail.
-        isolation = "SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL READ COMMITTED"
-        return (isolation,) if durable else (isolation, "SET synchronous_commit TO OFF")
+        # may set to SERIALIZABLE: contention would then fail. (Not behind a transaction
+        # pooler, where a session is not ours: see `vendors.Postgres`.)
+        return ("SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL READ COMMITTED",)
 
 
 def is_psycopg3(wrapper: Any) -> bool:
