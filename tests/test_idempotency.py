@@ -21,7 +21,7 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import connections
 from django.http import HttpResponse
-from django.test import AsyncClient, Client, override_settings
+from django.test import AsyncClient, Client, RequestFactory, override_settings
 from django.test.client import encode_multipart
 
 from django_keel_lock import (
@@ -749,3 +749,16 @@ def test_the_same_bytes_under_another_content_type_get_422(idem_key: str) -> Non
     assert other.status_code == 422 and views.CALLS[idem_key] == 1
     charset = client.post("/memory/pay-global/", "{}", f"{form}; charset=utf-8", headers=headers)
     assert charset.status_code == 422  # a charset changes what request.POST decodes
+
+
+def test_a_scope_and_a_key_that_join_alike_never_share_a_result(idem_key: str) -> None:
+    view = idempotent(store="memory", scope=lambda request: request.headers["X-Tenant"])(views.pay)
+
+    def send(tenant: str, key: str) -> Any:
+        headers = {"Idempotency-Key": key, "X-Tenant": tenant}
+        return view(RequestFactory().post("/pay/", "{}", "application/json", headers=headers))
+
+    first = send("acme:1", idem_key)
+    other = send("acme", f"1:{idem_key}")  # joined with ":", both read acme:1:<key>
+    assert other.status_code == 201 and other.get("Idempotent-Replayed") is None
+    assert other.content != first.content and views.CALLS[f"1:{idem_key}"] == 1

@@ -159,10 +159,10 @@ class Idempotency:
         if self.scope == "global":
             return "global"
         if callable(self.scope):
-            return f"scope:{http.check_client_key(self.scope(request), 'the scope')}"
+            return f"scope:{_part(http.check_client_key(self.scope(request), 'the scope'))}"
         user = getattr(request, "user", None)
         if user is not None and user.is_authenticated:
-            return f"user:{user.pk}"
+            return f"user:{_part(str(user.pk))}"
         session = getattr(request, "session", None)
         if session is not None and session.session_key:
             # The session key is a credential: keys and listings carry a digest of it.
@@ -271,6 +271,12 @@ class Attempt:
             logger.warning("idempotent %r: response not kept: %s", handle.key, exc)
         finally:
             handle.release()
+
+
+def _part(value: str) -> str:
+    """`value` as one part of a key: without ":", so that the client's key after it (which
+    may have some) cannot shift where the scope ends ("acme:1" + "x" is not "acme" + "1:x")."""
+    return value.replace("%", "%25").replace(":", "%3A")
 
 
 def _methods(methods: Collection[str]) -> frozenset[str]:
