@@ -20,7 +20,7 @@ from django.core.files.base import ContentFile
 from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import connections
-from django.http import HttpResponse
+from django.http import HttpRequest, HttpResponse
 from django.test import AsyncClient, Client, RequestFactory, override_settings
 from django.test.client import encode_multipart
 
@@ -49,7 +49,7 @@ from tests.conftest import (
     store_params,
 )
 from tests.support import idempotent_views as views
-from tests.support.redis_servers import REDIS_SERVER, redis_cluster
+from tests.support.redis_servers import REDIS_SERVER, redis_cluster, redis_server
 from tests.support.third_party_store import DictLockStore
 
 pytestmark = pytest.mark.usefixtures("_urls")
@@ -762,3 +762,41 @@ def test_a_scope_and_a_key_that_join_alike_never_share_a_result(idem_key: str) -
     other = send("acme", f"1:{idem_key}")  # joined with ":", both read acme:1:<key>
     assert other.status_code == 201 and other.get("Idempotent-Replayed") is None
     assert other.content != first.content and views.CALLS[f"1:{idem_key}"] == 1
+
+
+def factory_post(key: str) -> HttpRequest:
+    return RequestFactory().post(
+        "/pay/", "{}", "application/json", headers={"Idempotency-Key": key}
+    )
+
+
+@needs(os.path.exists(REDIS_SERVER), "the redis-server binary")
+def test_a_store_outage_before_the_view_answers_503_and_runs_nothing(idem_key: str) -> None:
+    with redis_server() as server:
+        store = RedisLockStore(f"down-{uuid.uuid4().hex[:8]}", {"URL": server.url})
+        with serving(store) as alias:
+            view = idempotent(store=alias, scope="global")(views.pay)
+            server.kill()
+            response = view(factory_post(idem_key))
+    assert response.status_code == 503 and response["Retry-After"] == "1"
+    assert b"store" in response.content and views.CALLS[idem_key] == 0
+
+
+@needs(os.path.exists(REDIS_SERVER), "the redis-server binary")
+def test_a_store_outage_after_the_view_ran_returns_its_answer_and_says_it_is_not_kept(
+    idem_key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with redis_server() as server:
+        store = RedisLockStore(f"down-{uuid.uuid4().hex[:8]}", {"URL": server.url})
+
+        def pay_then_outage(request: HttpRequest) -> HttpResponse:
+            response = views.pay(request)
+            server.kill()  # the store goes away between the view and the keeping
+            return response
+
+        with serving(store) as alias:
+            view = idempotent(store=alias, scope="global")(pay_then_outage)
+            with caplog.at_level(logging.WARNING, "django_keel_lock"):
+                response = view(factory_post(idem_key))
+    assert response.status_code == 201 and views.CALLS[idem_key] == 1
+    assert "not kept" in caplog.text

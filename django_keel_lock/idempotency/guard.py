@@ -134,7 +134,16 @@ class Idempotency:
             handle = self.lock.lock(full, label=request_label(request))
         except (http.BadKey, InvalidKey) as exc:
             return http.problem(request, 400, f"Bad idempotency key: {exc}.")
-        return self._enter(request, handle, http.fingerprint(request))
+        try:
+            return self._enter(request, handle, http.fingerprint(request))
+        except LockStoreUnavailable as exc:
+            # Nothing ran and nothing can be told about the key: the client retries it later.
+            logger.warning("idempotent %r: %s", handle.key, exc)
+            response = http.problem(
+                request, 503, "The idempotency key's store cannot be reached; retry."
+            )
+            response["Retry-After"] = "1"
+            return response
 
     def _client_key(
         self, request: HttpRequest, args: tuple[Any, ...], kwargs: Mapping[str, Any]
@@ -221,15 +230,27 @@ class Attempt:
         try:
             kept = self._keepable(response)
         except BaseException:
-            self.handle.release()
+            self._release()
             raise
         if kept is None or not after_commit(lambda: self._keep(kept)):
-            self.handle.release()
+            self._release()
         return response
 
     def abandon(self) -> None:
         """The view raised: nothing is kept and the key is free for a retry at once."""
-        self.handle.release()
+        self._release()
+
+    def _release(self) -> None:
+        # The view has run: a store gone now must not turn its answer (or its exception)
+        # into another one. The lock then frees itself at the end of its ttl.
+        try:
+            self.handle.release()
+        except LockStoreUnavailable as exc:
+            logger.warning(
+                "idempotent %r: the key's lock is not released (free within its ttl): %s",
+                self.handle.key,
+                exc,
+            )
 
     def _keepable(self, response: HttpResponseBase) -> StoredResult | None:
         key = self.handle.key
@@ -270,7 +291,7 @@ class Attempt:
         except LockStoreUnavailable as exc:
             logger.warning("idempotent %r: response not kept: %s", handle.key, exc)
         finally:
-            handle.release()
+            self._release()
 
 
 def _part(value: str) -> str:
