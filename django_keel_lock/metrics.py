@@ -18,6 +18,8 @@ owner or holder: a label's values must stay few.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +39,17 @@ from .instruments.base import (
 if TYPE_CHECKING:
     from .core import Lock
 
-__all__ = ["ACQUIRE_OUTCOMES", "ENDS", "LOST_REASONS", "RENEWAL_OUTCOMES", "Recorder", "load"]
+__all__ = [
+    "ACQUIRE_OUTCOMES",
+    "ENDS",
+    "LOST_REASONS",
+    "RENEWAL_OUTCOMES",
+    "Meter",
+    "Recorder",
+    "begin",
+    "load",
+    "store_error",
+]
 
 logger = logging.getLogger("django_keel_lock")
 
@@ -98,6 +110,71 @@ class _All(Recorder):
 
 #: The recorder the core reports to; None while metrics are off.
 recorder: Recorder | None = None
+
+
+class Meter:
+    """One handle's events, told to the recorder that was on when its acquire began: the
+    acquire was taken, refused or failed; a watchdog renewal; the hold ended (released, lost
+    or expired: once, though a release and the watchdog may race); a store error.
+
+    `kept` is what the recorder keeps on the handle (`Recorder`), handed back, never read
+    here; `since` is when the acquisition being measured was sent (None: none is)."""
+
+    __slots__ = ("kept", "recorder", "since", "started")
+
+    def __init__(self, recorder: Recorder, kept: Any) -> None:
+        self.recorder, self.kept = recorder, kept
+        self.started: Any = None
+        self.since: float | None = None
+
+    def acquired(self, handle: Lock, attempts: int, sent: float) -> None:
+        self.since = sent
+        self.kept = self.recorder.acquired(handle, self.started, attempts, self.kept)
+
+    def refused(self, handle: Lock, waited: bool, attempts: int, raises: bool) -> None:
+        outcome = "timeout" if waited else "contended"
+        kept = self.recorder.refused(handle, self.started, outcome, attempts, raises, self.kept)
+        self.kept = kept
+
+    def failed(self, handle: Lock, error: BaseException, attempts: int) -> None:
+        self.kept = self.recorder.failed(handle, self.started, error, attempts, self.kept)
+
+    def renewed(self, handle: Lock, outcome: str) -> None:
+        if self.since is not None:
+            self.recorder.renewal(handle, self.kept, outcome)
+
+    def ended(
+        self, handle: Lock, end: str, reason: str | None, mutex: threading.Lock | None
+    ) -> None:
+        """The hold ended as `end`: told once (`mutex`: the handle's, when another thread may
+        end it too)."""
+        if mutex is None:
+            since, self.since = self.since, None
+        else:
+            with mutex:
+                since, self.since = self.since, None
+        if since is not None:
+            self.recorder.ended(handle, self.kept, end, time.monotonic() - since, reason)
+
+
+def begin(handle: Lock, meter: Meter | None, timeout: float) -> Meter:
+    """The meter of an acquire of `handle` beginning now, waiting up to `timeout`, while
+    metrics are on: the handle's last `meter` while the same recorder is on. A recorder
+    without traces is handed the time the acquire began."""
+    current = recorder
+    assert current is not None
+    if meter is None or meter.recorder is not current:
+        meter = Meter(current, None if meter is None else meter.kept)
+    meter.started = current.start(handle, timeout) if current.traces else time.monotonic()
+    return meter
+
+
+def store_error(meter: Meter | None, handle: Lock, operation: str) -> None:
+    """`operation` failed with LockStoreUnavailable: told to the recorder measuring the
+    handle's acquisition, else to the one on now."""
+    told = meter.recorder if meter is not None and meter.since is not None else recorder
+    if told is not None:
+        told.store_error(handle, operation)
 
 
 def _build(name: str) -> Recorder:

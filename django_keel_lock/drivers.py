@@ -1,0 +1,314 @@
+"""Run the engine's steps (`engine`): `run` with the store's sync calls and a `Waiter`, `arun`
+with its async calls, `waiting.to_the_end` and an `asyncio.Event`.
+
+The async driver is where cancellation safety lives: every store call it starts runs to its
+end; a cancellation that arrives meanwhile is thrown into the engine as `Interrupted`, with
+what the call returned, so that the engine gives back what it took, and then raised. A quiet
+call (giving back, leaving the line) is never interrupted: a cancellation during one is
+raised once the engine is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, NamedTuple, TypeVar
+
+from . import engine
+from .engine import Call, Interrupted, Pause, Steps, TakeTurn, Target
+from .exceptions import LockNotHeldError, LockStoreUnavailable
+from .stores.base import LockStore
+from .waiting import Turn, to_the_end
+
+__all__ = ["aacquire", "acquire", "arun", "asettle", "give_back_later", "run"]
+
+logger = logging.getLogger("django_keel_lock")
+
+T = TypeVar("T")
+
+
+class Failed(NamedTuple):
+    """A step's reply when it raised: the driver throws `error` into the engine."""
+
+    error: BaseException
+
+
+def resume(steps: Steps, reply: Any) -> tuple[bool, Any]:
+    """Hand `reply` to `steps` (thrown in when it is `Failed`): (False, its next step), or
+    (True, the value it returned)."""
+    try:
+        if type(reply) is Failed:
+            return False, steps.throw(reply.error)
+        return False, steps.send(reply)
+    except StopIteration as done:
+        return True, done.value
+
+
+# -- sync ---------------------------------------------------------------------------------
+def call(store: LockStore, step: Call) -> Any:
+    """Make the store call `step` asks for (a quiet one returns its error)."""
+    if not step.quiet:
+        return getattr(store, step.op)(*step.args)
+    try:
+        return getattr(store, step.op)(*step.args)
+    except Exception as error:
+        return error
+
+
+class _Sync:
+    """What `run` holds while the engine runs: the turn and the watch (`held`), the waiter."""
+
+    def __init__(self, store: LockStore, key: str, held: contextlib.ExitStack) -> None:
+        self.store, self.key, self.held = store, key, held
+        self.waiter: Any = None
+
+    def step(self, step: Any) -> Any:
+        """Run `step`: its reply, or `Failed` with its error."""
+        try:
+            if type(step) is Call:
+                return call(self.store, step)
+            if type(step) is Pause:
+                self.waiter.wait(step.seconds)
+            elif type(step) is TakeTurn:
+                return self.held.enter_context(Turn.wait_for(self.store, self.key, step.deadline))
+            else:
+                self.waiter = self.held.enter_context(self.store.watch(self.key))
+        except BaseException as error:
+            return Failed(error)
+        return None
+
+
+def run(steps: Steps, store: LockStore, key: str) -> Any:
+    """Run `steps` on `store` with its sync calls; the turn and the watch they take last
+    until they end. Their value."""
+    with contextlib.ExitStack() as held:
+        driver = _Sync(store, key, held)
+        done, step = resume(steps, None)
+        while not done:
+            done, step = resume(steps, driver.step(step))
+        return step
+
+
+def acquire(
+    target: Target, store: LockStore, owner: str, wait: float, retry_delay: float
+) -> engine.Outcome:
+    """Acquire for `owner` in the target's `store`, waiting up to `wait` seconds
+    (`engine.acquisition`): the last attempt's result, or the error that ended the acquire
+    (for the caller to record and raise), when it was sent and the attempts made."""
+    if wait <= 0:  # one attempt, the hot path: `engine.acquisition` without a generator
+        try:
+            op, args = engine.first_request(target, owner)
+            sent = time.monotonic()
+            result = getattr(store, op)(*args)
+            if result.held_as is not None:
+                result = engine.check(target, result)
+            # `engine.late`'s test first: a call less on the hot path.
+            if (
+                result.fence is not None
+                and time.monotonic() >= sent + target.ttl
+                and engine.late(target, result, sent)
+            ):
+                run(engine.giving_back(target, owner), store, target.key)
+                result = engine.REFUSED
+        except BaseException as error:
+            return error, 0.0, 1
+        return result, sent, 1
+    tally = [1]
+    try:
+        steps = engine.acquisition(target, owner, wait, retry_delay, tally)
+        result, sent = run(steps, store, target.key)
+    except BaseException as error:
+        return error, 0.0, tally[0]
+    return result, sent, tally[0]
+
+
+def give_back_later(store: LockStore, step: Call) -> None:
+    """Make the quiet call `step` (a give-back) on the store's worker threads, logging what
+    came of it: a lock given up for lost whose last extend had no answer (the store may have
+    made it). A release of an owner that no longer holds is refused: harmless."""
+    key = step.args[0]
+
+    def done(future: Future[Any]) -> None:
+        error = None if future.cancelled() else future.exception()
+        if error is not None:
+            logger.info("lock %r: could not give back a lost acquisition (%s)", key, error)
+        elif future.result():
+            logger.info("lock %r: released the acquisition given up for lost", key)
+
+    try:
+        store.submit(getattr(store, step.op), *step.args).add_done_callback(done)
+    except RuntimeError as error:  # the interpreter is shutting down: it expires
+        logger.info("lock %r: could not give back a lost acquisition (%s)", key, error)
+
+
+# -- async --------------------------------------------------------------------------------
+class _Async:
+    """What `arun` holds while the engine runs: the turn and the watch (`held`), the event a
+    release sets, a cancellation to raise once the engine is done."""
+
+    def __init__(self, store: LockStore, key: str, held: contextlib.AsyncExitStack) -> None:
+        self.store, self.key, self.held = store, key, held
+        self.woken: asyncio.Event | None = None
+        self.pending: BaseException | None = None
+
+    async def step(self, step: Any) -> Any:
+        """Run `step`: its reply, or `Failed` with its error (`Interrupted` when the task
+        was cancelled while a call ran)."""
+        try:
+            if type(step) is Call:
+                return await self.call(step)
+            if type(step) is Pause:
+                assert self.woken is not None
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(step.seconds):
+                        await self.woken.wait()
+            elif type(step) is TakeTurn:
+                turn = Turn.await_for(self.store, self.key, step.deadline)
+                return await self.held.enter_async_context(turn)
+            else:
+                self.watch()
+        except BaseException as error:
+            return Failed(error)
+        return None
+
+    async def call(self, step: Call) -> Any:
+        if self.woken is not None and not step.quiet:
+            self.woken.clear()  # before the attempt: a release right after it counts
+        future, cancelled = await to_the_end(getattr(self.store, "a" + step.op)(*step.args))
+        if step.quiet:
+            if cancelled is not None and self.pending is None:
+                self.pending = cancelled
+            if future.cancelled():
+                return asyncio.CancelledError()
+            return future.exception() or future.result()
+        if cancelled is not None:
+            whole = not future.cancelled() and future.exception() is None
+            raise Interrupted(cancelled, future.result() if whole else None)
+        return future.result()
+
+    def watch(self) -> None:
+        """Listen for releases of the key: the store's watch starts its cross-process
+        listener; the callback is how a task hears of releases (it cannot block on the
+        Waiter's condition)."""
+        store, loop = self.store, asyncio.get_running_loop()
+        self.held.enter_context(store.watch(self.key))
+        woken = self.woken = asyncio.Event()
+
+        def wake() -> None:  # called from whichever thread saw the release
+            try:
+                loop.call_soon_threadsafe(woken.set)
+            except RuntimeError:  # the loop is closed; nobody is waiting any more
+                pass
+
+        token = store.wake_board.add_callback(self.key, wake)
+        self.held.callback(store.wake_board.remove_callback, token)
+
+
+async def arun(steps: Steps, store: LockStore, key: str) -> Any:
+    """`run` for async code: the store's async calls, each run to its end. A cancellation
+    that came during a quiet call is raised once the engine is done."""
+    async with contextlib.AsyncExitStack() as held:
+        driver = _Async(store, key, held)
+        try:
+            done, step = resume(steps, None)
+            while not done:
+                done, step = resume(steps, await driver.step(step))
+        except Interrupted as stop:
+            raise driver.pending or stop.cause from None
+        except BaseException:
+            if driver.pending is not None:
+                raise driver.pending from None
+            raise
+        if driver.pending is not None:
+            raise driver.pending
+        return step
+
+
+async def aacquire(target: Target, owner: str, wait: float, retry_delay: float) -> engine.Outcome:
+    """`acquire` for async code: each attempt goes through the engine, whose generator gives
+    back what an attempt took when the task is cancelled meanwhile."""
+    tally = [1]
+    steps = engine.acquisition(target, owner, wait, retry_delay, tally)
+    try:
+        result, sent = await arun(steps, target.store, target.key)
+    except BaseException as error:
+        return error, 0.0, tally[0]
+    return result, sent, tally[0]
+
+
+async def asettle(
+    store: LockStore,
+    step: Call,
+    settle: Callable[[Any], T],
+    failed: Callable[[], None],
+    cancelled_failure: str = "",
+) -> T:
+    """Make the one store call `step` (a release, an extend) to its end and `settle` what it
+    answered. `failed()` when it raised LockStoreUnavailable. Cancelled meanwhile, it still
+    settles the answer, then raises the cancellation (`cancelled_failure`: the warning when
+    there was no answer to settle)."""
+    target = step.args[0]
+    future, cancelled = await to_the_end(getattr(store, "a" + step.op)(*step.args))
+    if not future.cancelled() and isinstance(future.exception(), LockStoreUnavailable):
+        failed()
+    if cancelled is None:
+        return settle(future.result())
+    if future.cancelled() or future.exception() is not None:
+        if cancelled_failure:
+            logger.warning("%s", cancelled_failure)
+    else:
+        try:
+            settle(future.result())
+        except LockNotHeldError:
+            pass
+        except Exception:  # the on_lost callable: the cancellation must not be lost
+            logger.exception("on_lost of lock %r raised as its task was cancelled", target)
+    raise cancelled
+
+
+class Body:
+    """The task running an async block's body under a lock with auto_extend and
+    on_lost="raise", which the watchdog cancels when it finds the lock lost; how many times we
+    cancelled it, and how many cancellations it had pending when the block began."""
+
+    __slots__ = ("cancels", "pending", "task")
+
+    def __init__(self, task: asyncio.Task[Any]) -> None:
+        self.task, self.cancels, self.pending = task, 0, task.cancelling()
+
+    @classmethod
+    def current(cls) -> Body | None:
+        """The body running in the current task (None outside one)."""
+        task = asyncio.current_task()
+        return None if task is None else cls(task)
+
+    def cancel(self) -> None:
+        """Stop the body that works under a lock it no longer holds; from any thread."""
+        task = self.task
+        if task.done():
+            return
+        self.cancels += 1
+        try:
+            same_loop = asyncio.get_running_loop() is task.get_loop()
+        except RuntimeError:
+            same_loop = False
+        if same_loop:
+            task.cancel()
+        else:
+            task.get_loop().call_soon_threadsafe(task.cancel)
+
+    def ended(self, error: BaseException | None) -> bool:
+        """The block ended with `error`: each cancellation we made is taken back (a body
+        that caught one and acquired again may be cancelled twice), those it had before the
+        block began stay (cleanup under a lock at shutdown). Whether `error` is ours: a
+        cancellation we made and none from elsewhere, which the block turns into
+        LockNotHeldError, as `asyncio.timeout` turns its own into TimeoutError."""
+        others = self.pending
+        for _ in range(self.cancels):
+            others = self.task.uncancel()
+        ours = bool(self.cancels) and others <= self.pending
+        return ours and isinstance(error, asyncio.CancelledError)

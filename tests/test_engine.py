@@ -1,0 +1,146 @@
+"""The acquisition engine without I/O: the steps it yields for the replies it gets.
+
+The engine is driven here by hand, step by step, as `drivers.run` and `drivers.arun` drive it;
+what the drivers then do with the store is the other suites' business (test_line, test_async,
+test_semaphores...).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from django_keel_lock import engine
+from django_keel_lock.exceptions import LockStoreUnavailable
+from django_keel_lock.stores import AcquireResult, MemoryLockStore
+from django_keel_lock.stores.base import EXCLUSIVE, QUEUE_LEASE, Mode
+
+SHARED = Mode("shared")
+
+
+class LineKeepingStore(MemoryLockStore):
+    """A memory store that says it keeps a line of waiters (as the Redis store does): the
+    engine only reads the flag."""
+
+    queues = True
+
+
+@dataclass
+class Target:
+    store: Any = field(default_factory=MemoryLockStore)
+    key: str = "invoice:42"
+    holder: str = "web-1"
+    ttl: float = 30.0
+    mode: Mode = EXCLUSIVE
+
+
+REFUSED = AcquireResult(None, retry_in=5.0, held_as="exclusive")
+READERS = AcquireResult(None, retry_in=5.0, held_as="shared")
+TAKEN = AcquireResult(7)
+
+
+def test_a_wait_takes_its_turn_watches_then_asks_plainly_and_returns_what_took_the_lock() -> None:
+    deadline = time.monotonic() + 10
+    steps = engine.waiting(Target(), "o", deadline, 0.1, tally := [1])
+    assert next(steps) == engine.TakeTurn(deadline)
+    assert steps.send(True) is engine.WATCH
+    first = steps.send(None)
+    assert first == engine.Call("acquire", ("invoice:42", "o", "web-1", 30.0))
+    assert isinstance(steps.send(REFUSED), engine.Pause)
+    assert steps.send(None) == first
+    with pytest.raises(StopIteration) as done:
+        steps.send(TAKEN)
+    assert done.value.value[0] is TAKEN and tally == [2]
+
+
+def test_a_wait_whose_turn_never_came_asks_the_store_once_itself() -> None:
+    steps = engine.waiting(Target(LineKeepingStore()), "o", time.monotonic() + 1, 0.1, [1])
+    next(steps)
+    assert steps.send(False).op == "acquire"  # not in the line: no place to give up
+    with pytest.raises(StopIteration) as done:
+        steps.send(REFUSED)
+    assert done.value.value[0] is REFUSED
+
+
+def test_an_exclusive_waiter_that_finds_readers_asks_again_at_once_as_a_writer() -> None:
+    steps = engine.waiting(Target(LineKeepingStore()), "o", time.monotonic() + 10, 0.1, [1])
+    next(steps)
+    steps.send(True)
+    assert steps.send(None).op == "acquire_queued"
+    writer = steps.send(READERS)  # no pause between the two
+    assert writer.op == "acquire_permit" and writer.args[4] is EXCLUSIVE
+    assert 0 < writer.args[5] <= QUEUE_LEASE  # its mark keeps readers out for a lease
+    pause = steps.send(READERS)
+    assert isinstance(pause, engine.Pause) and pause.seconds <= QUEUE_LEASE / 2
+    assert steps.send(None).op == "acquire_permit"  # a writer for the rest of the wait
+
+
+def test_a_wait_in_line_that_times_out_gives_its_place_up_quietly() -> None:
+    steps = engine.waiting(Target(LineKeepingStore()), "o", time.monotonic() + 0.05, 0.01, [1])
+    next(steps)
+    steps.send(True)
+    steps.send(None)
+    time.sleep(0.06)
+    leave = steps.send(REFUSED)
+    assert leave == engine.Call("leave_queue", ("invoice:42", "o"), quiet=True)
+    with pytest.raises(StopIteration) as done:
+        steps.send(LockStoreUnavailable("no answer"))  # logged, not raised
+    assert done.value.value[0] is REFUSED
+
+
+def test_a_wait_that_the_store_fails_keeps_its_place_which_lapses_by_itself() -> None:
+    steps = engine.waiting(Target(LineKeepingStore()), "o", time.monotonic() + 10, 0.1, [1])
+    next(steps)
+    steps.send(True)
+    steps.send(None)
+    with pytest.raises(LockStoreUnavailable):
+        steps.throw(LockStoreUnavailable("down"))
+
+
+def test_a_cancelled_attempt_that_took_the_lock_gives_it_back_then_leaves_the_line() -> None:
+    steps = engine.waiting(Target(LineKeepingStore()), "o", time.monotonic() + 10, 0.1, [1])
+    next(steps)
+    steps.send(True)
+    steps.send(None)
+    cancel = KeyboardInterrupt()
+    give_back = steps.throw(engine.Interrupted(cancel, TAKEN))
+    assert give_back == engine.Call("release", ("invoice:42", "o"), quiet=True)
+    assert steps.send(True).op == "leave_queue"
+    with pytest.raises(engine.Interrupted) as raised:
+        steps.send(None)
+    assert raised.value.cause is cancel
+
+
+def test_a_cancelled_attempt_that_was_refused_gives_nothing_back() -> None:
+    steps = engine.once(Target(mode=SHARED), "o")
+    assert next(steps).op == "acquire_permit"
+    with pytest.raises(engine.Interrupted):
+        steps.throw(engine.Interrupted(KeyboardInterrupt(), READERS))
+
+
+def test_a_key_held_as_the_other_family_of_modes_is_refused_with_a_clear_error() -> None:
+    steps = engine.once(Target(), "o")
+    next(steps)
+    with pytest.raises(ValueError, match="held as a semaphore and cannot be taken as an excl"):
+        steps.send(AcquireResult(None, 1.0, "semaphore"))
+
+
+def test_a_grant_that_came_after_the_ttl_ran_out_is_given_back_and_counts_as_refused() -> None:
+    target = Target(ttl=0.5)
+    assert not engine.late(target, TAKEN, time.monotonic())
+    assert not engine.late(target, REFUSED, time.monotonic() - 1)
+    steps = engine.acquisition(target, "o", 0, 0.1, [1])
+    assert next(steps).op == "acquire"
+    time.sleep(0.6)  # the answer comes after the ttl
+    assert steps.send(TAKEN) == engine.Call("release", ("invoice:42", "o"), quiet=True)
+    with pytest.raises(StopIteration) as done:
+        steps.send(True)
+    assert done.value.value[0] is engine.REFUSED
+
+
+def test_an_acquisition_that_waits_is_a_wait_and_one_that_does_not_a_single_attempt() -> None:
+    assert isinstance(next(engine.acquisition(Target(), "o", 1, 0.1, [1])), engine.TakeTurn)
+    assert isinstance(next(engine.acquisition(Target(), "o", 0, 0.1, [1])), engine.Call)
