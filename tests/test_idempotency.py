@@ -800,3 +800,40 @@ def test_a_store_outage_after_the_view_ran_returns_its_answer_and_says_it_is_not
                 response = view(factory_post(idem_key))
     assert response.status_code == 201 and views.CALLS[idem_key] == 1
     assert "not kept" in caplog.text
+
+
+@pytest.mark.parametrize("alias", EDGE_STORES)
+def test_the_middleware_keeps_no_answer_that_never_reached_the_view(
+    alias: str, idem_key: str
+) -> None:
+    # CsrfViewMiddleware refuses in process_view, inside the middleware's call: its 403 was
+    # kept, and the retry with the token got it back for 24 h. A path no view has, likewise.
+    with override_settings(
+        MIDDLEWARE=[*settings.MIDDLEWARE, "django_keel_lock.idempotency.IdempotencyMiddleware"],
+        KEEL_LOCK_IDEMPOTENT_PATHS={f"/{alias}/": {"store": alias, "scope": "global"}},
+    ):
+        client, secret = csrf_client()
+        assert post(client, f"/{alias}/mw/pay/", idem_key).status_code == 403
+        accepted = post(client, f"/{alias}/mw/pay/", idem_key, X_CSRFToken=secret)
+        assert accepted.status_code == 201 and accepted.get("Idempotent-Replayed") is None
+        missing = idem_key + "-404"
+        nowhere = post(client, f"/{alias}/no-such-view/", missing, X_CSRFToken=secret)
+        assert nowhere.status_code == 404
+        assert not list(result_store_for(alias).iter_results(f"idempotent:global:{missing}"))
+    assert views.CALLS[idem_key] == 1
+
+
+@pytest.mark.parametrize("alias", EDGE_STORES)
+def test_a_decorated_view_under_a_middleware_prefix_runs_once_not_409(
+    alias: str, idem_key: str
+) -> None:
+    # Both took the same key's lock, one inside the other: the inner always answered 409.
+    with override_settings(
+        MIDDLEWARE=[*settings.MIDDLEWARE, "django_keel_lock.idempotency.IdempotencyMiddleware"],
+        KEEL_LOCK_IDEMPOTENT_PATHS={f"/{alias}/": {"store": alias, "scope": "global"}},
+    ):
+        client = Client()
+        first = post(client, f"/{alias}/pay-global/", idem_key)
+        again = post(client, f"/{alias}/pay-global/", idem_key)
+    assert first.status_code == 201 and again["Idempotent-Replayed"] == "true"
+    assert views.CALLS[idem_key] == 1

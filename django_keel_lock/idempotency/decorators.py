@@ -93,8 +93,11 @@ def run(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     call: Callable[[], HttpResponseBase],
+    reached: Callable[[], bool] | None = None,
 ) -> HttpResponseBase:
-    """`call()` for `request` as `config` says: what the decorator and the middleware run."""
+    """`call()` for `request` as `config` says: what the decorator and the middleware run.
+    `reached()` False after the call: the answer did not come from the view (the middleware's
+    CSRF refusal, a 404), so it is not kept and the key is free."""
     begun = config.begin(request, args, kwargs)
     if not isinstance(begun, Attempt):
         return begun if begun is not None else call()
@@ -103,6 +106,9 @@ def run(
     except BaseException:
         begun.abandon()
         raise
+    if reached is not None and not reached():
+        begun.abandon()
+        return response
     return begun.finish(response)
 
 

@@ -36,6 +36,9 @@ DEFAULT_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 #: The largest body kept by default (1 MiB); a larger one is answered but not kept.
 DEFAULT_MAX_BODY = 1024 * 1024
 Scope = Literal["user", "global"] | Callable[[HttpRequest], str]
+#: Set on a request once it runs under a key: a guard inside (a decorated view under the
+#: middleware's prefix) lets it through instead of taking the same key again (409).
+_GUARDED = "_keel_lock_idempotent_attempt"
 
 
 class IdempotentOptions(TypedDict, total=False):
@@ -124,8 +127,8 @@ class Idempotency:
     ) -> Attempt | HttpResponseBase | None:
         """An `Attempt` to run the view under, a response to answer at once, or None: this
         request has no key and needs none (the view runs as if not decorated)."""
-        if request.method not in self.methods:
-            return None
+        if request.method not in self.methods or getattr(request, _GUARDED, False):
+            return None  # not guarded, or already by an outer guard (the middleware's)
         try:
             key = self._client_key(request, args, kwargs)
             if key is None:
@@ -203,6 +206,7 @@ class Idempotency:
         if found is not None:
             handle.release()
             return self._answer(request, found, fingerprint)
+        setattr(request, _GUARDED, True)
         return Attempt(self, handle, results, fingerprint)
 
     @staticmethod

@@ -4,7 +4,11 @@
 
 Each prefix takes the options of `idempotent` (but a key template: the key comes from the
 header, or a callable `key`); the longest matching prefix applies. Place it after
-AuthenticationMiddleware, so that `scope="user"` sees the user.
+AuthenticationMiddleware, so that `scope="user"` sees the user, and after CsrfViewMiddleware.
+
+A response is kept only when the request reached the view: the middleware's own
+`process_view` marks it, and runs after those listed before it, so an answer given instead of
+the view (CsrfViewMiddleware's 403, a 404 from the URL resolver) frees the key and is not kept.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from .decorators import run
 from .guard import Idempotency
 
 SETTING = "KEEL_LOCK_IDEMPOTENT_PATHS"
+_REACHED = "_keel_lock_idempotent_view"  # set on a request by process_view
 
 
 class IdempotencyMiddleware:
@@ -32,8 +37,20 @@ class IdempotencyMiddleware:
     def __call__(self, request: HttpRequest) -> HttpResponseBase:
         for prefix, config in self.prefixes:
             if request.path_info.startswith(prefix):
-                return run(config, request, (), {}, lambda: self.get_response(request))
+                return run(
+                    config,
+                    request,
+                    (),
+                    {},
+                    lambda: self.get_response(request),
+                    reached=lambda: getattr(request, _REACHED, False),
+                )
         return self.get_response(request)
+
+    def process_view(self, request: HttpRequest, *view: object) -> None:
+        """Marks the request as about to reach its view (the middlewares' `process_view`
+        before this one have let it through)."""
+        setattr(request, _REACHED, True)
 
 
 def _prefixes(value: object) -> list[tuple[str, Idempotency]]:
