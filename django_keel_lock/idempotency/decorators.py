@@ -44,7 +44,8 @@ def idempotent(
     `max_body` bytes; a retry gets it back with `Idempotent-Replayed: true`, or 422 if it is
     not the same request (method, path, body). A view that raises or answers 5xx keeps
     nothing: its key is free at once. Streaming and file responses are not kept.
-    `required=True`: a request without a key gets 400. Only `methods` are guarded.
+    `required=True`: a request without a key gets 400. Only `methods` are guarded. While the
+    store cannot be reached, a request gets 503 with Retry-After and the view does not run.
 
     Decorates a function view (sync or async) or a class-based view (its `dispatch`).
     """

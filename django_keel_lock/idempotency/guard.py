@@ -1,6 +1,6 @@
 """What every idempotent surface does with a request: one `Idempotency`, checked once.
 
-`Idempotency.begin(request)` either answers at once (a replay, 400, 409, 422) or returns an
+`Idempotency.begin(request)` either answers at once (a replay, 400, 409, 422, 503) or returns an
 `Attempt` that holds the key's lock while the view runs; `Attempt.finish(response)` keeps
 the response (fenced) and frees the key, `Attempt.abandon()` frees it after an exception.
 
