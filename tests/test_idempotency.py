@@ -837,3 +837,17 @@ def test_a_decorated_view_under_a_middleware_prefix_runs_once_not_409(
         again = post(client, f"/{alias}/pay-global/", idem_key)
     assert first.status_code == 201 and again["Idempotent-Replayed"] == "true"
     assert views.CALLS[idem_key] == 1
+
+
+@pytest.mark.parametrize("alias", EDGE_STORES)
+def test_a_drf_key_template_reads_a_json_body_sent_with_a_charset(alias: str) -> None:
+    # DRF's request.content_type is the whole header: "application/json; charset=utf-8" was
+    # not read as JSON, and every such event got 400 (no {id}).
+    event = uuid.uuid4().hex
+    client = Client()
+    url, body = f"/{alias}/drf-hook/", json.dumps({"id": event})
+    first = client.post(url, body, content_type="application/json; charset=utf-8")
+    again = client.post(url, body, content_type="application/json; charset=utf-8")
+    assert first.status_code == 200, first.content
+    assert again["Idempotent-Replayed"] == "true" and again.content == first.content
+    assert views.CALLS[f"drf-hook:{event}"] == 1

@@ -14,8 +14,9 @@ from contextlib import contextmanager
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 
-from django_keel_lock import LockStoreUnavailable
+from django_keel_lock import LockStoreUnavailable, lock, set_lock_store
 from django_keel_lock.stores import RedisLockStore
+from django_keel_lock.stores.base import semaphore_mode
 from tests.support.redis_servers import RedisServer, wait_for
 
 #: The test settings' cache shares the URL's database: not what these tests are about.
@@ -80,12 +81,45 @@ def test_a_stopped_replica_makes_acquire_give_the_lock_back_and_raise(
             assert store.get(key) is None  # given back: anyone can take it
             # Without MIN_REPLICAS the same server grants it: what the option changes.
             assert plain.acquire(key, "owner-b", "b", 30).fence is not None
-            with pytest.raises(LockStoreUnavailable, match="given back"):
-                store.extend(key, "owner-b", 30)  # an extend that is not acknowledged either
-            assert store.get(key) is None
     finally:
         store.close()
         plain.close()
+
+
+def test_an_extend_short_of_replicas_raises_and_leaves_the_lock_to_its_holder(
+    primary: tuple[RedisServer, RedisServer], key: str
+) -> None:
+    """The holder of a lock whose extend raised LockStoreUnavailable still counts on it until
+    the expiry it was last told: giving the lock back then would let another process take it
+    while the holder believes it holds it (two holders). The extend raises and the lock stays;
+    the replicas have the expiry the holder counts on."""
+    main, copy = primary
+    store, other = _store(main.url, 1), _store(main.url, 0)
+    alias = f"replicated-{os.getpid()}"
+    set_lock_store(store, alias)
+    try:
+        with lock(key, store=alias, ttl=30) as held:
+            with stopped(copy):
+                with pytest.raises(LockStoreUnavailable, match="0 of the 1 replicas"):
+                    held.extend(60)
+                assert held.held  # it still counts on the expiry of its acquire
+                assert other.acquire(key, "owner-b", "b", 30).fence is None  # nobody else
+                with pytest.raises(LockStoreUnavailable, match="0 of the 1 replicas"):
+                    asyncio.run(store.aextend(key, held.owner or "", 60))
+                assert other.acquire(key, "owner-b", "b", 30).fence is None
+            info = store.get(key)
+            assert info is not None and info.owner == held.owner
+        permits = f"{key}:permits"
+        assert store.acquire_permit(permits, "owner-p", "p", 30, semaphore_mode(1)).fence
+        with stopped(copy):  # a semaphore's permit likewise
+            with pytest.raises(LockStoreUnavailable, match="keeps the expiry it had"):
+                store.extend_permit(permits, "owner-p", 60)
+            assert [each.owner for each in store.holders(permits)] == ["owner-p"]
+        assert store.release_permit(permits, "owner-p")
+    finally:
+        set_lock_store(None, alias)
+        store.close()
+        other.close()
 
 
 def test_a_stopped_replica_makes_async_acquire_raise_too(

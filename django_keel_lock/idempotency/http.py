@@ -92,8 +92,15 @@ def render_template(template: str, request: HttpRequest, url_kwargs: Mapping[str
     return "".join(out)
 
 
+def _media_type(request: HttpRequest) -> tuple[str, dict[str, str]]:
+    """The body's media type (lower case) and its parameters, from the header itself: DRF's
+    request.content_type is the whole header ("application/json; charset=utf-8")."""
+    media_type, params = parse_header_parameters(request.META.get("CONTENT_TYPE", ""))
+    return media_type.lower(), params
+
+
 def _body_fields(request: HttpRequest) -> Any:
-    content_type = request.content_type or ""
+    content_type, _ = _media_type(request)
     if content_type == "application/json" or content_type.endswith("+json"):
         try:
             return json.loads(request.body or b"null")
@@ -116,8 +123,7 @@ def _dig(value: Any, path: list[str]) -> Any:
 def fingerprint(request: HttpRequest) -> str:
     """What a retry must repeat: sha256 over the method, the full path, the body's media type
     and charset (they decide what the view reads of it) and the body's digest."""
-    media_type, params = parse_header_parameters(request.META.get("CONTENT_TYPE", ""))
-    media_type = media_type.lower()
+    media_type, params = _media_type(request)
     charset = params.get("charset", "").lower()
     if media_type == "multipart/form-data":
         body = _form_digest(request)

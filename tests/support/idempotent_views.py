@@ -112,6 +112,20 @@ class DrfPay(IdempotentMixin, APIView):
         return Response({"run": run, "id": uuid.uuid4().hex, "data": request.data}, status=201)
 
 
+class DrfHook(IdempotentMixin, APIView):
+    """A webhook on DRF: its key from the JSON body."""
+
+    idempotency_key = "drf:{id}"
+    idempotency_scope = "global"
+    authentication_classes: list[Any] = []
+    permission_classes: list[Any] = []
+
+    def post(self, request: Any) -> Response:
+        with _mutex:
+            CALLS[f"drf-hook:{request.data['id']}"] += 1
+        return Response({"handled": request.data["id"], "run": uuid.uuid4().hex})
+
+
 def plain(request: HttpRequest) -> HttpResponse:
     return pay(request)
 
@@ -141,6 +155,10 @@ def _views(alias: str) -> list[Any]:
         path(f"{alias}/class/", idempotent(store=alias, scope="global")(PayView).as_view()),
         path(
             f"{alias}/drf/", type(f"Drf{alias}", (DrfPay,), {"idempotency_store": alias}).as_view()
+        ),
+        path(
+            f"{alias}/drf-hook/",
+            type(f"DrfHook{alias}", (DrfHook,), {"idempotency_store": alias}).as_view(),
         ),
         path(f"{alias}/async/", idempotent(store=alias, scope="global")(apay)),
         path(f"{alias}/mw/pay/", plain),

@@ -405,10 +405,11 @@ class RedisLockStore(ListeningStore, LockStore):
         return self._released(key, await self._arun(*self._line_call(RELEASE, key, owner)))
 
     def extend(self, key: str, owner: str, ttl: float) -> bool:
-        return bool(self._granting(self._extend_call(key, owner, ttl), key, owner))
+        return bool(self._granting(self._extend_call(key, owner, ttl), key, owner, extend=True))
 
     async def aextend(self, key: str, owner: str, ttl: float) -> bool:
-        return bool(await self._agranting(self._extend_call(key, owner, ttl), key, owner))
+        call = self._extend_call(key, owner, ttl)
+        return bool(await self._agranting(call, key, owner, extend=True))
 
     def get(self, key: str) -> LockInfo | None:
         return self._got(key, self._run(GET, self._names(key)[:1], ()))
@@ -447,43 +448,61 @@ class RedisLockStore(ListeningStore, LockStore):
 
     # -- replicas (MIN_REPLICAS) ------------------------------------------------------------
     # A script that may grant (acquire, extend and their permit twins) is followed by WAIT on
-    # the same connection, in the same round trip: a grant fewer than MIN_REPLICAS replicas
-    # acknowledged within half of SOCKET_TIMEOUT is given back and the call raises, so a
-    # failover to a replica that never saw it cannot hand it out again. It narrows that
-    # window, not closes it: replication stays asynchronous, Sentinel may promote a replica
-    # that had not acknowledged, and a grant can be acknowledged after WAIT gave up.
-    def _granting(self, call: Call, key: str, owner: str, permit: bool = False) -> Any:
+    # the same connection, in the same round trip: an acquire fewer than MIN_REPLICAS
+    # replicas acknowledged within half of SOCKET_TIMEOUT is given back and the call raises,
+    # so a failover to a replica that never saw it cannot hand it out again. An extend short
+    # of them raises and keeps the lock: its holder, told the store could not say, counts on
+    # the expiry it was given last (which the replicas have), and a lock given back then
+    # would have two holders. It narrows the failover window, not closes it: replication
+    # stays asynchronous, Sentinel may promote a replica that had not acknowledged, and a
+    # grant can be acknowledged after WAIT gave up.
+    def _granting(
+        self, call: Call, key: str, owner: str, permit: bool = False, extend: bool = False
+    ) -> Any:
         if not self.min_replicas:
             return self._run(*call)
         waiting, run = ready(self._run_waiting), ready(self._run)
-        return run_ready(self._on_replicas(call, key, owner, permit, waiting, run))
+        give_back = None if extend else self._give_back_call(key, owner, permit)
+        return run_ready(self._on_replicas(call, key, give_back, waiting, run))
 
-    async def _agranting(self, call: Call, key: str, owner: str, permit: bool = False) -> Any:
+    async def _agranting(
+        self, call: Call, key: str, owner: str, permit: bool = False, extend: bool = False
+    ) -> Any:
         if not self.min_replicas:
             return await self._arun(*call)
-        return await self._on_replicas(call, key, owner, permit, self._arun_waiting, self._arun)
+        give_back = None if extend else self._give_back_call(key, owner, permit)
+        return await self._on_replicas(call, key, give_back, self._arun_waiting, self._arun)
+
+    def _give_back_call(self, key: str, owner: str, permit: bool) -> Call:
+        """The release (owner-checked) of an acquire short of replicas."""
+        return (
+            self._release_permit_call(key, owner)
+            if permit
+            else self._line_call(RELEASE, key, owner)
+        )
 
     async def _on_replicas(
         self,
         call: Call,
         key: str,
-        owner: str,
-        permit: bool,
+        give_back: Call | None,
         waiting: Callable[..., Awaitable[tuple[Any, int]]],
         run: Callable[..., Awaitable[Any]],
     ) -> Any:
         """`call` with WAIT (`waiting`), for sync and async callers alike (as `run_script`);
-        a grant short of acknowledgements is given back (`run`) and raises."""
+        a grant short of acknowledgements raises, an acquire's given back first (`run` of
+        `give_back`; an extend has none)."""
         reply, acks = await waiting(*call)
         granted = not isinstance(reply, list) and int(reply) > 0
         if granted and acks < self.min_replicas:
-            give_back = self._release_permit_call(key, owner) if permit else None
-            with contextlib.suppress(LockStoreUnavailable):  # else it expires at its ttl
-                await run(*(give_back or self._line_call(RELEASE, key, owner)))
+            if give_back is not None:
+                with contextlib.suppress(LockStoreUnavailable):  # else it expires at its ttl
+                    await run(*give_back)
+            kept = "it was given back" if give_back else "the lock keeps the expiry it had"
             raise LockStoreUnavailable(
                 f"lock store {self.alias!r}: {acks} of the {self.min_replicas} replicas "
                 f"(MIN_REPLICAS) acknowledged {key!r} within {self._wait_ms} ms "
-                f"({self._where()}); it was given back"
+                f"({self._where()}); {kept}"
             )
         return reply
 
@@ -555,11 +574,12 @@ class RedisLockStore(ListeningStore, LockStore):
         return self._released(key, await self._arun(*self._release_permit_call(key, owner)))
 
     def extend_permit(self, key: str, owner: str, ttl: float) -> bool:
-        return bool(self._granting(self._extend_permit_call(key, owner, ttl), key, owner, True))
+        call = self._extend_permit_call(key, owner, ttl)
+        return bool(self._granting(call, key, owner, True, extend=True))
 
     async def aextend_permit(self, key: str, owner: str, ttl: float) -> bool:
         call = self._extend_permit_call(key, owner, ttl)
-        return bool(await self._agranting(call, key, owner, True))
+        return bool(await self._agranting(call, key, owner, True, extend=True))
 
     def holders(self, key: str) -> list[LockInfo]:
         return self._holders(key, self._run(HOLDERS, self._permit_names(key)[:3], ()))
