@@ -13,10 +13,11 @@ from typing import Any
 
 import pytest
 
-from django_keel_lock import engine
+from django_keel_lock import Lock, drivers, engine, lock, semaphore
 from django_keel_lock.exceptions import LockStoreUnavailable
 from django_keel_lock.stores import AcquireResult, MemoryLockStore
 from django_keel_lock.stores.base import EXCLUSIVE, QUEUE_LEASE, Mode
+from django_keel_lock.testing import memory_lock_store
 
 SHARED = Mode("shared")
 
@@ -144,3 +145,50 @@ def test_a_grant_that_came_after_the_ttl_ran_out_is_given_back_and_counts_as_ref
 def test_an_acquisition_that_waits_is_a_wait_and_one_that_does_not_a_single_attempt() -> None:
     assert isinstance(next(engine.acquisition(Target(), "o", 1, 0.1, [1])), engine.TakeTurn)
     assert isinstance(next(engine.acquisition(Target(), "o", 0, 0.1, [1])), engine.Call)
+
+
+@pytest.mark.parametrize("kind", ["exclusive", "shared", "semaphore"])
+def test_the_sync_hot_path_answers_as_the_engine_does_on_a_real_store(kind: str) -> None:
+    """`drivers.acquire` runs an acquire that does not wait without the generator: it must
+    come to what `engine.acquisition` comes to, free, held, and held by the other family."""
+    options: dict[str, Any] = {"limit": 1} if kind == "semaphore" else {"shared": kind == "shared"}
+    other: dict[str, Any] = {} if kind == "semaphore" else {"limit": 1}
+    with memory_lock_store() as store:
+
+        def both(handle: Lock) -> list[Any]:
+            answers: list[Any] = []
+            for way in ("hot", "engine"):
+                owner = f"{way}-{kind}"
+                if way == "hot":
+                    outcome = drivers.acquire(handle, store, owner, 0, 0.1)
+                else:
+                    steps = engine.acquisition(handle, owner, 0, 0.1, tally := [1])
+                    try:
+                        outcome = (*drivers.run(steps, store, handle.key), tally[0])
+                    except ValueError as error:
+                        outcome = (error, 0.0, 1)
+                result = outcome[0]
+                if isinstance(result, BaseException):
+                    answers.append(str(result))
+                else:  # the holder's time left differs by the time between the two
+                    answers.append((result.fence is not None, result.held_as))
+                if answers[-1] == (True, None):
+                    getattr(store, engine.release_op(handle))(handle.key, owner)
+            return answers
+
+        free = both(lock_or_semaphore("engine:free", options))
+        assert free == [(True, None), (True, None)]
+        holder = lock_or_semaphore("engine:held", {"limit": 1} if kind == "semaphore" else {})
+        assert holder.acquire()
+        held = both(lock_or_semaphore("engine:held", options))
+        assert held[0] == held[1] and held[0][0] is False
+        taken = lock_or_semaphore("engine:other", other)
+        assert taken.acquire()
+        refused = both(lock_or_semaphore("engine:other", options))
+        assert refused[0] == refused[1] and "not both" in refused[0]
+
+
+def lock_or_semaphore(key: str, options: dict[str, Any]) -> Lock:
+    if "limit" in options:
+        return semaphore(key, **options)
+    return lock(key, **options)
