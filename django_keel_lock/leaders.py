@@ -94,6 +94,18 @@ class Election:
         """This process's last term (None before it first led)."""
         return None if self._handle is None else self._handle.fence
 
+    @property
+    def ttl(self) -> float:
+        """The ttl of the leader's lock, in seconds, as the store resolved it."""
+        assert self._handle is not None
+        return self._handle.ttl
+
+    def confirmed_until(self) -> float:
+        """While leading: the monotonic time until which the store confirmed this term (the
+        watchdog's renewals push it out); past it another process may lead."""
+        assert self._handle is not None
+        return self._handle.confirmed_until()
+
     # -- campaigning ---------------------------------------------------------------------
     def campaign(self, timeout: Duration | None = None) -> int:
         """Wait until this process leads (`timeout` None: as long as it takes); the term.

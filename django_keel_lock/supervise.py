@@ -2,8 +2,12 @@
 
 `manage.py locks run` and `locks lead` use it; it knows nothing of stores or Django. A
 `Supervisor` starts the child, passes on the signals this process gets, and waits for the
-first of: the child exits, or `lost()` is called (from the lock's watchdog thread). When the
-lock is lost the child is sent SIGTERM, then SIGKILL after `grace` seconds.
+first of: the child exits, `lost()` is called (from the lock's watchdog thread), or the
+lock's `Deadline` comes near with no renewal confirmed. Then the child is sent SIGTERM, and
+SIGKILL after `grace` seconds, or sooner: at the deadline, the moment another node may take
+the lock. So a store that stops answering stops the child *before* its lock can expire, not
+once it has (when a new holder's child may already run); only a lock found gone early (taken
+over, force-released, a paused process waking) overlaps, and fences cover that.
 
 On Linux the child is also killed (SIGKILL) when this process dies without a word (`kill -9`,
 the OOM killer): `PR_SET_PDEATHSIG`, set between fork and exec. The kernel sends it when the
@@ -27,8 +31,10 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
+from typing import NamedTuple
 
 #: The exit status when the lock was held elsewhere (`EX_TEMPFAIL` in sysexits.h, what
 #: `flock -E 75` and cron wrappers use for "try again later").
@@ -78,6 +84,24 @@ def _death_signal() -> Callable[[], None] | None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     return die_with_parent
+
+
+class Deadline(NamedTuple):
+    """When the lock a command runs under may be taken by another node: `until()` (monotonic,
+    read each time: renewals push it out). The command is sent SIGTERM `notice` seconds
+    before it when no renewal came, and SIGKILL at it."""
+
+    until: Callable[[], float]
+    notice: float
+
+    @classmethod
+    def of_lock(cls, confirmed_until: Callable[[], float], ttl: float, grace: float) -> Deadline:
+        """The deadline of a lock with `ttl` whose last confirmed expiry `confirmed_until()`
+        gives; renewed every ttl / 3, so at most ttl / 3 of notice, or every renewal would
+        stop the command. SIGKILL lands a little before the expiry (a tenth of the ttl, at
+        most 100 ms), the time for the kernel to end the command."""
+        margin = min(0.1, ttl / 10)
+        return cls(lambda: confirmed_until() - margin, min(grace, ttl / 3))
 
 
 class Interrupted(BaseException):
@@ -154,10 +178,13 @@ class Supervisor:
             pass  # it ended meanwhile (a zombie we have not reaped)
 
     # -- the child -----------------------------------------------------------------------
-    def run(self, argv: Sequence[str], env: Mapping[str, str]) -> int:
+    def run(
+        self, argv: Sequence[str], env: Mapping[str, str], deadline: Deadline | None = None
+    ) -> int:
         """Start `argv` and supervise it; its exit status, or EXIT_LOST when the lock was lost
-        (the child stopped). Raises OSError when it cannot be started. A supervisor runs one
-        command at a time, and may run another after it (`reset()` first)."""
+        or its `deadline` came near unrenewed (the child stopped). Raises OSError when it
+        cannot be started. A supervisor runs one command at a time, and may run another after
+        it (`reset()` first)."""
         self.proc = subprocess.Popen(
             list(argv),
             env=dict(env),
@@ -167,14 +194,12 @@ class Supervisor:
         threading.Thread(target=self._watch_exit, name="keel-lock-child", daemon=True).start()
         if self.signalled is not None and self.signalled not in FROM_TERMINAL:
             self._send(self.signalled)  # it came between the lock and the start
-        while True:
-            event = self._get(None)
-            if event == "exit":
-                return exit_status(self.proc.wait())
-            if event == "lost":
-                self._stop()
-                self.stopped = True
-                return EXIT_LOST
+        if self._next(deadline) == "exit":
+            return exit_status(self.proc.wait())
+        self.lost("no renewal was confirmed before the lock's ttl was nearly over")
+        self._stop(deadline)
+        self.stopped = True
+        return EXIT_LOST
 
     def _watch_exit(self) -> None:
         """Wait for the child to end without reaping it, so its pid (and group) stays ours
@@ -186,10 +211,13 @@ class Supervisor:
             pass
         self._events.put("exit")
 
-    def _stop(self) -> None:
-        """SIGTERM the child, SIGKILL it after the grace, reap it."""
+    def _stop(self, deadline: Deadline | None) -> None:
+        """SIGTERM the child, SIGKILL it after the grace (at the deadline if sooner), reap it."""
         self._send(signal.SIGTERM)
-        if self._until_exit(self.grace):
+        grace = self.grace
+        if deadline is not None:
+            grace = max(0.0, min(grace, deadline.until() - time.monotonic()))
+        if self._until_exit(grace):
             return
         self._send(signal.SIGKILL)
         self._until_exit(None)
@@ -202,15 +230,21 @@ class Supervisor:
             return False
         return True
 
-    def _get(self, timeout: float | None) -> str:
-        # A bounded wait in a loop: signal handlers run between the waits whatever the
-        # platform's queue does with an interrupted wait.
+    def _next(self, deadline: Deadline | None) -> str:
+        """The first of "exit", "lost", and "expiring" (the deadline's notice has come).
+
+        Bounded waits in a loop: signal handlers run between the waits whatever the
+        platform's queue does with an interrupted wait, and renewals move the deadline."""
         while True:
+            wait = 1.0
+            if deadline is not None:
+                wait = min(wait, deadline.until() - deadline.notice - time.monotonic())
+                if wait <= 0:
+                    return "expiring"
             try:
-                return self._events.get(timeout=1.0 if timeout is None else timeout)
+                return self._events.get(timeout=wait)
             except queue.Empty:
-                if timeout is not None:
-                    raise
+                continue
 
 
 def _on_terminal() -> bool:

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from django_keel_lock import get_lock_store
+from django_keel_lock import get_lock_store, lock
 from django_keel_lock.leaders import KEY_PREFIX
 from tests.conftest import needs_store, store_params
+from tests.settings import REDIS_URL
 from tests.support.commands import (
     alive,
     catches,
@@ -21,6 +22,7 @@ from tests.support.commands import (
     start_locks,
     wait_for,
 )
+from tests.support.redis_servers import FaultyProxy
 
 
 def lead(alias: str, name: str, notes: Path, ttl: float) -> subprocess.Popen[str]:
@@ -100,6 +102,29 @@ def test_a_leader_that_loses_leadership_stops_its_command_and_campaigns_again(
         assert node.returncode == 7
         assert "campaigning again" in err
     finally:
+        node.kill()
+        node.wait()
+
+
+@needs_store("redis")
+def test_a_leader_cut_off_from_the_store_ends_its_command_before_its_term_can_expire(
+    key: str, tmp_path: Path
+) -> None:
+    notes = tmp_path / "node"
+    proxy = FaultyProxy(int(REDIS_URL.rsplit(":", 1)[1].split("/")[0]))
+    node = start_locks("lead", key, "--store", "redis", "--ttl", "1.5", "--grace", "5", "--",
+                       *child_command(notes, sleep=60, deaf=True),
+                       env={"REDIS_URL": proxy.url})  # fmt: skip
+    try:
+        wait_for(lambda: notes_of(notes), message="the command")
+        pid, _ = started(notes)
+        proxy.mode = "stall"
+        other = lock(f"{KEY_PREFIX}{key}", store="redis", ttl=5, holder="other-node:1")
+        wait_for(other.acquire, timeout=10, message="the term to expire")
+        assert not alive(pid), "the old term's command still ran when another node led"
+        other.release()
+    finally:
+        proxy.close()
         node.kill()
         node.wait()
 

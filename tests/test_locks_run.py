@@ -27,6 +27,7 @@ from tests.support.commands import (
     wait_for,
 )
 from tests.support.holders import manage
+from tests.support.redis_servers import FaultyProxy
 
 SHARED_STORES = store_params(["sqlite", "postgres", "mariadb", "redis"])
 PY = sys.executable
@@ -99,6 +100,35 @@ def test_a_child_deaf_to_sigterm_is_killed_after_the_grace(key: str, tmp_path: P
     assert proc.returncode == EXIT_LOST
     assert not alive(pid)
     assert notes_of(notes)[1:] == []  # it never saw SIGTERM's handler nor ended by itself
+
+
+@needs_store("redis")
+def test_a_store_cut_off_ends_the_child_before_another_node_can_take_the_lock(
+    key: str, tmp_path: Path
+) -> None:
+    """The store stops answering `locks run` (but not the others): its lock expires a ttl after
+    the last extend, and another node may take it then. The child (deaf to SIGTERM, and a
+    --grace longer than the ttl) must be gone by then: not told only once the ttl has run out."""
+    from tests.settings import REDIS_URL
+
+    notes = tmp_path / "notes"
+    proxy = FaultyProxy(int(REDIS_URL.rsplit(":", 1)[1].split("/")[0]))
+    try:
+        proc = start_locks("run", key, "--store", "redis", "--ttl", "1.5", "--grace", "5", "--",
+                           *child_command(notes, sleep=60, deaf=True),
+                           env={"REDIS_URL": proxy.url})  # fmt: skip
+        wait_for(lambda: notes_of(notes), message="the child to start")
+        pid = int(notes_of(notes)[0].split()[0])
+        proxy.mode = "stall"
+        other = lock(key, store="redis", ttl=5, holder="other-node:1")
+        wait_for(other.acquire, timeout=10, message="the lock to expire")
+        running_with_it = alive(pid)
+        other.release()
+    finally:
+        proxy.close()
+    proc.communicate(timeout=20)
+    assert not running_with_it, "the child still ran when another node took the lock"
+    assert proc.returncode == EXIT_LOST
 
 
 @needs_store("postgres")

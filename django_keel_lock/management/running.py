@@ -38,6 +38,7 @@ from ..supervise import (
     EXIT_CANNOT_RUN,
     EXIT_HELD,
     EXIT_NOT_FOUND,
+    Deadline,
     Interrupted,
     Supervisor,
 )
@@ -117,10 +118,12 @@ def _env(key: str, fence: int) -> dict[str, str]:
     return {**os.environ, "KEEL_LOCK_FENCE": str(fence), "KEEL_LOCK_KEY": key}
 
 
-def _start(supervisor: Supervisor, command: list[str], env: dict[str, str]) -> int:
+def _start(
+    supervisor: Supervisor, command: list[str], env: dict[str, str], deadline: Deadline
+) -> int:
     """Run `command` under `supervisor`; a command that cannot be started: 126/127."""
     try:
-        return supervisor.run(command, env)
+        return supervisor.run(command, env, deadline)
     except FileNotFoundError as exc:
         sys.stderr.write(f"locks: cannot run {command[0]!r}: {exc.strerror}\n")
         return EXIT_NOT_FOUND
@@ -171,7 +174,8 @@ def do_run(store: LockStore, key: str, options: dict[str, Any]) -> int:
             if supervisor.signalled is not None:  # stopped between the lock and the start
                 return 128 + supervisor.signalled
             assert handle.fence is not None
-            status = _start(supervisor, command, _env(key, handle.fence))
+            deadline = Deadline.of_lock(handle.confirmed_until, handle.ttl, grace)
+            status = _start(supervisor, command, _env(key, handle.fence), deadline)
         finally:
             _release(handle)
     finally:
@@ -214,8 +218,9 @@ def do_lead(store: LockStore, name: str, options: dict[str, Any]) -> int:
             term = _campaign(leader, supervisor)
             if term is None:
                 return 0
+            deadline = Deadline.of_lock(leader.confirmed_until, leader.ttl, grace)
             try:
-                status = _start(supervisor, command, _env(leader.key, term))
+                status = _start(supervisor, command, _env(leader.key, term), deadline)
             finally:
                 _resign(leader)
             if not supervisor.stopped or supervisor.signalled is not None:

@@ -43,11 +43,13 @@ def child_command(
     return [sys.executable, "-c", CHILD, str(notes), str(sleep), str(code), str(linger), mode]
 
 
-def start_locks(*args: str) -> subprocess.Popen[str]:
-    """`manage.py locks <args>` started in a fresh process on the test databases."""
+def start_locks(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """`manage.py locks <args>` started in a fresh process on the test databases (`env`: more
+    environment, e.g. REDIS_URL through a proxy the test can cut)."""
     return subprocess.Popen(
         [sys.executable, "-c", MANAGE, "locks", *args],
-        cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=ROOT, env={**child_env(), **(env or {})}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
 
 
