@@ -63,10 +63,11 @@ class EtcdResults(ResultStore):
             {"target": "MOD", "key": b64(name), "result": "LESS", "mod_revision": str(fence)},
         ]
         put = {"request_put": {"key": b64(name), "value": b64(value), "lease": lease}}
-        kept = bool(self.store.txn(compare, [put]).get("succeeded"))
-        if not kept:
-            self.store.revoke_later(lease)
-        return kept
+        reply = self.store.txn(compare, [put], [{"request_range": {"key": b64(name)}}])
+        if reply.get("succeeded") or _written_with(reply, lease):
+            return True
+        self.store.revoke_later(lease)
+        return False
 
     def forget(self, key: str) -> bool:
         reply = self.store.call("/v3/kv/deleterange", {"key": b64(self._name(key))})
@@ -85,6 +86,15 @@ class EtcdResults(ResultStore):
             if not page.get("more") or not kvs:
                 return
             key = b64(unb64(kvs[-1]["key"]) + "\0")
+
+
+def _written_with(reply: dict[str, Any], lease: str) -> bool:
+    """Whether a refused save's transaction found the result written with `lease`: by this
+    same save, whose first reply was lost and which the client sent again to the next member
+    (a lease is granted anew for every save)."""
+    responses = reply.get("responses") or [{}]
+    found = responses[0].get("response_range", {}).get("kvs") or []
+    return bool(found) and str(found[0].get("lease", "0")) == lease
 
 
 def _result(key: str, found: dict[str, Any]) -> StoredResult:
