@@ -4,15 +4,62 @@ must do no harm, and no call outlives SOCKET_TIMEOUT. On the run's 3-member clus
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 
-from django_keel_lock import get_lock_store
+from django_keel_lock import LockStoreUnavailable, get_lock_store
 from django_keel_lock.stores import EtcdLockStore
 from django_keel_lock.stores.results import StoredResult
 from tests.support.etcd import LosesOneReply
+
+
+class Crawls:
+    """A TCP proxy in front of a member that passes requests on at once and replies a byte at a
+    time, `pause` seconds apart: a member (or link) that answers, but too slowly to matter."""
+
+    def __init__(self, target_port: int, pause: float = 0.05) -> None:
+        self.target_port, self.pause = target_port, pause
+        self._closed = threading.Event()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+                upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            except OSError:
+                return
+            threading.Thread(target=self._pass, args=(client, upstream), daemon=True).start()
+            threading.Thread(target=self._crawl, args=(upstream, client), daemon=True).start()
+
+    @staticmethod
+    def _pass(client: socket.socket, upstream: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := client.recv(65536):
+                upstream.sendall(data)
+
+    def _crawl(self, upstream: socket.socket, client: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while (data := upstream.recv(65536)) and not self._closed.is_set():
+                for at in range(len(data)):
+                    client.sendall(data[at : at + 1])
+                    if self._closed.wait(self.pause):
+                        break
+        for sock in (client, upstream):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._listener.close()
 
 
 def _members(alias: str) -> list[str]:
@@ -55,3 +102,32 @@ def test_a_result_whose_save_reply_was_lost_is_kept_and_said_kept(
     # A second save by the same holder is still refused: never over the same fence.
     assert not results.save(key, "owner-a", fence, StoredResult(key, "fp", 0, 201, b"no"), 60)
     assert store.release(key, "owner-a")
+
+
+def test_a_member_that_crawls_cannot_hold_a_call_past_socket_timeout(
+    etcd_alias: str, key: str
+) -> None:
+    """SOCKET_TIMEOUT bounds the whole call, not each read of it: a member that sends its
+    answer a byte every 50 ms (a reply of some 300 bytes: 15 s) is given up on in time."""
+    proxy = Crawls(_port(_members(etcd_alias)[0]))
+    store = EtcdLockStore("etcd-crawls", {"ENDPOINTS": [proxy.url], "SOCKET_TIMEOUT": 1})
+    outcome: list[BaseException | None] = []
+
+    def call() -> None:
+        try:
+            store.acquire(key, "owner-a", "a", 30)
+            outcome.append(None)
+        except BaseException as exc:  # reported below
+            outcome.append(exc)
+
+    try:
+        started = time.monotonic()
+        worker = threading.Thread(target=call, daemon=True)
+        worker.start()
+        worker.join(3)
+        took = time.monotonic() - started
+        assert not worker.is_alive(), f"the call still runs after {took:.1f} s"
+        assert isinstance(outcome[0], LockStoreUnavailable) and took < 1.5
+    finally:
+        proxy.close()
+        store.close()

@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 
 from django.core.exceptions import ImproperlyConfigured
 
-from ..connections import PerThread, SocketCheck
+from ..connections import Deadline, PerThread, SocketCheck
 
 #: Sent with every request: a member without a leader refuses at once ("no leader").
 HEADERS = {"Content-Type": "application/json", "Grpc-Metadata-hasleader": "true"}
@@ -119,9 +119,13 @@ class _Failed(Exception):
 
 
 class _Connection:
-    """A thread's keep-alive connection to one endpoint."""
+    """A thread's keep-alive connection to one endpoint.
 
-    __slots__ = ("check", "http")
+    A socket timeout bounds each read, not a whole answer (a member that sends a byte now and
+    then would keep a call for ever): the request and its answer run under a `Deadline`, whose
+    thread cuts the socket when the call's time is up."""
+
+    __slots__ = ("check", "deadline", "http")
 
     def __init__(self, endpoint: Endpoint, context: ssl.SSLContext | None) -> None:
         if endpoint.scheme == "https":
@@ -131,6 +135,7 @@ class _Connection:
         else:
             self.http = http.client.HTTPConnection(endpoint.host, endpoint.port)
         self.check = SocketCheck()
+        self.deadline: Deadline | None = None  # the connected socket's
 
     def post(self, path: str, body: bytes, headers: Mapping[str, str], until: float) -> Any:
         """The decoded JSON answer of POST `path`, within `until` (monotonic)."""
@@ -138,23 +143,39 @@ class _Connection:
         try:
             sock = conn.sock
             if sock is not None and self._stale(sock):
-                conn.close()  # the member closed it (or restarted): reconnect, nothing sent
+                self.close()  # the member closed it (or restarted): reconnect, nothing sent
             conn.timeout = _left(until)
             if conn.sock is None:
                 conn.connect()
+                self.deadline = Deadline(0)
+                self.deadline.attach(conn.sock.fileno())
         except (OSError, http.client.HTTPException) as exc:
-            conn.close()
+            self.close()
             raise _NotSent(f"{type(exc).__name__}: {exc}") from exc
+        try:
+            response, data = self._exchange(path, body, headers, until)
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            self.close()
+            raise _Failed(f"{type(exc).__name__}: {exc}") from exc
+        return _answer(response.status, data)
+
+    def _exchange(
+        self, path: str, body: bytes, headers: Mapping[str, str], until: float
+    ) -> tuple[http.client.HTTPResponse, bytes]:
+        conn, deadline = self.http, self.deadline
+        assert deadline is not None
+        deadline.seconds = _left(until)
+        deadline.arm()
         try:
             conn.sock.settimeout(_left(until))
             conn.request("POST", path, body=body, headers=headers)
             conn.sock.settimeout(_left(until))
             response = conn.getresponse()
             data = response.read()
-        except (OSError, http.client.HTTPException, ValueError) as exc:
-            conn.close()
-            raise _Failed(f"{type(exc).__name__}: {exc}") from exc
-        return _answer(response.status, data)
+        finally:
+            if deadline.disarm():
+                raise TimeoutError("no whole answer within the deadline")
+        return response, data
 
     def _stale(self, sock: Any) -> bool:
         if isinstance(sock, ssl.SSLSocket):
@@ -162,6 +183,9 @@ class _Connection:
         return self.check.readable(sock.fileno())
 
     def close(self) -> None:
+        deadline, self.deadline = self.deadline, None
+        if deadline is not None:
+            deadline.detach()  # first: the descriptor may be reused once closed
         self.http.close()
 
 
