@@ -18,34 +18,16 @@ from django_keel_lock.stores.results import StoredResult
 from tests.support.etcd import LosesOneReply
 
 
-class Crawls:
+class Crawls(LosesOneReply):
     """A TCP proxy in front of a member that passes requests on at once and replies a byte at a
     time, `pause` seconds apart: a member (or link) that answers, but too slowly to matter."""
 
     def __init__(self, target_port: int, pause: float = 0.05) -> None:
-        self.target_port, self.pause = target_port, pause
+        self.pause = pause
         self._closed = threading.Event()
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(target_port)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-                upstream = socket.create_connection(("127.0.0.1", self.target_port))
-            except OSError:
-                return
-            threading.Thread(target=self._pass, args=(client, upstream), daemon=True).start()
-            threading.Thread(target=self._crawl, args=(upstream, client), daemon=True).start()
-
-    @staticmethod
-    def _pass(client: socket.socket, upstream: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            while data := client.recv(65536):
-                upstream.sendall(data)
-
-    def _crawl(self, upstream: socket.socket, client: socket.socket) -> None:
+    def _replies(self, upstream: socket.socket, client: socket.socket) -> None:
         with contextlib.suppress(OSError):
             while (data := upstream.recv(65536)) and not self._closed.is_set():
                 for at in range(len(data)):
@@ -59,7 +41,7 @@ class Crawls:
 
     def close(self) -> None:
         self._closed.set()
-        self._listener.close()
+        super().close()
 
 
 def _members(alias: str) -> list[str]:

@@ -148,7 +148,7 @@ class _Connection:
             if conn.sock is None:
                 conn.connect()
                 self.deadline = Deadline(0)
-                self.deadline.attach(conn.sock.fileno())
+                self.deadline.attach(self.http.sock.fileno())
         except (OSError, http.client.HTTPException) as exc:
             self.close()
             raise _NotSent(f"{type(exc).__name__}: {exc}") from exc
