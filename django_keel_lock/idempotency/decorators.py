@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Collection
+import inspect
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any, TypeVar, cast
 
 from asgiref.sync import iscoroutinefunction, sync_to_async
@@ -56,7 +57,9 @@ def idempotent(
     def decorate(target: Target) -> Target:
         if isinstance(target, type):
             dispatch = target.dispatch  # type: ignore[attr-defined]
-            target.dispatch = _method(config, dispatch)  # type: ignore[attr-defined]
+            # A View whose handlers are async: its dispatch returns their coroutine.
+            is_async = bool(getattr(target, "view_is_async", False))
+            target.dispatch = _method(config, dispatch, is_async)  # type: ignore[attr-defined]
             return target
         return cast(Target, guarded(config, cast(Callable[..., Any], target)))
 
@@ -69,15 +72,7 @@ def guarded(config: Idempotency, view: Callable[..., Any]) -> Callable[..., Any]
 
         @functools.wraps(view)
         async def async_wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
-            begun = await sync_to_async(config.begin)(request, args, kwargs)
-            if not isinstance(begun, Attempt):
-                return begun if begun is not None else await view(request, *args, **kwargs)
-            try:
-                response = await view(request, *args, **kwargs)
-            except BaseException:
-                await sync_to_async(begun.abandon)()
-                raise
-            return await sync_to_async(begun.finish)(response)
+            return await arun(config, request, args, kwargs, lambda: view(request, *args, **kwargs))
 
         return async_wrapper
 
@@ -113,7 +108,43 @@ def run(
     return begun.finish(response)
 
 
-def _method(config: Idempotency, dispatch: Callable[..., Any]) -> Callable[..., Any]:
+async def arun(
+    config: Idempotency,
+    request: HttpRequest,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    call: Callable[[], Awaitable[HttpResponseBase]],
+) -> HttpResponseBase:
+    """`run` for an async view: the store's calls in a thread, the view awaited."""
+    begun = await sync_to_async(config.begin)(request, args, kwargs)
+    if not isinstance(begun, Attempt):
+        return begun if begun is not None else await call()
+    try:
+        response = await call()
+    except BaseException:
+        await sync_to_async(begun.abandon)()
+        raise
+    return await sync_to_async(begun.finish)(response)
+
+
+def _method(
+    config: Idempotency, dispatch: Callable[..., Any], is_async: bool
+) -> Callable[..., Any]:
+    if is_async:
+
+        @functools.wraps(dispatch)
+        async def async_dispatch(self: Any, request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
+            async def call() -> HttpResponseBase:
+                answer = dispatch(self, request, *args, **kwargs)
+                # A handler's coroutine; an HttpResponseNotAllowed comes wrapped in one too.
+                return cast(
+                    HttpResponseBase, await answer if inspect.isawaitable(answer) else answer
+                )
+
+            return await arun(config, request, args, kwargs, call)
+
+        return async_dispatch
+
     @functools.wraps(dispatch)
     def guarded_dispatch(self: Any, request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
         return run(config, request, args, kwargs, lambda: dispatch(self, request, *args, **kwargs))

@@ -101,6 +101,11 @@ class PayView(View):
         return pay(request)
 
 
+class AsyncPayView(View):
+    async def post(self, request: HttpRequest) -> HttpResponse:
+        return await apay(request)
+
+
 class DrfPay(IdempotentMixin, APIView):
     idempotency_required = True
     authentication_classes: list[Any] = []
@@ -159,6 +164,10 @@ def _views(alias: str) -> list[Any]:
         path(
             f"{alias}/drf-hook/",
             type(f"DrfHook{alias}", (DrfHook,), {"idempotency_store": alias}).as_view(),
+        ),
+        path(
+            f"{alias}/async-class/",
+            idempotent(store=alias, scope="global")(AsyncPayView).as_view(),
         ),
         path(f"{alias}/async/", idempotent(store=alias, scope="global")(apay)),
         path(f"{alias}/mw/pay/", plain),
