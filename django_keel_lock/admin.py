@@ -31,10 +31,9 @@ from django.contrib.admin.models import CHANGE, LogEntry
 from django.contrib.admin.utils import unquote
 from django.contrib.contenttypes.models import ContentType
 from django.core.exceptions import PermissionDenied
-from django.db import NotSupportedError, models
+from django.db import NotSupportedError, connections, models
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models.constants import LOOKUP_SEP
-from django.db.models.functions import Now
 from django.db.models.sql.compiler import SQLCompiler
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
@@ -49,6 +48,7 @@ from .models import IdempotentResult, Lock, StoreLock
 from .registry import get_lock_store
 from .stores.base import PERMIT_OWNERS, LockInfo
 from .stores.database.dialects import DIALECTS
+from .stores.database.results import store_now
 
 logger = logging.getLogger("django_keel_lock")
 
@@ -767,8 +767,10 @@ class IdempotentResultAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     def get_queryset(self, request: HttpRequest) -> models.QuerySet[IdempotentResult]:
         # Where the database store keeps them (as the lock table's changelist), without the
         # data column: a listing reads no bodies. The expired ones wait for their clean-up.
-        queryset = super().get_queryset(request).using(_model_database()).defer("data")
-        return queryset.filter(expires_at__gt=Now())
+        database = _model_database()
+        queryset = super().get_queryset(request).using(database).defer("data")
+        # By the store's clock: MySQL's Now() is the session time zone's, the expiry UTC's.
+        return queryset.filter(expires_at__gt=store_now(connections[database].vendor))
 
     @admin.display(description="status", ordering="status")
     def status_display(self, obj: IdempotentResult) -> str:

@@ -855,3 +855,22 @@ def test_a_drf_key_template_reads_a_json_body_sent_with_a_charset(alias: str) ->
     assert first.status_code == 200, first.content
     assert again["Idempotent-Replayed"] == "true" and again.content == first.content
     assert views.CALLS[f"drf-hook:{event}"] == 1
+
+
+@pytest.mark.parametrize("alias", store_params(["mariadb"]))
+def test_the_admin_lists_live_results_on_a_mariadb_whose_session_time_zone_is_not_utc(
+    alias: str, idem_key: str
+) -> None:
+    base = database_of(alias)
+    options = {**connections.settings[base].get("OPTIONS", {})}
+    options["init_command"] = "SET time_zone = '+05:00'"
+    admin_user = get_user_model().objects.create_superuser(f"admin-{uuid.uuid4().hex[:10]}")
+    with database_like(base, f"tz_{os.getpid()}", OPTIONS=options) as database:
+        backend = "django_keel_lock.stores.DatabaseLockStore"
+        stores = {"default": {"BACKEND": backend, "OPTIONS": {"DATABASE": database}}}
+        with override_settings(KEEL_LOCK_STORES=stores):
+            assert run_once(idem_key, lambda: 1, ttl="1h") == (True, 1)
+            page = logged_in(admin_user).get(
+                "/admin/django_keel_lock/idempotentresult/", {"q": idem_key}
+            )
+    assert page.status_code == 200 and f"once:{idem_key}" in page.content.decode()

@@ -107,8 +107,8 @@ _GET: Mapping[str, str] = {
 }
 
 
-def _now(vendor: str) -> Func:
-    """The ORM's "now" by the clock the lock store writes expiries with."""
+def store_now(vendor: str) -> Func:
+    """The ORM's "now" by the clock the lock store writes expiries with (the admin's too)."""
     if vendor == "mysql":
         return Func(template="UTC_TIMESTAMP(6)", output_field=DateTimeField())
     return Now()
@@ -182,7 +182,8 @@ class DatabaseResults(ResultStore):
     def iter_results(self, prefix: str = "") -> Iterator[StoredResult]:
         last = None
         while True:
-            rows = self._rows().filter(key__startswith=prefix, expires_at__gt=_now(self._vendor))
+            live = self._rows().filter(expires_at__gt=store_now(self._vendor))
+            rows = live.filter(key__startswith=prefix)
             if last is not None:
                 rows = rows.filter(key__gt=last)
             try:
@@ -201,13 +202,13 @@ class DatabaseResults(ResultStore):
             while True:
                 keys = list(
                     self._rows()
-                    .filter(expires_at__lte=_now(self._vendor))
+                    .filter(expires_at__lte=store_now(self._vendor))
                     .order_by()
                     .values_list("key", flat=True)[: batch or CLEAN_BATCH]
                 )
                 if not keys:
                     return pruned
-                expired = self._rows().filter(key__in=keys, expires_at__lte=_now(self._vendor))
+                expired = self._rows().filter(key__in=keys, expires_at__lte=store_now(self._vendor))
                 deleted, _ = expired.delete()
                 pruned += deleted
                 if batch is not None or len(keys) < CLEAN_BATCH:
