@@ -211,17 +211,21 @@ class PostgresDialect(ServerDialect):
     )
 
     def __init__(self, *, durable: bool = True) -> None:
-        # Not `durable` (DURABLE: False): every write of the hot path commits without waiting
-        # for the flush, each by itself (NO_FLUSH), so nothing is set on the connection.
+        # A release never waits for the flush (NO_FLUSH), durable or not: one lost to a crash
+        # leaves its lock held, by nobody, until its ttl (a delay, never a second holder), and
+        # any later commit that waits for its flush (the next acquire) flushes it first. So
+        # a durable cycle waits for one flush, the acquire's. Not `durable` (DURABLE: False):
+        # acquires and extends do not wait either. Each statement says it for its own
+        # transaction, so nothing is set on the connection.
         hot = "" if durable else NO_FLUSH
         self.acquire_sql = (self._acquire_template.format(flush=hot),)
         self.acquire_queued_sql = (self._acquire_queued_template.format(flush=hot),)
-        self.release_sql = self._release_template.format(flush=hot)
-        self.release_line_sql = self._release_line_template.format(flush=hot)
+        self.release_sql = self._release_template.format(flush=NO_FLUSH)
+        self.release_line_sql = self._release_line_template.format(flush=NO_FLUSH)
         self.take_first_sql = self._take_first_template.format(flush=hot)
         self.extend_sql = self._extend_template.format(flush=hot)
         self.acquire_permit_sql = self._acquire_permit_template.format(flush=hot)
-        self.release_permit_sql = self._release_permit_template.format(flush=hot)
+        self.release_permit_sql = self._release_permit_template.format(flush=NO_FLUSH)
         self.extend_permit_sql = self._extend_permit_template.format(flush=hot)
 
     def sweep_names(self, delete: str, names: Sequence[Any]) -> tuple[str, Sequence[Any]]:

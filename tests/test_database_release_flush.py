@@ -1,0 +1,117 @@
+"""PostgreSQL releases do not wait for the WAL flush (issue 37, item 1), on a server of the
+test's own (tests/support/pg_server.py) that is crashed and restarted.
+
+A release commits without waiting for its WAL record to reach the disk, so a crash right after
+it may lose it: the lock then stays held, by nobody, until its ttl, and is never granted to
+two. Every later synchronous commit flushes the WAL past the release first, so an acquire that
+returned cannot survive a crash that the release before it did not. To crash in that moment
+every time, the server's WAL writer is paused before the release (nothing flushes an
+asynchronous commit then), and every process of the server is killed right after it.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from django.core.management import call_command
+from django.db import connections
+
+from django_keel_lock.stores import DatabaseLockStore
+from tests.conftest import skip_or_fail
+from tests.support.pg_server import PgServer, pg_bin, pg_server
+
+TTL = 3.0
+
+
+@pytest.fixture(scope="module")
+def server(_databases: None) -> Iterator[PgServer]:
+    if pg_bin() is None:
+        skip_or_fail("PostgreSQL's server binaries are not installed (apt-get install postgresql)")
+    with pg_server() as running:
+        connections.settings["crashing"] = {**connections.settings["postgres"], **running.settings}
+        try:
+            call_command("migrate", "django_keel_lock", database="crashing", verbosity=0)
+            connections["crashing"].close()
+            yield running
+        finally:
+            connections["crashing"].close()
+            del connections["crashing"]
+            del connections.settings["crashing"]
+
+
+@pytest.fixture
+def store(server: PgServer) -> Iterator[DatabaseLockStore]:
+    opened = DatabaseLockStore("crashing", {"DATABASE": "crashing"})  # DURABLE: the default
+    yield opened
+    opened.close()
+
+
+def _owner() -> str:
+    return uuid.uuid4().hex
+
+
+def _crash(server: PgServer, store: DatabaseLockStore) -> None:
+    """Kill the server (its WAL writer paused before: see the module), drop the store's
+    connections to it, and start it again: crash recovery replays the WAL on disk."""
+    server.crash()
+    store.close()
+    server.start()
+
+
+def test_a_release_lost_to_a_crash_frees_the_lock_at_its_ttl_and_grants_nobody_twice(
+    server: PgServer, store: DatabaseLockStore
+) -> None:
+    key, a, b = f"flush:{uuid.uuid4().hex}", _owner(), _owner()
+    taken = store.acquire(key, a, "a", TTL)
+    assert taken.fence is not None
+    expires = time.monotonic() + TTL
+    server.pause_wal_writer()
+    assert store.release(key, a)
+    _crash(server, store)
+    # The release did not reach the disk (a release that waited for the flush would have):
+    # the lock is still a's, and nobody else gets it before its ttl.
+    info = store.get(key)
+    assert info is not None and info.owner == a, info
+    refused = store.acquire(key, b, "b", 30)
+    assert not refused.acquired and refused.retry_in is not None
+    assert refused.retry_in <= TTL
+    while time.monotonic() < expires:
+        time.sleep(0.05)
+    later = store.acquire(key, b, "b", 30)
+    assert later.fence is not None and later.fence > taken.fence
+    assert store.release(key, b)
+
+
+def test_a_take_after_an_unflushed_release_survives_the_crash_and_the_release_with_it(
+    server: PgServer, store: DatabaseLockStore
+) -> None:
+    """c's acquire waits for its flush, which carries a's release before it: after the crash
+    the lock is c's alone, as when it returned, with its fence."""
+    key, a, c, d = f"flush:{uuid.uuid4().hex}", _owner(), _owner(), _owner()
+    first = store.acquire(key, a, "a", 30)
+    server.pause_wal_writer()
+    assert store.release(key, a)
+    second = store.acquire(key, c, "c", 30)
+    assert second.fence is not None and first.fence is not None and second.fence > first.fence
+    _crash(server, store)
+    info = store.get(key)
+    assert info is not None and (info.owner, info.fence) == (c, second.fence), info
+    assert not store.acquire(key, d, "d", 30).acquired
+    assert not store.release(key, a) and store.release(key, c)
+
+
+def test_an_acquire_and_an_extend_still_wait_for_the_flush(
+    server: PgServer, store: DatabaseLockStore
+) -> None:
+    """What a crash cannot cost: an acquire or extend that returned survives it."""
+    key, a = f"flush:{uuid.uuid4().hex}", _owner()
+    assert store.acquire(key, a, "a", 5).acquired
+    server.pause_wal_writer()
+    assert store.extend(key, a, 60)
+    _crash(server, store)
+    info = store.get(key)
+    assert info is not None and info.owner == a and info.expires_in > 30, info
+    assert store.release(key, a)
