@@ -5,10 +5,13 @@ must do no harm, and no call outlives SOCKET_TIMEOUT. On the run's 3-member clus
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -113,3 +116,77 @@ def test_a_member_that_crawls_cannot_hold_a_call_past_socket_timeout(
     finally:
         proxy.close()
         store.close()
+
+
+def _post(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    request = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST")
+    with urllib.request.urlopen(request, timeout=5) as reply:
+        return dict(json.load(reply))
+
+
+def _hand_leadership_on(members: list[str], then: list[threading.Thread]) -> None:
+    """Ask the leader to hand its leadership to another member (etcd's MoveLeader), starting
+    the threads `then` just before."""
+    for url in members:
+        status = _post(url, "/v3/maintenance/status", {})
+        if status["leader"] == status["header"]["member_id"]:
+            others = [_post(each, "/v3/maintenance/status", {}) for each in members if each != url]
+            target = others[0]["header"]["member_id"]
+            for thread in then:
+                thread.start()
+            with contextlib.suppress(OSError):  # it answers once the new leader leads
+                _post(url, "/v3/maintenance/transfer-leadership", {"targetID": target})
+            return
+
+
+def test_a_new_leader_never_makes_a_lock_look_longer_lived_than_its_lease(
+    etcd_alias: str, key: str
+) -> None:
+    """A member that has just become leader answers a lease's time to live with 'for ever'
+    (9223372036 s) until it has applied its term's first entry: get() must not show that, and
+    an extend asking for more than the lease has must not take it for an answer (its holder
+    would count on a lease that runs out at its own TTL). Leadership is handed on 6 times,
+    threads asking all along and extending locks of 2 s to 30 s as it goes."""
+    store = get_lock_store(etcd_alias)
+    members = list(store.options["ENDPOINTS"])
+    watched, short = f"{key}:30s", [f"{key}:{n}" for n in range(72)]
+    for each, ttl in [(watched, 30), *((each, 2) for each in short)]:
+        assert store.acquire(each, "owner-a", "a", ttl).fence is not None
+    shown: list[float] = []
+    extended: list[str] = []
+    stop = threading.Event()
+
+    def show() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(LockStoreUnavailable):
+                info = store.get(watched)
+                shown.append(info.expires_in if info else 0.0)
+
+    def extend(keys: list[str]) -> None:
+        for each in keys:
+            with contextlib.suppress(LockStoreUnavailable):
+                if store.extend(each, "owner-a", 30):
+                    extended.append(each)
+
+    threads = [threading.Thread(target=show) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        for round in range(6):
+            burst = [
+                threading.Thread(target=extend, args=(short[at : at + 3],))
+                for at in range(12 * round, 12 * round + 12, 3)
+            ]
+            threads += burst
+            _hand_leadership_on(members, then=burst)
+            time.sleep(0.15)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(10)
+    assert shown and max(shown) <= 30
+    for each in extended:  # each extend said yes: its lock lives 30 s, not 2
+        info = store.get(each)
+        assert info is not None and info.expires_in >= 25, each
+    for each in [watched, *short]:
+        store.release(each, "owner-a")

@@ -209,9 +209,15 @@ class EtcdLockStore(ListeningStore, LockStore):
                 self._revoking -= 1
 
     def _time_to_live(self, lease: str) -> int:
-        """Whole seconds left on `lease` (rounded down); -1 when it is gone."""
+        """Whole seconds left on `lease` (rounded down), never more than it was granted; -1
+        when it is gone."""
+        reply = self.call("/v3/lease/timetolive", {"ID": lease})
         # The gateway leaves out zeros: no TTL is 0 s left (under a second), not gone.
-        return int(self.call("/v3/lease/timetolive", {"ID": lease}).get("TTL", 0))
+        left = int(reply.get("TTL", 0))
+        # A member that has just become leader says 'for ever' (2**63 ns) until it has applied
+        # its term's first entry, and then gives every lease its whole TTL again (and an
+        # election timeout more): what was granted is all a holder may count on.
+        return min(left, int(reply.get("grantedTTL", 0))) if left > 0 else left
 
     # -- the protocol ---------------------------------------------------------------------
     def acquire(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
