@@ -12,8 +12,11 @@ over, force-released, a paused process waking) overlaps, and fences cover that.
 On Linux the child is also killed (SIGKILL) when this process dies without a word (`kill -9`,
 the OOM killer): `PR_SET_PDEATHSIG`, set between fork and exec. The kernel sends it when the
 *thread* that forked the child ends, so a supervisor is meant to start its child from a
-thread that outlives it (the main thread, as the command does). Elsewhere (macOS, BSD) a child
-whose supervisor was killed runs on: there is no such call.
+thread that outlives it (the main thread, as `run` does: it returns only once the child has
+been reaped). That covers the child only, not what it started (`sh -c 'a; b'` runs b as its
+own child): when the child has a process group of its own, a guard (`GUARD`, a shell reading
+a pipe only this process can write) kills the whole group once that pipe closes without a
+word, which it does when this process dies, on every POSIX system.
 
 Process groups: without a terminal the child runs in a process group of its own, and each
 signal passed on goes to that whole group (a `sh -c` and what it started). On a terminal the
@@ -59,6 +62,11 @@ FORWARDED = (
 FROM_TERMINAL = frozenset({signal.SIGINT, signal.SIGQUIT, signal.SIGHUP})
 
 PR_SET_PDEATHSIG = 1
+
+#: The guard of a child's process group ($1): told "done" when the child ended under
+#: supervision; end of input without it (this process died) kills the group. Deaf to the
+#: signals a terminal or a service manager sends a whole group, so it outlives us.
+GUARD = 'trap "" INT TERM HUP QUIT; read -r done || kill -s KILL -- "-$1"'
 
 
 def exit_status(returncode: int) -> int:
@@ -191,6 +199,14 @@ class Supervisor:
             preexec_fn=_death_signal(),
             process_group=0 if self._own_group else None,
         )
+        guard = self._guard(self.proc.pid)
+        try:
+            return self._supervise(deadline)
+        finally:  # not reaped (an exception): nobody supervises it now, the guard kills it
+            _dismiss(guard, ended=self.proc.returncode is not None)
+
+    def _supervise(self, deadline: Deadline | None) -> int:
+        assert self.proc is not None
         threading.Thread(target=self._watch_exit, name="keel-lock-child", daemon=True).start()
         if self.signalled is not None and self.signalled not in FROM_TERMINAL:
             self._send(self.signalled)  # it came between the lock and the start
@@ -200,6 +216,21 @@ class Supervisor:
         self._stop(deadline)
         self.stopped = True
         return EXIT_LOST
+
+    def _guard(self, group: int) -> subprocess.Popen[bytes] | None:
+        """Start the guard of the child's process group (none when it has none)."""
+        if not self._own_group:
+            return None
+        try:
+            return subprocess.Popen(
+                ["/bin/sh", "-c", GUARD, "keel-lock-guard", str(group)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                process_group=0,
+            )
+        except OSError:  # no /bin/sh: the child alone dies with us (Linux)
+            return None
 
     def _watch_exit(self) -> None:
         """Wait for the child to end without reaping it, so its pid (and group) stays ours
@@ -212,23 +243,30 @@ class Supervisor:
         self._events.put("exit")
 
     def _stop(self, deadline: Deadline | None) -> None:
-        """SIGTERM the child, SIGKILL it after the grace (at the deadline if sooner), reap it."""
+        """SIGTERM the child, SIGKILL it after the grace (at the deadline if sooner), reap it.
+
+        SIGKILL goes to its group even when the child ended within the grace, before it is
+        reaped (the group's id is still ours then): what it started must not run on without
+        the lock."""
         self._send(signal.SIGTERM)
         grace = self.grace
         if deadline is not None:
             grace = max(0.0, min(grace, deadline.until() - time.monotonic()))
-        if self._until_exit(grace):
-            return
+        self._exited(grace)
         self._send(signal.SIGKILL)
-        self._until_exit(None)
-
-    def _until_exit(self, timeout: float | None) -> bool:
         assert self.proc is not None
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return False
-        return True
+        self.proc.wait()
+
+    def _exited(self, timeout: float) -> bool:
+        """Wait up to `timeout` for the child to end (not reaped: `_watch_exit` says)."""
+        end = time.monotonic() + timeout
+        while (left := end - time.monotonic()) > 0:
+            try:
+                if self._events.get(timeout=min(left, 1.0)) == "exit":
+                    return True
+            except queue.Empty:
+                continue
+        return False
 
     def _next(self, deadline: Deadline | None) -> str:
         """The first of "exit", "lost", and "expiring" (the deadline's notice has come).
@@ -245,6 +283,20 @@ class Supervisor:
                 return self._events.get(timeout=wait)
             except queue.Empty:
                 continue
+
+
+def _dismiss(guard: subprocess.Popen[bytes] | None, ended: bool) -> None:
+    """Tell the guard whether the child `ended` under supervision (else it kills the
+    child's group), and reap it."""
+    if guard is None:
+        return
+    assert guard.stdin is not None
+    try:
+        guard.stdin.write(b"done\n" if ended else b"")
+        guard.stdin.close()
+    except OSError:  # it is gone already
+        pass
+    guard.wait()
 
 
 def _on_terminal() -> bool:

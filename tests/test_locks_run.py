@@ -5,6 +5,7 @@ child stopped when the lock is lost or its supervisor killed, signals passed on.
 from __future__ import annotations
 
 import io
+import os
 import signal
 import sys
 import time
@@ -160,6 +161,46 @@ def test_the_child_is_killed_when_locks_run_is_killed(key: str, tmp_path: Path) 
     proc.kill()
     proc.communicate(timeout=10)
     wait_for(lambda: not alive(pid), timeout=5, message="the orphaned child to die")
+
+
+#: A command whose own child (its pid in argv[1]) ignores SIGTERM, while the command dies of it.
+FAMILY = ["sh", "-c", '(trap "" TERM; exec sleep 60 >/dev/null 2>&1) & echo $! > "$0"; wait']
+
+
+def grandchild(notes: Path) -> int:
+    return int(wait_for(lambda: notes.read_text().strip() if notes.exists() else "",
+                        message="the command's own child"))  # fmt: skip
+
+
+@needs_store("redis")
+def test_what_the_command_started_is_killed_when_locks_run_is_killed(
+    key: str, tmp_path: Path
+) -> None:
+    notes = tmp_path / "pid"
+    proc = start_locks("run", key, "--store", "redis", "--ttl", "2", "--", *FAMILY, str(notes))
+    pid = grandchild(notes)
+    proc.kill()
+    proc.communicate(timeout=10)
+    try:
+        wait_for(lambda: not alive(pid), timeout=5, message="the command's child to die")
+    finally:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+@needs_store("redis")
+def test_what_the_command_started_is_killed_when_the_lock_is_lost(key: str, tmp_path: Path) -> None:
+    notes = tmp_path / "pid"
+    proc = start_locks("run", key, "--store", "redis", "--ttl", "2", "--grace", "0.3", "--",
+                       *FAMILY, str(notes))  # fmt: skip
+    pid = grandchild(notes)
+    get_lock_store("redis").force_release(key)
+    proc.communicate(timeout=20)
+    running_on = alive(pid)
+    if running_on:
+        os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == EXIT_LOST
+    assert not running_on, "a process of the stopped command ran on without the lock"
 
 
 def test_a_child_killed_by_a_signal_exits_128_plus_it(key: str) -> None:
