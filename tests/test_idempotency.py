@@ -874,3 +874,20 @@ def test_the_admin_lists_live_results_on_a_mariadb_whose_session_time_zone_is_no
                 "/admin/django_keel_lock/idempotentresult/", {"q": idem_key}
             )
     assert page.status_code == 200 and f"once:{idem_key}" in page.content.decode()
+
+
+@needs(os.path.exists(REDIS_SERVER), "the redis-server binary")
+def test_run_once_whose_result_cannot_be_kept_returns_it_and_says_so(
+    idem_key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # fn ran: raising LockStoreUnavailable now hid its result and had a task retry (run) it.
+    with redis_server() as server:
+        store = RedisLockStore(f"down-{uuid.uuid4().hex[:8]}", {"URL": server.url})
+
+        def charge() -> dict[str, int]:
+            server.kill()  # the store goes away while the function runs
+            return {"charged": 1}
+
+        with serving(store) as alias, caplog.at_level(logging.WARNING, "django_keel_lock"):
+            assert run_once(idem_key, charge, store=alias) == (True, {"charged": 1})
+    assert "not kept" in caplog.text

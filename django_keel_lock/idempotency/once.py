@@ -13,17 +13,20 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 from asgiref.sync import iscoroutinefunction
 
 from ..durations import Duration
+from ..exceptions import LockStoreUnavailable
 from ..options import LockSpec, check_key_fields, format_key, ttl_seconds
 from ..stores.results import StoredResult
 from .storage import after_commit, result_store_for
 
 F = TypeVar("F", bound=Callable[..., Any])
+logger = logging.getLogger("django_keel_lock")
 
 
 def run_once(
@@ -40,7 +43,8 @@ def run_once(
 
     While another call of `key` runs, wait `wait` seconds for it, then raise LockUnavailable.
     `fn` raising keeps nothing (the next call runs it again). Inside a transaction, the
-    result is kept once it commits."""
+    result is kept once it commits. A result that cannot be kept (the store gone, the lock
+    lost while `fn` ran) is still returned, with a WARNING: the next call runs `fn` again."""
     spec = LockSpec.parse("run_once", ttl=lock_ttl, timeout=wait, store=store, name="once")
     return _Once(ttl_seconds(ttl), spec).run(key, fn)
 
@@ -72,10 +76,17 @@ class _Once:
         kept = StoredResult(handle.key, "", fence, 0, data)
 
         def keep() -> None:
+            # `fn` has run: a store gone now must not hide its result from the caller (a task
+            # would be retried, and run again). Said in a WARNING instead.
             try:
-                results.save(handle.key, owner, fence, kept, self.ttl)
-            finally:
+                if not results.save(handle.key, owner, fence, kept, self.ttl):
+                    logger.warning("run_once %r: the lock was lost while it ran; not kept", key)
+            except LockStoreUnavailable as exc:
+                logger.warning("run_once %r: its result is not kept: %s", key, exc)
+            try:
                 handle.release()
+            except LockStoreUnavailable as exc:
+                logger.warning("run_once %r: its lock frees itself within its ttl: %s", key, exc)
 
         if not after_commit(keep):
             handle.release()
