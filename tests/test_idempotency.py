@@ -891,3 +891,21 @@ def test_run_once_whose_result_cannot_be_kept_returns_it_and_says_so(
         with serving(store) as alias, caplog.at_level(logging.WARNING, "django_keel_lock"):
             assert run_once(idem_key, charge, store=alias) == (True, {"charged": 1})
     assert "not kept" in caplog.text
+
+
+def test_a_replay_of_a_compressed_body_says_it_is_compressed(idem_key: str) -> None:
+    # The middleware outside GZipMiddleware keeps the gzipped bytes: without their
+    # Content-Encoding, the replay was gzip a client read as JSON.
+    with override_settings(
+        MIDDLEWARE=[
+            "django_keel_lock.idempotency.IdempotencyMiddleware",
+            "django.middleware.gzip.GZipMiddleware",
+            *settings.MIDDLEWARE,
+        ],
+        KEEL_LOCK_IDEMPOTENT_PATHS={"/memory/mw/": {"store": "memory", "scope": "global"}},
+    ):
+        client = Client(headers={"Accept-Encoding": "gzip"})
+        first = post(client, "/memory/mw/pay/", idem_key, {"size": 2000})
+        again = post(client, "/memory/mw/pay/", idem_key, {"size": 2000})
+    assert first["Content-Encoding"] == "gzip" and again["Idempotent-Replayed"] == "true"
+    assert again.content == first.content and again.get("Content-Encoding") == "gzip"

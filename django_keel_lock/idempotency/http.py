@@ -20,10 +20,12 @@ MAX_KEY_LENGTH = 200
 REPLAYED_HEADER = "Idempotent-Replayed"
 #: The response headers kept with a response and replayed: what describes its body and where
 #: it points. Never Set-Cookie (a session of the first request's) nor hop-by-hop headers.
+#: Content-Encoding goes with bytes kept encoded (the middleware outside GZipMiddleware).
 SAFE_HEADERS = frozenset(
     {
         "cache-control",
         "content-disposition",
+        "content-encoding",
         "content-language",
         "content-type",
         "etag",
