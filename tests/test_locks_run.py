@@ -259,7 +259,7 @@ def test_run_on_the_memory_store_holds_the_key_in_this_process(key: str, tmp_pat
 @pytest.mark.parametrize(
     ("args", "named"),
     [
-        (["run", "k", "--store", "memory"], "COMMAND is missing"),
+        (["run", "k", "--store", "memory"], "COMMAND must follow `--`"),
         (["run", "k", "--store", "memory", "--"], "COMMAND is missing"),
         (["run", "k", "--store", "memory", "--ttl", "0.0001", "--", "true"], "bad --ttl"),
         (["run", "k", "--store", "memory", "--ttl", "-1", "--", "true"], "bad --ttl"),
@@ -271,6 +271,9 @@ def test_run_on_the_memory_store_holds_the_key_in_this_process(key: str, tmp_pat
         (["lead", "x", "--store", "memory", "--ttl", "0", "--", "true"], "bad --ttl"),
         (["lead", "x" * 256, "--store", "sqlite", "--", "true"], "bad NAME"),
         (["list", "--store", "memory", "--", "true"], "for `run` and `lead`"),
+        (["run", "k", "--store", "memory", "true"], "COMMAND must follow `--`"),
+        (["run", "k", "true", "--store", "memory"], "COMMAND must follow `--`"),
+        (["lead", "x", "true", "--store", "memory"], "COMMAND must follow `--`"),
     ],
 )
 def test_bad_input_is_a_usage_error_naming_the_argument(args: list[str], named: str) -> None:
@@ -284,6 +287,12 @@ def test_usage_errors_from_the_command_line_exit_2(key: str) -> None:
     ran = manage("locks", "run", key, "--store", "sqlite", "--ttl", "0.0001", "--", "true")
     assert ran.returncode == 2
     assert "bad --ttl: ttl must be at least 0.001 seconds" in ran.stderr
+
+
+def test_a_command_without_dashes_is_a_usage_error_from_the_command_line(key: str) -> None:
+    ran = manage("locks", "run", key, "--store", "memory", "true")
+    assert ran.returncode == 2
+    assert "COMMAND must follow `--`" in ran.stderr
 
 
 def test_the_command_gets_its_own_options_untouched(key: str, tmp_path: Path) -> None:

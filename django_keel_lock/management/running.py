@@ -254,14 +254,26 @@ def check_command_split(parser: CommandParser) -> None:
 
     def parse_args(args: Sequence[str] | None = None, namespace: Any = None) -> Any:
         head, command = split_command(sys.argv[2:] if args is None else args)
+        if command is None and _runs_a_command(head):
+            # Without `--` argparse would take the command's options for ours, and its words
+            # for COMMAND or not depending on where our options stand.
+            what = "KEY" if head[0] == "run" else "NAME"
+            fail(f"COMMAND must follow `--`: manage.py locks {head[0]} {what} [options] -- COMMAND")
         parsed = parse(head, namespace)
         if command is not None:
             if parsed.action not in ("run", "lead"):
-                message = f"'--' and a command are for `run` and `lead`, not {parsed.action}"
-                if getattr(parser, "called_from_command_line", False):
-                    parser.error(message)  # exit 2, with the usage
-                raise usage(message)  # call_command: exit 2 too, not CommandParser's 1
+                fail(f"'--' and a command are for `run` and `lead`, not {parsed.action}")
             parsed.command = [*getattr(parsed, "command", []), *command]
         return parsed
 
+    def fail(message: str) -> None:
+        if getattr(parser, "called_from_command_line", False):
+            parser.error(message)  # exit 2, with the usage
+        raise usage(message)  # call_command: exit 2 too, not CommandParser's 1
+
     parser.parse_args = parse_args  # type: ignore[method-assign, assignment]
+
+
+def _runs_a_command(head: Sequence[str]) -> bool:
+    """Whether argv (before any `--`) is `run` or `lead`, not asking for help."""
+    return bool(head) and head[0] in ("run", "lead") and not {"-h", "--help"} & set(head)
