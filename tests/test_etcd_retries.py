@@ -4,6 +4,7 @@ must do no harm, and no call outlives SOCKET_TIMEOUT. On the run's 3-member clus
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import socket
@@ -190,3 +191,23 @@ def test_a_new_leader_never_makes_a_lock_look_longer_lived_than_its_lease(
         assert info is not None and info.expires_in >= 25, each
     for each in [watched, *short]:
         store.release(each, "owner-a")
+
+
+def test_revocations_queued_against_a_frozen_member_do_not_delay_async_calls() -> None:
+    """Leases to revoke queue up (16 at most) when etcd is slow, each waiting up to 1 s: they
+    must not hold the threads async calls run on, or an aacquire waits behind them past
+    SOCKET_TIMEOUT. The member is a socket that takes connections and never answers, as a
+    stopped (SIGSTOP) member does."""
+    frozen = socket.create_server(("127.0.0.1", 0), backlog=64)
+    url = f"http://127.0.0.1:{frozen.getsockname()[1]}"
+    store = EtcdLockStore("etcd-frozen", {"ENDPOINTS": [url], "SOCKET_TIMEOUT": 1})
+    try:
+        for lease in range(1, 17):
+            store.revoke_later(str(lease))
+        started = time.monotonic()
+        with pytest.raises(LockStoreUnavailable):
+            asyncio.run(store.aacquire("k", "owner-a", "a", 30))
+        assert time.monotonic() - started < 1.5  # 3 s before: 16 revocations, 6 threads
+    finally:
+        store.close()
+        frozen.close()

@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import math
 import ssl
-import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import UTC, datetime
@@ -44,11 +43,10 @@ from ..wakeups import ListeningStore
 from . import checks
 from .client import EtcdClient, EtcdUnavailable, b64, parse_endpoints, range_end, unb64
 from .listener import EtcdListener
+from .revoker import Revoker
 
 DEFAULT_PREFIX = "keel-lock/"
 PAGE_SIZE = 100
-#: The most lease revocations queued at once; beyond them leases run out by themselves.
-MAX_REVOKING = 16
 
 
 def lease_seconds(ttl: float) -> int:
@@ -142,11 +140,10 @@ class EtcdLockStore(ListeningStore, LockStore):
             prefix += "/"
         self.prefix = prefix
         self.socket_timeout = socket_timeout_option(alias, self.options)
-        self._revoking = 0  # revocations queued or running (`revoke_later`)
-        self._revoking_mutex = threading.Lock()
         self.client = EtcdClient(
             endpoints, self.socket_timeout, self._tls(endpoints), self._credentials()
         )
+        self._revoker = Revoker(self.client, alias)
 
     def _tls(self, endpoints: Any) -> ssl.SSLContext | None:
         if not any(each.scheme == "https" for each in endpoints):
@@ -187,26 +184,10 @@ class EtcdLockStore(ListeningStore, LockStore):
         return str(self.call("/v3/lease/grant", {"TTL": lease_seconds(ttl)})["ID"])
 
     def revoke_later(self, lease: str) -> None:
-        """Revoke a lease no key uses any more, on a worker thread: nothing waits for it, and
-        if it fails, or too many wait already (a slow etcd), the lease runs out by itself.
-        Each waits at most 1 s: the worker threads finish what is queued before the
-        interpreter exits."""
-        with self._revoking_mutex:
-            if self._revoking >= MAX_REVOKING:
-                return
-            self._revoking += 1
-        self.submit(self._revoke, lease)
-
-    def _revoke(self, lease: str) -> None:
-        try:
-            self.client.call(
-                "/v3/lease/revoke", {"ID": lease}, within=min(1.0, self.socket_timeout)
-            )
-        except EtcdUnavailable:
-            pass  # it runs out on its own
-        finally:
-            with self._revoking_mutex:
-                self._revoking -= 1
+        """Revoke a lease no key uses any more, in the background (`Revoker`): nothing waits
+        for it, and if it fails, or too many wait already (a slow etcd), the lease runs out by
+        itself."""
+        self._revoker.put(lease)
 
     def _time_to_live(self, lease: str) -> int:
         """Whole seconds left on `lease` (rounded down), never more than it was granted; -1
@@ -338,4 +319,5 @@ class EtcdLockStore(ListeningStore, LockStore):
 
     def close(self) -> None:
         self.stop_listener()
+        self._revoker.close()
         self.client.close()
