@@ -74,7 +74,7 @@ def test_run_passes_the_fence_and_the_childs_status_and_exits_75_when_held(
     assert not notes.exists()  # neither ran the command
 
 
-@pytest.mark.parametrize("alias", SHARED_STORES)
+@pytest.mark.parametrize("alias", store_params(["postgres", "redis"]))
 def test_run_stops_the_child_when_the_lock_is_lost_mid_run_and_exits_79(
     alias: str, key: str, tmp_path: Path
 ) -> None:
