@@ -52,6 +52,7 @@ def _other_problems(alias: str, options: Mapping[str, Any]) -> list[tuple[str, s
             problems.append(
                 (f"{named} {name} {path!r} is not a file", "Name a PEM file this process reads.")
             )
+    problems.extend(_cleartext_problems(named, options))
     if options.get("KEY_FILE") is not None and options.get("CERT_FILE") is None:
         problems.append((f"{named} has KEY_FILE without CERT_FILE", "Set both, or neither."))
     if (options.get("USER") is None) != (options.get("PASSWORD") is None):
@@ -59,3 +60,22 @@ def _other_problems(alias: str, options: Mapping[str, Any]) -> list[tuple[str, s
             (f"{named} has one of USER and PASSWORD without the other", "Set both, or neither.")
         )
     return problems
+
+
+def _cleartext_problems(named: str, options: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """TLS files with an http:// endpoint: its calls (and PASSWORD) would go unencrypted and
+    unverified, silently, while the settings say TLS."""
+    tls = [name for name in ("CA_FILE", "CERT_FILE", "KEY_FILE") if options.get(name)]
+    endpoints = options.get("ENDPOINTS")
+    if not tls or isinstance(endpoints, str) or not isinstance(endpoints, list | tuple):
+        return []
+    plain = [url for url in endpoints if isinstance(url, str) and url.strip().startswith("http:")]
+    if not plain:
+        return []
+    return [
+        (
+            f"{named} has {' and '.join(tls)} but ENDPOINTS {plain!r} use http://, "
+            "which sends calls unencrypted and verifies no certificate",
+            "Write the members' URLs with https://, or leave the TLS files out.",
+        )
+    ]
