@@ -249,7 +249,9 @@ def election(name: str, **options: Unpack[ElectionOptions]) -> Election:
 _elections: weakref.WeakKeyDictionary[Lock, Election] = weakref.WeakKeyDictionary()
 #: Elections that campaigned and have not resigned: resigned at SIGTERM and at exit.
 _leading: weakref.WeakSet[Election] = weakref.WeakSet()
-_sigterm_taken: list[bool] = []
+#: What `_resign_at_exit` has set up, once per process: "atexit", "sigterm".
+_set_up: set[str] = set()
+_set_up_mutex = threading.Lock()
 
 
 @receiver(lock_lost)
@@ -263,10 +265,14 @@ def _resign_at_exit(leader: Election) -> None:
     """Resign `leader` when the interpreter exits, and at SIGTERM when nothing else handles
     it (the handler then ends the process by SIGTERM, as the default would have)."""
     _leading.add(leader)
-    if _sigterm_taken or threading.current_thread() is not threading.main_thread():
-        return
-    _sigterm_taken.append(True)
-    atexit.register(resign_all)
+    with _set_up_mutex:
+        if "atexit" not in _set_up:  # from any thread: a worker thread's leader too
+            _set_up.add("atexit")
+            atexit.register(resign_all)
+        # A handler can only be set from the main thread: the first campaign there does.
+        if "sigterm" in _set_up or threading.current_thread() is not threading.main_thread():
+            return
+        _set_up.add("sigterm")
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _on_sigterm)
 

@@ -15,7 +15,7 @@ import pytest
 
 from django_keel_lock import LockNotHeldError, LockUnavailable, election, get_lock_store
 from django_keel_lock.leaders import KEY_PREFIX
-from tests.conftest import store_params
+from tests.conftest import needs_store, store_params
 from tests.support import ROOT
 from tests.support.commands import notes_of, wait_for
 from tests.support.holders import child_env
@@ -24,7 +24,14 @@ SHARED_STORES = store_params(["sqlite", "postgres", "mariadb", "redis"])
 
 
 def candidate(
-    alias: str, name: str, log: Path, *, ttl: float = 2, hold: float | None = None, end: str = ""
+    alias: str,
+    name: str,
+    log: Path,
+    *,
+    ttl: float = 2,
+    hold: float | None = None,
+    end: str = "",
+    thread: bool = False,
 ) -> subprocess.Popen[bytes]:
     argv = [sys.executable, "-m", "tests.support.candidate", "--store", alias, "--name", name,
             "--ttl", str(ttl), "--log", str(log)]  # fmt: skip
@@ -32,6 +39,8 @@ def candidate(
         argv += ["--hold", str(hold)]
     if end:
         argv += ["--end", end]
+    if thread:
+        argv += ["--thread"]
     return subprocess.Popen(argv, cwd=ROOT, env=child_env())
 
 
@@ -111,6 +120,26 @@ def test_takeover_after_kill_9_sigterm_and_exit_seen_by_an_observer(
         third.send_signal(signal.SIGTERM)
         assert third.wait(10) == -signal.SIGTERM  # it still dies of SIGTERM, resigned first
         wait_for(lambda: observer.current() is None, timeout=ttl - 1.0, message="no leader")
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+@needs_store("redis")
+def test_interpreter_exit_resigns_a_leader_elected_from_another_thread(
+    key: str, tmp_path: Path
+) -> None:
+    log, ttl = tmp_path / "log", 5.0
+    first = candidate("redis", key, log, ttl=ttl, hold=0.2, end="exit", thread=True)
+    procs = [first]
+    try:
+        wait_for(lambda: events(log, "elected"), message="a leader")
+        procs.append(candidate("redis", key, log, ttl=ttl))
+        assert first.wait(10) == 0
+        wait_for(lambda: len(events(log, "elected")) == 2, timeout=ttl + 5, message="takeover")
+        exited_at = events(log, "resign")[0][2]
+        assert events(log, "elected")[1][2] - exited_at < ttl - 2.0, "exit did not resign"
     finally:
         for proc in procs:
             proc.kill()

@@ -5,7 +5,7 @@
 Campaigns; once leader appends "elected <term> <pid> <wall time>" to PATH, leads for --hold
 seconds (default: until killed or stopped), then appends "resign <term> <pid> <wall time>"
 and resigns (--end resign), or exits without resigning (--end exit: interpreter exit must
-resign for it).
+resign for it). --thread: campaign from a thread other than the main one.
 """
 
 from __future__ import annotations
@@ -31,13 +31,23 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--log", required=True)
     parser.add_argument("--hold", type=float, default=None)
     parser.add_argument("--end", choices=["resign", "exit"], default="resign")
+    parser.add_argument("--thread", action="store_true", help="campaign from another thread")
     args = parser.parse_args(argv)
     setup_django()
     from django_keel_lock import election
 
     leader = election(args.name, ttl=args.ttl, store=args.store, holder=f"candidate:{os.getpid()}")
     note(args.log, "candidate", "-")
-    term = leader.campaign()
+    if args.thread:  # as a web or task worker's thread would
+        import threading
+
+        terms: list[int] = []
+        campaigning = threading.Thread(target=lambda: terms.append(leader.campaign()))
+        campaigning.start()
+        campaigning.join()
+        (term,) = terms
+    else:
+        term = leader.campaign()
     note(args.log, "elected", term)
     if args.hold is None:
         while True:
