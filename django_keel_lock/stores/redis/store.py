@@ -121,8 +121,8 @@ class RedisLockStore(ListeningStore, LockStore):
     cache's SOCKET_TIMEOUT is kept when it is shorter.
 
     MIN_REPLICAS (default 0) makes each acquire and extend wait (WAIT) up to half of
-    SOCKET_TIMEOUT for that many replicas to acknowledge it; with fewer, the lock is given back
-    and the call raises LockStoreUnavailable.
+    SOCKET_TIMEOUT for that many replicas to acknowledge it; with fewer, the call raises
+    LockStoreUnavailable (an acquire gives the lock back, an extend leaves it the expiry it had).
     """
 
     option_names = frozenset(
