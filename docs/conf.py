@@ -51,9 +51,9 @@ default_role = "code"
 
 
 def _public_bases(app: object, name: str, obj: object, options: object, bases: list[type]) -> None:
-    """Show only public bases: the stores' listening mixin is not importable from a public
-    module (and the reference says so)."""
-    bases[:] = [b for b in bases if b.__name__ != "ListeningStore"]
+    """Show only public bases: the stores' listening mixin and the parts `Lock` is made of
+    (its methods are shown as its own) are not importable from a public module."""
+    bases[:] = [b for b in bases if b.__name__ not in ("ListeningStore", "Holding", "KeyQueries")]
 
 
 def setup(app: object) -> None:
