@@ -11,7 +11,9 @@ KEEL_LOCK_FENCE), and campaigns again when leadership is lost.
 
 Exit status: the command's (killed by signal N: 128 + N); 75 (EX_TEMPFAIL) when `run` found
 the lock held elsewhere, 0 then with --skip-ok; 79 when the lock was lost while the command
-ran (`run`; the command was stopped: SIGTERM, then SIGKILL after --grace); 2 for usage errors;
+ran, or the store stopped answering (`run`; the command was stopped: SIGTERM, then SIGKILL
+after --grace, and never after the lock's confirmed expiry: `supervise.Deadline`); 2 for
+usage errors, a command not after `--` included;
 3 when the store could not be reached before the command started; 126/127 when the command
 could not be started. SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 are passed on to the
 command, and the lock is released once it has ended; a signal while waiting for the lock
