@@ -1,0 +1,187 @@
+"""The engine's async driver under cancellation, in every mode: a task cancelled at each of
+its await points (acquire, a writer's wait for readers, release, extend) leaves the store and
+the handle agreeing: no acquisition held by nobody, none the handle says it holds and the
+store does not have, no place left in the key's line, and lock_acquired / lock_released sent
+once each per acquisition.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from django_keel_lock import Lock, LockNotHeldError, lock, semaphore, signals
+from django_keel_lock.stores import LockStore
+
+from .conftest import store_params
+from .test_async import Stepper, step
+
+MODE_STORES = store_params(["memory", "sqlite", "postgres", "redis"])
+
+pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+
+
+@pytest.fixture(params=MODE_STORES)
+def alias(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def sent() -> Iterator[list[str]]:
+    """The names of lock_acquired and lock_released, in the order they were sent."""
+    seen: list[str] = []
+    receivers = []
+    for name in ("lock_acquired", "lock_released"):
+
+        def receiver(sender: Any, _name: str = name, **kwargs: Any) -> None:
+            seen.append(_name)
+
+        getattr(signals, name).connect(receiver, weak=False)
+        receivers.append((getattr(signals, name), receiver))
+    yield seen
+    for signal, receiver in receivers:
+        signal.disconnect(receiver)
+
+
+def _handle(mode: str, key: str, alias: str, **options: Any) -> Lock:
+    if mode == "semaphore":
+        return semaphore(key, limit=2, store=alias, **options)
+    return lock(key, store=alias, shared=mode == "shared", **options)
+
+
+async def _agree(store: LockStore, key: str, handle: Lock) -> bool:
+    """The handle and the store agree on whether it holds; whether it does."""
+    owners = {info.owner for info in await store.aholders(key)}
+    info = await store.aget(key)
+    if info is not None:
+        owners.add(info.owner)
+    mine = handle.owner is not None and handle.owner in owners
+    pending = handle._next_owner is not None and handle._next_owner in owners
+    assert not pending, "an acquisition the handle does not know it holds"
+    assert handle.held == mine, f"handle says held={handle.held}, store has it: {mine}"
+    return mine
+
+
+async def _run(stepper: Stepper) -> None:
+    """Run the stepper in a task of its own: it ends cancelled exactly when we cancelled it."""
+    task = asyncio.create_task(step(stepper))
+    await asyncio.wait([task])
+    if not task.cancelled():
+        task.result()  # its error, if any, fails the test
+    assert task.cancelled() == bool(stepper.cancelled_at), "cancellation swallowed or not ours"
+
+
+@pytest.mark.parametrize("mode", ["exclusive", "shared", "semaphore"])
+async def test_async_with_cancelled_at_every_await_point_in_every_mode(
+    mode: str, alias: str, key: str, sent: list[str]
+) -> None:
+    store = _handle(mode, key, alias).store
+    for k in range(1, 80):
+        sent.clear()
+        handle = _handle(mode, key, alias, ttl=30)
+
+        async def use(handle: Lock = handle) -> None:
+            async with handle:
+                await asyncio.sleep(0)
+
+        stepper = Stepper(use(), k)
+        await _run(stepper)
+        assert not await _agree(store, key, handle)
+        assert sent in ([], ["lock_acquired", "lock_released"]), sent
+        if not stepper.cancelled_at:
+            assert k > 3
+            return
+    raise AssertionError("never finished")
+
+
+async def test_a_writer_waiting_for_readers_cancelled_at_every_await_point(
+    alias: str, key: str, sent: list[str]
+) -> None:
+    """An exclusive waiter finds a reader, waits as a writer (its mark keeps new readers out),
+    and the reader leaves meanwhile; cancelled anywhere, nothing is left held, and the key
+    is free for the next writer at once (no place left in the line)."""
+    store = _handle("shared", key, alias).store
+    for k in range(1, 80):
+        reader = _handle("shared", key, alias, ttl=30)
+        # (The last writer's mark, which keeps readers out, lapses by itself: up to 2 s.)
+        assert await reader.aacquire(timeout=5)
+        sent.clear()
+        handle = _handle("exclusive", key, alias, ttl=30, timeout=10, retry_delay=5)
+
+        async def use(handle: Lock = handle) -> None:
+            async with handle:
+                await asyncio.sleep(0)
+
+        async def leave_soon(reader: Lock = reader) -> None:
+            await asyncio.sleep(0.05)
+            await reader.arelease()
+
+        leaving = asyncio.create_task(leave_soon())
+        stepper = Stepper(use(), k)
+        await _run(stepper)
+        await leaving
+        assert not await _agree(store, key, handle)
+        # The reader's release, and the writer's acquire and release when it got in.
+        assert sent.count("lock_acquired") in (0, 1), sent
+        assert sent.count("lock_released") == 1 + sent.count("lock_acquired"), sent
+        other = _handle("exclusive", key, alias)
+        assert await other.aacquire(timeout=0), "a place left in the line"
+        assert await other.arelease()
+        if not stepper.cancelled_at:
+            assert k > 3
+            return
+    raise AssertionError("never finished")
+
+
+@pytest.mark.parametrize("mode", ["exclusive", "shared", "semaphore"])
+async def test_arelease_and_aextend_cancelled_at_every_await_point(
+    mode: str, alias: str, key: str, sent: list[str]
+) -> None:
+    """The release (or extend) runs to its end; the handle says what the store did, once."""
+    store = _handle(mode, key, alias).store
+    for operation in ("arelease", "aextend"):
+        for k in range(1, 40):
+            handle = _handle(mode, key, alias, ttl=30)
+            assert await handle.aacquire()
+            sent.clear()
+
+            async def act(handle: Lock = handle, operation: str = operation) -> None:
+                await getattr(handle, operation)()
+
+            stepper = Stepper(act(), k)
+            await _run(stepper)
+            held = await _agree(store, key, handle)
+            assert held == (operation == "aextend"), (operation, k)
+            assert sent == ([] if held else ["lock_released"]), sent
+            if held:
+                assert await handle.arelease()
+            with pytest.raises(LockNotHeldError):
+                await handle.aextend()
+            if not stepper.cancelled_at:
+                break
+        else:
+            raise AssertionError("never finished")
+
+
+async def test_cancelled_acquire_then_the_same_handle_acquires_again(
+    alias: str, key: str, sent: list[str]
+) -> None:
+    """A handle whose acquire was cancelled (the grant given back) acquires again, with the
+    same owner (the one a lost reply may have left in the store), and releases once."""
+    store = _handle("exclusive", key, alias).store
+    handle = _handle("exclusive", key, alias, ttl=30)
+    for k in range(1, 6):
+        stepper = Stepper(handle.aacquire(), k)
+        await _run(stepper)
+        if not stepper.cancelled_at:
+            break
+        assert not await _agree(store, key, handle)
+    assert await _agree(store, key, handle)
+    assert await handle.arelease()
+    assert sent == ["lock_acquired", "lock_released"]
+    other = _handle("exclusive", key, alias)
+    assert await other.aacquire()
+    assert await other.arelease()
