@@ -240,10 +240,18 @@ def give_back(target: Target, owner: str) -> Call:
     return Call(release_op(target), (target.key, owner), quiet=True)
 
 
-def giving_back(target: Target, owner: str) -> Generator[Step, Any, None]:
-    """Give back `owner`'s grant, which came too late: an error is read, not raised (the
-    lock is past its ttl already)."""
-    yield give_back(target, owner)
+def giving_back(target: Target, owner: str, why: str = "granted too late") -> Steps:
+    """Give back `owner`'s grant, which came too late (`why`): an error is logged, not
+    raised (the caller is refusing, or raising already); the lock then lives out its ttl."""
+    undone = yield give_back(target, owner)
+    if isinstance(undone, BaseException):
+        logger.warning(
+            "lock %r was %s and could not be given back (%s); it expires in %gs",
+            target.key,
+            why,
+            type(undone).__name__,
+            target.ttl,
+        )
 
 
 #: What a grant that came too late counts as, once given back.
@@ -271,14 +279,7 @@ def _attempt(
     except Interrupted as stop:
         reply = stop.reply
         if reply is not None and reply.acquired:
-            undone = yield give_back(target, owner)
-            if isinstance(undone, BaseException):
-                logger.warning(
-                    "lock %r was acquired as its waiter was cancelled and could not be given "
-                    "back; it expires in %gs",
-                    target.key,
-                    target.ttl,
-                )
+            yield from giving_back(target, owner, "acquired as its waiter was cancelled")
         raise
     return result if result.held_as is None else check(target, result)
 
@@ -341,7 +342,7 @@ def acquisition(
     else:
         result, sent = yield from once(target, owner)
     if late(target, result, sent):
-        yield give_back(target, owner)
+        yield from giving_back(target, owner)
         result = REFUSED
     return result, sent
 

@@ -8,15 +8,21 @@ once each per acquisition.
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
+import uuid
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
+from django.conf import settings
 
 from django_keel_lock import Lock, LockNotHeldError, lock, semaphore, signals
-from django_keel_lock.stores import LockStore
+from django_keel_lock.stores import LockStore, RedisLockStore
 
-from .conftest import store_params
+from .conftest import needs_store, serving, store_params
+from .support.redis_servers import FaultyProxy
 from .test_async import Stepper, step
 
 MODE_STORES = store_params(["memory", "sqlite", "postgres", "redis"])
@@ -185,3 +191,66 @@ async def test_cancelled_acquire_then_the_same_handle_acquires_again(
     other = _handle("exclusive", key, alias)
     assert await other.aacquire()
     assert await other.arelease()
+
+
+# -- a grant that came too late, and could not be given back -----------------------------
+@pytest.fixture
+def late_grant(caplog: pytest.LogCaptureFixture) -> Iterator[tuple[FaultyProxy, str]]:
+    """A Redis store behind a proxy that holds the next acquire past its ttl, then freezes
+    for the give-back (socket timeout 1 s)."""
+    proxy = FaultyProxy(urlsplit(settings.REDIS_URL).port or 6379)
+    store = RedisLockStore(f"late-{uuid.uuid4().hex[:8]}", {"URL": f"{proxy.url}?socket_timeout=1"})
+
+    def stall_on_late_grant(record: logging.LogRecord) -> bool:
+        # The core says a grant came too late: freeze the store, so that the give-back hangs
+        # until the client's socket timeout, as it does on the slow store that made it late.
+        if "granted after its ttl" in record.getMessage():
+            proxy.mode = "stall"
+        return True
+
+    logger = logging.getLogger("django_keel_lock")
+    logger.addFilter(stall_on_late_grant)
+    caplog.set_level(logging.INFO, logger="django_keel_lock")
+    try:
+        with serving(store) as alias:
+            assert lock(f"warm-up:{uuid.uuid4().hex}", store=alias).run(lambda: None).acquired
+            proxy.mode = "stall"
+            threading.Timer(0.4, lambda: setattr(proxy, "mode", "pass")).start()
+            yield proxy, alias
+    finally:
+        logger.removeFilter(stall_on_late_grant)
+        proxy.mode = "pass"
+        proxy.close()
+
+
+def _not_given_back(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        record.getMessage()
+        for record in caplog.records
+        if record.levelno == logging.WARNING and "could not be given back" in record.getMessage()
+    ]
+
+
+@needs_store("redis")
+@pytest.mark.parametrize("wait", [0, 5], ids=["once", "waiting"])
+def test_a_late_grant_that_cannot_be_given_back_is_refused_with_a_warning(
+    late_grant: tuple[FaultyProxy, str], key: str, caplog: pytest.LogCaptureFixture, wait: int
+) -> None:
+    proxy, alias = late_grant
+    handle = lock(key, ttl=0.1, store=alias)
+    assert handle.acquire(timeout=wait) is False  # not taken; the give-back's error not raised
+    proxy.mode = "pass"
+    assert not handle.held
+    assert len(_not_given_back(caplog)) == 1, [r.getMessage() for r in caplog.records]
+
+
+@needs_store("redis")
+async def test_a_late_grant_that_cannot_be_given_back_is_refused_with_a_warning_async(
+    late_grant: tuple[FaultyProxy, str], key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    proxy, alias = late_grant
+    handle = lock(key, ttl=0.1, store=alias)
+    assert await handle.aacquire() is False
+    proxy.mode = "pass"
+    assert not handle.held
+    assert len(_not_given_back(caplog)) == 1, [r.getMessage() for r in caplog.records]
