@@ -26,13 +26,18 @@ from .checks import ID
 from .permits import Held, Step, plan_acquire
 
 
-@dataclass
+@dataclass(slots=True)  # slots: cheaper to build and read, on every acquire
 class _Entry:
     owner: str
     holder: str
     fence: int
     acquired_at: float  # monotonic
     expires_at: float  # monotonic
+
+
+#: `AcquireResult(fence)` as `_granted(AcquireResult, (fence, None, None))`: the named
+#: tuple's own __new__ is a Python function, a fifth of this store's acquire.
+_granted = tuple.__new__
 
 
 class MemoryLockStore(LockStore):
@@ -85,12 +90,12 @@ class MemoryLockStore(LockStore):
         contract asks of every store (there, a retry after a lost reply)."""
         if entry is not None and entry.owner == owner and entry.expires_at > now:
             entry.expires_at = now + ttl
-            return AcquireResult(entry.fence)
+            return _granted(AcquireResult, (entry.fence, None, None))
         fence = next(self._fences)
         self._locks[key] = _Entry(owner, holder, fence, now, now + ttl)
         if self._permits:  # an expired gate's permits expired with it
             self._permits.pop(key, None)
-        return AcquireResult(fence)
+        return _granted(AcquireResult, (fence, None, None))
 
     def release(self, key: str, owner: str) -> bool:
         now = time.monotonic()
