@@ -94,11 +94,11 @@ def test_an_interrupt_as_an_acquire_begins_leaves_the_handle_usable(
     for good."""
     handle = make_lock(ttl=30)
 
-    def interrupted(nbytes: int) -> str:
+    def interrupted(nbytes: int) -> bytes:
         raise KeyboardInterrupt
 
     with monkeypatch.context() as patched:
-        patched.setattr("secrets.token_hex", interrupted)
+        patched.setattr("os.urandom", interrupted)
         with pytest.raises(KeyboardInterrupt):
             handle.acquire()
     assert handle.acquire()
