@@ -442,16 +442,25 @@ class LockSpec:
         if cls is not LockSpec:
             return cls._parse(surface, options)
         try:
-            known = (tuple(options.items()), tuple(map(type, options.values())))
+            given = tuple(options.items())
+            # Options of strings and None alone (`store="memory"`) need not their types: no
+            # other type's value is equal to a string (and hashes as it does) but a str's.
+            spec = _parsed_plain.get(given)
+            if spec is not None:
+                return spec
+            known = (given, tuple(map(type, options.values())))
             return _parsed[known]
         except KeyError:
             pass
         except TypeError:  # an unhashable option (a bad one, or a callable's)
             return cls._parse(surface, options)
         spec = cls._parse(surface, options)
-        if len(_parsed) >= PARSED_KEPT:
+        if len(_parsed) >= PARSED_KEPT or len(_parsed_plain) >= PARSED_KEPT:
             _parsed.clear()  # a program makes a few kinds of handle: a rare reset
+            _parsed_plain.clear()
         _parsed[known] = spec
+        if all(kind is str or kind is type(None) for kind in known[1]):
+            _parsed_plain[given] = spec
         return spec
 
     @classmethod
@@ -528,6 +537,8 @@ def make_handles_with(maker: HandleMaker) -> None:
 #: and of one hash, apart); at most PARSED_KEPT of them.
 _parsed: dict[tuple[tuple[Any, ...], tuple[type, ...]], LockSpec] = {}
 PARSED_KEPT = 256
+#: The specs of `_parsed` whose arguments are all strings or None, by the arguments alone.
+_parsed_plain: dict[tuple[tuple[str, Any], ...], LockSpec] = {}
 
 
 #: KEEL_LOCK_DEFAULT_TTL in seconds once read; emptied whenever the setting changes.
