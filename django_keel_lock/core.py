@@ -37,6 +37,7 @@ from .options import (
     LockOptions,
     LockSpec,
     check_store,
+    default_holder,
     lock_name,
     make_handles_with,
     refuse_option,
@@ -119,9 +120,13 @@ class Lock(Holding, KeyQueries):
     def _setup(self, key: str, spec: LockSpec, *, label: str | None, raises: bool = False) -> None:
         self._store = get_lock_store(spec.store)
         self.key = validate_key(key, self._store)
-        self.ttl = spec.resolved_ttl()
+        # The spec's calls written out where they only read a value: calls less per handle.
+        self.ttl = spec.resolved_ttl() if spec.ttl is None else spec.ttl
         self.timeout, self.retry_delay = spec.timeout, spec.retry_delay
-        self.holder = spec.holder_for(label)
+        if spec.holder is None and label is None:
+            self.holder = default_holder()
+        else:
+            self.holder = spec.holder_for(label)
         self.auto_extend, self.max_hold = spec.auto_extend, spec.max_hold
         self.on_lost = spec.on_lost
         self.store_alias = spec.store
@@ -168,7 +173,10 @@ class Lock(Holding, KeyQueries):
 
         True if acquired. Raises LockStoreUnavailable if the store cannot be reached.
         """
-        wait, delay = self._wait_args(timeout, retry_delay)
+        if timeout is None and retry_delay is None:  # the handle's own: a call less
+            wait, delay = self.timeout, self.retry_delay
+        else:
+            wait, delay = self._wait_args(timeout, retry_delay)
         mine = object()  # this acquire's mark on the handle (`_begin`)
         try:
             owner, meter = self._begin(mine, wait)
@@ -221,7 +229,8 @@ class Lock(Holding, KeyQueries):
             self._next_owner = None
             # The store started the ttl after we sent the call: counting from `sent` errs early.
             self._valid_until = sent + self.ttl
-        _announce(signals.lock_acquired, lock=self)
+        if signals.lock_acquired.receivers:  # `_announce`'s test first: a call less
+            _announce(signals.lock_acquired, lock=self)
         if meter is not None:
             meter.acquired(self, self._attempts, sent)
         if self.auto_extend:

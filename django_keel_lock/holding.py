@@ -79,7 +79,8 @@ class Holding:
         """
         if not self._held or self.owner is None:
             return False
-        self._stop_renewal()
+        if self._renewal is not None:
+            self._stop_renewal()
         store = self._store  # `engine.release_op` written out: a call less on the hot path
         try:
             if self.mode is EXCLUSIVE:
@@ -98,7 +99,8 @@ class Holding:
             if meter is not None:  # without a watchdog, no other thread may end it too
                 mutex = self._mutex if self.auto_extend else None
                 meter.ended(self._handle, "released", None, mutex)
-            self._announce(signals.lock_released, lock=self)
+            if signals.lock_released.receivers:  # `_announce`'s test first: a call less
+                self._announce(signals.lock_released, lock=self)
         else:
             self._lost("release found the lock expired or taken over", cause="gone")
         return released
@@ -211,7 +213,8 @@ class Holding:
         on_lost="raise", raise LockNotHeldError if the lock was lost meanwhile. The body's
         own error wins; the loss is added to it as a note."""
         self.release()
-        self._check_kept(error)
+        if self.lost:
+            self._check_kept(error)
 
     def _check_kept(self, error: BaseException | None) -> None:
         if not self.lost or self.on_lost != RAISE:
