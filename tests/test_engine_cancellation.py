@@ -18,7 +18,8 @@ from urllib.parse import urlsplit
 import pytest
 from django.conf import settings
 
-from django_keel_lock import Lock, LockNotHeldError, lock, semaphore, signals
+from django_keel_lock import Lock, LockNotHeldError, lock, metrics, semaphore, signals
+from django_keel_lock.metrics import Recorder
 from django_keel_lock.stores import LockStore, RedisLockStore
 
 from .conftest import needs_store, serving, store_params
@@ -254,3 +255,80 @@ async def test_a_late_grant_that_cannot_be_given_back_is_refused_with_a_warning_
     proxy.mode = "pass"
     assert not handle.held
     assert len(_not_given_back(caplog)) == 1, [r.getMessage() for r in caplog.records]
+
+
+# -- metrics: each acquire told once, however it ends ----------------------------------------
+class Told(Recorder):
+    """A recorder that writes down what it is told of each handle, in order."""
+
+    def __init__(self) -> None:
+        self.told: dict[int, list[str]] = {}
+
+    def _tell(self, handle: Lock, what: str) -> None:
+        self.told.setdefault(id(handle), []).append(what)
+
+    def start(self, handle: Lock, timeout: float) -> Any:
+        self._tell(handle, "start")
+
+    def acquired(self, handle: Lock, started: Any, attempts: int, kept: Any) -> Any:
+        self._tell(handle, "acquired")
+
+    def refused(self, handle: Lock, *args: Any) -> Any:
+        self._tell(handle, "refused")
+
+    def failed(self, handle: Lock, started: Any, error: BaseException, *args: Any) -> Any:
+        self._tell(handle, f"failed {type(error).__name__}")
+
+    def ended(self, handle: Lock, kept: Any, end: str, *args: Any) -> None:
+        self._tell(handle, f"ended {end}")
+
+
+@pytest.fixture
+def told() -> Iterator[Told]:
+    recorder, metrics.recorder = metrics.recorder, Told()
+    try:
+        yield metrics.recorder  # type: ignore[misc]
+    finally:
+        metrics.recorder = recorder
+
+
+@pytest.mark.parametrize("mode", ["exclusive", "shared", "semaphore"])
+async def test_each_acquire_is_told_to_metrics_once_when_cancelled_anywhere(
+    mode: str, alias: str, key: str, told: Told
+) -> None:
+    """Waiting for a holder who leaves meanwhile: start, then exactly one of acquired (and
+    then its end, released, once), refused or failed (the cancellation)."""
+    for k in range(1, 80):
+        told.told.clear()  # (a handle of an earlier round may have left its id to a new one)
+        # In the way: a writer (of a lock, exclusive or shared), or a full semaphore.
+        holders = [_handle("exclusive" if mode != "semaphore" else mode, key, alias, ttl=30)]
+        if mode == "semaphore":
+            holders.append(_handle(mode, key, alias, ttl=30))
+        for holder in holders:
+            assert await holder.aacquire()
+        handle = _handle(mode, key, alias, ttl=30)
+
+        async def use(handle: Lock = handle) -> None:
+            async with handle:
+                await asyncio.sleep(0)
+
+        async def leave_soon(holder: Lock = holders[0]) -> None:
+            await asyncio.sleep(0.05)
+            await holder.arelease()
+
+        handle.timeout, handle.retry_delay = 10, 5
+        leaving = asyncio.create_task(leave_soon())
+        stepper = Stepper(use(), k)
+        await _run(stepper)
+        await leaving
+        for holder in holders[1:]:
+            assert await holder.arelease()
+        seen = told.told.pop(id(handle))
+        assert seen in (
+            ["start", "acquired", "ended released"],
+            ["start", "failed CancelledError"],
+        ), (k, seen)
+        if not stepper.cancelled_at:
+            assert k > 3
+            return
+    raise AssertionError("never finished")
