@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import time
 from collections.abc import Callable
@@ -87,10 +88,19 @@ def run(steps: Steps, store: LockStore, key: str) -> Any:
     until they end. Their value."""
     with contextlib.ExitStack() as held:
         driver = _Sync(store, key, held)
-        done, step = resume(steps, None)
-        while not done:
-            done, step = resume(steps, driver.step(step))
-        return step
+        reply: Any = None
+        while True:
+            try:
+                done, step = resume(steps, reply)
+                if done:
+                    return step
+                reply = driver.step(step)
+            except BaseException as error:
+                if inspect.getgeneratorstate(steps) == inspect.GEN_CLOSED:  # the engine's own
+                    raise
+                # It landed here, between two steps (a signal handler's: a task's time
+                # limit): the engine takes it as a step's error, and leaves the line.
+                reply = Failed(error)
 
 
 def acquire(

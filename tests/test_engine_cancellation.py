@@ -8,17 +8,30 @@ once each per acquisition.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
+import sys
 import threading
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from types import FrameType
 from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
 from django.conf import settings
 
-from django_keel_lock import Lock, LockNotHeldError, lock, metrics, semaphore, signals
+from django_keel_lock import (
+    Lock,
+    LockNotHeldError,
+    drivers,
+    engine,
+    lock,
+    metrics,
+    semaphore,
+    signals,
+)
 from django_keel_lock.metrics import Recorder
 from django_keel_lock.stores import LockStore, RedisLockStore
 
@@ -332,3 +345,53 @@ async def test_each_acquire_is_told_to_metrics_once_when_cancelled_anywhere(
             assert k > 3
             return
     raise AssertionError("never finished")
+
+
+# -- sync: an exception from a signal handler between two steps ------------------------------
+class TimeLimit(Exception):
+    """What a task's time limit raises from its signal handler."""
+
+
+def _raise_before_the_first_pause() -> Callable[[FrameType, str, Any], Any]:
+    """A trace function that raises TimeLimit in the sync driver's own frame (`drivers.run`)
+    as it is about to sleep between two attempts: where a signal handler's exception lands
+    when the signal comes while the driver, not the store or the sleep, is running."""
+    source, first = inspect.getsourcelines(drivers.run)
+    line = first + next(i for i, text in enumerate(source) if "driver.step(step)" in text)
+    raised: list[int] = []
+
+    def local(frame: FrameType, event: str, arg: Any) -> Any:
+        step = frame.f_locals.get("step")
+        pausing = event == "line" and frame.f_lineno == line and type(step) is engine.Pause
+        if pausing and not raised:
+            raised.append(line)
+            raise TimeLimit
+        return local
+
+    def trace(frame: FrameType, event: str, arg: Any) -> Any:
+        return local if frame.f_code is drivers.run.__code__ else None
+
+    return trace
+
+
+@pytest.mark.parametrize("alias", store_params(["redis", "postgres"]))
+def test_an_exception_landing_between_two_steps_gives_up_the_place_in_line(
+    alias: str, key: str
+) -> None:
+    holder = lock(key, store=alias, ttl=30)
+    assert holder.acquire()
+    waiter = lock(key, store=alias, ttl=30)
+    sys.settrace(_raise_before_the_first_pause())
+    try:
+        with pytest.raises(TimeLimit):
+            waiter.acquire(timeout=5, retry_delay=0.5)
+    finally:
+        sys.settrace(None)
+    assert holder.release()
+    other = lock(key, store=alias, ttl=30)
+    began = time.monotonic()
+    assert other.acquire(timeout=5)
+    waited = time.monotonic() - began
+    assert other.release()
+    # Behind a place left in the line, it waits until the place lapses (QUEUE_LEASE, 2 s).
+    assert waited < 1.0, f"waited {waited:.2f}s behind the interrupted waiter's place"
