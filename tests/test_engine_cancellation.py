@@ -1,8 +1,12 @@
-"""The engine's async driver under cancellation, in every mode: a task cancelled at each of
-its await points (acquire, a writer's wait for readers, release, extend) leaves the store and
-the handle agreeing: no acquisition held by nobody, none the handle says it holds and the
-store does not have, no place left in the key's line, and lock_acquired / lock_released sent
-once each per acquisition.
+"""The engine's drivers when an acquire is cut short.
+
+Async, in every mode: a task cancelled at each of its await points (acquire, a writer's wait
+for readers, release, extend) leaves the store and the handle agreeing: no acquisition held by
+nobody, none the handle says it holds and the store does not have, no place left in the key's
+line, lock_acquired / lock_released sent once each per acquisition, and each acquire told to
+metrics once. A grant that came after its ttl and could not be given back is refused with a
+warning. Sync: an exception landing between two of the engine's steps still gives up the
+place in the line.
 """
 
 from __future__ import annotations
