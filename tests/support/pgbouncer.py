@@ -35,8 +35,15 @@ def free_port() -> int:
 class PgBouncer:
     """A running PgBouncer: where it listens, and its admin console."""
 
-    def __init__(self, port: int, user: str, process: subprocess.Popen[bytes], log: Path) -> None:
-        self.host, self.port, self.user = "127.0.0.1", port, user
+    def __init__(
+        self,
+        port: int,
+        user: str,
+        process: subprocess.Popen[bytes],
+        log: Path,
+        host: str = "127.0.0.1",
+    ) -> None:
+        self.host, self.port, self.user = host, port, user
         self.process, self.log = process, log
 
     def settings(self, based_on: Mapping[str, Any], **options: Any) -> dict[str, Any]:
@@ -65,21 +72,33 @@ class PgBouncer:
 
 @contextmanager
 def pgbouncer(
-    server: Mapping[str, Any], *, pool_mode: str = "transaction", pool_size: int = 2
+    server: Mapping[str, Any],
+    *,
+    pool_mode: str = "transaction",
+    pool_size: int = 2,
+    unix_sockets: str = "",
 ) -> Iterator[PgBouncer]:
     """A PgBouncer in front of the PostgreSQL server of the DATABASES entry `server`, while
-    the block runs; then it is stopped."""
+    the block runs; then it is stopped. `unix_sockets`: the server's Unix socket directory,
+    which it then reaches the server through, listening on a Unix socket of its own (its
+    `host` is that socket's directory): Debian's layout of a PgBouncer beside its server."""
     user = str(server.get("USER") or "postgres")
     with tempfile.TemporaryDirectory(prefix="keel-pgbouncer-") as directory:
         root = Path(directory)
         port = free_port()
         (root / "users.txt").write_text(f'"{user}" ""\n')
         log = root / "pgbouncer.log"
+        host = unix_sockets or str(server.get("HOST") or "127.0.0.1")
+        listen = (
+            f"listen_addr =\nunix_socket_dir = {root}"
+            if unix_sockets
+            else ("listen_addr = 127.0.0.1\nunix_socket_dir =")
+        )
         (root / "pgbouncer.ini").write_text(
             "[databases]\n"
-            f"* = host={server.get('HOST') or '127.0.0.1'} port={server.get('PORT') or 5432}\n"
+            f"* = host={host} port={server.get('PORT') or 5432}\n"
             "[pgbouncer]\n"
-            f"listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n"
+            f"{listen}\nlisten_port = {port}\n"
             f"auth_type = trust\nauth_file = {root / 'users.txt'}\n"
             f"admin_users = {user}\n"
             f"pool_mode = {pool_mode}\ndefault_pool_size = {pool_size}\n"
@@ -96,8 +115,8 @@ def pgbouncer(
             stderr=subprocess.STDOUT,
         )
         try:
-            _wait_listening(port, process, log)
-            yield PgBouncer(port, user, process, log)
+            _wait_listening(port, process, log, root if unix_sockets else None)
+            yield PgBouncer(port, user, process, log, str(root) if unix_sockets else "127.0.0.1")
         finally:
             process.terminate()
             try:
@@ -119,14 +138,21 @@ def _as_user(root: Path) -> list[str]:
     return ["-u", user.pw_name]
 
 
-def _wait_listening(port: int, process: subprocess.Popen[bytes], log: Path) -> None:
+def _wait_listening(
+    port: int, process: subprocess.Popen[bytes], log: Path, unix: Path | None = None
+) -> None:
     give_up = time.monotonic() + 15
     while time.monotonic() < give_up:
         if process.poll() is not None:
             text = log.read_text() if log.exists() else ""
             raise RuntimeError(f"pgbouncer exited with {process.returncode}: {text[-2000:]}")
-        with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
+        family, address = (
+            (socket.AF_UNIX, str(unix / f".s.PGSQL.{port}"))
+            if unix
+            else (socket.AF_INET, ("127.0.0.1", port))
+        )
+        with socket.socket(family) as sock:
+            if sock.connect_ex(address) == 0:
                 return
         time.sleep(0.05)
     raise RuntimeError(f"pgbouncer did not listen on port {port} within 15 s")
