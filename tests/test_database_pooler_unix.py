@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 from django.db import connections
@@ -16,21 +18,15 @@ from django.db import connections
 from django_keel_lock.stores import DatabaseLockStore
 from tests.conftest import skip_or_fail
 from tests.support.pgbouncer import PGBOUNCER, PgBouncer, pgbouncer
-from tests.test_database_pooler import _session_state
+from tests.test_database_pooler import _client, _session_state
 
 
-@pytest.fixture
-def unix_bouncer(_databases: None) -> Iterator[PgBouncer]:
-    """A PgBouncer in transaction mode, one server connection, Unix sockets at both ends."""
+def _bouncer(**options: Any) -> Iterator[PgBouncer]:
+    """A PgBouncer in transaction mode with one server connection (`options`: pgbouncer()'s)."""
     if "postgres" not in connections.settings:
         skip_or_fail("SERVER UNAVAILABLE: PostgreSQL is not reachable")
-    with connections["postgres"].cursor() as cursor:
-        cursor.execute("SHOW unix_socket_directories")
-        directory = cursor.fetchone()[0].split(",")[0].strip()
-    if not directory:
-        skip_or_fail("PostgreSQL listens on no Unix socket (unix_socket_directories = '')")
     try:
-        context = pgbouncer(connections.settings["postgres"], pool_size=1, unix_sockets=directory)
+        context = pgbouncer(connections.settings["postgres"], pool_size=1, **options)
         bouncer = context.__enter__()
     except FileNotFoundError:
         skip_or_fail(f"pgbouncer is not installed ({PGBOUNCER})")
@@ -38,6 +34,25 @@ def unix_bouncer(_databases: None) -> Iterator[PgBouncer]:
         yield bouncer
     finally:
         context.__exit__(None, None, None)
+
+
+@pytest.fixture
+def unix_bouncer(_databases: None) -> Iterator[PgBouncer]:
+    """One on Unix sockets at both ends."""
+    if "postgres" not in connections.settings:
+        skip_or_fail("SERVER UNAVAILABLE: PostgreSQL is not reachable")
+    with connections["postgres"].cursor() as cursor:
+        cursor.execute("SHOW unix_socket_directories")
+        directory = cursor.fetchone()[0].split(",")[0].strip()
+    if not directory:
+        skip_or_fail("PostgreSQL listens on no Unix socket (unix_socket_directories = '')")
+    yield from _bouncer(unix_sockets=directory)
+
+
+@pytest.fixture
+def one_server_connection(_databases: None) -> Iterator[PgBouncer]:
+    """One on TCP."""
+    yield from _bouncer()
 
 
 def test_a_pgbouncer_on_unix_sockets_at_both_ends_is_found_and_keeps_nothing_of_ours(
@@ -62,6 +77,42 @@ def test_a_pgbouncer_on_unix_sockets_at_both_ends_is_found_and_keeps_nothing_of_
         assert _session_state(unix_bouncer) == {
             "settings": [], "prepared": [], "listening": [], "advisory": [],
         }  # fmt: skip
+    finally:
+        store.close()
+        connections[alias].close()
+        del connections[alias]
+        del connections.settings[alias]
+
+
+def test_a_pooler_found_late_turns_off_named_statements_on_connections_open_already(
+    one_server_connection: PgBouncer,
+) -> None:
+    """TRANSACTION_POOLER: False through PgBouncer (one server connection): a thread's
+    connection prepares the acquire; another thread's prepare of it finds it there (42P05),
+    and the store says it keeps nothing on sessions from then on. The first thread's
+    connection, open since before, then prepares nothing more: neither its extend (libpq) nor
+    psycopg's own statements for a read it repeats (before: both were left on the shared
+    server connection, where another client's statement of the same psycopg name could run in
+    place of its own)."""
+    bouncer = one_server_connection
+    alias = f"late-bouncer-{uuid.uuid4().hex[:6]}"
+    connections.settings[alias] = bouncer.settings(connections.settings["postgres"])
+    store = DatabaseLockStore(alias, {"DATABASE": alias, "TRANSACTION_POOLER": False})
+    key, owner = f"late-bouncer:{uuid.uuid4().hex}", uuid.uuid4().hex
+    try:
+        with ThreadPoolExecutor(1) as first:  # one thread: one connection of the store's
+            assert first.submit(store.acquire, key, owner, "a", 30).result().acquired
+            assert store.acquire(f"{key}:2", owner, "b", 30).acquired  # 42P05, then again
+            assert store.vendor.pooled is True  # type: ignore[attr-defined]
+            assert first.submit(store.extend, key, owner, 40).result()
+            for _ in range(4):
+                assert first.submit(store.get, key).result() is not None
+            with _client(bouncer) as client:
+                prepared = client.execute(
+                    "SELECT name, statement FROM pg_prepared_statements"
+                ).fetchall()
+        assert [name for name, text in prepared if "GREATEST" in text] == []  # the extend
+        assert [name for name, _ in prepared if name.startswith("_pg3_")] == []
     finally:
         store.close()
         connections[alias].close()

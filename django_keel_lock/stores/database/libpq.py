@@ -30,7 +30,7 @@ class PreparedStatements:
     pooler needs. The server then plans it each time.
     """
 
-    __slots__ = ("named", "names", "pgconn", "texts")
+    __slots__ = ("__weakref__", "named", "names", "pgconn", "texts")
 
     def __init__(self, pgconn: Any, named: bool = True) -> None:
         self.pgconn, self.named = pgconn, named

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
@@ -245,6 +247,11 @@ class Postgres(ServerVendor):
     def __init__(self, store: DatabaseLockStore) -> None:
         super().__init__(store)
         self.pooled: bool | None = store.transaction_pooler
+        # What may keep statements on a session (the store's psycopg 3 connections, their
+        # libpq paths): told to stop when a pooler is found late (`lost_session`), open
+        # as they may be in other threads.
+        self._preparing: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._preparing_lock = threading.Lock()
 
     def new_dialect(self) -> PostgresDialect:
         return PostgresDialect(durable=self.store.durable)
@@ -252,11 +259,20 @@ class Postgres(ServerVendor):
     def session_statements(self, connection: Any, durable: bool) -> Sequence[str]:
         if self.pooled is None:
             self._found(pooler.seen(connection))
+        if hasattr(connection, "prepare_threshold"):  # psycopg 3
+            self._keeps_statements(connection)
         if not self.pooled:
             return super().session_statements(connection, durable)
-        if hasattr(connection, "prepare_threshold"):  # psycopg 3
-            connection.prepare_threshold = None
         return ()
+
+    def _keeps_statements(self, preparing: Any) -> None:
+        """Remember `preparing` (a psycopg 3 connection or a libpq path) to stop its prepared
+        statements once a pooler is found; at once if it is known already."""
+        with self._preparing_lock:
+            if not self.pooled:
+                self._preparing.add(preparing)
+                return
+        _unprepared(preparing)
 
     def _found(self, seen: pooler.Seen) -> None:
         """The store's first connection (or its listener's) says whether a pooler is in
@@ -289,7 +305,10 @@ class Postgres(ServerVendor):
         options = wrapper.settings_dict.get("OPTIONS") or {}
         if not is_psycopg3(wrapper) or options.get("prepare_threshold") is None:
             return None
-        return PreparedStatements(wrapper.connection.pgconn, named=not self.pooled)
+        path = PreparedStatements(wrapper.connection.pgconn, named=not self.pooled)
+        if path.named:
+            self._keeps_statements(path)
+        return path
 
     def lost_session(self, exc: Exception) -> bool:
         # 26000: no prepared statement of that name; 42P05: one is there already (another
@@ -297,7 +316,11 @@ class Postgres(ServerVendor):
         if getattr(exc, "sqlstate", None) not in ("26000", "42P05"):
             return False
         if not self.pooled:
-            self.pooled = True
+            with self._preparing_lock:
+                self.pooled = True
+                preparing, self._preparing = list(self._preparing), weakref.WeakSet()
+            for each in preparing:  # connections of other threads too: from their next call
+                _unprepared(each)
             logger.warning(
                 "lock store %r: database %r lost a prepared statement (%s): a transaction "
                 "pooler is in front; the store keeps nothing on sessions from now on. Set "
@@ -536,6 +559,16 @@ class SQLite(PermitsInPython):
 VENDORS: dict[str, type[Vendor]] = {
     vendor.dialect_class.vendor: vendor for vendor in (Postgres, MariaDB, SQLite)
 }
+
+
+def _unprepared(preparing: Any) -> None:
+    """Stop `preparing` (a psycopg 3 connection or a libpq path) preparing or running named
+    statements: behind a transaction pooler a name may stand for another client's statement
+    on the server connection a call gets."""
+    if isinstance(preparing, PreparedStatements):
+        preparing.named = False
+    else:
+        preparing.prepare_threshold = None
 
 
 def _seconds(value: Any) -> float | None:
