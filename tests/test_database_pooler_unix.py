@@ -7,14 +7,16 @@ away."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from django.db import connections
+from django.db import connections, transaction
 
+from django_keel_lock.exceptions import LockStoreUnavailable
 from django_keel_lock.stores import DatabaseLockStore
 from tests.conftest import skip_or_fail
 from tests.support.pgbouncer import PGBOUNCER, PgBouncer, pgbouncer
@@ -113,6 +115,32 @@ def test_a_pooler_found_late_turns_off_named_statements_on_connections_open_alre
                 ).fetchall()
         assert [name for name, text in prepared if "GREATEST" in text] == []  # the extend
         assert [name for name, _ in prepared if name.startswith("_pg3_")] == []
+    finally:
+        store.close()
+        connections[alias].close()
+        del connections[alias]
+        del connections.settings[alias]
+
+
+def test_a_lock_inside_the_callers_transaction_on_the_pools_last_server_connection_fails_in_time(
+    one_server_connection: PgBouncer,
+) -> None:
+    """The store's statements need a server connection besides the one the caller's open
+    transaction pins: with none left in PgBouncer's pool they wait for one, so the acquire
+    raises LockStoreUnavailable at SOCKET_TIMEOUT rather than hanging (what docs/stores.md
+    says to size default_pool_size for)."""
+    bouncer = one_server_connection
+    alias = f"pinned-bouncer-{uuid.uuid4().hex[:6]}"
+    connections.settings[alias] = bouncer.settings(connections.settings["postgres"])
+    store = DatabaseLockStore(alias, {"DATABASE": alias, "SOCKET_TIMEOUT": 1})
+    try:
+        with transaction.atomic(using=alias):
+            with connections[alias].cursor() as cursor:
+                cursor.execute("SELECT 1")  # the pool's one server connection is pinned now
+            started = time.monotonic()
+            with pytest.raises(LockStoreUnavailable):
+                store.acquire(f"pinned:{uuid.uuid4().hex}", uuid.uuid4().hex, "a", 30)
+            assert time.monotonic() - started < 4
     finally:
         store.close()
         connections[alias].close()
