@@ -252,6 +252,7 @@ class Postgres(ServerVendor):
         # as they may be in other threads.
         self._preparing: weakref.WeakSet[Any] = weakref.WeakSet()
         self._preparing_lock = threading.Lock()
+        self.isolation_checked = False  # `_check_isolation`
 
     def new_dialect(self) -> PostgresDialect:
         return PostgresDialect(durable=self.store.durable)
@@ -263,7 +264,30 @@ class Postgres(ServerVendor):
             self._keeps_statements(connection)
         if not self.pooled:
             return super().session_statements(connection, durable)
+        self._check_isolation(connection)
         return ()
+
+    def _check_isolation(self, connection: Any) -> None:
+        """Warn (once) when the session default isolation, which a pooled session keeps,
+        is stricter than READ COMMITTED: contended acquires and releases then fail on
+        serialization errors (see `PostgresDialect.session_sql`)."""
+        if self.isolation_checked:
+            return
+        self.isolation_checked = True
+        with connection.cursor() as cursor:
+            cursor.execute("SHOW default_transaction_isolation")
+            (level,) = cursor.fetchone()
+        if level != "read committed":
+            logger.warning(
+                "lock store %r: database %r runs transactions at %s by default, and behind a "
+                "transaction pooler the store cannot set read committed on its session: "
+                "contended locks will fail (LockStoreUnavailable, "
+                "could not serialize access). Set it for the role: ALTER ROLE ... SET "
+                "default_transaction_isolation = 'read committed'.",
+                self.store.alias,
+                self.store.database,
+                level,
+            )
 
     def _keeps_statements(self, preparing: Any) -> None:
         """Remember `preparing` (a psycopg 3 connection or a libpq path) to stop its prepared
