@@ -30,7 +30,13 @@ def topology_alias(request: pytest.FixtureRequest) -> Iterator[str]:
             with serving(store) as alias:
                 yield alias
     else:
-        with redis_sentinel("keelmaster") as setup, via_sentinel(setup.sentinel.port) as alias:
+        # A service name of its own: django-redis keeps a sentinel pool per LOCATION for the
+        # process, and test_redis_topologies' "keelmaster" would reach this sentinel once gone.
+        service = "keelelection"
+        with (
+            redis_sentinel(service) as setup,
+            via_sentinel(setup.sentinel.port, service) as alias,
+        ):
             yield alias
 
 
