@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import io
 import json
 import logging
@@ -412,6 +414,37 @@ async def test_an_async_view(alias: str, view: str, idem_key: str) -> None:
         await sync_to_async(connections.close_all)()
     assert first.status_code == 201 and again["Idempotent-Replayed"] == "true"
     assert again.content == first.content and views.CALLS[idem_key] == 1
+
+
+@pytest.mark.parametrize("alias", EDGE_STORES)
+async def test_an_async_request_cancelled_while_it_waits_for_the_key_leaves_it_free(
+    alias: str, idem_key: str
+) -> None:
+    # The wait runs in a thread, which goes on when the request's task is cancelled: the key
+    # it takes then must be given back, not left locked for lock_ttl with nobody to run.
+    holder = lock(f"idempotent:global:{idem_key}", store=alias)
+    assert await holder.aacquire()
+    client = AsyncClient()
+    request = asyncio.ensure_future(
+        client.post(
+            f"/{alias}/async-wait/", "{}", "application/json", headers={"Idempotency-Key": idem_key}
+        )
+    )
+    try:
+        await asyncio.sleep(0.5)  # the request waits for the key, in a thread
+        request.cancel()
+        await holder.arelease()  # the waiting thread takes the key now
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(request, 10)
+        key = lock(f"idempotent:global:{idem_key}", store=alias)
+        for _ in range(50):
+            if not await key.ais_locked():
+                break
+            await asyncio.sleep(0.05)
+        assert not await key.ais_locked(), "the cancelled request's key stayed locked"
+        assert views.CALLS[idem_key] == 0
+    finally:
+        await sync_to_async(connections.close_all)()
 
 
 @pytest.mark.parametrize("alias", EDGE_STORES)

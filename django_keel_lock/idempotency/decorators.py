@@ -11,6 +11,7 @@ from asgiref.sync import iscoroutinefunction, sync_to_async
 from django.http import HttpRequest, HttpResponseBase
 
 from ..durations import Duration
+from ..waiting import to_the_end
 from . import http
 from .guard import DEFAULT_MAX_BODY, DEFAULT_METHODS, Attempt, Idempotency, Scope
 
@@ -115,8 +116,16 @@ async def arun(
     kwargs: dict[str, Any],
     call: Callable[[], Awaitable[HttpResponseBase]],
 ) -> HttpResponseBase:
-    """`run` for an async view: the store's calls in a thread, the view awaited."""
-    begun = await sync_to_async(config.begin)(request, args, kwargs)
+    """`run` for an async view: the store's calls in a thread, the view awaited.
+
+    The thread goes on when the task is cancelled while it waits for the key: what it took
+    is given back before the cancellation goes on (else the key stays locked for lock_ttl)."""
+    started, cancelled = await to_the_end(sync_to_async(config.begin)(request, args, kwargs))
+    begun = started.result()
+    if cancelled is not None:
+        if isinstance(begun, Attempt):
+            await to_the_end(sync_to_async(begun.abandon)())
+        raise cancelled
     if not isinstance(begun, Attempt):
         return begun if begun is not None else await call()
     try:

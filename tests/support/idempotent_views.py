@@ -170,6 +170,10 @@ def _views(alias: str) -> list[Any]:
             idempotent(store=alias, scope="global")(AsyncPayView).as_view(),
         ),
         path(f"{alias}/async/", idempotent(store=alias, scope="global")(apay)),
+        path(
+            f"{alias}/async-wait/",
+            idempotent(store=alias, scope="global", wait="10s")(apay),
+        ),
         path(f"{alias}/mw/pay/", plain),
         path(f"{alias}/free/pay/", plain),
     ]
