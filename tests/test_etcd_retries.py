@@ -188,7 +188,8 @@ def test_a_new_leader_never_makes_a_lock_look_longer_lived_than_its_lease(
     assert shown and max(shown) <= 30
     for each in extended:  # each extend said yes: its lock lives 30 s, not 2
         info = store.get(each)
-        assert info is not None and info.expires_in >= 25, each
+        # Far above 2 s; not 25: on a loaded machine the first extends are 6 s old by now.
+        assert info is not None and info.expires_in >= 10, each
     for each in [watched, *short]:
         store.release(each, "owner-a")
 

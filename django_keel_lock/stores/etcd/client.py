@@ -167,9 +167,9 @@ class _Connection:
         deadline.seconds = _left(until)
         deadline.arm()
         try:
-            conn.sock.settimeout(_left(until))
+            _socket_of(conn).settimeout(_left(until))
             conn.request("POST", path, body=body, headers=headers)
-            conn.sock.settimeout(_left(until))
+            _socket_of(conn).settimeout(_left(until))
             response = conn.getresponse()
             data = response.read()
         finally:
@@ -187,6 +187,15 @@ class _Connection:
         if deadline is not None:
             deadline.detach()  # first: the descriptor may be reused once closed
         self.http.close()
+
+
+def _socket_of(conn: http.client.HTTPConnection) -> Any:
+    """`conn`'s socket; closed meanwhile (the client's `close()` from another thread ends every
+    thread's connections) is a ConnectionError, which the call reports as the store's."""
+    sock = conn.sock
+    if sock is None:
+        raise ConnectionError("the connection was closed while in use")
+    return sock
 
 
 def _left(until: float) -> float:
