@@ -60,6 +60,9 @@ def semaphore_mode(limit: int) -> Mode:
 PERMIT_OWNERS: Mapping[str, Kind] = {"*shared": "shared", "*semaphore": "semaphore"}
 GATE_OWNER: Mapping[Kind, str] = {"shared": "*shared", "semaphore": "*semaphore"}
 
+#: The most distinct keys one lock may take at once (`lock([...])`, `LockStore.acquire_many`).
+MAX_KEYS = 64
+
 #: Seconds a waiter's place in a key's line lasts after its last attempt (see
 #: `LockStore.acquire_queued`); waiters in a line ask again at least twice as often.
 QUEUE_LEASE = 2.0
@@ -91,6 +94,12 @@ class AcquireResult(NamedTuple):
     fence: int | None
     retry_in: float | None = None  # seconds until the current holder's lock expires, if known
     held_as: Kind | None = None
+    #: A multi-key acquire (`LockStore.acquire_many`) that took its keys: each key's fence,
+    #: in the order of its `keys` (`fence` is then the greatest of them).
+    fences: tuple[int, ...] | None = None
+    #: A refused multi-key acquire: the keys someone else holds, as far as the store looked
+    #: (at least one); a waiter listens for their releases.
+    blocked: tuple[str, ...] = ()
 
     @property
     def acquired(self) -> bool:
@@ -144,6 +153,65 @@ class LockStore(ABC):
     @abstractmethod
     def get(self, key: str) -> LockInfo | None:
         """The live lock on `key`, or None when it is free or expired."""
+
+    # -- several keys at once ------------------------------------------------------------
+    # A multi-key lock holds each of its keys as an exclusive lock of that key (owner, holder,
+    # fence and expiry per key, the same owner on each), so single-key locks of the same keys
+    # exclude it and it excludes them. The keys are taken all or nothing: a caller never
+    # holds some of them while it waits for the rest, so no order of callers can deadlock.
+    #: True when `acquire_many` takes the keys in one atomic step of the store's own (one
+    #: script, statement or transaction): no other caller ever sees a part of them taken.
+    #: False: they are taken one by one in key order, a refusal giving back those taken.
+    atomic_many: bool = False
+
+    def acquire_many(
+        self, keys: tuple[str, ...], owner: str, holder: str, ttl: float
+    ) -> AcquireResult:
+        """Take every one of `keys` (distinct, sorted) for `owner`, or none of them. Each key
+        must be free, expired or `owner`'s already (its ttl is then renewed, as `acquire`
+        does for a retry after a lost reply); each one taken gets a fence greater than any
+        this store gave that key before (`fences`, in the order of `keys`).
+
+        Refused: `blocked` names the keys held by others, `retry_in` is the soonest expiry
+        among their holders, `held_as` how the first of them is held.
+
+        This default takes the keys one by one in order with `acquire` and gives back those
+        it took at the first refusal (or error): correct on every store, but a partial take
+        is briefly visible to others. Stores override it with one atomic step."""
+        taken: list[str] = []
+        fences: list[int] = []
+        try:
+            for key in keys:
+                result = self.acquire(key, owner, holder, ttl)
+                if result.fence is None:
+                    self._give_back_keys(taken, owner)
+                    return AcquireResult(None, result.retry_in, result.held_as, None, (key,))
+                taken.append(key)
+                fences.append(result.fence)
+        except BaseException:
+            self._give_back_keys(taken, owner)
+            raise
+        return AcquireResult(max(fences), None, None, tuple(fences))
+
+    def _give_back_keys(self, keys: Sequence[str], owner: str) -> None:
+        """Release `owner`'s `keys` taken by a multi-key acquire that is refused or failing;
+        a key that cannot be released now lives out its ttl."""
+        for key in reversed(keys):
+            try:
+                self.release(key, owner)
+            except Exception:  # the store fails: the key lives out its ttl
+                pass
+
+    def release_many(self, keys: tuple[str, ...], owner: str) -> bool:
+        """Free each of `keys` that `owner` still holds; True if it held every one."""
+        released = [self.release(key, owner) for key in keys]
+        return all(released)
+
+    def extend_many(self, keys: tuple[str, ...], owner: str, ttl: float) -> bool:
+        """Make each of `keys` that `owner` still holds live at least `ttl` more seconds;
+        True if it held every one (False: the multi-key lock is lost)."""
+        extended = [self.extend(key, owner, ttl) for key in keys]
+        return all(extended)
 
     # -- the line of waiters (stores with queues) ----------------------------------------
     # Waiting callers of an exclusive lock stand in a line, in the order they first asked.
@@ -311,6 +379,17 @@ class LockStore(ABC):
 
     async def aget(self, key: str) -> LockInfo | None:
         return await asyncio.wrap_future(self.submit(self.get, key))
+
+    async def aacquire_many(
+        self, keys: tuple[str, ...], owner: str, holder: str, ttl: float
+    ) -> AcquireResult:
+        return await asyncio.wrap_future(self.submit(self.acquire_many, keys, owner, holder, ttl))
+
+    async def arelease_many(self, keys: tuple[str, ...], owner: str) -> bool:
+        return await asyncio.wrap_future(self.submit(self.release_many, keys, owner))
+
+    async def aextend_many(self, keys: tuple[str, ...], owner: str, ttl: float) -> bool:
+        return await asyncio.wrap_future(self.submit(self.extend_many, keys, owner, ttl))
 
     async def aacquire_queued(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
         return await asyncio.wrap_future(self.submit(self.acquire_queued, key, owner, holder, ttl))

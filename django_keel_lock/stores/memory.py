@@ -35,7 +35,7 @@ class _Entry:
     expires_at: float  # monotonic
 
 
-#: `AcquireResult(fence)` as `_granted(AcquireResult, (fence, None, None))`: the named
+#: `AcquireResult(fence)` as `_granted(AcquireResult, (fence, None, None, None, ()))`: the named
 #: tuple's own __new__ is a Python function, a fifth of this store's acquire.
 _granted = tuple.__new__
 
@@ -90,12 +90,12 @@ class MemoryLockStore(LockStore):
         contract asks of every store (there, a retry after a lost reply)."""
         if entry is not None and entry.owner == owner and entry.expires_at > now:
             entry.expires_at = now + ttl
-            return _granted(AcquireResult, (entry.fence, None, None))
+            return _granted(AcquireResult, (entry.fence, None, None, None, ()))
         fence = next(self._fences)
         self._locks[key] = _Entry(owner, holder, fence, now, now + ttl)
         if self._permits:  # an expired gate's permits expired with it
             self._permits.pop(key, None)
-        return _granted(AcquireResult, (fence, None, None))
+        return _granted(AcquireResult, (fence, None, None, None, ()))
 
     def release(self, key: str, owner: str) -> bool:
         now = time.monotonic()
