@@ -5,6 +5,7 @@ across processes, NOSCRIPT, MIN_REPLICAS, an outage, and Redis Cluster's slot-by
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -31,7 +32,6 @@ from .conftest import needs, needs_store
 from .support.multi_worker import counter_name, take_turns
 from .support.redis_servers import (
     REDIS_SERVER,
-    FaultyProxy,
     RedisServer,
     read_event,
     redis_cluster,
@@ -315,33 +315,43 @@ async def test_async_twins_on_the_loops_client(store: RedisLockStore, key: str) 
     assert [await store.aget(each) for each in keys] == [None, None]
 
 
-class CountingProxy(FaultyProxy):
-    """A proxy that counts round trips: requests sent after a reply came back."""
+class CountingProxy:
+    """A TCP proxy to a Redis that counts round trips: requests sent after a reply (or
+    first), over every connection through it."""
 
     def __init__(self, target_port: int) -> None:
-        self.trips = 0
-        self._replied = True
-        super().__init__(target_port)
+        self.target_port, self.trips, self.replied = target_port, 0, True
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.sockets: list[socket.socket] = [self.listener]
+        self.url = f"redis://127.0.0.1:{self.listener.getsockname()[1]}/0"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            self.sockets += [client, upstream]
+            for source, sink, reply in ((client, upstream, False), (upstream, client, True)):
+                threading.Thread(target=self._pump, args=(source, sink, reply), daemon=True).start()
 
     def _pump(self, source: socket.socket, sink: socket.socket, reply: bool) -> None:
-        counting = CountingSocket(source, self, reply)
-        super()._pump(counting, sink, reply)  # type: ignore[arg-type]
+        try:
+            while data := source.recv(65536):
+                if not reply and self.replied:
+                    self.trips += 1
+                self.replied = reply
+                sink.sendall(data)
+        except OSError:
+            pass
 
-
-class CountingSocket:
-    def __init__(self, sock: socket.socket, proxy: CountingProxy, reply: bool) -> None:
-        self.sock, self.proxy, self.reply = sock, proxy, reply
-
-    def recv(self, size: int) -> bytes:
-        data = self.sock.recv(size)
-        if data and not self.reply and self.proxy._replied:
-            self.proxy.trips += 1
-        if data:
-            self.proxy._replied = self.reply
-        return data
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.sock, name)
+    def close(self) -> None:
+        for sock in self.sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
 
 
 def test_acquire_release_and_extend_many_of_ten_keys_are_one_round_trip_each(key: str) -> None:
