@@ -5,10 +5,8 @@ across processes, NOSCRIPT, MIN_REPLICAS, an outage, and Redis Cluster's slot-by
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +30,7 @@ from .conftest import needs, needs_store
 from .support.multi_worker import counter_name, take_turns
 from .support.redis_servers import (
     REDIS_SERVER,
+    FaultyProxy,
     RedisServer,
     read_event,
     redis_cluster,
@@ -315,47 +314,8 @@ async def test_async_twins_on_the_loops_client(store: RedisLockStore, key: str) 
     assert [await store.aget(each) for each in keys] == [None, None]
 
 
-class CountingProxy:
-    """A TCP proxy to a Redis that counts round trips: requests sent after a reply (or
-    first), over every connection through it."""
-
-    def __init__(self, target_port: int) -> None:
-        self.target_port, self.trips, self.replied = target_port, 0, True
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.sockets: list[socket.socket] = [self.listener]
-        self.url = f"redis://127.0.0.1:{self.listener.getsockname()[1]}/0"
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(("127.0.0.1", self.target_port))
-            self.sockets += [client, upstream]
-            for source, sink, reply in ((client, upstream, False), (upstream, client, True)):
-                threading.Thread(target=self._pump, args=(source, sink, reply), daemon=True).start()
-
-    def _pump(self, source: socket.socket, sink: socket.socket, reply: bool) -> None:
-        try:
-            while data := source.recv(65536):
-                if not reply and self.replied:
-                    self.trips += 1
-                self.replied = reply
-                sink.sendall(data)
-        except OSError:
-            pass
-
-    def close(self) -> None:
-        for sock in self.sockets:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
-
-
 def test_acquire_release_and_extend_many_of_ten_keys_are_one_round_trip_each(key: str) -> None:
-    proxy = CountingProxy(redis.connection.parse_url(URL).get("port", 6379))
+    proxy = FaultyProxy(redis.connection.parse_url(URL).get("port", 6379))
     counted = RedisLockStore("multi-trips", {"URL": f"{proxy.url}"})
     try:
         keys, holder = keys_of(key, 10), owner()
