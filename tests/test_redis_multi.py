@@ -1,7 +1,7 @@
 """RedisLockStore's multi-key operations (acquire_many, release_many, extend_many and their
 async twins), called on the store itself: one script per acquire on one server, all or
 nothing under contention, exclusive against single-key locks, the line of waiters, wake-ups
-across processes, NOSCRIPT, MIN_REPLICAS, an outage, and Redis Cluster's slot-by-slot way."""
+across processes, MIN_REPLICAS, an outage, and Redis Cluster's slot-by-slot way."""
 
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ from redis.crc import key_slot
 from django_keel_lock import LockStoreUnavailable
 from django_keel_lock.stores import RedisLockStore
 from django_keel_lock.stores.base import semaphore_mode
-from django_keel_lock.stores.redis.scripts import SCRIPTS
 
 from .conftest import needs, needs_store
 from .support.multi_worker import counter_name, take_turns
@@ -356,28 +355,6 @@ def test_keys_starting_with_one_hash_tag_share_a_slot_and_are_listed_back(
 def server() -> Iterator[RedisServer]:
     with redis_server() as own:
         yield own
-
-
-@needs_server_binary
-async def test_scripts_flushed_from_the_server_are_loaded_again(server: RedisServer) -> None:
-    own = RedisLockStore("multi-noscript", {"URL": server.url})
-    client: redis.Redis[bytes] = redis.Redis.from_url(server.url)
-    try:
-        keys, holder = ("a", "b"), owner()
-        for step in ("sync", "async"):
-            client.script_flush()
-            if step == "sync":
-                assert own.acquire_many(keys, holder, "h", 30).acquired
-                assert own.release_many(keys, holder)
-            else:
-                assert (await own.aacquire_many(keys, holder, "h", 30)).acquired
-                assert await own.aextend_many(keys, holder, 30)
-                assert await own.arelease_many(keys, holder)
-            loaded = client.script_exists(*(script.sha for script in SCRIPTS))  # type: ignore[no-untyped-call]
-            assert loaded == [True] * len(SCRIPTS)
-    finally:
-        client.close()
-        own.close()
 
 
 @needs_server_binary
