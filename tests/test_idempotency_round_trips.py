@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -22,6 +23,7 @@ from django.test import RequestFactory
 
 from django_keel_lock import idempotent, lock, lock_view, set_lock_store
 from django_keel_lock.idempotency.storage import keep_releasing, result_store_for, take_kept
+from django_keel_lock.signals import lock_released
 from django_keel_lock.stores import DatabaseLockStore, RedisLockStore
 from django_keel_lock.stores.base import LockStore
 from django_keel_lock.stores.results import StoredResult
@@ -164,3 +166,31 @@ def test_release_with_refuses_a_handle_with_auto_extend_naming_the_way_out() -> 
             handle.release_with(lambda key, owner: True)
     finally:
         handle.release()
+
+
+def test_a_fused_keep_and_release_ends_the_handle_as_a_release_does(alias: str) -> None:
+    """`lock_released` is sent with the handle, and a waiter of this process, waiting for
+    the key in its line, gets it."""
+    results = result_store_for(alias)
+    key = f"idempotent:test:fused-signal:{uuid.uuid4().hex}"
+    sent: list[Any] = []
+
+    def receiver(sender: Any, lock: Any, **kwargs: Any) -> None:
+        sent.append(lock)
+
+    holder = lock(key, store=alias, ttl=60)
+    assert holder.acquire()
+    got: list[bool] = []
+    waiter = threading.Thread(
+        target=lambda: got.append(lock(key, store=alias, ttl=5).acquire(timeout=30))
+    )
+    lock_released.connect(receiver)
+    try:
+        waiter.start()
+        time.sleep(0.3)  # the waiter stands in the key's line (no assert rests on it)
+        assert keep_releasing(holder, results, StoredResult(key, "fp", 0, 201, b"x"), 60)
+        waiter.join(40)
+    finally:
+        lock_released.disconnect(receiver)
+    assert sent[:1] == [holder] and not holder.held
+    assert got == [True]
