@@ -495,9 +495,9 @@ class DatabaseLockStore(ListeningStore, LockStore):
     def release_by(self, key: str, statement: Callable[[bool], Statement]) -> list[Row]:
         """Run `statement(line)`, one (built by `results`) that releases `key` as `release`
         does (`line`: the database has the line's table, whose first waiter it wakes) and
-        does more, in autocommit and never retried (as a release); its rows, the first
-        column of the first row the count released. This process's waiters are then woken
-        as a release wakes them."""
+        does more, in autocommit and never retried (as a release); its rows, the first of
+        which begins with how many locks it released (none: nothing released). This
+        process's waiters are then woken as a release wakes them."""
         rows, _ = self.execute([statement(self._has_line())], idempotent=False, key=key)
         self.vendor.released(key, bool(rows) and int(rows[0][0]) > 0, False)
         self._tick()
