@@ -492,6 +492,17 @@ class DatabaseLockStore(ListeningStore, LockStore):
         self._tick()
         return released
 
+    def release_by(self, key: str, statement: Callable[[bool], Statement]) -> list[Row]:
+        """Run `statement(line)`, one (built by `results`) that releases `key` as `release`
+        does (`line`: the database has the line's table, whose first waiter it wakes) and
+        does more, in autocommit and never retried (as a release); its rows, the first of
+        which begins with how many locks it released (none: nothing released). This
+        process's waiters are then woken as a release wakes them."""
+        rows, _ = self.execute([statement(self._has_line())], idempotent=False, key=key)
+        self.vendor.released(key, bool(rows) and int(rows[0][0]) > 0, False)
+        self._tick()
+        return rows
+
     def extend(self, key: str, owner: str, ttl: float) -> bool:
         dialect = self.dialect
         _, count = self.execute(

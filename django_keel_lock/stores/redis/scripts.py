@@ -248,6 +248,79 @@ return 0
 """
 )
 
+# Idempotent results (`results`): RELEASE fused with what a request does with its key's
+# result, so that the request costs a round trip less. KEYS and ARGV start as RELEASE's;
+# KEYS[4] is the result's hash (f fence, p fingerprint, s status, d data, t stored at, ms).
+_RELEASE_OWN = """
+local function release_own()
+    if redis.call('HGET', KEYS[1], 'o') ~= ARGV[1] then
+        return 0
+    end
+    redis.call('DEL', KEYS[1])
+    wake_first(KEYS[2], KEYS[3], ARGV[3], ARGV[4], ARGV[2])
+    return 1
+end
+"""
+
+# Keep a result while ARGV[1] owns the lock, over none of a fence as high (and keep the lock).
+#   KEYS[1] the lock's hash  KEYS[2] the result's hash
+#   ARGV[2] fence  ARGV[3] fingerprint  ARGV[4] status  ARGV[5] data  ARGV[6] ttl (ms)
+#   -> 1 kept, else 0
+KEEP_RESULT = _script(
+    """
+if redis.call('HGET', KEYS[1], 'o') ~= ARGV[1] then
+    return 0
+end
+local kept = redis.call('HGET', KEYS[2], 'f')
+if kept and tonumber(kept) >= tonumber(ARGV[2]) then
+    return 0
+end
+local now = redis.call('TIME')
+redis.call('DEL', KEYS[2])
+redis.call('HSET', KEYS[2], 'f', ARGV[2], 'p', ARGV[3], 's', ARGV[4], 'd', ARGV[5],
+           't', string.format('%d', now[1] * 1000 + math.floor(now[2] / 1000)))
+redis.call('PEXPIRE', KEYS[2], ARGV[6])
+return 1
+"""
+)
+
+# Keep a result and release the lock, both only while ARGV[1] owns the lock, the result
+# only over none of a fence as high.
+#   ARGV[5] fence  ARGV[6] fingerprint  ARGV[7] status  ARGV[8] data  ARGV[9] ttl (ms)
+#   -> 2 kept and released, 1 released (a result of a fence as high is there), 0 neither
+RELEASE_KEEPING = _script(
+    _LINE
+    + _RELEASE_OWN
+    + """
+if redis.call('HGET', KEYS[1], 'o') ~= ARGV[1] then
+    return 0
+end
+local kept = redis.call('HGET', KEYS[4], 'f')
+if kept and tonumber(kept) >= tonumber(ARGV[5]) then
+    return release_own()
+end
+redis.call('DEL', KEYS[4])
+redis.call('HSET', KEYS[4], 'f', ARGV[5], 'p', ARGV[6], 's', ARGV[7], 'd', ARGV[8],
+           't', string.format('%d', clock_ms()))
+redis.call('PEXPIRE', KEYS[4], ARGV[9])
+return 1 + release_own()
+"""
+)
+
+# Read the key's result; when there is one, release the lock of ARGV[1] too.
+#   -> {} when no result (the lock is left as it is), else {released (1 or 0), the result's
+#   fields as HGETALL gives them}
+RELEASE_IF_KEPT = _script(
+    _LINE
+    + _RELEASE_OWN
+    + """
+if redis.call('HEXISTS', KEYS[4], 'f') == 0 then
+    return {}
+end
+return {release_own(), redis.call('HGETALL', KEYS[4])}
+"""
+)
+
 # Let the owner's lock live at least ttl more: expiry becomes max(current, now + ttl).
 #   KEYS[1] the lock's hash
 #   ARGV[1] owner  ARGV[2] ttl (ms)
@@ -580,6 +653,9 @@ SCRIPTS = (
     ACQUIRE_MANY,
     RELEASE_MANY,
     EXTEND_MANY,
+    KEEP_RESULT,
+    RELEASE_KEEPING,
+    RELEASE_IF_KEPT,
 )
 
 _ESCAPES = {"%": "%25", "{": "%7B", "}": "%7D"}

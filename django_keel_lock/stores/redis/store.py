@@ -691,6 +691,29 @@ class RedisLockStore(ListeningStore, LockStore):
             )
         return reply
 
+    def run_extra(
+        self, script: Script, keys: Sequence[str], args: Sequence[Any], *, writes: bool
+    ) -> tuple[Any, bool]:
+        """Run `script`, one of another part's (idempotent results); one that `writes` what
+        must survive a failover is followed by WAIT on its connection with MIN_REPLICAS, in
+        the same round trip, as an acquire is: (its reply, whether MIN_REPLICAS replicas
+        acknowledged it; True without MIN_REPLICAS or when it does not write)."""
+        if not (writes and self.min_replicas):
+            return self._run(script, keys, args), True
+        reply, acks = self._run_waiting(script, keys, args)
+        return reply, acks >= self.min_replicas
+
+    def releasing_call(self, key: str, owner: str) -> tuple[tuple[str, ...], tuple[Any, ...]]:
+        """RELEASE's KEYS and ARGV for `owner`'s lock on `key`: how a script that releases
+        it as RELEASE does (scripts.RELEASE_KEEPING) begins its own."""
+        _, keys, args = self._line_call(RELEASE, key, owner)
+        return keys, args
+
+    def released_by(self, key: str, released: bool) -> bool:
+        """A script released `key` (`released`): wake this process's waiters as `release`
+        does."""
+        return self._released(key, released)
+
     @property
     def _wait_ms(self) -> int:
         return _ms(self.socket_timeout / 2)

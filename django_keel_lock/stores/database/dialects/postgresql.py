@@ -91,11 +91,11 @@ class PostgresDialect(ServerDialect):
     # waited for the row is not in it, but then it listens to the key's channel already.
     _release = f"""
         UPDATE {TABLE} AS l SET owner = {RELEASED}, expires_at = clock_timestamp()
-        WHERE key = %s AND owner = %s AND expires_at > clock_timestamp()
+        WHERE key = %s AND owner = %s AND expires_at > clock_timestamp(){{when}}
         RETURNING CASE WHEN waiting IS TRUE THEN pg_notify({{channel}}, l.key) END{{flush}}
     """
-    _release_template = _release.format(channel=_KEY_CHANNEL, flush="{flush}")
-    _release_line_template = _release.format(channel=_FIRST_CHANNEL, flush="{flush}")
+    _release_template = _release.format(channel=_KEY_CHANNEL, flush="{flush}", when="{when}")
+    _release_line_template = _release.format(channel=_FIRST_CHANNEL, flush="{flush}", when="{when}")
     # A waiter in the line that is first in it takes the free lock in one statement, as the
     # release that woke it expects (the line's transaction is for joining and keeping a
     # place): the UPDATE draws its fence once it holds the row; its place goes with the
@@ -220,13 +220,24 @@ class PostgresDialect(ServerDialect):
         hot = "" if durable else NO_FLUSH
         self.acquire_sql = (self._acquire_template.format(flush=hot),)
         self.acquire_queued_sql = (self._acquire_queued_template.format(flush=hot),)
-        self.release_sql = self._release_template.format(flush=NO_FLUSH)
-        self.release_line_sql = self._release_line_template.format(flush=NO_FLUSH)
+        self.release_sql = self._release_template.format(flush=NO_FLUSH, when="")
+        self.release_line_sql = self._release_line_template.format(flush=NO_FLUSH, when="")
+        self._hot = hot
         self.take_first_sql = self._take_first_template.format(flush=hot)
         self.extend_sql = self._extend_template.format(flush=hot)
         self.acquire_permit_sql = self._acquire_permit_template.format(flush=hot)
         self.release_permit_sql = self._release_permit_template.format(flush=NO_FLUSH)
         self.extend_permit_sql = self._extend_permit_template.format(flush=hot)
+
+    def release_text(self, line: bool, when: str = "", keeps: bool = False) -> str:
+        """The release's UPDATE (`line`: waking the first of the key's line), for a statement
+        of idempotent results to put in a WITH: only `when` (an SQL condition) holds too;
+        one that `keeps` a result waits for its flush as an acquire does, where a plain
+        release does not (a result lost to a crash would let a retry run again)."""
+        template = self._release_line_template if line else self._release_template
+        return template.format(
+            flush=self._hot if keeps else NO_FLUSH, when=f" AND {when}" if when else ""
+        )
 
     def sweep_names(self, delete: str, names: Sequence[Any]) -> tuple[str, Sequence[Any]]:
         # One array parameter: one statement text whatever the count, prepared once.
