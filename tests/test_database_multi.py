@@ -19,8 +19,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from django.db import DatabaseError, connections, transaction
 
 from django_keel_lock import LockStoreUnavailable, get_lock_store
+from django_keel_lock.models import Lock
 from django_keel_lock.stores import DatabaseLockStore
 
 from .conftest import database_of, needs_store, serving, store_params
@@ -282,3 +284,57 @@ def test_an_outage_mid_call_raises_unavailable_and_leaves_no_key_held(alias: str
             proxy.mode = "pass"
         store.release_many(keys, mine)
         assert all(store.get(each) is None for each in keys)
+
+
+def test_keys_with_quotes_commas_braces_and_accents_are_each_their_own_key(
+    db_alias: str, key: str
+) -> None:
+    store = store_of(db_alias)
+    keys = tuple(sorted(f"{key}:{odd}" for odd in ('a"b', "a\\b", "a,b", "{a}", "é", "a b")))
+    mine = owner()
+    taken = store.acquire_many(keys, mine, "odd", 30)
+    assert taken.fences is not None and len(taken.fences) == len(keys)
+    assert [store.get(each).owner for each in keys] == [mine] * len(keys)  # type: ignore[union-attr]
+    assert store.acquire_many(keys, owner(), "other", 30).blocked == keys
+    assert store.extend_many(keys, mine, 30) and store.release_many(keys, mine)
+    assert all(store.get(each) is None for each in keys)
+
+
+#: (vendor) -> a statement that counts the row locks waited for in the database now.
+LOCK_WAITS = {
+    "postgresql": "SELECT count(*) FROM pg_locks WHERE NOT granted",
+    "mysql": "SELECT COUNT(*) FROM information_schema.INNODB_TRX WHERE trx_state = 'LOCK WAIT'",
+}
+
+
+@pytest.mark.parametrize("alias", store_params(["postgres", "mariadb"]))
+def test_a_deadlock_with_another_transaction_is_a_refusal_or_a_take_never_an_error(
+    alias: str, key: str
+) -> None:
+    """Another transaction holds b's row and then asks for a's, which the set holds while it
+    waits for b: the server ends the deadlock by failing one of the two. The set's acquire
+    then takes its keys (the other one failed) or is refused, to retry at once."""
+    store, (a, b) = store_of(alias), keys_of(key, 2)
+    for each in (a, b):  # both rows exist, so each update below locks one
+        single = owner()
+        assert store.acquire(each, single, "single", 30).acquired and store.release(each, single)
+    database = database_of(alias)
+    rows = Lock.objects.using(database)
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            with transaction.atomic(using=database):
+                rows.filter(key=b).update(holder="other")
+                outcome = pool.submit(store.acquire_many, (a, b), owner(), "many", 30)
+                with connections[database].cursor() as cursor:
+
+                    def waiting() -> bool:
+                        time.sleep(0.2)  # MariaDB refreshes INNODB_TRX only when not read lately
+                        cursor.execute(LOCK_WAITS[connections[database].vendor])
+                        return bool(cursor.fetchone()[0])
+
+                    assert wait_until(waiting, 10)
+                rows.filter(key=a).update(holder="other")
+        except DatabaseError:
+            pass  # the other transaction was the one failed
+        result = outcome.result(timeout=30)
+    assert result.acquired or (result.retry_in == 0 and set(result.blocked) == {a, b})
