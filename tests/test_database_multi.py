@@ -19,13 +19,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from django.core.management import call_command
 from django.db import DatabaseError, connections, transaction
 
-from django_keel_lock import LockStoreUnavailable, get_lock_store
+from django_keel_lock import LockStoreMisconfigured, LockStoreUnavailable, get_lock_store
 from django_keel_lock.models import Lock
 from django_keel_lock.stores import DatabaseLockStore
 
-from .conftest import database_of, needs_store, serving, store_params
+from .conftest import database_of, empty_database, needs_store, serving, store_params
 from .support import ROOT
 from .support.many_child import fenced_write
 from .test_database_faults import behind_proxy, wait_until
@@ -338,3 +339,32 @@ def test_a_deadlock_with_another_transaction_is_a_refusal_or_a_take_never_an_err
             pass  # the other transaction was the one failed
         result = outcome.result(timeout=30)
     assert result.acquired or (result.retry_in == 0 and set(result.blocked) == {a, b})
+
+
+@needs_store("postgres")
+def test_a_postgres_database_migrated_before_0008_says_to_run_migrate(key: str) -> None:
+    with empty_database(database_of("postgres"), "before-0008") as database:
+        call_command("migrate", "django_keel_lock", "0007", database=database, verbosity=0)
+        store = DatabaseLockStore("before-0008", {"DATABASE": database})
+        try:
+            assert store.acquire(key, owner(), "single", 30).acquired
+            with pytest.raises(LockStoreMisconfigured) as raised:
+                store.acquire_many(keys_of(key, 2), owner(), "many", 30)
+        finally:
+            store.close()
+    message = str(raised.value)
+    assert "django_keel_lock_acquire_many" in message
+    assert message.endswith("run: python manage.py migrate django_keel_lock --database before-0008")
+
+
+def test_a_set_taken_inside_the_callers_transaction_on_sqlite_joins_it(key: str) -> None:
+    """On SQLite lock statements join the caller's open transaction (the file's one writer):
+    a set taken there is taken with it, and released with it too."""
+    store, keys = store_of("sqlite"), keys_of(key, 2)
+    mine = owner()
+    with transaction.atomic(using=database_of("sqlite")):
+        Lock.objects.using(database_of("sqlite")).filter(key="nothing").update(holder="")
+        assert store.acquire_many(keys, mine, "inside", 30).acquired
+        assert not store.acquire_many(keys, owner(), "other", 30).acquired
+        assert store.release_many(keys, mine)
+    assert all(store.get(each) is None for each in keys)
