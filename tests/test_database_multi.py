@@ -256,9 +256,9 @@ def test_each_multi_key_operation_is_one_round_trip_on_postgres(key: str) -> Non
             lambda: store.extend_many(keys, mine, 30),
             lambda: store.release_many(keys, mine),
         ):
-            before = proxy.requests
+            before = proxy.trips
             assert call()
-            counts.append(proxy.requests - before)
+            counts.append(proxy.trips - before)
 
     assert counts == [1, 1, 1, 1]
 
