@@ -93,6 +93,16 @@ def test_a_multi_key_lock_and_single_key_locks_exclude_each_other(
     assert single.acquire()
     assert not many([a, b]).acquire()
     assert single.release()
+    # A single-key waiter wakes when the multi-key holder releases.
+    handle = many([a, b], ttl=30)
+    assert handle.acquire()
+    got: list[bool] = []
+    waiter = threading.Thread(target=lambda: got.append(one(b, ttl=30, timeout=20).acquire()))
+    waiter.start()
+    time.sleep(0.2)
+    assert handle.release()
+    waiter.join(25)
+    assert got == [True]
 
 
 def test_duplicates_are_one_key_and_the_order_given_does_not_matter(
@@ -173,23 +183,39 @@ def test_a_waiter_wakes_when_the_key_that_blocked_it_is_released(
     assert handle.release()
 
 
-def test_release_extend_and_the_watchdog_cover_every_key(
+def test_release_and_extend_cover_every_key(
     keys: Keys, many: Callable[..., MultiLock], store: LockStore
 ) -> None:
     a, b = keys("a", "b")
-    handle = many([a, b], ttl=1.5 + store.expiry_slack)
+    handle = many([a, b], ttl=5)
     assert handle.acquire()
     handle.extend(20)
     assert all(info.expires_in > 10 for info in handle.info().values() if info)
-    assert handle.remaining_time() is not None
+    assert len(handle.info()) == 2 and handle.remaining_time() is not None
     assert handle.release() and not handle.release()
     with pytest.raises(LockNotHeldError):
         handle.extend()
-    renewed = many([a, b], ttl=0.6 + store.expiry_slack, auto_extend=True)
-    with renewed:
-        time.sleep(1.5 + 2 * store.expiry_slack)
-        assert renewed.is_owned()
-    assert not renewed.lost and not renewed.is_locked()
+    assert handle.remaining_time() is None and not handle.is_locked()
+
+
+async def test_the_watchdog_keeps_every_key_alive_from_a_thread_and_from_a_task(
+    keys: Keys, many: Callable[..., MultiLock]
+) -> None:
+    a, b, c, d = keys("a", "b", "c", "d")
+    ttl = 0.6  # the watchdog extends every ttl/3; only a lost key ends it early
+
+    def in_a_thread() -> bool:
+        with many([a, b], ttl=ttl, auto_extend=True) as handle:
+            time.sleep(2.5 * ttl)
+            return handle.is_owned() and not handle.lost
+
+    async def in_a_task() -> bool:
+        async with many([c, d], ttl=ttl, auto_extend=True) as handle:
+            await asyncio.sleep(2.5 * ttl)
+            return await handle.ais_owned() and not handle.lost
+
+    assert await asyncio.gather(asyncio.to_thread(in_a_thread), in_a_task()) == [True, True]
+    assert not await many([a, b, c, d]).ais_locked()
 
 
 def test_one_key_force_released_loses_the_lock_and_gives_back_the_others(
