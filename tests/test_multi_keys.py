@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable
 
 import pytest
+from django.conf import settings
+from django.test import override_settings
 
 from django_keel_lock import (
     Lock,
@@ -17,6 +19,7 @@ from django_keel_lock import (
     LockUnavailable,
     MultiLock,
     force_release,
+    get_lock_store,
     lock,
     restore_lock,
     signals,
@@ -24,7 +27,10 @@ from django_keel_lock import (
 from django_keel_lock.options import LockSpec
 from django_keel_lock.stores import LockStore
 from django_keel_lock.stores.base import MAX_KEYS
-from tests.conftest import CONTRACT_STORES
+from tests.conftest import CONTRACT_STORES, store_params
+
+#: The stores that keep a line of waiters per key (`LockStore.queues`).
+LINE_STORES = store_params(["postgres", "mariadb", "redis"])
 
 Keys = Callable[..., list[str]]
 
@@ -183,6 +189,48 @@ def test_a_waiter_wakes_when_the_key_that_blocked_it_is_released(
     assert handle.release()
 
 
+@pytest.mark.parametrize("store_alias", LINE_STORES)
+def test_a_waiter_is_not_starved_by_a_stream_of_single_key_waiters(
+    keys: Keys, many: Callable[..., MultiLock], store_alias: str
+) -> None:
+    # Three threads take `b` in turns through its line, each handing it to the next as it
+    # releases: `b` is free for moments only. They use a twin of the store (the same
+    # server, a listener and a wake address of its own: another process, as far as the
+    # line can tell), so a release wakes the multi-key waiter only when the line says so.
+    # It stands in `b`'s line too, so its turn comes; it is not left to catch a free
+    # moment between two of them with an attempt a second.
+    a, b = keys("a", "b")
+    twin = {**settings.KEEL_LOCK_STORES, "twin": settings.KEEL_LOCK_STORES[store_alias]}
+    stop, errors = threading.Event(), []
+
+    def stream() -> None:
+        try:
+            while not stop.is_set():
+                single = lock(b, store="twin", ttl=10, timeout=10)
+                if single.acquire():
+                    time.sleep(0.05)
+                    single.release()
+        except BaseException as error:  # reported by the test's thread
+            errors.append(error)
+
+    with override_settings(KEEL_LOCK_STORES=twin):
+        assert get_lock_store("twin") is not get_lock_store(store_alias)
+        assert get_lock_store(store_alias).queues
+        threads = [threading.Thread(target=stream) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        handle = many([a, b], ttl=10)
+        try:
+            time.sleep(0.2)
+            got = handle.acquire(timeout=10)
+            released = got and handle.release()
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(30)
+    assert got and released and not errors, errors
+
+
 def test_release_and_extend_cover_every_key(
     keys: Keys, many: Callable[..., MultiLock], store: LockStore
 ) -> None:
@@ -288,6 +336,14 @@ async def test_async_with_and_a_cancelled_wait_leave_no_key_held(
         await task
     assert await blocker.arelease()
     assert not await many([a, b, c]).ais_locked()
+    # A task waiting for the keys wakes when the one that blocked it is released.
+    assert await blocker.aacquire()
+    later = many([a, b, c], ttl=30, timeout=20)
+    waiting = asyncio.ensure_future(later.aacquire())
+    await asyncio.sleep(0.2)
+    assert await blocker.arelease()
+    assert await waiting
+    assert await later.arelease()
     ran, value = await many([a, c], ttl=30).arun(lambda: 7)
     assert (ran, value) == (True, 7)
 
