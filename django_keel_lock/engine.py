@@ -355,20 +355,15 @@ def waiting(
     # twice as late): the deadline, a cancellation, an exception from a signal handler (a
     # task's time limit), SystemExit, KeyboardInterrupt.
     place = [target.key if policy.queued else None]
-    stands = policy is MANY and target.store.queues
     try:
         yield WATCH
         tally[0] = 0
         while True:
             tally[0] += 1
             sent = time.monotonic()
-            result = yield from _attempt(target, owner, policy, deadline)
-            if stands and result.fence is None and result.blocked:
-                result = yield from _stand(target, owner, result, place)
+            result = yield from _try(target, owner, policy, deadline, place)
             left = deadline - time.monotonic()
             if result.fence is not None or left <= 0:
-                if result.fence is not None and not target.many:
-                    place[0] = None
                 return result, sent
             pause = _pause(target, policy, result, retry_delay, left)
             policy = _next_policy(policy, result)
@@ -380,6 +375,20 @@ def waiting(
     finally:
         if place[0] is not None:
             yield from _leave_line(target, owner, place[0])
+
+
+def _try(
+    target: Target, owner: str, policy: Policy, deadline: float, place: list[str | None]
+) -> Generator[Step, Any, AcquireResult]:
+    """One attempt of a wait. A key taken from its line leaves it (`place`); a multi-key
+    waiter refused on a store with lines stands in one (`_stand`)."""
+    result = yield from _attempt(target, owner, policy, deadline)
+    if result.fence is not None:
+        if not target.many:  # a multi-key take leaves no line: the waiter leaves its own
+            place[0] = None
+    elif policy is MANY and result.blocked and target.store.queues:
+        result = yield from _stand(target, owner, result, place)
+    return result
 
 
 def _stand(
