@@ -133,10 +133,6 @@ class Lock(Holding, KeyQueries):
     def _setup(self, key: str, spec: LockSpec, *, label: str | None, raises: bool = False) -> None:
         self._store = get_lock_store(spec.store)
         self.key = validate_key(key, self._store)
-        self._configure(spec, label, raises)
-
-    def _configure(self, spec: LockSpec, label: str | None, raises: bool) -> None:
-        """Take on `spec` (the store and the key are set): a handle that holds nothing."""
         # The spec's calls written out where they only read a value: calls less per handle.
         self.ttl = spec.resolved_ttl() if spec.ttl is None else spec.ttl
         self.timeout, self.retry_delay = spec.timeout, spec.retry_delay

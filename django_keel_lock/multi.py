@@ -93,11 +93,12 @@ class MultiLock(Lock):
             raise ValueError(
                 f"{what} is not for several keys: a multi-key lock takes its keys exclusively"
             )
-        self._store = get_lock_store(spec.store)
-        self.keys = validate_keys(keys, self._store)
+        self.keys = validate_keys(keys, get_lock_store(spec.store))
+        # As a handle on its first key (checked again there: a call less for every
+        # single-key handle than a setup split in two), then on all of them.
+        super()._setup(self.keys[0], spec, label=label, raises=raises)
         self.key = "+".join(self.keys)
         self._fences: tuple[int, ...] = ()
-        self._configure(spec, label, raises)
 
     @property
     def fences(self) -> dict[str, int]:
