@@ -54,6 +54,8 @@ _OPTIONAL: dict[str, tuple[str, type | tuple[type, ...]]] = {
 def dumps(token: Token) -> str:
     """`token` signed and compressed, as a URL-safe string."""
     payload = {name: getattr(token, field) for name, (field, _) in (_FIELDS | _OPTIONAL).items()}
+    if token.keys is None:  # one key: the token as it was before multi-key locks
+        del payload["K"], payload["F"]
     return signing.dumps(payload, salt=TOKEN_SALT, compress=True)
 
 

@@ -11,9 +11,11 @@ from collections.abc import Callable
 
 import pytest
 from django.conf import settings
+from django.core import signing
 from django.test import override_settings
 
 from django_keel_lock import (
+    InvalidLockToken,
     Lock,
     LockNotHeldError,
     LockUnavailable,
@@ -23,6 +25,7 @@ from django_keel_lock import (
     lock,
     restore_lock,
     signals,
+    tokens,
 )
 from django_keel_lock.options import LockSpec
 from django_keel_lock.stores import LockStore
@@ -411,3 +414,20 @@ def test_from_spec_and_the_name(store_alias: str) -> None:
     assert "transfer" in handle.holder
     named = lock(["account:1", "account:2"], name="transfer", store=store_alias)
     assert named.name == "transfer"
+
+
+@pytest.mark.parametrize("store_alias", ["memory"])
+@pytest.mark.parametrize(
+    "extra", [{"K": ["a", "b"]}, {"K": ["a", "b"], "F": [1]}, {"K": ["a", 2], "F": [1, 2]}]
+)
+def test_a_signed_token_with_keys_but_not_a_fence_each_is_refused(
+    store_alias: str, extra: dict[str, object]
+) -> None:
+    single = lock("a", store=store_alias, ttl=5)
+    assert single.acquire()
+    payload = signing.loads(single.serialize(), salt=tokens.TOKEN_SALT)
+    assert "K" not in payload  # a single key's token is as it was
+    forged = signing.dumps({**payload, **extra}, salt=tokens.TOKEN_SALT, compress=True)
+    with pytest.raises(InvalidLockToken, match="does not describe a lock"):
+        restore_lock(forged)
+    assert single.release()
