@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 
 from .stores.base import LockInfo, LockStore
 
-__all__ = ["OwnerDigests", "held_together", "held_with"]
+__all__ = ["OwnerDigests", "held_together", "held_with", "keys_with"]
 
 
 def _digest(owner: str) -> int:
@@ -40,6 +40,11 @@ def held_with(
         if info.owner in wanted and _is_lock(info):
             found.setdefault(info.owner, []).append(info)
     return {owner: infos for owner, infos in found.items() if len(infos) > 1}
+
+
+def keys_with(info: LockInfo, together: dict[str, list[LockInfo]]) -> tuple[str, ...]:
+    """The other keys `info`'s holder holds with it (`together`: from `held_with`)."""
+    return tuple(each.key for each in together.get(info.owner, []) if each.key != info.key)
 
 
 class OwnerDigests:

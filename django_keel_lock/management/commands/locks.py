@@ -50,7 +50,7 @@ from ...exceptions import LockStoreUnavailable
 from ...options import printable, validate_key
 from ...registry import get_lock_store
 from ...stores.base import LockInfo, LockStore
-from ...together import OwnerDigests, held_together, held_with
+from ...together import OwnerDigests, held_together, held_with, keys_with
 from .. import results, running
 
 EXIT_NOT_HELD = 1
@@ -88,7 +88,7 @@ def format_expires(seconds: float) -> str:
 
 
 def info_dict(
-    info: LockInfo, *, owner: bool = False, together: list[str] | None = None
+    info: LockInfo, *, owner: bool = False, together: tuple[str, ...] = ()
 ) -> dict[str, Any]:
     data: dict[str, Any] = {
         "key": info.key,
@@ -101,13 +101,8 @@ def info_dict(
     if owner:
         data["owner"] = info.owner
     if together:
-        data["with"] = together
+        data["with"] = list(together)
     return data
-
-
-def keys_with(info: LockInfo, together: dict[str, list[LockInfo]]) -> list[str]:
-    """The other keys `info`'s holder holds with it (a multi-key lock), in key order."""
-    return [each.key for each in together.get(info.owner, []) if each.key != info.key]
 
 
 def row_cells(info: LockInfo) -> tuple[str, ...]:
