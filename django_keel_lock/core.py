@@ -23,7 +23,17 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC, datetime
 from types import TracebackType
-from typing import Any, Generic, NamedTuple, TypeVar, Unpack, overload
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Generic,
+    NamedTuple,
+    Protocol,
+    Self,
+    TypeVar,
+    Unpack,
+    overload,
+)
 
 from asgiref.sync import iscoroutinefunction, sync_to_async
 from django.dispatch import Signal
@@ -47,6 +57,9 @@ from .queries import KeyQueries
 from .registry import get_lock_store
 from .stores.base import EXCLUSIVE, LockInfo, Mode
 from .waiting import to_the_end
+
+if TYPE_CHECKING:
+    from .multi import MultiLock
 
 __all__ = ["Lock", "LockOutcome", "force_release", "lock", "restore_lock", "semaphore"]
 
@@ -109,7 +122,7 @@ class Lock(Holding, KeyQueries):
     @classmethod
     def from_spec(
         cls, key: str, spec: LockSpec, *, label: str | None = None, raises: bool = False
-    ) -> Lock:
+    ) -> Self:
         """A handle on `key` taken as `spec` says (what `LockSpec.lock` returns); `label`
         names the caller in the holder when the spec has none; `raises`: the caller raises
         LockUnavailable when the lock is not acquired (traces mark that refusal an error)."""
@@ -120,6 +133,10 @@ class Lock(Holding, KeyQueries):
     def _setup(self, key: str, spec: LockSpec, *, label: str | None, raises: bool = False) -> None:
         self._store = get_lock_store(spec.store)
         self.key = validate_key(key, self._store)
+        self._configure(spec, label, raises)
+
+    def _configure(self, spec: LockSpec, label: str | None, raises: bool) -> None:
+        """Take on `spec` (the store and the key are set): a handle that holds nothing."""
         # The spec's calls written out where they only read a value: calls less per handle.
         self.ttl = spec.resolved_ttl() if spec.ttl is None else spec.ttl
         self.timeout, self.retry_delay = spec.timeout, spec.retry_delay
@@ -354,7 +371,7 @@ class Lock(Holding, KeyQueries):
         await self._aleave(None)
         return LockOutcome(True, value)
 
-    async def __aenter__(self) -> Lock:
+    async def __aenter__(self) -> Self:
         raises, self._raises = self._raises, True  # a refusal here raises: traces say so
         try:
             acquired = await self.aacquire()
@@ -388,7 +405,7 @@ class Lock(Holding, KeyQueries):
         """ "lock 'key'", "shared lock 'key'" or "semaphore 'key'": for messages."""
         return f"{engine.kind_phrase(self.mode.kind, article=False)} {self.key!r}"
 
-    def __enter__(self) -> Lock:
+    def __enter__(self) -> Self:
         raises, self._raises = self._raises, True  # a refusal here raises: traces say so
         try:
             acquired = self.acquire()
@@ -414,18 +431,34 @@ class Lock(Holding, KeyQueries):
         # The deadline travels as wall-clock time: monotonic clocks mean nothing in another
         # process. Clock skew between the two machines shifts it; the store stays the judge.
         expires_at = time.time() + (self._valid_until - time.monotonic())
+        return tokens.dumps(self._token(self.owner, self.fence, expires_at))
+
+    def _token(self, owner: str, fence: int, expires_at: float) -> tokens.Token:
+        """What `serialize` signs of the acquisition it describes."""
         mode = self.mode
-        token = tokens.Token(
+        return tokens.Token(
             self.key,
             self.ttl,
-            self.owner,
-            self.fence,
+            owner,
+            fence,
             self.holder,
             self.store_alias,
             expires_at,
             None if mode is EXCLUSIVE else (mode.limit if mode.kind == "semaphore" else "shared"),
         )
-        return tokens.dumps(token)
+
+    @classmethod
+    def _restore(cls, data: tokens.Token) -> Self:
+        """A handle on what the token `data` describes (`restore_lock`), holding nothing yet."""
+        mode = data.mode
+        return cls(
+            data.key,
+            ttl=data.ttl,
+            store=data.store,
+            holder=data.holder,
+            limit=mode if isinstance(mode, int) else None,
+            shared=mode == "shared",
+        )
 
     _announce = staticmethod(_announce)  # `Holding`'s: the sender is this class
 
@@ -438,6 +471,26 @@ class Lock(Holding, KeyQueries):
 make_handles_with(Lock.from_spec)
 
 
+class MultiMaker(Protocol):
+    """`multi.MultiLock`, as `lock()` and `restore_lock` make one."""
+
+    @classmethod
+    def of(cls, keys: object, shared: object, options: Mapping[str, object]) -> MultiLock: ...
+
+    @classmethod
+    def _restore(cls, data: tokens.Token) -> MultiLock: ...
+
+
+#: `multi.MultiLock`, handed in as that module loads (`multi_locks_with`): it builds on this
+#: module, which therefore does not import it.
+_multi: list[type[MultiMaker]] = []
+
+
+def multi_locks_with(maker: type[MultiMaker]) -> None:
+    """Have `lock([...])` and `restore_lock` make multi-key handles with `maker`."""
+    _multi[:] = [maker]
+
+
 class LockOutcome(NamedTuple, Generic[T]):
     """What `Lock.run` did: `acquired` is False when fn was not called (then `value` is None)."""
 
@@ -445,9 +498,27 @@ class LockOutcome(NamedTuple, Generic[T]):
     value: T | None
 
 
-def lock(key: str, *, shared: bool = False, **options: Unpack[HandleOptions]) -> Lock:
+@overload
+def lock(key: str, *, shared: bool = False, **options: Unpack[HandleOptions]) -> Lock: ...
+
+
+@overload
+def lock(
+    key: list[str] | tuple[str, ...], *, shared: bool = False, **options: Unpack[HandleOptions]
+) -> MultiLock: ...
+
+
+def lock(
+    key: str | list[str] | tuple[str, ...],
+    *,
+    shared: bool = False,
+    **options: Unpack[HandleOptions],
+) -> Lock:
     """A handle on `key` in `store`; nothing is acquired until acquire/run/`with`. It takes
     the `LockOptions` (see there what each means) but `limit` (that is `semaphore()`).
+
+    A list or tuple of keys makes a `MultiLock`: one handle that takes all of them at once or
+    none (see `multi.MultiLock`; exclusive only).
 
     `shared=True` makes it a shared (read) lock: any number of shared holders at once, no
     exclusive one meanwhile; an exclusive acquirer that waits keeps new shared ones out, so
@@ -460,11 +531,13 @@ def lock(key: str, *, shared: bool = False, **options: Unpack[HandleOptions]) ->
 
     `name` is what metrics and traces call the lock ("invoice" for "invoice:42"); without
     it they show the key with its digits, UUIDs and long hex as `*`."""
+    if type(key) is not str and isinstance(key, list | tuple):
+        return _multi[0].of(key, shared, options)
     if "limit" in options:
         raise refuse_option("lock", "limit", "for at most N holders use semaphore(key, limit=N)")
     # The options as given (a new handle per `with lock(key):` is the usual way: no copy).
     given: Mapping[str, object] = options if shared is False else {**options, "shared": shared}
-    return Lock.from_spec(key, LockSpec.of("lock", given))
+    return Lock.from_spec(key, LockSpec.of("lock", given))  # type: ignore[arg-type]
 
 
 def semaphore(key: str, *, limit: int, **options: Unpack[HandleOptions]) -> Lock:
@@ -501,20 +574,13 @@ async def _call(fn: Callable[[], Any]) -> Any:
 
 
 def restore_lock(token: str) -> Lock:
-    """The handle `Lock.serialize` described, holding the same acquisition (same owner, fence).
+    """The handle `Lock.serialize` described, holding the same acquisition (same owner, fence):
+    a `Lock`, or a `MultiLock` when it describes one.
 
     Raises InvalidLockToken for garbage, truncated, tampered or foreign tokens.
     """
     data = tokens.loads(token)
-    mode = data.mode
-    handle = Lock(
-        data.key,
-        ttl=data.ttl,
-        store=data.store,
-        holder=data.holder,
-        limit=mode if isinstance(mode, int) else None,
-        shared=mode == "shared",
-    )
+    handle = (Lock if data.keys is None else _multi[0])._restore(data)
     handle.owner, handle.fence, handle._held = data.owner, data.fence, True
     # The lock lives as long as it had left when serialized, no longer (a token from before
     # tokens carried it: a whole ttl from now, as then).

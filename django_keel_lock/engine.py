@@ -49,11 +49,14 @@ __all__ = [
     "acquisition",
     "ask",
     "check",
+    "extend_call",
     "first_policy",
     "first_request",
     "give_back",
     "late",
+    "release_call",
     "request",
+    "subject",
     "waiting",
 ]
 
@@ -111,12 +114,19 @@ class Interrupted(BaseException):
 
 
 class Target(Protocol):
-    """What the engine reads of the handle it acquires for (`core.Lock`)."""
+    """What the engine reads of the handle it acquires for (`core.Lock`, or a multi-key
+    `multi.MultiLock`: `many`, whose store operations take its `keys`)."""
 
     key: str
     holder: str
     ttl: float
     mode: Mode
+
+    @property
+    def many(self) -> bool: ...
+
+    @property
+    def keys(self) -> tuple[str, ...]: ...
 
     @property
     def store(self) -> LockStore: ...
@@ -137,14 +147,30 @@ IN_LINE = Policy("acquire_queued", queued=True)
 PERMIT = Policy("acquire_permit")  # a semaphore's permit or a shared lock
 WRITER = Policy("acquire_permit", writer=True)
 WRITER_IN_LINE = Policy("acquire_permit", queued=True, writer=True)
+#: Several keys at once, all or nothing (`LockStore.acquire_many`). Not in any key's line:
+#: a waiter never holds a place, nor a key, while it waits for the rest.
+MANY = Policy("acquire_many")
+
+
+def subject(target: Target) -> str | tuple[str, ...]:
+    """What the target's store operations take: its key, or a multi-key lock's keys."""
+    return target.keys if target.many else target.key
 
 
 def first_policy(target: Target, wait: bool = False) -> Policy:
     """How the first attempt asks: an exclusive lock as plain `acquire` (the fast path), in
-    the store's line when it keeps one and the caller `wait`s; other modes for a permit."""
+    the store's line when it keeps one and the caller `wait`s; other modes for a permit;
+    several keys all at once."""
+    if target.many:
+        return MANY
     if target.mode is not EXCLUSIVE:
         return PERMIT
     return IN_LINE if wait and target.store.queues else PLAIN
+
+
+#: The operations of an exclusive lock that turn into a writer's on finding readers (a
+#: multi-key lock does not: it waits for the readers to go).
+_PLAIN_OPS = ("acquire", "acquire_queued")
 
 
 def _next_policy(policy: Policy, result: AcquireResult) -> Policy:
@@ -152,7 +178,7 @@ def _next_policy(policy: Policy, result: AcquireResult) -> Policy:
     the rest of the wait, as a writer waiting for them (`acquire_permit`), which keeps new
     readers out while it waits and withdraws that when it takes the lock. Taken through
     `acquire`, the mark would keep readers out of a key nobody holds until it lapsed."""
-    if policy.op != "acquire_permit" and result.held_as == "shared":
+    if policy.op in _PLAIN_OPS and result.held_as == "shared":
         return WRITER_IN_LINE if policy.queued else WRITER
     return policy
 
@@ -164,7 +190,7 @@ def request(
     `deadline` (None: no wait): the store operation and its arguments."""
     op = policy.op
     if op != "acquire_permit":
-        return op, (target.key, owner, target.holder, target.ttl)
+        return op, (subject(target), owner, target.holder, target.ttl)
     # A writer's mark keeps readers out until the deadline, for QUEUE_LEASE at most: it
     # renews it with each attempt, so one that was cancelled, failed or died no longer keeps
     # readers out a moment later.
@@ -174,9 +200,7 @@ def request(
 
 def first_request(target: Target, owner: str) -> tuple[str, tuple[Any, ...]]:
     """The one attempt of an acquire that does not wait (`once`), as `request` says it."""
-    if target.mode is EXCLUSIVE:
-        return "acquire", (target.key, owner, target.holder, target.ttl)
-    return request(target, owner, PERMIT, None)
+    return request(target, owner, first_policy(target), None)
 
 
 def ask(target: Target, owner: str, policy: Policy, deadline: float | None) -> Call:
@@ -191,8 +215,9 @@ def check(target: Target, result: AcquireResult) -> AcquireResult:
     if held is None or result.fence is not None:
         return result
     if (held == "semaphore") != (target.mode.kind == "semaphore"):
+        key = result.blocked[0] if result.blocked else target.key
         raise ValueError(
-            f"key {target.key!r} is held as {kind_phrase(held)} and cannot be taken as "
+            f"key {key!r} is held as {kind_phrase(held)} and cannot be taken as "
             f"{kind_phrase(target.mode.kind)} at the same time: a key is a semaphore or a "
             "lock, not both (use a key of its own for each); once every holder has gone it "
             "may be used either way"
@@ -226,18 +251,33 @@ def _pause(
 
 
 def release_op(target: Target) -> str:
-    """The store operation that releases the target's acquisition (a lock's, or a permit's)."""
+    """The store operation that releases the target's acquisition (a lock's, a permit's, or
+    a multi-key lock's)."""
+    if target.many:
+        return "release_many"
     return "release" if target.mode is EXCLUSIVE else "release_permit"
 
 
 def extend_op(target: Target) -> str:
     """The store operation that extends the target's acquisition."""
+    if target.many:
+        return "extend_many"
     return "extend" if target.mode is EXCLUSIVE else "extend_permit"
+
+
+def release_call(target: Target, owner: str, quiet: bool = False) -> Call:
+    """The step that releases `owner`'s acquisition of the target."""
+    return Call(release_op(target), (subject(target), owner), quiet)
+
+
+def extend_call(target: Target, owner: str, seconds: float) -> Call:
+    """The step that makes `owner`'s acquisition of the target live `seconds` more."""
+    return Call(extend_op(target), (subject(target), owner, seconds))
 
 
 def give_back(target: Target, owner: str) -> Call:
     """Release `owner`'s grant, quietly: it came too late or to a caller that has gone."""
-    return Call(release_op(target), (target.key, owner), quiet=True)
+    return release_call(target, owner, quiet=True)
 
 
 def giving_back(target: Target, owner: str, why: str = "granted too late") -> Steps:
@@ -297,7 +337,9 @@ def waiting(
     """An acquisition that waits until `deadline` (monotonic), polling every `retry_delay`
     where the store does not push wake-ups: the attempts (counted in `tally`) until one takes
     the lock or the deadline passes; the last one's result."""
-    if not (yield TakeTurn(deadline)):
+    # A multi-key waiter takes no turn: it would hold the turns of some keys while it
+    # waited for the others' (the store's all-or-nothing take is the one gate it passes).
+    if not target.many and not (yield TakeTurn(deadline)):
         # The turn did not come by the deadline. Whoever has it may be stuck on a store that
         # does not answer, so ask the store once ourselves: "held by someone else" must be
         # the store's word, and an outage must reach every caller as one.

@@ -9,7 +9,7 @@ import secrets
 import select
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -41,6 +41,27 @@ class Waiter:
         generation = self._slot.generation
         woken = generation != self._seen
         self._seen = generation
+        return woken
+
+
+class AnyWaiter:
+    """A `Waiter` over several keys (a multi-key lock's): woken by a release of any of them,
+    through the board's callbacks (`WakeBoard.watch_many`), registered before an attempt."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def wake(self) -> None:
+        """A release of one of the keys was announced (called from any thread)."""
+        self._event.set()
+
+    def wait(self, timeout: float) -> bool:
+        """Block up to `timeout` seconds; True if a release of a key was announced meanwhile
+        (or since the last wait: it is then the next attempt that sees it)."""
+        woken = self._event.wait(timeout)
+        self._event.clear()
         return woken
 
 
@@ -107,6 +128,18 @@ class WakeBoard:
     def remove_callback(self, token: Any) -> None:
         key, slot, callback = token
         self._leave(key, slot, callback)
+
+    @contextmanager
+    def watch_many(self, keys: Iterable[str], callback: Callable[[], None]) -> Iterator[None]:
+        """Call `callback()` (from any thread) on each wake of any of `keys` in the block."""
+        tokens = []
+        try:
+            for key in keys:
+                tokens.append(self.add_callback(key, callback))
+            yield
+        finally:
+            for token in tokens:
+                self.remove_callback(token)
 
     def watched_keys(self) -> list[str]:
         with self._mutex:
@@ -390,6 +423,11 @@ class ListeningStore:
         if self._listens():
             self.ensure_listener()
         return self.wake_board.watch(key)
+
+    def watch_many(self, keys: Iterable[str], callback: Callable[[], None]) -> Any:
+        if self._listens():
+            self.ensure_listener()
+        return self.wake_board.watch_many(keys, callback)
 
     def ensure_listener(self) -> None:
         """Start this process's listener unless one runs (a forked child starts its own)."""
