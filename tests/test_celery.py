@@ -92,6 +92,28 @@ def by_task_name(self: Task) -> str:
     return held.key
 
 
+@eager.task(bind=True)
+@locked_task(["acct:{target}", "acct:{source}"], store="memory", on_locked="skip")
+def transfer(self: Task, source: int, target: int) -> dict[str, Any]:
+    held = current_lock()
+    assert held is not None
+    return {"keys": list(held.keys), "fences": held.fences}
+
+
+def test_a_list_of_templates_takes_every_key_for_the_run_or_skips(key: str) -> None:
+    result = transfer.apply(args=(1, 2)).get()
+    assert result["keys"] == ["acct:1", "acct:2"] and set(result["fences"]) == set(result["keys"])
+    assert get_lock_store("memory").get("acct:1") is None
+    with lock("acct:2", store="memory"):
+        assert transfer.apply(args=(1, 2)).get() is None
+    assert get_lock_store("memory").get("acct:1") is None  # all or nothing
+
+
+def test_dedupe_with_a_list_of_templates_is_refused_naming_it() -> None:
+    with pytest.raises(TypeError, match="dedupe= takes one key template"):
+        locked_task(["a:{x}", "b:{x}"], dedupe="queued")
+
+
 def test_key_is_formatted_from_the_task_arguments_and_the_lock_is_released() -> None:
     result = skipping.apply(args=("a",), kwargs={"n": 7}).get()
     assert result["key"] == "job:a:7"
