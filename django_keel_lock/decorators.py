@@ -24,15 +24,8 @@ from typing import Any, Literal, ParamSpec, Protocol, TypeVar, Unpack, cast, ove
 
 from asgiref.sync import iscoroutinefunction
 
+from . import keyed
 from .core import Lock
-from .keyed import (
-    KeyTemplates,
-    check_fields,
-    check_templates,
-    format_keys,
-    handle_for,
-    name_templates,
-)
 from .options import RAISE, SKIP, LockOptions, LockSpec, check_on_locked
 
 logger = logging.getLogger("django_keel_lock")
@@ -59,18 +52,18 @@ class _Skipping(Protocol):
 
 @overload
 def locked(
-    key: KeyTemplates, *, on_locked: Literal["raise"] = ..., **options: Unpack[LockOptions]
+    key: keyed.KeyTemplates, *, on_locked: Literal["raise"] = ..., **options: Unpack[LockOptions]
 ) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
 
 
 @overload
 def locked(
-    key: KeyTemplates, *, on_locked: Literal["skip"], **options: Unpack[LockOptions]
+    key: keyed.KeyTemplates, *, on_locked: Literal["skip"], **options: Unpack[LockOptions]
 ) -> _Skipping: ...
 
 
 def locked(
-    key: KeyTemplates, *, on_locked: OnLocked = "raise", **options: Unpack[LockOptions]
+    key: keyed.KeyTemplates, *, on_locked: OnLocked = "raise", **options: Unpack[LockOptions]
 ) -> Callable[[Callable[P, R]], Callable[P, Any]] | _Skipping:
     """Hold the lock `key` (a "{name}" template over the call's arguments, or a callable taking
     them; a list or tuple of them takes every key they name at once, all or nothing, as
@@ -93,8 +86,8 @@ def locked(
     `lock(shared=True)`.
     """
     check_on_locked(on_locked, ON_LOCKED_CHOICES)
-    check_templates(key)
-    name_templates(options, key)
+    keyed.check_templates(key)
+    keyed.name_templates(options, key)
     spec = LockSpec.parse("locked", **options)
 
     def decorate(fn: Callable[P, R]) -> Callable[P, Any]:
@@ -104,7 +97,7 @@ def locked(
     return decorate
 
 
-def _check_wrappable(fn: Callable[..., Any], key: KeyTemplates) -> None:
+def _check_wrappable(fn: Callable[..., Any], key: keyed.KeyTemplates) -> None:
     """Refuse, at decoration, a function `@locked` cannot hold a lock around, and a key
     template naming a parameter `fn` does not take (not on every call)."""
     if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
@@ -115,19 +108,19 @@ def _check_wrappable(fn: Callable[..., Any], key: KeyTemplates) -> None:
             f"after the call returns, outside the lock. Take the lock inside it: "
             f"`with lock(...):` around the loop"
         )
-    check_fields(key, fn)
+    keyed.check_fields(key, fn)
 
 
 def _wrap(
-    fn: Callable[P, R], key: KeyTemplates, spec: LockSpec, on_locked: OnLocked
+    fn: Callable[P, R], key: keyed.KeyTemplates, spec: LockSpec, on_locked: OnLocked
 ) -> Callable[P, Any]:
     """`fn` run under a lock on `key` made from `spec` for each call (sync or async)."""
     name = f"{fn.__module__}.{fn.__qualname__}"
 
     def handle_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Lock:
         # Made per call: a forked worker names its own pid in the holder.
-        keys = format_keys(key, fn, args, kwargs)
-        return handle_for(spec, keys, label=name, raises=on_locked == RAISE)
+        keys = keyed.format_keys(key, fn, args, kwargs)
+        return keyed.handle_for(spec, keys, label=name, raises=on_locked == RAISE)
 
     def not_acquired(handle: Lock) -> None:
         if on_locked == SKIP:

@@ -44,16 +44,9 @@ except ImportError as exc:  # pragma: no cover - exercised by a subprocess test
         "django_keel_lock.contrib.celery needs Celery: pip install 'django-keel-lock[celery]'"
     ) from exc
 
+from .. import keyed
 from ..core import Lock, force_release, restore_lock
 from ..exceptions import AlreadyQueued, InvalidLockToken
-from ..keyed import (
-    KeyTemplates,
-    check_fields,
-    check_templates,
-    format_keys,
-    handle_for,
-    name_templates,
-)
 from ..options import RAISE, SKIP, KeyTemplate, format_key
 from ..stores.base import LockInfo
 from .common import (
@@ -96,7 +89,7 @@ _claim: contextvars.ContextVar[Lock | None] = contextvars.ContextVar(
 
 
 def locked_task(
-    key: KeyTemplates, **options: Unpack[TaskArgs]
+    key: keyed.KeyTemplates, **options: Unpack[TaskArgs]
 ) -> Callable[[Callable[P, R]], Callable[P, R | None]]:
     """Run the task body only while holding the lock `key` (formatted from the task's
     arguments, `self` included for bound tasks); put it *under* `@shared_task`.
@@ -131,8 +124,8 @@ def locked_task(
     message. With `limit=N`, at most N are queued (or running) at once.
     """
     # Fail where the task is defined, not in the worker on its first run.
-    check_templates(key)
-    name_templates(options, key)
+    keyed.check_templates(key)
+    keyed.name_templates(options, key)
     parsed = TaskOptions.parse(**options)
     if parsed.dedupe is not None and isinstance(key, list | tuple):
         raise TypeError(
@@ -142,7 +135,8 @@ def locked_task(
 
     def decorate(fn: Callable[P, R]) -> Callable[P, R | None]:
         wrapper = _wrap(fn, key, parsed)
-        check_fields(key, fn)  # after _wrap refused a task object (its signature evaluates it)
+        # After _wrap refused a task object (its signature evaluates it).
+        keyed.check_fields(key, fn)
         if parsed.dedupe is None:
             return wrapper
         single = cast(KeyTemplate, key)
@@ -151,7 +145,9 @@ def locked_task(
     return decorate
 
 
-def _wrap(fn: Callable[P, R], key: KeyTemplates, options: TaskOptions) -> Callable[P, R | None]:
+def _wrap(
+    fn: Callable[P, R], key: keyed.KeyTemplates, options: TaskOptions
+) -> Callable[P, R | None]:
     """The task body `fn` run under a lock on `key` made as `options` say for each run; with
     `dedupe`, it also ends the claim its message brought (see `_Dedupe`)."""
     spec, dedupe = options.spec, options.dedupe
@@ -168,9 +164,9 @@ def _wrap(fn: Callable[P, R], key: KeyTemplates, options: TaskOptions) -> Callab
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R | None:
         task = _running_task(args)
-        handle = handle_for(
+        handle = keyed.handle_for(
             spec,
-            format_keys(key, fn, args, kwargs),
+            keyed.format_keys(key, fn, args, kwargs),
             label=_task_label(task),
             raises=options.on_locked == RAISE or task is None,
         )

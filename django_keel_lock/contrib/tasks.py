@@ -61,17 +61,9 @@ except ImportError:  # Django 5.2: the backport
             "the django-tasks backport: pip install 'django-keel-lock[tasks]'"
         ) from exc
 
-from .. import tokens
+from .. import keyed, tokens
 from ..core import Lock, lock, restore_lock
 from ..exceptions import AlreadyQueued
-from ..keyed import (
-    KeyTemplates,
-    check_fields,
-    check_templates,
-    format_keys,
-    handle_for,
-    name_templates,
-)
 from ..options import RAISE, RETRY, SKIP
 from ..stores.base import LockInfo
 from .common import (
@@ -117,7 +109,7 @@ R = TypeVar("R")
 
 
 def locked_task(
-    key: KeyTemplates, *, max_retries: int | None = 3, **options: Unpack[TaskArgs]
+    key: keyed.KeyTemplates, *, max_retries: int | None = 3, **options: Unpack[TaskArgs]
 ) -> Callable[[Task[P, R]], LockedTask[P, R | None]]:
     """Run the task only while holding the lock `key` (formatted from the arguments the task
     was enqueued with); put it *above* `@task`. It takes the options of the Celery version
@@ -142,8 +134,8 @@ def locked_task(
     enqueue, each retry and the start of an "until_done" run. A task retried by
     `on_locked="retry"` stays the queued one: a duplicate gets the retry's TaskResult.
     """
-    check_templates(key)
-    name_templates(options, key)
+    keyed.check_templates(key)
+    keyed.name_templates(options, key)
     parsed = TaskOptions.parse(**options)
     if parsed.dedupe is not None and isinstance(key, list | tuple):
         raise TypeError(
@@ -165,7 +157,7 @@ def locked_task(
             )
         if iscoroutinefunction(task.func):
             raise TypeError(f"locked_task does not lock async tasks yet ({task.module_path})")
-        check_fields(key, task.func)
+        keyed.check_fields(key, task.func)
         locking = _Locking(parsed, key, task.func, task.takes_context, max_retries)
         fields = {f.name: getattr(task, f.name) for f in dataclasses.fields(task) if f.init}
         # Every run gets the TaskContext: its TaskResult names the run (the holder, the claim)
@@ -210,7 +202,7 @@ class _Locking:
     """How one locked task takes its locks: the run lock in the worker, the claim at enqueue."""
 
     options: TaskOptions
-    key: KeyTemplates
+    key: keyed.KeyTemplates
     fn: Callable[..., Any]
     takes_context: bool
     max_retries: int | None
@@ -220,7 +212,7 @@ class _Locking:
         `args` and `kwargs`. A function that takes the context gets None for it: the key is
         made before there is one. With `dedupe` (one template) it is one key."""
         call_args = (None, *args) if self.takes_context else tuple(args)
-        return format_keys(self.key, self.fn, call_args, kwargs)
+        return keyed.format_keys(self.key, self.fn, call_args, kwargs)
 
     def wrap(self) -> Callable[..., Any]:
         """The function a LockedTask runs: `fn` under the run lock, called with the context
@@ -256,7 +248,7 @@ class _Locking:
         label = claim_holder(task.module_path, result.id)
         key = self.format_key(args, kwargs)
         raises = self.options.on_locked == RAISE
-        handle = handle_for(self.options.spec, key, label=label, raises=raises)
+        handle = keyed.handle_for(self.options.spec, key, label=label, raises=raises)
         dedupe = self.options.dedupe
         claim = self.find_claim(handle.key, label) if dedupe is not None else None
 
