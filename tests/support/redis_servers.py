@@ -375,6 +375,9 @@ class FaultyProxy:
         self._closing = threading.Event()
         self._sockets: list[socket.socket] = []
         self._mutex = threading.Lock()
+        #: Round trips seen: bytes from a client after the server last replied (a request).
+        self.requests = 0
+        self._replied = True
         threading.Thread(target=self._accept, daemon=True).start()
 
     @property
@@ -405,6 +408,9 @@ class FaultyProxy:
                     break
                 while self.mode == "stall" and not self._closing.is_set():
                     time.sleep(0.01)
+                with self._mutex:
+                    self.requests += self._replied and not reply
+                    self._replied = reply
                 if reply and self.mode in ("drop_replies", "drop_one_reply"):
                     if self.mode == "drop_one_reply":
                         self.mode = "pass"
