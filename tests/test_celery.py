@@ -557,6 +557,22 @@ def test_50_duplicate_charges_for_5_invoices_charge_each_exactly_once(
     assert time.monotonic() - started < 45
 
 
+def test_transfers_under_a_list_of_templates_lose_no_write_and_never_deadlock(
+    worker: Worker, run: str
+) -> None:
+    """Both directions between two accounts at once (ABBA) across 4 worker processes."""
+    sent = [
+        tasks.transfer.delay(run, *((1, 2) if n % 2 else (2, 1)), amount=n) for n in range(1, 21)
+    ]
+    results = [result_of(result, 90) for result in sent]
+    client = tasks.provider()
+    balances = [int(client.get(tasks.balance_key(run, a)) or 0) for a in (1, 2)]
+    moved = sum(n if n % 2 else -n for n in range(1, 21))
+    assert balances == [-moved, moved]  # every transfer's two writes, none lost
+    assert all(set(r["fences"]) == {f"account:{run}:1", f"account:{run}:2"} for r in results)
+    assert len({r["pid"] for r in results}) > 1, "only one worker process ran transfers"
+
+
 def test_without_the_lock_the_same_duplicates_double_charge(worker: Worker, run: str) -> None:
     """The control: the charge really is racy, so the test above would catch a broken lock."""
     sent = [tasks.charge_invoice_unlocked.delay(run, 1, 1.0) for _ in range(4)]
