@@ -78,7 +78,10 @@ class _Sync:
             if type(step) is Call:
                 return call(self.store, step)
             if type(step) is Pause:
-                self.waiter.wait(step.seconds)
+                if step.keys:
+                    self.waiter.wait(step.seconds, step.keys)
+                else:
+                    self.waiter.wait(step.seconds)
             elif type(step) is TakeTurn:
                 assert type(self.key) is str
                 return self.held.enter_context(Turn.wait_for(self.store, self.key, step.deadline))
@@ -182,6 +185,7 @@ class _Async:
     def __init__(self, store: LockStore, key: Watched, held: contextlib.AsyncExitStack) -> None:
         self.store, self.key, self.held = store, key, held
         self.woken: asyncio.Event | None = None
+        self.heard: set[str] = set()  # the keys whose releases set `woken`
         self.pending: BaseException | None = None
 
     async def step(self, step: Any) -> Any:
@@ -191,10 +195,9 @@ class _Async:
             if type(step) is Call:
                 return await self.call(step)
             if type(step) is Pause:
-                assert self.woken is not None
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(step.seconds):
-                        await self.woken.wait()
+                        await self.wake_up(step.keys)
             elif type(step) is TakeTurn:
                 assert type(self.key) is str
                 turn = Turn.await_for(self.store, self.key, step.deadline)
@@ -208,6 +211,7 @@ class _Async:
     async def call(self, step: Call) -> Any:
         if self.woken is not None and not step.quiet:
             self.woken.clear()  # before the attempt: a release right after it counts
+            self.heard.clear()
         future, cancelled = await to_the_end(getattr(self.store, "a" + step.op)(*step.args))
         if step.quiet:
             if cancelled is not None and self.pending is None:
@@ -227,14 +231,28 @@ class _Async:
         loop = asyncio.get_running_loop()
         woken = self.woken = asyncio.Event()
 
-        def wake() -> None:  # called from whichever thread saw the release
+        def heard(key: str) -> None:
+            self.heard.add(key)
+            woken.set()
+
+        def wake(key: str) -> None:  # called from whichever thread saw the release
             try:
-                loop.call_soon_threadsafe(woken.set)
+                loop.call_soon_threadsafe(heard, key)
             except RuntimeError:  # the loop is closed; nobody is waiting any more
                 pass
 
         keys = (self.key,) if type(self.key) is str else self.key
         self.held.enter_context(self.store.watch_many(keys, wake))
+
+    async def wake_up(self, keys: tuple[str, ...]) -> None:
+        """Until a release of one of `keys` (of any key: none given) was heard since the
+        attempt began."""
+        woken = self.woken
+        assert woken is not None
+        await woken.wait()
+        while keys and self.heard.isdisjoint(keys):
+            woken.clear()
+            await woken.wait()
 
 
 async def arun(steps: Steps, store: LockStore, key: Watched) -> Any:

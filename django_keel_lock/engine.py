@@ -11,7 +11,8 @@ calls, `waiting.to_the_end` and an `asyncio.Event`):
 - `TakeTurn(deadline)`: wait for this process's turn at the key (`waiting.Turn`); reply: True
   if it came (held until the generator ends);
 - `WATCH`: listen for releases of the key until the generator ends;
-- `Pause(seconds)`: sleep, ending early when a release of the key is heard.
+- `Pause(seconds, keys)`: sleep, ending early when a release of the key is heard (of one of
+  `keys`, for a multi-key waiter: those that refused it, not those it gave back itself).
 
 How a waiter asks and pauses is a `Policy` (plain, in the store's line, a writer that keeps new
 readers out, a permit): the one branch between the ways of waiting. A new way of waiting (a
@@ -80,9 +81,12 @@ class TakeTurn(NamedTuple):
 
 
 class Pause(NamedTuple):
-    """Step: sleep `seconds`, or less when a release of the key is heard."""
+    """Step: sleep `seconds`, or less when a release of the key is heard: of one of `keys`
+    when given (a multi-key waiter's, which gave back others itself: their wakes are its
+    own), whenever it came since the attempt began."""
 
     seconds: float
+    keys: tuple[str, ...] = ()
 
 
 class _Watch(NamedTuple):
@@ -345,11 +349,13 @@ def waiting(
         # the store's word, and an outage must reach every caller as one.
         return (yield from once(target, owner))
     policy = first_policy(target, wait=True)
-    # Whether the way out gives up a place in the line: every way but taking the lock (the
-    # place goes with it) and the store failing (the place lapses by itself; trying would
-    # only make the error come twice as late): the deadline, a cancellation, an exception
-    # from a signal handler (a task's time limit), SystemExit, KeyboardInterrupt.
-    leave = policy.queued
+    # The key in whose line the waiter stands (a multi-key waiter joins one when refused:
+    # `_stand`), given up on every way out but taking the lock (the place goes with it) and
+    # the store failing (the place lapses by itself; trying would only make the error come
+    # twice as late): the deadline, a cancellation, an exception from a signal handler (a
+    # task's time limit), SystemExit, KeyboardInterrupt.
+    place = [target.key if policy.queued else None]
+    stands = policy is MANY and target.store.queues
     try:
         yield WATCH
         tally[0] = 0
@@ -357,20 +363,65 @@ def waiting(
             tally[0] += 1
             sent = time.monotonic()
             result = yield from _attempt(target, owner, policy, deadline)
+            if stands and result.fence is None and result.blocked:
+                result = yield from _stand(target, owner, result, place)
             left = deadline - time.monotonic()
             if result.fence is not None or left <= 0:
-                leave = leave and result.fence is None
+                if result.fence is not None and not target.many:
+                    place[0] = None
                 return result, sent
             pause = _pause(target, policy, result, retry_delay, left)
             policy = _next_policy(policy, result)
             if pause > 0:
-                yield Pause(pause)
+                yield Pause(pause, result.blocked)
     except (LockStoreUnavailable, GeneratorExit):
-        leave = False
+        place[0] = None
         raise
     finally:
-        if leave:
-            yield from _leave_line(target, owner)
+        if place[0] is not None:
+            yield from _leave_line(target, owner, place[0])
+
+
+def _stand(
+    target: Target, owner: str, refused: AcquireResult, place: list[str | None]
+) -> Generator[Step, Any, AcquireResult]:
+    """Put a multi-key waiter that `refused` turned down in the line of the first key that
+    blocked it (`place`), so that a stream of single-key waiters does not starve it: a
+    release of that key wakes it, and the key goes to nobody behind it in the line.
+
+    It stands in one line at a time, always a key someone holds, and leaves the one it stood
+    in before: a free key it is first for is kept from others only until its next attempt,
+    so a holder of another of its keys that waits for this one is not held up for long. A
+    key the line gives it (free, and it was first) is taken with the others at once, or
+    given back: the waiter holds no key while it waits. What the attempts came to."""
+    key = refused.blocked[0]
+    if place[0] is not None and place[0] != key:
+        yield from _leave_line(target, owner, place[0])
+    place[0] = key
+    queued = Call("acquire_queued", (key, owner, target.holder, target.ttl))
+    stood = yield from _taking(target, owner, queued)
+    if stood.fence is None:
+        if stood.held_as not in (None, "exclusive"):
+            place[0] = None  # permits hold it: not queued
+        return refused
+    place[0] = None  # the key taken: out of its line
+    result = yield from _taking(target, owner, ask(target, owner, MANY, None))
+    if result.fence is None:
+        undone = yield Call("release", (key, owner), quiet=True)
+        if isinstance(undone, BaseException):
+            logger.warning("lock %r: could not give back key %r (%r)", target.key, key, undone)
+    return result
+
+
+def _taking(target: Target, owner: str, step: Call) -> Generator[Step, Any, AcquireResult]:
+    """Make `_stand`'s store call `step`; interrupted meanwhile, give back whatever key the
+    waiter may hold (every key it asks for: `release_many` frees those it holds) before the
+    interruption goes on."""
+    try:
+        return (yield step)  # type: ignore[no-any-return]
+    except Interrupted:
+        yield from giving_back(target, owner, "acquired as its waiter was cancelled")
+        raise
 
 
 def acquisition(
@@ -389,16 +440,16 @@ def acquisition(
     return result, sent
 
 
-def _leave_line(target: Target, owner: str) -> Generator[Step, Any, None]:
-    """Give up `owner`'s place in the key's line: the next in line is not held up. An error
+def _leave_line(target: Target, owner: str, key: str) -> Generator[Step, Any, None]:
+    """Give up `owner`'s place in `key`'s line: the next in line is not held up. An error
     is logged, not raised (the wait may be raising already); the place lapses by itself."""
-    error = yield Call("leave_queue", (target.key, owner), quiet=True)
+    error = yield Call("leave_queue", (key, owner), quiet=True)
     if isinstance(error, Exception):  # not a cancellation of the call itself
         unreachable = isinstance(error, LockStoreUnavailable)
         logger.log(
             logging.DEBUG if unreachable else logging.WARNING,
             "lock %r: could not leave the line of waiters (%s: %s); the place lapses in %gs",
-            target.key,
+            key,
             type(error).__name__,
             error,
             QUEUE_LEASE,

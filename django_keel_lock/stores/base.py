@@ -310,8 +310,8 @@ class LockStore(ABC):
         start it here."""
         return self.wake_board.watch(key)
 
-    def watch_many(self, keys: Iterable[str], callback: Callable[[], None]) -> Any:
-        """Context manager: `callback()` (from any thread) on each release of any of `keys`
+    def watch_many(self, keys: Iterable[str], callback: Callable[[str], None]) -> Any:
+        """Context manager: `callback(key)` (from any thread) on each release of any of `keys`
         while it lasts (async waiters, multi-key waiters). Stores with a cross-process
         listener start it here, as `watch` does."""
         return self.wake_board.watch_many(keys, callback)

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 logger = logging.getLogger("django_keel_lock")
@@ -45,24 +46,32 @@ class Waiter:
 
 
 class AnyWaiter:
-    """A `Waiter` over several keys (a multi-key lock's): woken by a release of any of them,
-    through the board's callbacks (`WakeBoard.watch_many`), registered before an attempt."""
+    """A `Waiter` over several keys (a multi-key lock's): it hears the releases of each of
+    them through the board's callbacks (`WakeBoard.watch_many`), registered before an
+    attempt, and remembers which keys they were until its next wait ends."""
 
-    __slots__ = ("_event",)
+    __slots__ = ("_cond", "_woken")
 
     def __init__(self) -> None:
-        self._event = threading.Event()
+        self._cond = threading.Condition(threading.Lock())
+        self._woken: set[str] = set()
 
-    def wake(self) -> None:
-        """A release of one of the keys was announced (called from any thread)."""
-        self._event.set()
+    def wake(self, key: str) -> None:
+        """A release of `key` was announced (called from any thread)."""
+        with self._cond:
+            self._woken.add(key)
+            self._cond.notify_all()
 
-    def wait(self, timeout: float) -> bool:
-        """Block up to `timeout` seconds; True if a release of a key was announced meanwhile
-        (or since the last wait: it is then the next attempt that sees it)."""
-        woken = self._event.wait(timeout)
-        self._event.clear()
-        return woken
+    def wait(self, timeout: float, keys: Iterable[str] = ()) -> bool:
+        """Block up to `timeout` seconds, until a release of one of `keys` (any key: none
+        given) is announced or was since the last wait; True if one was."""
+        wanted = set(keys)
+        with self._cond:
+            woken = self._cond.wait_for(
+                lambda: bool(self._woken & wanted if wanted else self._woken), timeout
+            )
+            self._woken.clear()
+            return woken
 
 
 class _Slot:
@@ -130,12 +139,12 @@ class WakeBoard:
         self._leave(key, slot, callback)
 
     @contextmanager
-    def watch_many(self, keys: Iterable[str], callback: Callable[[], None]) -> Iterator[None]:
-        """Call `callback()` (from any thread) on each wake of any of `keys` in the block."""
+    def watch_many(self, keys: Iterable[str], callback: Callable[[str], None]) -> Iterator[None]:
+        """Call `callback(key)` (from any thread) on each wake of any of `keys` in the block."""
         tokens = []
         try:
             for key in keys:
-                tokens.append(self.add_callback(key, callback))
+                tokens.append(self.add_callback(key, partial(callback, key)))
             yield
         finally:
             for token in tokens:
@@ -424,7 +433,7 @@ class ListeningStore:
             self.ensure_listener()
         return self.wake_board.watch(key)
 
-    def watch_many(self, keys: Iterable[str], callback: Callable[[], None]) -> Any:
+    def watch_many(self, keys: Iterable[str], callback: Callable[[str], None]) -> Any:
         if self._listens():
             self.ensure_listener()
         return self.wake_board.watch_many(keys, callback)
