@@ -19,11 +19,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from django.core.management import call_command
+from django.db import DatabaseError, connections, transaction
 
-from django_keel_lock import LockStoreUnavailable, get_lock_store
+from django_keel_lock import LockStoreMisconfigured, LockStoreUnavailable, get_lock_store
+from django_keel_lock.models import Lock
 from django_keel_lock.stores import DatabaseLockStore
 
-from .conftest import database_of, needs_store, serving, store_params
+from .conftest import database_of, empty_database, needs_store, serving, store_params
 from .support import ROOT
 from .support.many_child import fenced_write
 from .test_database_faults import behind_proxy, wait_until
@@ -282,3 +285,86 @@ def test_an_outage_mid_call_raises_unavailable_and_leaves_no_key_held(alias: str
             proxy.mode = "pass"
         store.release_many(keys, mine)
         assert all(store.get(each) is None for each in keys)
+
+
+def test_keys_with_quotes_commas_braces_and_accents_are_each_their_own_key(
+    db_alias: str, key: str
+) -> None:
+    store = store_of(db_alias)
+    keys = tuple(sorted(f"{key}:{odd}" for odd in ('a"b', "a\\b", "a,b", "{a}", "é", "a b")))
+    mine = owner()
+    taken = store.acquire_many(keys, mine, "odd", 30)
+    assert taken.fences is not None and len(taken.fences) == len(keys)
+    assert [store.get(each).owner for each in keys] == [mine] * len(keys)  # type: ignore[union-attr]
+    assert store.acquire_many(keys, owner(), "other", 30).blocked == keys
+    assert store.extend_many(keys, mine, 30) and store.release_many(keys, mine)
+    assert all(store.get(each) is None for each in keys)
+
+
+#: (vendor) -> a statement that counts the row locks waited for in the database now.
+LOCK_WAITS = {
+    "postgresql": "SELECT count(*) FROM pg_locks WHERE NOT granted",
+    "mysql": "SELECT COUNT(*) FROM information_schema.INNODB_TRX WHERE trx_state = 'LOCK WAIT'",
+}
+
+
+@pytest.mark.parametrize("alias", store_params(["postgres", "mariadb"]))
+def test_a_deadlock_with_another_transaction_is_a_refusal_or_a_take_never_an_error(
+    alias: str, key: str
+) -> None:
+    """Another transaction holds b's row and then asks for a's, which the set holds while it
+    waits for b: the server ends the deadlock by failing one of the two. The set's acquire
+    then takes its keys (the other one failed) or is refused, to retry at once."""
+    store, (a, b) = store_of(alias), keys_of(key, 2)
+    for each in (a, b):  # both rows exist, so each update below locks one
+        single = owner()
+        assert store.acquire(each, single, "single", 30).acquired and store.release(each, single)
+    database = database_of(alias)
+    rows = Lock.objects.using(database)
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            with transaction.atomic(using=database):
+                rows.filter(key=b).update(holder="other")
+                outcome = pool.submit(store.acquire_many, (a, b), owner(), "many", 30)
+                with connections[database].cursor() as cursor:
+
+                    def waiting() -> bool:
+                        time.sleep(0.2)  # MariaDB refreshes INNODB_TRX only when not read lately
+                        cursor.execute(LOCK_WAITS[connections[database].vendor])
+                        return bool(cursor.fetchone()[0])
+
+                    assert wait_until(waiting, 10)
+                rows.filter(key=a).update(holder="other")
+        except DatabaseError:
+            pass  # the other transaction was the one failed
+        result = outcome.result(timeout=30)
+    assert result.acquired or (result.retry_in == 0 and set(result.blocked) == {a, b})
+
+
+@needs_store("postgres")
+def test_a_postgres_database_migrated_before_0008_says_to_run_migrate(key: str) -> None:
+    with empty_database(database_of("postgres"), "before-0008") as database:
+        call_command("migrate", "django_keel_lock", "0007", database=database, verbosity=0)
+        store = DatabaseLockStore("before-0008", {"DATABASE": database})
+        try:
+            assert store.acquire(key, owner(), "single", 30).acquired
+            with pytest.raises(LockStoreMisconfigured) as raised:
+                store.acquire_many(keys_of(key, 2), owner(), "many", 30)
+        finally:
+            store.close()
+    message = str(raised.value)
+    assert "django_keel_lock_acquire_many" in message
+    assert message.endswith("run: python manage.py migrate django_keel_lock --database before-0008")
+
+
+def test_a_set_taken_inside_the_callers_transaction_on_sqlite_joins_it(key: str) -> None:
+    """On SQLite lock statements join the caller's open transaction (the file's one writer):
+    a set taken there is taken with it, and released with it too."""
+    store, keys = store_of("sqlite"), keys_of(key, 2)
+    mine = owner()
+    with transaction.atomic(using=database_of("sqlite")):
+        Lock.objects.using(database_of("sqlite")).filter(key="nothing").update(holder="")
+        assert store.acquire_many(keys, mine, "inside", 30).acquired
+        assert not store.acquire_many(keys, owner(), "other", 30).acquired
+        assert store.release_many(keys, mine)
+    assert all(store.get(each) is None for each in keys)
