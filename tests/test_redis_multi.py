@@ -1,13 +1,12 @@
 """RedisLockStore's multi-key operations (acquire_many, release_many, extend_many and their
 async twins), called on the store itself: one script per acquire on one server, all or
 nothing under contention, exclusive against single-key locks, the line of waiters, wake-ups
-across processes, NOSCRIPT, MIN_REPLICAS, an outage, and Redis Cluster's slot-by-slot way."""
+across processes, MIN_REPLICAS, an outage, and Redis Cluster's slot-by-slot way."""
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -25,7 +24,6 @@ from redis.crc import key_slot
 from django_keel_lock import LockStoreUnavailable
 from django_keel_lock.stores import RedisLockStore
 from django_keel_lock.stores.base import semaphore_mode
-from django_keel_lock.stores.redis.scripts import SCRIPTS
 
 from .conftest import needs, needs_store
 from .support.multi_worker import counter_name, take_turns
@@ -315,37 +313,8 @@ async def test_async_twins_on_the_loops_client(store: RedisLockStore, key: str) 
     assert [await store.aget(each) for each in keys] == [None, None]
 
 
-class CountingProxy(FaultyProxy):
-    """A proxy that counts round trips: requests sent after a reply came back."""
-
-    def __init__(self, target_port: int) -> None:
-        self.trips = 0
-        self._replied = True
-        super().__init__(target_port)
-
-    def _pump(self, source: socket.socket, sink: socket.socket, reply: bool) -> None:
-        counting = CountingSocket(source, self, reply)
-        super()._pump(counting, sink, reply)  # type: ignore[arg-type]
-
-
-class CountingSocket:
-    def __init__(self, sock: socket.socket, proxy: CountingProxy, reply: bool) -> None:
-        self.sock, self.proxy, self.reply = sock, proxy, reply
-
-    def recv(self, size: int) -> bytes:
-        data = self.sock.recv(size)
-        if data and not self.reply and self.proxy._replied:
-            self.proxy.trips += 1
-        if data:
-            self.proxy._replied = self.reply
-        return data
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.sock, name)
-
-
 def test_acquire_release_and_extend_many_of_ten_keys_are_one_round_trip_each(key: str) -> None:
-    proxy = CountingProxy(redis.connection.parse_url(URL).get("port", 6379))
+    proxy = FaultyProxy(redis.connection.parse_url(URL).get("port", 6379))
     counted = RedisLockStore("multi-trips", {"URL": f"{proxy.url}"})
     try:
         keys, holder = keys_of(key, 10), owner()
@@ -386,28 +355,6 @@ def test_keys_starting_with_one_hash_tag_share_a_slot_and_are_listed_back(
 def server() -> Iterator[RedisServer]:
     with redis_server() as own:
         yield own
-
-
-@needs_server_binary
-async def test_scripts_flushed_from_the_server_are_loaded_again(server: RedisServer) -> None:
-    own = RedisLockStore("multi-noscript", {"URL": server.url})
-    client: redis.Redis[bytes] = redis.Redis.from_url(server.url)
-    try:
-        keys, holder = ("a", "b"), owner()
-        for step in ("sync", "async"):
-            client.script_flush()
-            if step == "sync":
-                assert own.acquire_many(keys, holder, "h", 30).acquired
-                assert own.release_many(keys, holder)
-            else:
-                assert (await own.aacquire_many(keys, holder, "h", 30)).acquired
-                assert await own.aextend_many(keys, holder, 30)
-                assert await own.arelease_many(keys, holder)
-            loaded = client.script_exists(*(script.sha for script in SCRIPTS))  # type: ignore[no-untyped-call]
-            assert loaded == [True] * len(SCRIPTS)
-    finally:
-        client.close()
-        own.close()
 
 
 @needs_server_binary
