@@ -182,3 +182,24 @@ def test_an_async_waiter_cancelled_while_granted_passes_the_grant_on(alias: str,
         assert other.get(key) is None
     finally:
         other.close()
+
+
+def test_a_place_written_before_hand_offs_gets_a_wake_up_and_no_grant(alias: str, key: str) -> None:
+    # During a rolling upgrade a waiter of the previous version keeps its place as
+    # "expiry:address": a release cannot know its holder or ttl, so it only wakes it, and
+    # the waiter takes the free lock itself as before.
+    store = get_lock_store(alias)
+    assert store.acquire(key, "a" * 32, "holder", 30).acquired
+    client, name = store.client(), store.lock_name(key)
+    until = int(client.time()[0]) * 1000 + int(QUEUE_LEASE * 1000)
+    client.hset(name + ":places", "b" * 32, f"{until}:")
+    client.rpush(name + ":line", "b" * 32)
+    assert store.release(key, "a" * 32)
+    assert store.get(key) is None
+    assert not store.acquire_queued(key, "c" * 32, "later", 30).acquired  # not its turn
+    assert store.acquire_queued(key, "b" * 32, "old", 30).acquired
+    assert store.release(key, "b" * 32)  # "later" stood with a new place: handed over
+    info = store.get(key)
+    assert info is not None and info.owner == "c" * 32
+    store.leave_queue(key, "c" * 32)
+    assert store.get(key) is None
