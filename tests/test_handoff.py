@@ -19,6 +19,7 @@ import pytest
 from django_keel_lock import lock
 from django_keel_lock.registry import get_lock_store
 from django_keel_lock.stores.base import QUEUE_LEASE, LockStore
+from django_keel_lock.stores.redis import RedisLockStore
 
 from .conftest import store_params
 
@@ -47,12 +48,27 @@ def _waiter(alias: str, key: str, name: str, pipe: Connection) -> None:
     pipe.send((got, fence))
 
 
-def _start(alias: str, key: str, name: str) -> tuple[Any, Connection]:
+def _in_line(alias: str, key: str, count: int, close: bool = True) -> None:
+    """Wait until `count` waiters stand in `key`'s line (read from Redis itself); `close`:
+    then close the store, so children started next do not share its connections."""
+    store = get_lock_store(alias)
+    assert isinstance(store, RedisLockStore)
+    line = store.lock_name(key) + ":line"
+    deadline = time.monotonic() + 20
+    while store.client().llen(line) < count:
+        assert time.monotonic() < deadline, f"never {count} in line"
+        time.sleep(0.02)
+    if close:
+        store.close()
+
+
+def _start(alias: str, key: str, name: str, ahead: int = 0) -> tuple[Any, Connection]:
+    """A waiter process for `key`, once it stands in line behind `ahead` others."""
     parent, child = CONTEXT.Pipe()
     proc = CONTEXT.Process(target=_waiter, args=(alias, key, name, child), daemon=True)
     proc.start()
     assert parent.poll(30) and parent.recv() == "asking"
-    time.sleep(0.25)  # it has asked and stands in line
+    _in_line(alias, key, ahead + 1)
     return proc, parent
 
 
@@ -116,7 +132,7 @@ def test_waiting_processes_are_handed_the_lock_in_the_order_they_joined(
 ) -> None:
     holder = _holding(alias, key)
     names = [f"waiter-{i}" for i in range(5)]
-    waiters = [_start(alias, key, name) for name in names]
+    waiters = [_start(alias, key, name, ahead=i) for i, name in enumerate(names)]
     store = get_lock_store(alias)
     assert holder.release()
     info = store.get(key)
@@ -136,7 +152,7 @@ def test_a_granted_waiter_killed_before_it_wakes_costs_the_next_at_most_its_gran
 ) -> None:
     holder = _holding(alias, key)
     doomed, _ = _start(alias, key, "doomed")
-    stayer = _start(alias, key, "stayer")
+    stayer = _start(alias, key, "stayer", ahead=1)
     os.kill(doomed.pid, signal.SIGKILL)
     doomed.join(5)
     released = time.monotonic()
@@ -164,7 +180,7 @@ def test_an_async_waiter_cancelled_while_granted_passes_the_grant_on(alias: str,
         async def scenario() -> None:
             handle = lock(key, ttl=30, holder="cancelled", store=alias)
             task = asyncio.ensure_future(handle.aacquire(timeout=30, retry_delay=RETRY_DELAY))
-            await asyncio.sleep(0.3)  # it stands first in line
+            await asyncio.to_thread(_in_line, alias, key, 1, False)  # it stands first in line
             _stand(other, key, "c" * 32)
             # Released and cancelled with no await between: the task has not woken.
             assert other.release(key, "a" * 32)
@@ -189,6 +205,7 @@ def test_a_place_written_before_hand_offs_gets_a_wake_up_and_no_grant(alias: str
     # "expiry:address": a release cannot know its holder or ttl, so it only wakes it, and
     # the waiter takes the free lock itself as before.
     store = get_lock_store(alias)
+    assert isinstance(store, RedisLockStore)
     assert store.acquire(key, "a" * 32, "holder", 30).acquired
     client, name = store.client(), store.lock_name(key)
     until = int(client.time()[0]) * 1000 + int(QUEUE_LEASE * 1000)
