@@ -127,6 +127,28 @@ def test_a_waiter_leaving_the_line_once_granted_passes_the_grant_on(alias: str, 
     assert store.get(key) is None
 
 
+def test_a_waiter_that_asks_after_its_grant_lapsed_keeps_its_turn(alias: str, key: str) -> None:
+    # It missed the wake-up (its listener was reconnecting, say) and its ttl is short: its
+    # grant lapses before it asks again, but its place is still first.
+    store = get_lock_store(alias)
+    assert store.acquire(key, "a" * 32, "holder", 30).acquired
+    slow, other = "b" * 32, "c" * 32
+    _stand(store, key, slow, ttl=0.2)
+    _stand(store, key, other)
+    assert store.release(key, "a" * 32)
+    granted = store.get(key)
+    assert granted is not None and granted.owner == slow and granted.expires_in <= 0.2
+    time.sleep(0.3)
+    assert store.get(key) is None  # lapsed
+    assert not store.acquire_queued(key, other, "holder-cccc", 30).acquired
+    taken = store.acquire_queued(key, slow, "holder-bbbb", 0.2)
+    assert taken.fence is not None and taken.fence > granted.fence
+    assert store.release(key, slow)
+    after = store.get(key)
+    assert after is not None and after.owner == other
+    assert store.release(key, other)
+
+
 def test_waiting_processes_are_handed_the_lock_in_the_order_they_joined(
     alias: str, key: str
 ) -> None:

@@ -113,11 +113,20 @@ end
 # hand it over to the first live waiter in line, for min(its ttl, ARGV[5] ms), with a fence
 # from the key's counter, and wake it on its process's wake channel (ARGV[3] its prefix,
 # ARGV[4] the key); with nobody in line, announce the release on the key's channel ARGV[2].
-# A place written before hand-offs ("expiry:address") gets a wake-up only.
+# The waiter keeps its place until it takes the grant up: one that missed the wake-up and
+# asks after the grant lapsed still finds itself first. A place written before hand-offs
+# ("expiry:address") gets a wake-up only.
 _HAND_ON = (
     _FENCE
     + _LINE
     + """
+local function leave_line(owner)
+    if redis.call('HDEL', KEYS[4], owner) == 0 then
+        return false
+    end
+    redis.call('LREM', KEYS[3], 1, owner)
+    return true
+end
 local function hand_on()
     local now = redis.call('TIME')
     local now_ms = now[1] * 1000 + math.floor(now[2] / 1000)
@@ -131,8 +140,6 @@ local function hand_on()
         local fence = draw_fence(KEYS[2], tonumber(ttl), now)
         redis.call('HSET', KEYS[1], 'o', first, 'h', holder, 'f', fence, 't', tostring(now_ms))
         redis.call('PEXPIRE', KEYS[1], math.min(tonumber(ttl), tonumber(ARGV[5])))
-        redis.call('LPOP', KEYS[3])
-        redis.call('HDEL', KEYS[4], first)
     else
         address = rest
     end
@@ -248,15 +255,15 @@ return take()
 LEAVE_QUEUE = _script(
     _HAND_ON
     + """
+local placed = leave_line(ARGV[1])
 if redis.call('HGET', KEYS[1], 'o') == ARGV[1] then
     redis.call('DEL', KEYS[1])
     hand_on()
     return 1
 end
-if redis.call('HDEL', KEYS[4], ARGV[1]) == 0 then
+if not placed then
     return 0
 end
-redis.call('LREM', KEYS[3], 1, ARGV[1])
 if redis.call('EXISTS', KEYS[1]) == 0 and redis.call('EXISTS', KEYS[3]) == 1 then
     hand_on()
 end
@@ -264,8 +271,9 @@ return 1
 """
 )
 
-# Free the lock if the owner still holds it and hand it over to the first live waiter in line,
-# or announce it on the key's release channel when nobody is in line (HAND_ON).
+# Free the lock if the owner still holds it (and take it out of the line, where a grant it
+# did not take up left it) and hand it over to the first live waiter in line, or announce it
+# on the key's release channel when nobody is in line (HAND_ON).
 #   KEYS and ARGV as LEAVE_QUEUE's
 #   -> 1 if released (and handed over or announced), else 0
 RELEASE = _script(
@@ -273,6 +281,7 @@ RELEASE = _script(
     + """
 if redis.call('HGET', KEYS[1], 'o') == ARGV[1] then
     redis.call('DEL', KEYS[1])
+    leave_line(ARGV[1])  -- handed the lock, it released it without taking the grant up
     hand_on()
     return 1
 end
