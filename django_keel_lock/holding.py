@@ -92,6 +92,28 @@ class Holding:
             raise
         return self._released(released)
 
+    def release_with(self, operation: Callable[[str, str], bool | None]) -> bool | None:
+        """`release` through another store operation, `operation(key, owner)`, which does
+        something else in the same round trip and may release this exclusive acquisition:
+        True if it released it, False if it found it gone (as `release` says), None if it
+        left it held. The handle then ends as `release` (or holding on) leaves it: signals,
+        metrics and wake-ups alike. None (and nothing called) when nothing is held.
+
+        Not with `auto_extend`: a renewal would race the operation's release."""
+        if not self._held or self.owner is None:
+            return None
+        if self.auto_extend or self.mode is not EXCLUSIVE:
+            raise ValueError(
+                f"release_with releases an exclusive lock without auto_extend; {self.key!r} "
+                "is not one: call release() instead"
+            )
+        try:
+            released = operation(self.key, self.owner)
+        except LockStoreUnavailable:
+            self._store_error("release")
+            raise
+        return None if released is None else self._released(released)
+
     def _released(self, released: bool) -> bool:
         self._held = False
         if released:

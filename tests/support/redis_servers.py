@@ -367,6 +367,8 @@ class FaultyProxy:
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port
         self.mode = "pass"
+        self.trips = 0  # round trips: requests sent after a reply (or first), on any connection
+        self._replied = True
         self._listener = socket.socket()
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind(("127.0.0.1", 0))
@@ -375,6 +377,9 @@ class FaultyProxy:
         self._closing = threading.Event()
         self._sockets: list[socket.socket] = []
         self._mutex = threading.Lock()
+        #: Round trips seen: bytes from a client after the server last replied (a request).
+        self.requests = 0
+        self._replied = True
         threading.Thread(target=self._accept, daemon=True).start()
 
     @property
@@ -403,8 +408,14 @@ class FaultyProxy:
                 data = source.recv(65536)
                 if not data:
                     break
+                if not reply and self._replied:
+                    self.trips += 1
+                self._replied = reply
                 while self.mode == "stall" and not self._closing.is_set():
                     time.sleep(0.01)
+                with self._mutex:
+                    self.requests += self._replied and not reply
+                    self._replied = reply
                 if reply and self.mode in ("drop_replies", "drop_one_reply"):
                     if self.mode == "drop_one_reply":
                         self.mode = "pass"
