@@ -15,9 +15,12 @@ calls, `waiting.to_the_end` and an `asyncio.Event`):
   `keys`, for a multi-key waiter: those that refused it, not those it gave back itself).
 
 How a waiter asks and pauses is a `Policy` (plain, in the store's line, a writer that keeps new
-readers out, a permit): the one branch between the ways of waiting. A new way of waiting (a
-direct hand-off, several keys at once) is a policy, or a generator of its own over the same
-steps, which both drivers then run unchanged.
+readers out, a permit): the one branch between the ways of waiting. A new way of waiting
+(several keys at once) is a policy, or a generator of its own over the same steps, which both
+drivers then run unchanged. A direct hand-off (a store that `hands_off`) needs none: the
+release grants the lock to the first in line, whose next IN_LINE attempt takes the grant up;
+a wait that ends without it leaves the line, which passes the grant on (where it cannot, the
+grant lapses within QUEUE_LEASE).
 
 The sync driver runs an acquire that does not wait from `ask`, `check` and `late` directly,
 without the generator, which costs about 0.9 us a run: 15 % of a memory-store cycle.

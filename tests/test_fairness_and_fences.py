@@ -135,12 +135,21 @@ def test_writer_takes_a_free_lock_without_looking_at_the_line(alias: str, key: s
     attempts (`acquire_queued`), but a writer's attempt (`acquire_permit` in EXCLUSIVE mode:
     an exclusive acquirer that found readers, for the rest of its wait) takes it: the line
     orders the waiters kept out by an exclusive holder, nothing else (docs/capabilities.md,
-    Waiters in line). Order only: the first waiter is refused, never let in beside it."""
+    Waiters in line). Order only: the first waiter is refused, never let in beside it. A store
+    that `hands_off` gives the lock to the first in line in the release itself: never free."""
     store = get_lock_store(alias)
     assert store.acquire(key, "holder", "holder", 30).acquired
     assert store.acquire_queued(key, "first", "first", 30).fence is None  # stands in line
     assert store.release(key, "holder")
     assert store.acquire_queued(key, "later", "later", 30).fence is None  # the line's order
+    if store.hands_off:
+        # The release handed the lock over to the first in line: the writer finds it held.
+        assert store.acquire_permit(key, "writer", "writer", 30, EXCLUSIVE, 2.0).fence is None
+        assert store.acquire_queued(key, "first", "first", 30).fence is not None
+        assert store.release(key, "first")  # handed over to "later", which gives up
+        store.leave_queue(key, "later")
+        assert store.get(key) is None
+        return
     taken = store.acquire_permit(key, "writer", "writer", 30, EXCLUSIVE, 2.0)
     assert taken.fence is not None
     assert store.acquire_queued(key, "first", "first", 30).fence is None

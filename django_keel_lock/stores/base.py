@@ -129,6 +129,11 @@ class LockStore(ABC):
     #: True when the store keeps a line of the callers waiting for each exclusive lock
     #: (`acquire_queued`, `leave_queue`): a release then wakes only the first of them.
     queues: bool = False
+    #: True (with `queues`) when a release that finds a live waiter first in line hands the
+    #: lock over to it in the same atomic step (its owner, holder and a new fence, for
+    #: min(its ttl, QUEUE_LEASE)) before waking it; its next `acquire_queued` takes the grant
+    #: up at its own ttl. Nobody else, in line or not, can take the lock in between.
+    hands_off: bool = False
 
     def __init__(self, alias: str = "default", options: Mapping[str, Any] | None = None) -> None:
         self.alias = alias
@@ -224,12 +229,15 @@ class LockStore(ABC):
         live waiter of the key's line, or by anyone while the line is empty. A refusal puts
         `owner` at the end of the line, or keeps its place, for QUEUE_LEASE seconds more,
         with this process's wake address; `retry_in` is then at most QUEUE_LEASE. Not queued
-        when permits hold the key (`held_as` set). Taking the lock takes `owner` out of it."""
+        when permits hold the key (`held_as` set). Taking the lock takes `owner` out of it.
+        With `hands_off`, a release may have taken it already for `owner`: this returns that
+        acquisition (its fence) and makes it live `ttl` from now."""
         raise NotImplementedError(f"{type(self).__name__} keeps no line of waiters")
 
     def leave_queue(self, key: str, owner: str) -> None:
         """Take `owner` out of `key`'s line (it stopped waiting); nothing if it is not in it.
-        The next in line is woken if the lock is free."""
+        The next in line is woken if the lock is free. With `hands_off`, a lock handed over
+        to `owner` meanwhile is released (and handed on): it stopped waiting, never took it."""
         raise NotImplementedError(f"{type(self).__name__} keeps no line of waiters")
 
     # -- permits (stores with supports_modes) ---------------------------------------------

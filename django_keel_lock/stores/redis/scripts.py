@@ -15,11 +15,15 @@ end with ":" gets one, so "keel-lock" gives the same names):
                              only while one of its threads or tasks waits for `key`
 The callers waiting for an exclusive lock stand in its line (see LockStore.acquire_queued):
     keel-lock:{key}:line     list: their owners, in the order they first asked
-    keel-lock:{key}:places   hash: owner -> "expiry (ms since the epoch):wake address"
-                             (both expire QUEUE_LEASE after the last attempt of any of them)
+    keel-lock:{key}:places   hash: owner -> "expiry (ms since the epoch):ttl (ms):wake
+                             address:holder" (both expire QUEUE_LEASE after the last attempt of
+                             any of them)
     keel-lock:wake:address   pub/sub channel of one process's listener: a release that finds
-                             the line non-empty publishes the key there, for the first in line
-                             only, instead of on the key's release channel
+                             a live waiter first in line hands the lock over to it (the hash
+                             written for it, for its grant ttl: min(its ttl, QUEUE_LEASE)) and
+                             publishes the key there, for that waiter only, instead of on the
+                             key's release channel; the waiter's next ACQUIRE_QUEUED takes the
+                             grant up at its own ttl
 A key held by permits (a shared lock's readers, a semaphore's holders) also has:
     keel-lock:{key}          the gate: o = the kind's GATE_OWNER ("*shared", "*semaphore"), h
                              empty, f = the latest permit's fence, t = the first permit's time,
@@ -83,8 +87,10 @@ end
 )
 
 # The line of waiters (the layout above). first_in_line drops the places at its front that
-# have lapsed and gives the first live one (owner, its address), or nil. wake_first tells the
-# first in line that the lock is free, or the key's release channel when nobody is in line.
+# have lapsed and gives the first live one (owner, the rest of its place after the expiry, the
+# expiry), or nil. wake_first, for the releases that do not hand the lock over (RELEASE_MANY,
+# the idempotent results' fused releases), tells the first in line that the lock is free, or
+# the key's release channel when nobody is in line.
 _LINE = """
 local function first_in_line(line, places, now_ms)
     while true do
@@ -94,9 +100,9 @@ local function first_in_line(line, places, now_ms)
         end
         local place = redis.call('HGET', places, first)
         if place then
-            local until_ms, address = string.match(place, '^(%d+):(.*)$')
+            local until_ms, rest = string.match(place, '^(%d+):(.*)$')
             if tonumber(until_ms) > now_ms then
-                return first, address, tonumber(until_ms)
+                return first, rest, tonumber(until_ms)
             end
         end
         redis.call('LPOP', line)
@@ -108,14 +114,58 @@ local function clock_ms()
     return now[1] * 1000 + math.floor(now[2] / 1000)
 end
 local function wake_first(line, places, wake_prefix, key, channel)
-    local first, address = first_in_line(line, places, clock_ms())
+    local first, rest = first_in_line(line, places, clock_ms())
     if not first then
         redis.call('PUBLISH', channel, '1')
-    elseif address ~= '' then
+        return
+    end
+    local address = string.match(rest, '^%d+:(%x*):') or rest
+    if address ~= '' then
         redis.call('PUBLISH', wake_prefix .. address, key)
     end
 end
 """
+
+# HAND_ON: the lock (KEYS[1], fence counter KEYS[2], line KEYS[3], places KEYS[4]) is free:
+# hand it over to the first live waiter in line, for min(its ttl, ARGV[5] ms), with a fence
+# from the key's counter, and wake it on its process's wake channel (ARGV[3] its prefix,
+# ARGV[4] the key); with nobody in line, announce the release on the key's channel ARGV[2].
+# The waiter keeps its place until it takes the grant up: one that missed the wake-up and
+# asks after the grant lapsed still finds itself first. A place written before hand-offs
+# ("expiry:address") gets a wake-up only.
+_HAND_ON = (
+    _FENCE
+    + _LINE
+    + """
+local function leave_line(owner)
+    if redis.call('HDEL', KEYS[4], owner) == 0 then
+        return false
+    end
+    redis.call('LREM', KEYS[3], 1, owner)
+    return true
+end
+local function hand_on()
+    local now = redis.call('TIME')
+    local now_ms = now[1] * 1000 + math.floor(now[2] / 1000)
+    local first, rest = first_in_line(KEYS[3], KEYS[4], now_ms)
+    if not first then
+        redis.call('PUBLISH', ARGV[2], '1')
+        return
+    end
+    local ttl, address, holder = string.match(rest, '^(%d+):(%x*):(.*)$')
+    if ttl then
+        local fence = draw_fence(KEYS[2], tonumber(ttl), now)
+        redis.call('HSET', KEYS[1], 'o', first, 'h', holder, 'f', fence, 't', tostring(now_ms))
+        redis.call('PEXPIRE', KEYS[1], math.min(tonumber(ttl), tonumber(ARGV[5])))
+    else
+        address = rest
+    end
+    if address ~= '' then
+        redis.call('PUBLISH', ARGV[3] .. address, ARGV[4])
+    end
+end
+"""
+)
 
 # Refusals: -(ms + 1) (0 when the key has no expiry), one integer, as it is simpler for the
 # client to parse than an array; when permits hold the key, {that, the gate's owner}.
@@ -165,7 +215,8 @@ return tonumber(redis.call('HGET', KEYS[1], 'f'))
 #   KEYS[1] the lock's hash  KEYS[2] the key's fence counter  KEYS[3] line  KEYS[4] places
 #   ARGV[1] owner  ARGV[2] holder  ARGV[3] ttl (ms)  ARGV[4] the lease (ms)  ARGV[5] this
 #   process's wake address ('' for none)
-#   -> as ACQUIRE; a refusal's ms is at most the lease
+#   -> as ACQUIRE; a refusal's ms is at most the lease. A caller a release handed the lock
+#      to finds itself its owner: it gets its fence, at its own ttl from now on.
 ACQUIRE_QUEUED = _script(
     _TAKE
     + _LINE
@@ -179,7 +230,8 @@ local function leave()
     end
 end
 local function stand(ms)
-    local place = string.format('%d', now_ms + lease) .. ':' .. ARGV[5]
+    local place = string.format('%d', now_ms + lease) .. ':' .. ARGV[3] .. ':' .. ARGV[5]
+        .. ':' .. ARGV[2]
     if redis.call('HSET', KEYS[4], owner, place) == 1 then
         redis.call('RPUSH', KEYS[3], owner)
     end
@@ -211,37 +263,43 @@ return take()
 """
 )
 
-# Take the caller out of the key's line; if the lock is free, wake whoever is now first.
-#   KEYS[1] the lock's hash  KEYS[2] line  KEYS[3] places
+# Take the caller out of the key's line. A caller a release handed the lock to (it gave up
+# as the grant came) passes it on; a free lock goes to whoever is now first (HAND_ON).
+#   KEYS[1] the lock's hash  KEYS[2] the key's fence counter  KEYS[3] line  KEYS[4] places
 #   ARGV[1] owner  ARGV[2] the key's release channel  ARGV[3] the wake channels' prefix
-#   ARGV[4] the key
-#   -> 1 if it was in the line, else 0
+#   ARGV[4] the key  ARGV[5] the longest grant (ms)
+#   -> 1 if it was in the line or held the lock, else 0
 LEAVE_QUEUE = _script(
-    _LINE
+    _HAND_ON
     + """
-if redis.call('HDEL', KEYS[3], ARGV[1]) == 0 then
+local placed = leave_line(ARGV[1])
+if redis.call('HGET', KEYS[1], 'o') == ARGV[1] then
+    redis.call('DEL', KEYS[1])
+    hand_on()
+    return 1
+end
+if not placed then
     return 0
 end
-redis.call('LREM', KEYS[2], 1, ARGV[1])
-if redis.call('EXISTS', KEYS[1]) == 0 and redis.call('EXISTS', KEYS[2]) == 1 then
-    wake_first(KEYS[2], KEYS[3], ARGV[3], ARGV[4], ARGV[2])
+if redis.call('EXISTS', KEYS[1]) == 0 and redis.call('EXISTS', KEYS[3]) == 1 then
+    hand_on()
 end
 return 1
 """
 )
 
-# Free the lock if the owner still holds it, and wake the first in line, or announce it on
-# the key's release channel when nobody is in line.
-#   KEYS[1] the lock's hash  KEYS[2] line  KEYS[3] places
-#   ARGV[1] owner  ARGV[2] the key's release channel  ARGV[3] the wake channels' prefix
-#   ARGV[4] the key
-#   -> 1 if released (and announced), else 0
+# Free the lock if the owner still holds it (and take it out of the line, where a grant it
+# did not take up left it) and hand it over to the first live waiter in line, or announce it
+# on the key's release channel when nobody is in line (HAND_ON).
+#   KEYS and ARGV as LEAVE_QUEUE's
+#   -> 1 if released (and handed over or announced), else 0
 RELEASE = _script(
-    _LINE
+    _HAND_ON
     + """
 if redis.call('HGET', KEYS[1], 'o') == ARGV[1] then
     redis.call('DEL', KEYS[1])
-    wake_first(KEYS[2], KEYS[3], ARGV[3], ARGV[4], ARGV[2])
+    leave_line(ARGV[1])  -- handed the lock, it released it without taking the grant up
+    hand_on()
     return 1
 end
 return 0
@@ -249,8 +307,10 @@ return 0
 )
 
 # Idempotent results (`results`): RELEASE fused with what a request does with its key's
-# result, so that the request costs a round trip less. KEYS and ARGV start as RELEASE's;
-# KEYS[4] is the result's hash (f fence, p fingerprint, s status, d data, t stored at, ms).
+# result, so that the request costs a round trip less. KEYS start with the lock's hash, its
+# line and places, ARGV with owner, release channel, wake channels' prefix and key
+# (`RedisLockStore.releasing_call`); KEYS[4] is the result's hash (f fence, p fingerprint, s
+# status, d data, t stored at, ms). It wakes the first in line and does not hand over.
 _RELEASE_OWN = """
 local function release_own()
     if redis.call('HGET', KEYS[1], 'o') ~= ARGV[1] then

@@ -137,6 +137,7 @@ class RedisLockStore(ListeningStore, LockStore):
     listener_class = RedisListener
     expires_by_itself = True  # each lock is a key with a PEXPIRE: Redis deletes it at its ttl
     queues = True
+    hands_off = True  # RELEASE and LEAVE_QUEUE grant the lock to the first live waiter in line
 
     @classmethod
     def check_config(cls, alias: str, options: Mapping[str, Any]) -> list[CheckMessage]:
@@ -435,10 +436,13 @@ class RedisLockStore(ListeningStore, LockStore):
         return ACQUIRE_QUEUED, keys, args
 
     def _line_call(self, script: Script, key: str, owner: str) -> Call:
-        """RELEASE's or LEAVE_QUEUE's call: both may wake the first in line."""
-        lock_name = self._names(key)[0]
-        keys = (lock_name, lock_name + ":line", lock_name + ":places")
-        return script, keys, (owner, self.release_channel(key), self.wake_prefix, key)
+        """RELEASE's or LEAVE_QUEUE's call: both may hand the lock over to the first in line,
+        for QUEUE_LEASE at most until it takes the grant up (so a waiter that died first in
+        line holds the others up no longer than its place would have)."""
+        lock_name, fence_name = self._names(key)
+        keys = (lock_name, fence_name, lock_name + ":line", lock_name + ":places")
+        args = (owner, self.release_channel(key), self.wake_prefix, key, _ms(QUEUE_LEASE))
+        return script, keys, args
 
     def _extend_call(self, key: str, owner: str, ttl: float) -> Call:
         return EXTEND, self._names(key)[:1], (owner, _ms(ttl))
@@ -704,10 +708,12 @@ class RedisLockStore(ListeningStore, LockStore):
         return reply, acks >= self.min_replicas
 
     def releasing_call(self, key: str, owner: str) -> tuple[tuple[str, ...], tuple[Any, ...]]:
-        """RELEASE's KEYS and ARGV for `owner`'s lock on `key`: how a script that releases
-        it as RELEASE does (scripts.RELEASE_KEEPING) begins its own."""
-        _, keys, args = self._line_call(RELEASE, key, owner)
-        return keys, args
+        """The KEYS and ARGV a script that releases `owner`'s lock on `key` and wakes the
+        first in line (scripts.RELEASE_KEEPING) begins its own with: the lock's hash, its
+        line and places; owner, release channel, wake channels' prefix, key."""
+        lock_name = self._names(key)[0]
+        keys = (lock_name, lock_name + ":line", lock_name + ":places")
+        return keys, (owner, self.release_channel(key), self.wake_prefix, key)
 
     def released_by(self, key: str, released: bool) -> bool:
         """A script released `key` (`released`): wake this process's waiters as `release`

@@ -1,0 +1,244 @@
+"""Direct hand-off (Redis): a release that finds a live waiter first in the key's line grants
+the lock to it in the same script (owner, holder, a greater fence, a short grant ttl) and wakes
+it; the waiter's next `acquire_queued` takes the grant up at its own ttl. A granted waiter that
+died or gave up costs the others at most the grant ttl, and one that leaves the line passes the
+grant on."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import signal
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import pytest
+
+from django_keel_lock import lock
+from django_keel_lock.registry import get_lock_store
+from django_keel_lock.stores.base import QUEUE_LEASE, LockStore
+from django_keel_lock.stores.redis import RedisLockStore
+
+from .conftest import store_params
+
+ALIASES = store_params(["redis"])
+#: Polls are 5 s apart: whatever a waiter gets within a lease came by a push or a grant.
+RETRY_DELAY = 5.0
+CONTEXT = multiprocessing.get_context("fork")
+
+
+@pytest.fixture(params=ALIASES)
+def alias(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def _waiter(alias: str, key: str, name: str, pipe: Connection) -> None:
+    """Wait for `key` as holder `name` (telling the parent just before); hold it a moment,
+    release; send back (acquired, its fence)."""
+    handle = lock(key, ttl=30, holder=name, store=alias)
+    handle.is_locked()  # connected before it asks
+    pipe.send("asking")
+    got = handle.acquire(timeout=30, retry_delay=RETRY_DELAY)
+    fence = handle.fence if got else None
+    if got:
+        time.sleep(0.02)
+        handle.release()
+    pipe.send((got, fence))
+
+
+def _in_line(alias: str, key: str, count: int, close: bool = True) -> None:
+    """Wait until `count` waiters stand in `key`'s line (read from Redis itself); `close`:
+    then close the store, so children started next do not share its connections."""
+    store = get_lock_store(alias)
+    assert isinstance(store, RedisLockStore)
+    line = store.lock_name(key) + ":line"
+    deadline = time.monotonic() + 20
+    while store.client().llen(line) < count:
+        assert time.monotonic() < deadline, f"never {count} in line"
+        time.sleep(0.02)
+    if close:
+        store.close()
+
+
+def _start(alias: str, key: str, name: str, ahead: int = 0) -> tuple[Any, Connection]:
+    """A waiter process for `key`, once it stands in line behind `ahead` others."""
+    parent, child = CONTEXT.Pipe()
+    proc = CONTEXT.Process(target=_waiter, args=(alias, key, name, child), daemon=True)
+    proc.start()
+    assert parent.poll(30) and parent.recv() == "asking"
+    _in_line(alias, key, ahead + 1)
+    return proc, parent
+
+
+def _holding(alias: str, key: str) -> Any:
+    handle = lock(key, ttl=30, store=alias)
+    assert handle.acquire()
+    get_lock_store(alias).close()  # the children must not share this process's connections
+    return handle
+
+
+def _stand(store: LockStore, key: str, owner: str, ttl: float = 30) -> None:
+    """`owner` asks for the held `key` as a waiter and so stands in its line."""
+    assert not store.acquire_queued(key, owner, f"holder-{owner[:4]}", ttl).acquired
+
+
+def test_a_release_grants_the_lock_to_the_first_in_line_in_the_same_script(
+    alias: str, key: str
+) -> None:
+    store = get_lock_store(alias)
+    assert store.acquire(key, "a" * 32, "holder", 30).acquired
+    first, second = "b" * 32, "c" * 32
+    _stand(store, key, first)
+    _stand(store, key, second)
+    assert store.release(key, "a" * 32)
+    info = store.get(key)
+    assert info is not None and info.owner == first and info.holder == "holder-bbbb"
+    # Granted for QUEUE_LEASE at most until the waiter takes it up: a dead one costs no more.
+    assert 0 < info.expires_in <= QUEUE_LEASE
+    # Nobody outside the line takes it meanwhile, waiting or not.
+    assert not store.acquire(key, "d" * 32, "barger", 30).acquired
+    assert not store.acquire_queued(key, second, "holder-cccc", 30).acquired
+    taken = store.acquire_queued(key, first, "holder-bbbb", 30)
+    assert taken.fence == info.fence  # its grant, now at its own ttl
+    renewed = store.get(key)
+    assert renewed is not None and renewed.expires_in > QUEUE_LEASE
+    assert store.release(key, first)
+    after = store.get(key)
+    assert after is not None and after.owner == second and after.fence > info.fence
+    assert store.release(key, second)
+    assert store.get(key) is None
+
+
+def test_a_waiter_leaving_the_line_once_granted_passes_the_grant_on(alias: str, key: str) -> None:
+    store = get_lock_store(alias)
+    assert store.acquire(key, "a" * 32, "holder", 30).acquired
+    first, second = "b" * 32, "c" * 32
+    _stand(store, key, first)
+    _stand(store, key, second)
+    assert store.release(key, "a" * 32)  # granted to `first`, which gives up as it comes
+    granted = store.get(key)
+    assert granted is not None and granted.owner == first
+    store.leave_queue(key, first)
+    passed = store.get(key)
+    assert passed is not None and passed.owner == second and passed.fence > granted.fence
+    store.leave_queue(key, second)
+    assert store.get(key) is None
+
+
+def test_a_waiter_that_asks_after_its_grant_lapsed_keeps_its_turn(alias: str, key: str) -> None:
+    # It missed the wake-up (its listener was reconnecting, say) and its ttl is short: its
+    # grant lapses before it asks again, but its place is still first.
+    store = get_lock_store(alias)
+    assert store.acquire(key, "a" * 32, "holder", 30).acquired
+    slow, other = "b" * 32, "c" * 32
+    _stand(store, key, slow, ttl=0.2)
+    _stand(store, key, other)
+    assert store.release(key, "a" * 32)
+    granted = store.get(key)
+    assert granted is not None and granted.owner == slow and granted.expires_in <= 0.2
+    time.sleep(0.3)
+    assert store.get(key) is None  # lapsed
+    assert not store.acquire_queued(key, other, "holder-cccc", 30).acquired
+    taken = store.acquire_queued(key, slow, "holder-bbbb", 0.2)
+    assert taken.fence is not None and taken.fence > granted.fence
+    assert store.release(key, slow)
+    after = store.get(key)
+    assert after is not None and after.owner == other
+    assert store.release(key, other)
+
+
+def test_waiting_processes_are_handed_the_lock_in_the_order_they_joined(
+    alias: str, key: str
+) -> None:
+    holder = _holding(alias, key)
+    names = [f"waiter-{i}" for i in range(5)]
+    waiters = [_start(alias, key, name, ahead=i) for i, name in enumerate(names)]
+    store = get_lock_store(alias)
+    assert holder.release()
+    info = store.get(key)
+    assert info is not None and info.holder == names[0]  # handed over by the release itself
+    results = [pipe.recv() if pipe.poll(20) else None for _, pipe in waiters]
+    for proc, _ in waiters:
+        proc.join(10)
+    assert all(result is not None and result[0] for result in results), results
+    fences = [result[1] for result in results]
+    assert fences[0] == info.fence
+    assert fences == sorted(fences) and len(set(fences)) == len(fences)
+    assert fences[0] > holder.fence
+
+
+def test_a_granted_waiter_killed_before_it_wakes_costs_the_next_at_most_its_grant_ttl(
+    alias: str, key: str
+) -> None:
+    holder = _holding(alias, key)
+    doomed, _ = _start(alias, key, "doomed")
+    stayer = _start(alias, key, "stayer", ahead=1)
+    os.kill(doomed.pid, signal.SIGKILL)
+    doomed.join(5)
+    released = time.monotonic()
+    assert holder.release()  # its place is still live: the grant goes to the dead one
+    store = get_lock_store(alias)
+    grant = store.get(key)
+    assert grant is not None and grant.holder == "doomed"
+    assert grant.expires_in <= QUEUE_LEASE
+    assert stayer[1].poll(10)
+    got, fence = stayer[1].recv()
+    waited = time.monotonic() - released
+    assert got and fence > grant.fence
+    # The grant lapses by itself; the next asks again when it does (its refusal said when).
+    assert waited < QUEUE_LEASE * 1.5, waited
+
+
+def test_an_async_waiter_cancelled_while_granted_passes_the_grant_on(alias: str, key: str) -> None:
+    store = get_lock_store(alias)
+    # The holder is a store of its own, as in another process: its release wakes none of
+    # this process's waiters itself.
+    other = type(store)(f"{alias}-holder", store.options)
+    try:
+        assert other.acquire(key, "a" * 32, "holder", 30).acquired
+
+        async def scenario() -> None:
+            handle = lock(key, ttl=30, holder="cancelled", store=alias)
+            task = asyncio.ensure_future(handle.aacquire(timeout=30, retry_delay=RETRY_DELAY))
+            await asyncio.to_thread(_in_line, alias, key, 1, False)  # it stands first in line
+            _stand(other, key, "c" * 32)
+            # Released and cancelled with no await between: the task has not woken.
+            assert other.release(key, "a" * 32)
+            granted = other.get(key)
+            assert granted is not None and granted.holder == "cancelled"
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            passed = other.get(key)
+            assert passed is not None and passed.owner == "c" * 32
+            assert passed.fence > granted.fence
+
+        asyncio.run(scenario())
+        other.leave_queue(key, "c" * 32)
+        assert other.get(key) is None
+    finally:
+        other.close()
+
+
+def test_a_place_written_before_hand_offs_gets_a_wake_up_and_no_grant(alias: str, key: str) -> None:
+    # During a rolling upgrade a waiter of the previous version keeps its place as
+    # "expiry:address": a release cannot know its holder or ttl, so it only wakes it, and
+    # the waiter takes the free lock itself as before.
+    store = get_lock_store(alias)
+    assert isinstance(store, RedisLockStore)
+    assert store.acquire(key, "a" * 32, "holder", 30).acquired
+    client, name = store.client(), store.lock_name(key)
+    until = int(client.time()[0]) * 1000 + int(QUEUE_LEASE * 1000)
+    client.hset(name + ":places", "b" * 32, f"{until}:")
+    client.rpush(name + ":line", "b" * 32)
+    assert store.release(key, "a" * 32)
+    assert store.get(key) is None
+    assert not store.acquire_queued(key, "c" * 32, "later", 30).acquired  # not its turn
+    assert store.acquire_queued(key, "b" * 32, "old", 30).acquired
+    assert store.release(key, "b" * 32)  # "later" stood with a new place: handed over
+    info = store.get(key)
+    assert info is not None and info.owner == "c" * 32
+    store.leave_queue(key, "c" * 32)
+    assert store.get(key) is None
