@@ -224,11 +224,11 @@ class Lock(Holding, KeyQueries):
             if meter is not None:
                 meter.refused(self, waited, self._attempts, self._raises)
             return False
-        with self._mutex:
-            self.owner, self.fence, self._held, self.lost = owner, result.fence, True, False
-            self._next_owner = None
-            # The store started the ttl after we sent the call: counting from `sent` errs early.
-            self._valid_until = sent + self.ttl
+        if self.auto_extend:  # the state the watchdog shares, under the mutex
+            with self._mutex:
+                self._took(owner, result.fence, sent)
+        else:  # no other thread touches a handle without a watchdog
+            self._took(owner, result.fence, sent)
         if signals.lock_acquired.receivers:  # `_announce`'s test first: a call less
             _announce(signals.lock_acquired, lock=self)
         if meter is not None:
@@ -240,6 +240,13 @@ class Lock(Holding, KeyQueries):
             else:
                 renewal.start_task()
         return True
+
+    def _took(self, owner: str, fence: int, sent: float) -> None:
+        """The acquire of `owner` took the lock with `fence`: the handle holds it."""
+        self.owner, self.fence, self._held, self.lost = owner, fence, True, False
+        self._next_owner = None
+        # The store started the ttl after we sent the call: counting from `sent` errs early.
+        self._valid_until = sent + self.ttl
 
     def _wait_args(
         self, timeout: Duration | None, retry_delay: Duration | None
