@@ -18,6 +18,7 @@ import inspect
 import logging
 import math
 import os
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -26,6 +27,7 @@ from types import TracebackType
 from typing import Any, Generic, NamedTuple, TypeVar, Unpack, overload
 
 from asgiref.sync import iscoroutinefunction, sync_to_async
+from django.core.signals import setting_changed
 from django.dispatch import Signal
 
 from . import drivers, engine, metrics, signals, tokens, watchdog
@@ -37,15 +39,14 @@ from .options import (
     LockOptions,
     LockSpec,
     check_store,
-    default_holder,
     lock_name,
     make_handles_with,
     refuse_option,
     validate_key,
 )
 from .queries import KeyQueries
-from .registry import get_lock_store
-from .stores.base import EXCLUSIVE, LockInfo, Mode
+from .registry import get_lock_store, on_stores_changed
+from .stores.base import EXCLUSIVE, LockInfo, LockStore, Mode
 from .waiting import to_the_end
 
 __all__ = ["Lock", "LockOutcome", "force_release", "lock", "restore_lock", "semaphore"]
@@ -118,25 +119,22 @@ class Lock(Holding, KeyQueries):
         return handle
 
     def _setup(self, key: str, spec: LockSpec, *, label: str | None, raises: bool = False) -> None:
-        self._store = get_lock_store(spec.store)
-        self.key = validate_key(key, self._store)
-        # The spec's calls written out where they only read a value: calls less per handle.
-        self.ttl = spec.resolved_ttl() if spec.ttl is None else spec.ttl
-        self.timeout, self.retry_delay = spec.timeout, spec.retry_delay
-        if spec.holder is None and label is None:
-            self.holder = default_holder()
+        ready = _ready.get(id(spec))
+        if ready is None or ready[0] is not spec:
+            ready = _prepare(spec)
+        _, store, self.ttl, holder, longest = ready
+        self._store = store
+        # `validate_key`'s tests, in short for the usual key: a printable ASCII str.
+        if type(key) is str and key.isascii() and key.isprintable() and 0 < len(key) <= longest:
+            self.key = key
         else:
-            self.holder = spec.holder_for(label)
+            self.key = validate_key(key, store)
+        self.timeout, self.retry_delay = spec.timeout, spec.retry_delay
+        self.holder = holder if label is None or spec.holder is not None else spec.holder_for(label)
         self.auto_extend, self.max_hold = spec.auto_extend, spec.max_hold
         self.on_lost = spec.on_lost
         self.store_alias = spec.store
         self.mode: Mode = spec.mode
-        if spec.mode is not EXCLUSIVE and not self._store.supports_modes:
-            what = "limit=" if spec.mode.kind == "semaphore" else "shared=True"
-            raise ValueError(
-                f"{what} needs a store with semaphores and shared locks; store {spec.store!r} "
-                f"({type(self._store).__name__}) has none"
-            )
         self.owner: str | None = None
         self._next_owner: str | None = None
         self.fence: int | None = None
@@ -443,6 +441,43 @@ class Lock(Holding, KeyQueries):
 
 
 make_handles_with(Lock.from_spec)
+
+#: What a handle of a spec starts from (`_prepare`), by the spec's id: the spec, its store,
+#: its ttl, the holder of a handle without a label, the longest key the store takes.
+_Ready = tuple[LockSpec, LockStore, float, str, int]
+_ready: dict[int, _Ready] = {}
+#: The most specs `_ready` keeps (a program makes a few kinds of handle: a rare reset).
+READY_KEPT = 256
+
+
+def _prepare(spec: LockSpec) -> _Ready:
+    """What every handle of `spec` starts from, found once: kept until a setting changes, a
+    store is set on an alias or the settings' stores are rebuilt, or the process forks (the
+    default holder names the process)."""
+    kept = _ready  # replaced by a change meanwhile: what is found then is not kept
+    store = get_lock_store(spec.store)
+    if spec.mode is not EXCLUSIVE and not store.supports_modes:
+        what = "limit=" if spec.mode.kind == "semaphore" else "shared=True"
+        raise ValueError(
+            f"{what} needs a store with semaphores and shared locks; store {spec.store!r} "
+            f"({type(store).__name__}) has none"
+        )
+    longest = sys.maxsize if store.max_key_length is None else store.max_key_length
+    ready = (spec, store, spec.resolved_ttl(), spec.holder_for(None), longest)
+    if len(kept) >= READY_KEPT:
+        kept.clear()
+    kept[id(spec)] = ready
+    return ready
+
+
+def _forget_ready(**kwargs: object) -> None:
+    global _ready
+    _ready = {}
+
+
+on_stores_changed(_forget_ready)
+setting_changed.connect(_forget_ready, dispatch_uid="django_keel_lock.core.ready")
+os.register_at_fork(after_in_child=_forget_ready)
 
 
 class LockOutcome(NamedTuple, Generic[T]):
