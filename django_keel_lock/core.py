@@ -105,7 +105,7 @@ class Lock(Holding, KeyQueries):
     def __init__(self, key: str, **options: Unpack[LockOptions]) -> None:
         """A handle on `key` taken as the `LockOptions` say (all of them: `limit` and
         `shared` too); nothing is acquired until acquire/run/`with`."""
-        self._setup(key, LockSpec.of("Lock", options), label=None)
+        self._setup(key, LockSpec.of("Lock", options), None)
 
     @classmethod
     def from_spec(
@@ -115,10 +115,10 @@ class Lock(Holding, KeyQueries):
         names the caller in the holder when the spec has none; `raises`: the caller raises
         LockUnavailable when the lock is not acquired (traces mark that refusal an error)."""
         handle = cls.__new__(cls)
-        handle._setup(key, spec, label=label, raises=raises)
+        handle._setup(key, spec, label, raises)
         return handle
 
-    def _setup(self, key: str, spec: LockSpec, *, label: str | None, raises: bool = False) -> None:
+    def _setup(self, key: str, spec: LockSpec, label: str | None, raises: bool = False) -> None:
         ready = _ready.get(id(spec))
         if ready is None or ready[0] is not spec:
             ready = _prepare(spec)
@@ -222,11 +222,13 @@ class Lock(Holding, KeyQueries):
             if meter is not None:
                 meter.refused(self, waited, self._attempts, self._raises)
             return False
-        if self.auto_extend:  # the state the watchdog shares, under the mutex
-            with self._mutex:
+        if not self.auto_extend:  # no other thread touches the handle: `_took` written out
+            self.owner, self.fence, self._held, self.lost = owner, result.fence, True, False
+            self._next_owner = None
+            self._valid_until = sent + self.ttl
+        else:
+            with self._mutex:  # the state the watchdog shares
                 self._took(owner, result.fence, sent)
-        else:  # no other thread touches a handle without a watchdog
-            self._took(owner, result.fence, sent)
         if signals.lock_acquired.receivers:  # `_announce`'s test first: a call less
             _announce(signals.lock_acquired, lock=self)
         if meter is not None:
@@ -272,8 +274,10 @@ class Lock(Holding, KeyQueries):
             # reply was lost (timeout, dropped connection) may still have taken the lock, and a
             # retry with the same owner gets it back instead of stranding it until its ttl.
             if self._next_owner is None:
-                # 128 random bits, as secrets.token_hex(16) draws them: half its cost.
-                self._next_owner = os.urandom(16).hex()
+                try:
+                    self._next_owner = _owners.pop()
+                except IndexError:
+                    self._next_owner = _draw_owners()
             # Until this acquire ends, another acquire of the handle is refused:
             # it would ask with the same pending owner, and the store grants one owner twice.
             self._acquiring = mine
@@ -409,7 +413,9 @@ class Lock(Holding, KeyQueries):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._leave(exc)
+        self.release()  # `_leave` written out: a call less per block
+        if self.lost:
+            self._check_kept(exc)
 
     # -- handing over ---------------------------------------------------------------------
     def serialize(self) -> str:
@@ -441,6 +447,22 @@ class Lock(Holding, KeyQueries):
 
 
 make_handles_with(Lock.from_spec)
+
+#: Owner tokens drawn ahead: one os.urandom call per OWNERS_DRAWN acquires, not one each.
+#: Each is 128 random bits, as secrets.token_hex(16) draws them; a forked child forgets its
+#: parent's (it would take the same ones).
+_owners: list[str] = []
+OWNERS_DRAWN = 64
+
+
+def _draw_owners() -> str:
+    """A new owner token, and OWNERS_DRAWN - 1 more kept for the next acquires."""
+    drawn = os.urandom(16 * OWNERS_DRAWN).hex()
+    _owners.extend(drawn[start : start + 32] for start in range(32, len(drawn), 32))
+    return drawn[:32]
+
+
+os.register_at_fork(after_in_child=_owners.clear)
 
 #: What a handle of a spec starts from (`_prepare`), by the spec's id: the spec, its store,
 #: its ttl, the holder of a handle without a label, the longest key the store takes.

@@ -90,6 +90,9 @@ class Holding:
         except LockStoreUnavailable:
             self._store_error("release")
             raise
+        if released and self._meter is None and not signals.lock_released.receivers:
+            self._held = False  # `_released` in short: released, and nobody to tell
+            return True
         return self._released(released)
 
     def _released(self, released: bool) -> bool:

@@ -4,6 +4,8 @@ forked (`tests/test_inputs.py` has the fork)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
@@ -56,3 +58,23 @@ def test_a_store_without_modes_refuses_a_shared_handle_each_time() -> None:
         for _ in range(2):
             with pytest.raises(ValueError, match="shared=True needs a store with semaphores"):
                 lock("k", store="plain", shared=True)
+
+
+def test_a_forked_child_draws_owners_of_its_own() -> None:
+    with memory_lock_store("memory"):
+        with lock("k", store="memory") as held:
+            assert held.owner is not None
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report the owner of its next acquire, then leave
+            try:
+                with lock("k", store="memory") as child:
+                    os.write(write, str(child.owner).encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        os.waitpid(pid, 0)
+        with os.fdopen(read, "rb") as pipe:
+            theirs = pipe.read().decode()
+        with lock("k", store="memory") as parent:
+            assert len(theirs) == 32 and theirs != parent.owner

@@ -110,7 +110,8 @@ class MemoryLockStore(LockStore):
             if entry is None or entry.owner != owner or entry.expires_at <= now:
                 return False
             del self._locks[key]
-        self.wake_board.wake(key)
+        if key in self.wake_board.watched:  # someone listens: `wake`'s test first
+            self.wake_board.wake(key)
         return True
 
     def extend(self, key: str, owner: str, ttl: float) -> bool:
