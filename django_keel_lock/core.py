@@ -398,11 +398,14 @@ class Lock(Holding, KeyQueries):
         return f"{engine.kind_phrase(self.mode.kind, article=False)} {self.key!r}"
 
     def __enter__(self) -> Lock:
-        raises, self._raises = self._raises, True  # a refusal here raises: traces say so
-        try:
+        if metrics.recorder is None:  # only metrics read `_raises`: a swap less
             acquired = self.acquire()
-        finally:
-            self._raises = raises
+        else:
+            raises, self._raises = self._raises, True  # a refusal here raises: traces say so
+            try:
+                acquired = self.acquire()
+            finally:
+                self._raises = raises
         if not acquired:
             raise self.unavailable()
         return self
@@ -528,7 +531,9 @@ def lock(key: str, *, shared: bool = False, **options: Unpack[HandleOptions]) ->
         raise refuse_option("lock", "limit", "for at most N holders use semaphore(key, limit=N)")
     # The options as given (a new handle per `with lock(key):` is the usual way: no copy).
     given: Mapping[str, object] = options if shared is False else {**options, "shared": shared}
-    return Lock.from_spec(key, LockSpec.of("lock", given))
+    handle = Lock.__new__(Lock)  # `Lock.from_spec` written out: a call less per handle
+    handle._setup(key, LockSpec.of("lock", given), None)
+    return handle
 
 
 def semaphore(key: str, *, limit: int, **options: Unpack[HandleOptions]) -> Lock:
