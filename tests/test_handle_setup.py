@@ -1,10 +1,8 @@
 """A handle made with options seen before takes what they lead to (its store, its ttl, its
 holder) as it is now: after a setting changed, a store was set on the alias, or the process
-forked (`tests/test_inputs.py` has the fork)."""
+forked."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 from django.conf import settings
@@ -15,6 +13,8 @@ from django_keel_lock import lock
 from django_keel_lock.options import LockSpec
 from django_keel_lock.stores import MemoryLockStore
 from django_keel_lock.testing import memory_lock_store
+
+from .support.forked import in_forked_child
 
 MEMORY = {"BACKEND": "django_keel_lock.stores.MemoryLockStore"}
 
@@ -64,17 +64,11 @@ def test_a_forked_child_draws_owners_of_its_own() -> None:
     with memory_lock_store("memory"):
         with lock("k", store="memory") as held:
             assert held.owner is not None
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: report the owner of its next acquire, then leave
-            try:
-                with lock("k", store="memory") as child:
-                    os.write(write, str(child.owner).encode())
-            finally:
-                os._exit(0)
-        os.close(write)
-        os.waitpid(pid, 0)
-        with os.fdopen(read, "rb") as pipe:
-            theirs = pipe.read().decode()
+
+        def child_owner() -> str:
+            with lock("k", store="memory") as child:
+                return str(child.owner)
+
+        theirs, _ = in_forked_child(child_owner)
         with lock("k", store="memory") as parent:
             assert len(theirs) == 32 and theirs != parent.owner
