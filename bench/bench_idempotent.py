@@ -6,7 +6,7 @@ a JSON body and an Idempotency-Key header): a first request has a key never seen
 replay repeats one key already answered. The view itself does no I/O, so "bare" is what the
 surfaces add nothing to. Contenders take turns in short alternating rounds; the table shows
 the median microseconds per request, and its ratio to @lock_view's with the spread across
-rounds. On Redis (a server of the bench's own) it also counts one request's round trips.
+rounds. On PostgreSQL and Redis it also counts one request's round trips (`round_trips`).
 
     .venv/bin/python -m bench.bench_idempotent [--rounds 20] [--seconds 0.1]
 """
@@ -28,8 +28,6 @@ from typing import Any
 from .common import alternate, print_table, rate, ratio_spread, round_options, setup_django
 
 STORES = ["memory", "postgres", "redis"]
-#: The commands a request sends itself (not from inside a script).
-SENT = ("evalsha", "evalsha_ro", "eval", "hgetall")
 BODY = json.dumps({"amount": 1250, "currency": "eur", "customer": "cus_42"})
 
 
@@ -75,28 +73,49 @@ def views(alias: str) -> dict[str, Callable[[], object]]:
     }
 
 
-def redis_round_trips(cycle: Callable[[], object], calls: int = 200) -> float:
-    """Round trips to Redis per call of `cycle`: the scripts it ran (EVALSHA) and the one
-    command these paths send outside a script (HGETALL, the result's read), from INFO
-    commandstats on the bench's own server (see `own_redis`: all of it is this bench's)."""
-    import redis
+def round_trips(alias: str, calls: int = 20) -> dict[str, float]:
+    """Round trips per request of each contender on store `alias` (postgres, redis), counted
+    on the connections of a twin store whose traffic goes through a counting proxy
+    (tests/support/round_trips.py): whatever else the server does, only these count."""
+    from urllib.parse import urlsplit
+
     from django.conf import settings
+    from django.db import connections
 
-    client = redis.Redis.from_url(settings.REDIS_URL)
+    from django_keel_lock import set_lock_store
+    from django_keel_lock.stores import DatabaseLockStore, RedisLockStore
+    from tests.support.round_trips import RoundTrips
 
-    def sent() -> int:
-        stats = client.info("commandstats")
-        return sum(stats.get(f"cmdstat_{name}", {}).get("calls", 0) for name in SENT)
-
-    before = sent()
-    for _ in range(calls):
-        cycle()
-    return (sent() - before) / calls
+    twin = f"{alias}-counted"
+    if alias == "redis":
+        url = urlsplit(settings.REDIS_URL)
+        proxy = RoundTrips(url.hostname or "127.0.0.1", url.port or 6379).start()
+        where = f"redis://127.0.0.1:{proxy.port}{url.path or '/0'}"
+        store: Any = RedisLockStore(twin, {"URL": where})
+    else:
+        db = connections.settings[alias]
+        proxy = RoundTrips(db.get("HOST") or "127.0.0.1", int(db.get("PORT") or 5432)).start()
+        connections.settings[twin] = {**db, "HOST": "127.0.0.1", "PORT": proxy.port}
+        store = DatabaseLockStore(twin, {"DATABASE": twin, "TRANSACTION_POOLER": False})
+    set_lock_store(store, twin)
+    try:
+        counts = {}
+        for name, cycle in views(twin).items():
+            cycle(), cycle()  # scripts loaded, statements prepared
+            before = proxy.count
+            for _ in range(calls):
+                cycle()
+            counts[name] = (proxy.count - before) / calls
+        return counts
+    finally:
+        set_lock_store(None, twin)
+        store.close()
+        proxy.stop()
 
 
 def own_redis() -> subprocess.Popen[bytes] | None:
-    """A redis-server of the bench's own on a free port (REDIS_URL points at it), so that the
-    commands counted are this bench's only; None (the shared one is used) without the binary."""
+    """A redis-server of the bench's own on a free port (REDIS_URL points at it), so that no
+    one else's keys or load share it; None (the shared one is used) without the binary."""
     binary = shutil.which("redis-server")
     if binary is None:
         return None
@@ -132,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
         f"django-keel-lock idempotent views, {os.cpu_count()} CPUs; {args.rounds} rounds of "
         f"{args.seconds:g}s per contender; µs per request (median of rounds)"
     )
-    headers = ["store", "view", "µs/request", "vs @lock_view (spread)", "Redis round trips"]
+    headers = ["store", "view", "µs/request", "vs @lock_view (spread)", "round trips"]
     rows: list[list[object]] = []
     for alias in aliases:
         cycles = views(alias)
@@ -141,10 +160,11 @@ def main(argv: list[str] | None = None) -> None:
             args.rounds,
         )
         base = rates["@lock_view"]
+        trips = round_trips(alias) if alias in ("postgres", "redis") else {}
         for name, values in rates.items():
             micros = sorted(1e6 / value for value in values)[len(values) // 2]
             spread = ratio_spread([1 / v for v in values], [1 / v for v in base])
-            commands = f"{redis_round_trips(cycles[name]):.1f}" if alias == "redis" else "-"
+            commands = f"{trips[name]:.1f}" if name in trips else "-"
             rows.append([alias, name, micros, str(spread), commands])
     print_table(headers, rows)
 

@@ -15,6 +15,7 @@ from .exceptions import (
 )
 from .idempotency import idempotent, once, run_once
 from .leaders import election
+from .multi import MultiLock
 from .registry import get_lock_store, set_lock_store
 from .version import __version__
 from .views import LockViewMixin, lock_view
@@ -30,6 +31,7 @@ __all__ = [
     "LockStoreUnavailable",
     "LockUnavailable",
     "LockViewMixin",
+    "MultiLock",
     "__version__",
     "election",
     "force_release",

@@ -46,9 +46,10 @@ from .conf import conf
 from .core import force_release
 from .models import IdempotentResult, Lock, StoreLock
 from .registry import get_lock_store
-from .stores.base import PERMIT_OWNERS, LockInfo
+from .stores.base import PERMIT_OWNERS, LockInfo, LockStore
 from .stores.database.dialects import DIALECTS
 from .stores.database.results import store_now
+from .together import held_with, keys_with
 
 logger = logging.getLogger("django_keel_lock")
 
@@ -165,13 +166,17 @@ class LockRow:
     remaining: str
     release_url: str | None = None
     mode: str = "exclusive"
+    #: The other keys its holder holds with it (a multi-key lock): one holder, several keys.
+    together: tuple[str, ...] = ()
 
     @property
     def acquired(self) -> str:
         return format_acquired(self.acquired_at)
 
     @classmethod
-    def from_info(cls, info: LockInfo, release_url: str | None = None) -> LockRow:
+    def from_info(
+        cls, info: LockInfo, release_url: str | None = None, together: tuple[str, ...] = ()
+    ) -> LockRow:
         return cls(
             key=info.key,
             holder=info.holder,
@@ -181,6 +186,7 @@ class LockRow:
             remaining=format_remaining(info.expires_in),
             release_url=release_url,
             mode=info.mode,
+            together=together,
         )
 
 
@@ -469,11 +475,12 @@ class LockAdmin(ReadOnlyAdmin):
             section.error = f"{type(exc).__name__}: {exc}"
             return section
         section.note = store.admin_note
+        together = _held_with(store, infos[:size])
         for info in infos[:size]:
             url = None
             if can_release:
                 url = self._release_url(alias, info.key, next_url=None, fence=info.fence)
-            section.rows.append(LockRow.from_info(info, url))
+            section.rows.append(LockRow.from_info(info, url, keys_with(info, together)))
         query = {"store": alias, **({"prefix": prefix} if prefix else {})}
         if len(infos) > size:
             section.next_url = f"{here}?{urlencode({**query, 'start': start + size})}"
@@ -517,11 +524,14 @@ class LockAdmin(ReadOnlyAdmin):
                 messages.WARNING,
             )
             return HttpResponseRedirect(next_url)
+        together = _held_with(get_lock_store(alias), holders)
         context = {
             **self._context(request, "Force release a lock"),
             "mode": "single",
             "store": alias,
-            "rows": [LockRow.from_info(info) for info in holders],
+            "rows": [
+                LockRow.from_info(info, together=keys_with(info, together)) for info in holders
+            ],
             # Each holder shown has a fence no greater than this; one who came later does not.
             "fence": max(info.fence for info in holders),
             "one": one is not None,
@@ -565,10 +575,12 @@ class LockAdmin(ReadOnlyAdmin):
     ) -> tuple[int, str]:
         """Force-release the holders of `key` in `alias` the user confirmed: the one with
         `expected_fence` (`exact`), or each whose fence is no greater (every holder the page
-        showed: fences only grow, so one that came since is left alone). (message level,
-        message); a LogEntry per holder released."""
+        showed: fences only grow, so one that came since is left alone). A holder of several
+        keys (a multi-key lock) loses them all: its other keys are released too. (message
+        level, message); a LogEntry per key released."""
         try:
-            holders = get_lock_store(alias).holders(key)
+            store = get_lock_store(alias)
+            holders = store.holders(key)
             confirmed = [
                 info
                 for info in holders
@@ -582,23 +594,45 @@ class LockAdmin(ReadOnlyAdmin):
                     f"{key!r} in store {alias!r} was taken again since you confirmed "
                     f"(holder {current.holder}, fence {current.fence}); nothing was released."
                 )
-            freed = [
-                info
-                for info in (
-                    force_release(key, store=alias, user=request.user, fence=each.fence)
-                    for each in confirmed
-                )
-                if info is not None
-            ]
+            together = _held_with(store, confirmed)
+            freed = self._force_release(request, alias, confirmed, together)
         except Exception as exc:  # store down, bad key: report, never a 500
             logger.warning("lock admin could not force-release %r in %r: %s", key, alias, exc)
             return messages.ERROR, f"Could not force-release {key!r} in store {alias!r}: {exc}"
         if not freed:
             return messages.WARNING, f"{key!r} in store {alias!r} was no longer held."
-        for info in freed:
-            self._log_release(request, alias, info)
-        what = "; ".join(f"holder {info.holder}, fence {info.fence}" for info in freed)
+        what = "; ".join(
+            f"holder {info.holder}, fence {info.fence}"
+            + (f"; with {', '.join(map(repr, others))}" if others else "")
+            for info, others in freed
+        )
         return messages.SUCCESS, f"Force-released {key!r} in store {alias!r} ({what})."
+
+    def _force_release(
+        self,
+        request: HttpRequest,
+        alias: str,
+        confirmed: list[LockInfo],
+        together: dict[str, list[LockInfo]],
+    ) -> list[tuple[LockInfo, list[str]]]:
+        """Release each confirmed holder by its fence, then the other keys it holds with it;
+        each freed holder with the other keys freed, a LogEntry for each key."""
+        freed = []
+        for each in confirmed:
+            info = force_release(each.key, store=alias, user=request.user, fence=each.fence)
+            if info is None:
+                continue
+            self._log_release(request, alias, info)
+            others = []
+            for other in together.get(each.owner, []):
+                if other.key == each.key:
+                    continue
+                also = force_release(other.key, store=alias, user=request.user, fence=other.fence)
+                if also is not None:
+                    self._log_release(request, alias, also)
+                    others.append(also.key)
+            freed.append((info, others))
+        return freed
 
     def _log_release(self, request: HttpRequest, alias: str, info: LockInfo) -> None:
         # object_id only when the lock is a row this admin shows, so "Recent actions" links
@@ -673,6 +707,11 @@ class StoreLockAdmin(ReadOnlyAdmin):
             f"admin:{self.opts.app_label}_lock_stores", current_app=self.admin_site.name
         )
         return HttpResponseRedirect(stores)
+
+
+def _held_with(store: LockStore, infos: list[LockInfo]) -> dict[str, list[LockInfo]]:
+    """`together.held_with` for the holders shown (one scan of the store's locks)."""
+    return held_with(store, [info.owner for info in infos])
 
 
 def _remaining(obj: Lock) -> float:

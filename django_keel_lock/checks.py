@@ -310,13 +310,13 @@ def _check_routes(patterns: Any, above: frozenset[str], prefix: str) -> Iterator
             yield from _check_route(entry, captured | set(entry.default_args), route)
 
 
-def _view_key(callback: Any) -> str | None:
+def _view_key(callback: Any) -> str | list[str] | tuple[str, ...] | None:
     """The key template a view locks (`@lock_view` on the function, or on a class-based
     view's dispatch through method_decorator, or a LockViewMixin's lock_key)."""
     view_class = getattr(callback, "view_class", None)
     for each in (callback, getattr(view_class, "dispatch", None)):
         key = getattr(each, "lock_view_key", None)
-        if isinstance(key, str):
+        if isinstance(key, str | list | tuple):
             return key
     if not (isinstance(view_class, type) and issubclass(view_class, LockViewMixin)):
         return None
@@ -324,14 +324,15 @@ def _view_key(callback: Any) -> str | None:
     if view_class.get_lock_key is not LockViewMixin.get_lock_key:
         return None
     key = view_class.lock_key
-    return key if isinstance(key, str) else None
+    return key if isinstance(key, str | list | tuple) else None
 
 
 def _check_route(entry: URLPattern, kwargs: frozenset[str], route: str) -> list[CheckMessage]:
     template = _view_key(entry.callback)
     if template is None:
         return []
-    names = [text for is_name, text in parse_key_template(template) if is_name]
+    templates = [template] if isinstance(template, str) else template
+    names = [text for each in templates for is_name, text in parse_key_template(each) if is_name]
     missing = [name for name in names if name not in kwargs]
     if not missing:
         return []

@@ -24,7 +24,17 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC, datetime
 from types import TracebackType
-from typing import Any, Generic, NamedTuple, TypeVar, Unpack, overload
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Generic,
+    NamedTuple,
+    Protocol,
+    Self,
+    TypeVar,
+    Unpack,
+    overload,
+)
 
 from asgiref.sync import iscoroutinefunction, sync_to_async
 from django.core.signals import setting_changed
@@ -48,6 +58,9 @@ from .queries import KeyQueries
 from .registry import get_lock_store, on_stores_changed
 from .stores.base import EXCLUSIVE, LockInfo, LockStore, Mode
 from .waiting import to_the_end
+
+if TYPE_CHECKING:
+    from .multi import MultiLock
 
 __all__ = ["Lock", "LockOutcome", "force_release", "lock", "restore_lock", "semaphore"]
 
@@ -105,20 +118,20 @@ class Lock(Holding, KeyQueries):
     def __init__(self, key: str, **options: Unpack[LockOptions]) -> None:
         """A handle on `key` taken as the `LockOptions` say (all of them: `limit` and
         `shared` too); nothing is acquired until acquire/run/`with`."""
-        self._setup(key, LockSpec.of("Lock", options), None)
+        self._setup(key, LockSpec.of("Lock", options), label=None)
 
     @classmethod
     def from_spec(
         cls, key: str, spec: LockSpec, *, label: str | None = None, raises: bool = False
-    ) -> Lock:
+    ) -> Self:
         """A handle on `key` taken as `spec` says (what `LockSpec.lock` returns); `label`
         names the caller in the holder when the spec has none; `raises`: the caller raises
         LockUnavailable when the lock is not acquired (traces mark that refusal an error)."""
         handle = cls.__new__(cls)
-        handle._setup(key, spec, label, raises)
+        handle._setup(key, spec, label=label, raises=raises)
         return handle
 
-    def _setup(self, key: str, spec: LockSpec, label: str | None, raises: bool = False) -> None:
+    def _setup(self, key: str, spec: LockSpec, *, label: str | None, raises: bool = False) -> None:
         ready = _ready.get(id(spec))
         if ready is None or ready[0] is not spec:
             ready = _prepare(spec)
@@ -363,7 +376,7 @@ class Lock(Holding, KeyQueries):
         await self._aleave(None)
         return LockOutcome(True, value)
 
-    async def __aenter__(self) -> Lock:
+    async def __aenter__(self) -> Self:
         raises, self._raises = self._raises, True  # a refusal here raises: traces say so
         try:
             acquired = await self.aacquire()
@@ -397,7 +410,7 @@ class Lock(Holding, KeyQueries):
         """ "lock 'key'", "shared lock 'key'" or "semaphore 'key'": for messages."""
         return f"{engine.kind_phrase(self.mode.kind, article=False)} {self.key!r}"
 
-    def __enter__(self) -> Lock:
+    def __enter__(self) -> Self:
         if metrics.recorder is None:  # only metrics read `_raises`: a swap less
             acquired = self.acquire()
         else:
@@ -428,18 +441,34 @@ class Lock(Holding, KeyQueries):
         # The deadline travels as wall-clock time: monotonic clocks mean nothing in another
         # process. Clock skew between the two machines shifts it; the store stays the judge.
         expires_at = time.time() + (self._valid_until - time.monotonic())
+        return tokens.dumps(self._token(self.owner, self.fence, expires_at))
+
+    def _token(self, owner: str, fence: int, expires_at: float) -> tokens.Token:
+        """What `serialize` signs of the acquisition it describes."""
         mode = self.mode
-        token = tokens.Token(
+        return tokens.Token(
             self.key,
             self.ttl,
-            self.owner,
-            self.fence,
+            owner,
+            fence,
             self.holder,
             self.store_alias,
             expires_at,
             None if mode is EXCLUSIVE else (mode.limit if mode.kind == "semaphore" else "shared"),
         )
-        return tokens.dumps(token)
+
+    @classmethod
+    def _restore(cls, data: tokens.Token) -> Self:
+        """A handle on what the token `data` describes (`restore_lock`), holding nothing yet."""
+        mode = data.mode
+        return cls(
+            data.key,
+            ttl=data.ttl,
+            store=data.store,
+            holder=data.holder,
+            limit=mode if isinstance(mode, int) else None,
+            shared=mode == "shared",
+        )
 
     _announce = staticmethod(_announce)  # `Holding`'s: the sender is this class
 
@@ -505,6 +534,26 @@ setting_changed.connect(_forget_ready, dispatch_uid="django_keel_lock.core.ready
 os.register_at_fork(after_in_child=_forget_ready)
 
 
+class MultiMaker(Protocol):
+    """`multi.MultiLock`, as `lock()` and `restore_lock` make one."""
+
+    @classmethod
+    def of(cls, keys: object, shared: object, options: Mapping[str, object]) -> MultiLock: ...
+
+    @classmethod
+    def _restore(cls, data: tokens.Token) -> MultiLock: ...
+
+
+#: `multi.MultiLock`, handed in as that module loads (`multi_locks_with`): it builds on this
+#: module, which therefore does not import it.
+_multi: list[type[MultiMaker]] = []
+
+
+def multi_locks_with(maker: type[MultiMaker]) -> None:
+    """Have `lock([...])` and `restore_lock` make multi-key handles with `maker`."""
+    _multi[:] = [maker]
+
+
 class LockOutcome(NamedTuple, Generic[T]):
     """What `Lock.run` did: `acquired` is False when fn was not called (then `value` is None)."""
 
@@ -512,9 +561,27 @@ class LockOutcome(NamedTuple, Generic[T]):
     value: T | None
 
 
-def lock(key: str, *, shared: bool = False, **options: Unpack[HandleOptions]) -> Lock:
+@overload
+def lock(key: str, *, shared: bool = False, **options: Unpack[HandleOptions]) -> Lock: ...
+
+
+@overload
+def lock(
+    key: list[str] | tuple[str, ...], *, shared: bool = False, **options: Unpack[HandleOptions]
+) -> MultiLock: ...
+
+
+def lock(
+    key: str | list[str] | tuple[str, ...],
+    *,
+    shared: bool = False,
+    **options: Unpack[HandleOptions],
+) -> Lock:
     """A handle on `key` in `store`; nothing is acquired until acquire/run/`with`. It takes
     the `LockOptions` (see there what each means) but `limit` (that is `semaphore()`).
+
+    A list or tuple of keys makes a `MultiLock`: one handle that takes all of them at once or
+    none (see `multi.MultiLock`; exclusive only).
 
     `shared=True` makes it a shared (read) lock: any number of shared holders at once, no
     exclusive one meanwhile; an exclusive acquirer that waits keeps new shared ones out, so
@@ -527,12 +594,14 @@ def lock(key: str, *, shared: bool = False, **options: Unpack[HandleOptions]) ->
 
     `name` is what metrics and traces call the lock ("invoice" for "invoice:42"); without
     it they show the key with its digits, UUIDs and long hex as `*`."""
+    if type(key) is not str and isinstance(key, list | tuple):
+        return _multi[0].of(key, shared, options)
     if "limit" in options:
         raise refuse_option("lock", "limit", "for at most N holders use semaphore(key, limit=N)")
     # The options as given (a new handle per `with lock(key):` is the usual way: no copy).
     given: Mapping[str, object] = options if shared is False else {**options, "shared": shared}
     handle = Lock.__new__(Lock)  # `Lock.from_spec` written out: a call less per handle
-    handle._setup(key, LockSpec.of("lock", given), None)
+    handle._setup(key, LockSpec.of("lock", given), label=None)  # type: ignore[arg-type]
     return handle
 
 
@@ -570,20 +639,13 @@ async def _call(fn: Callable[[], Any]) -> Any:
 
 
 def restore_lock(token: str) -> Lock:
-    """The handle `Lock.serialize` described, holding the same acquisition (same owner, fence).
+    """The handle `Lock.serialize` described, holding the same acquisition (same owner, fence):
+    a `Lock`, or a `MultiLock` when it describes one.
 
     Raises InvalidLockToken for garbage, truncated, tampered or foreign tokens.
     """
     data = tokens.loads(token)
-    mode = data.mode
-    handle = Lock(
-        data.key,
-        ttl=data.ttl,
-        store=data.store,
-        holder=data.holder,
-        limit=mode if isinstance(mode, int) else None,
-        shared=mode == "shared",
-    )
+    handle = (Lock if data.keys is None else _multi[0])._restore(data)
     handle.owner, handle.fence, handle._held = data.owner, data.fence, True
     # The lock lives as long as it had left when serialized, no longer (a token from before
     # tokens carried it: a whole ttl from now, as then).

@@ -7,7 +7,11 @@
     async def sync_account(account): ...
 
 The key comes from `options.format_key`, which `locked_task` uses too, so both read key
-templates alike. `on_locked` takes the markers of `options`: RAISE (the default) or SKIP.
+templates alike; a list of templates is a lock of several keys (`keyed`):
+
+    @locked(["account:{source}", "account:{target}"], ttl=30)
+    def transfer(source, target, amount): ...
+ `on_locked` takes the markers of `options`: RAISE (the default) or SKIP.
 """
 
 from __future__ import annotations
@@ -20,19 +24,9 @@ from typing import Any, Literal, ParamSpec, Protocol, TypeVar, Unpack, cast, ove
 
 from asgiref.sync import iscoroutinefunction
 
+from . import keyed
 from .core import Lock
-from .options import (
-    RAISE,
-    SKIP,
-    KeyTemplate,
-    LockOptions,
-    LockSpec,
-    check_key_fields,
-    check_key_template,
-    check_on_locked,
-    default_name,
-    format_key,
-)
+from .options import RAISE, SKIP, LockOptions, LockSpec, check_on_locked
 
 logger = logging.getLogger("django_keel_lock")
 
@@ -58,22 +52,24 @@ class _Skipping(Protocol):
 
 @overload
 def locked(
-    key: KeyTemplate, *, on_locked: Literal["raise"] = ..., **options: Unpack[LockOptions]
+    key: keyed.KeyTemplates, *, on_locked: Literal["raise"] = ..., **options: Unpack[LockOptions]
 ) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
 
 
 @overload
 def locked(
-    key: KeyTemplate, *, on_locked: Literal["skip"], **options: Unpack[LockOptions]
+    key: keyed.KeyTemplates, *, on_locked: Literal["skip"], **options: Unpack[LockOptions]
 ) -> _Skipping: ...
 
 
 def locked(
-    key: KeyTemplate, *, on_locked: OnLocked = "raise", **options: Unpack[LockOptions]
+    key: keyed.KeyTemplates, *, on_locked: OnLocked = "raise", **options: Unpack[LockOptions]
 ) -> Callable[[Callable[P, R]], Callable[P, Any]] | _Skipping:
     """Hold the lock `key` (a "{name}" template over the call's arguments, or a callable taking
-    them) while the function runs; waits up to `timeout` seconds for it. It takes every
-    `LockOptions` (see there what each means); `name` defaults to the key template.
+    them; a list or tuple of them takes every key they name at once, all or nothing, as
+    `lock([...])` does) while the function runs; waits up to `timeout` seconds for it. It
+    takes every `LockOptions` (see there what each means); `name` defaults to the key
+    template.
 
     When someone else holds it for the whole wait, `on_locked="raise"` (`options.RAISE`)
     raises LockUnavailable and `on_locked="skip"` (`options.SKIP`) returns None without calling
@@ -90,8 +86,8 @@ def locked(
     `lock(shared=True)`.
     """
     check_on_locked(on_locked, ON_LOCKED_CHOICES)
-    check_key_template(key)
-    default_name(options, key)
+    keyed.check_templates(key)
+    keyed.name_templates(options, key)
     spec = LockSpec.parse("locked", **options)
 
     def decorate(fn: Callable[P, R]) -> Callable[P, Any]:
@@ -101,7 +97,7 @@ def locked(
     return decorate
 
 
-def _check_wrappable(fn: Callable[..., Any], key: KeyTemplate) -> None:
+def _check_wrappable(fn: Callable[..., Any], key: keyed.KeyTemplates) -> None:
     """Refuse, at decoration, a function `@locked` cannot hold a lock around, and a key
     template naming a parameter `fn` does not take (not on every call)."""
     if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
@@ -112,18 +108,19 @@ def _check_wrappable(fn: Callable[..., Any], key: KeyTemplate) -> None:
             f"after the call returns, outside the lock. Take the lock inside it: "
             f"`with lock(...):` around the loop"
         )
-    check_key_fields(key, fn)
+    keyed.check_fields(key, fn)
 
 
 def _wrap(
-    fn: Callable[P, R], key: KeyTemplate, spec: LockSpec, on_locked: OnLocked
+    fn: Callable[P, R], key: keyed.KeyTemplates, spec: LockSpec, on_locked: OnLocked
 ) -> Callable[P, Any]:
     """`fn` run under a lock on `key` made from `spec` for each call (sync or async)."""
     name = f"{fn.__module__}.{fn.__qualname__}"
 
-    def handle_for(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Lock:
+    def handle_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Lock:
         # Made per call: a forked worker names its own pid in the holder.
-        return spec.lock(format_key(key, fn, args, kwargs), label=name, raises=on_locked == RAISE)
+        keys = keyed.format_keys(key, fn, args, kwargs)
+        return keyed.handle_for(spec, keys, label=name, raises=on_locked == RAISE)
 
     def not_acquired(handle: Lock) -> None:
         if on_locked == SKIP:
@@ -135,7 +132,7 @@ def _wrap(
 
         @functools.wraps(fn)
         async def async_wrapper(*args: P.args, **kwargs: P.kwargs) -> Any:
-            handle = handle_for(args, kwargs)
+            handle = handle_of(args, kwargs)
 
             async def call() -> Any:
                 return await cast(Callable[..., Awaitable[Any]], fn)(*args, **kwargs)
@@ -147,7 +144,7 @@ def _wrap(
 
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> Any:
-        handle = handle_for(args, kwargs)
+        handle = handle_of(args, kwargs)
         outcome = handle.run(lambda: fn(*args, **kwargs))
         return outcome.value if outcome.acquired else not_acquired(handle)
 

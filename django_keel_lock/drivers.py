@@ -23,6 +23,7 @@ from . import engine
 from .engine import Call, Interrupted, Pause, Steps, TakeTurn, Target
 from .exceptions import LockNotHeldError, LockStoreUnavailable
 from .stores.base import EXCLUSIVE, LockStore
+from .stores.wakeups import AnyWaiter
 from .waiting import Turn, to_the_end
 
 __all__ = ["aacquire", "acquire", "arun", "asettle", "give_back_later", "run"]
@@ -60,10 +61,14 @@ def call(store: LockStore, step: Call) -> Any:
         return error
 
 
+#: What a driver watches: a key, or a multi-key lock's keys (it takes no turn then).
+Watched = str | tuple[str, ...]
+
+
 class _Sync:
     """What `run` holds while the engine runs: the turn and the watch (`held`), the waiter."""
 
-    def __init__(self, store: LockStore, key: str, held: contextlib.ExitStack) -> None:
+    def __init__(self, store: LockStore, key: Watched, held: contextlib.ExitStack) -> None:
         self.store, self.key, self.held = store, key, held
         self.waiter: Any = None
 
@@ -73,19 +78,32 @@ class _Sync:
             if type(step) is Call:
                 return call(self.store, step)
             if type(step) is Pause:
-                self.waiter.wait(step.seconds)
+                if step.keys:
+                    self.waiter.wait(step.seconds, step.keys)
+                else:
+                    self.waiter.wait(step.seconds)
             elif type(step) is TakeTurn:
+                assert type(self.key) is str
                 return self.held.enter_context(Turn.wait_for(self.store, self.key, step.deadline))
             else:
-                self.waiter = self.held.enter_context(self.store.watch(self.key))
+                self.waiter = self.watch()
         except BaseException as error:
             return Failed(error)
         return None
 
+    def watch(self) -> Any:
+        """Listen for releases of the key (its `Waiter`), or of any of several keys."""
+        key = self.key
+        if type(key) is str:
+            return self.held.enter_context(self.store.watch(key))
+        waiter = AnyWaiter()
+        self.held.enter_context(self.store.watch_many(key, waiter.wake))
+        return waiter
 
-def run(steps: Steps, store: LockStore, key: str) -> Any:
-    """Run `steps` on `store` with its sync calls; the turn and the watch they take last
-    until they end. Their value."""
+
+def run(steps: Steps, store: LockStore, key: Watched) -> Any:
+    """Run `steps` on `store` with its sync calls; the turn and the watch (of `key`, or of
+    each of several keys) they take last until they end. Their value."""
     with contextlib.ExitStack() as held:
         driver = _Sync(store, key, held)
         reply: Any = None
@@ -111,7 +129,7 @@ def acquire(
     (for the caller to record and raise), when it was sent and the attempts made."""
     if wait <= 0:  # one attempt, the hot path: `engine.acquisition` without a generator
         try:
-            if target.mode is EXCLUSIVE:  # `engine.first_request` written out: calls less
+            if target.mode is EXCLUSIVE and not target.many:  # `engine.first_request`
                 sent = time.monotonic()
                 result = store.acquire(target.key, owner, target.holder, target.ttl)
             else:
@@ -126,7 +144,7 @@ def acquire(
                 and time.monotonic() >= sent + target.ttl
                 and engine.late(target, result, sent)
             ):
-                run(engine.giving_back(target, owner), store, target.key)
+                run(engine.giving_back(target, owner), store, engine.subject(target))
                 result = engine.REFUSED
         except BaseException as error:
             return error, 0.0, 1
@@ -134,7 +152,7 @@ def acquire(
     tally = [1]
     try:
         steps = engine.acquisition(target, owner, wait, retry_delay, tally)
-        result, sent = run(steps, store, target.key)
+        result, sent = run(steps, store, engine.subject(target))
     except BaseException as error:
         return error, 0.0, tally[0]
     return result, sent, tally[0]
@@ -164,9 +182,10 @@ class _Async:
     """What `arun` holds while the engine runs: the turn and the watch (`held`), the event a
     release sets, a cancellation to raise once the engine is done."""
 
-    def __init__(self, store: LockStore, key: str, held: contextlib.AsyncExitStack) -> None:
+    def __init__(self, store: LockStore, key: Watched, held: contextlib.AsyncExitStack) -> None:
         self.store, self.key, self.held = store, key, held
         self.woken: asyncio.Event | None = None
+        self.heard: set[str] = set()  # the keys whose releases set `woken`
         self.pending: BaseException | None = None
 
     async def step(self, step: Any) -> Any:
@@ -176,11 +195,11 @@ class _Async:
             if type(step) is Call:
                 return await self.call(step)
             if type(step) is Pause:
-                assert self.woken is not None
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(step.seconds):
-                        await self.woken.wait()
+                        await self.wake_up(step.keys)
             elif type(step) is TakeTurn:
+                assert type(self.key) is str
                 turn = Turn.await_for(self.store, self.key, step.deadline)
                 return await self.held.enter_async_context(turn)
             else:
@@ -192,6 +211,7 @@ class _Async:
     async def call(self, step: Call) -> Any:
         if self.woken is not None and not step.quiet:
             self.woken.clear()  # before the attempt: a release right after it counts
+            self.heard.clear()
         future, cancelled = await to_the_end(getattr(self.store, "a" + step.op)(*step.args))
         if step.quiet:
             if cancelled is not None and self.pending is None:
@@ -205,24 +225,37 @@ class _Async:
         return future.result()
 
     def watch(self) -> None:
-        """Listen for releases of the key: the store's watch starts its cross-process
-        listener; the callback is how a task hears of releases (it cannot block on the
-        Waiter's condition)."""
-        store, loop = self.store, asyncio.get_running_loop()
-        self.held.enter_context(store.watch(self.key))
+        """Listen for releases of the key (or of any of several keys): the store's watch
+        starts its cross-process listener; the callback is how a task hears of releases (it
+        cannot block on the Waiter's condition)."""
+        loop = asyncio.get_running_loop()
         woken = self.woken = asyncio.Event()
 
-        def wake() -> None:  # called from whichever thread saw the release
+        def heard(key: str) -> None:
+            self.heard.add(key)
+            woken.set()
+
+        def wake(key: str) -> None:  # called from whichever thread saw the release
             try:
-                loop.call_soon_threadsafe(woken.set)
+                loop.call_soon_threadsafe(heard, key)
             except RuntimeError:  # the loop is closed; nobody is waiting any more
                 pass
 
-        token = store.wake_board.add_callback(self.key, wake)
-        self.held.callback(store.wake_board.remove_callback, token)
+        keys = (self.key,) if type(self.key) is str else self.key
+        self.held.enter_context(self.store.watch_many(keys, wake))
+
+    async def wake_up(self, keys: tuple[str, ...]) -> None:
+        """Until a release of one of `keys` (of any key: none given) was heard since the
+        attempt began."""
+        woken = self.woken
+        assert woken is not None
+        await woken.wait()
+        while keys and self.heard.isdisjoint(keys):
+            woken.clear()
+            await woken.wait()
 
 
-async def arun(steps: Steps, store: LockStore, key: str) -> Any:
+async def arun(steps: Steps, store: LockStore, key: Watched) -> Any:
     """`run` for async code: the store's async calls, each run to its end. A cancellation
     that came during a quiet call is raised once the engine is done."""
     async with contextlib.AsyncExitStack() as held:
@@ -248,7 +281,7 @@ async def aacquire(target: Target, owner: str, wait: float, retry_delay: float) 
     tally = [1]
     steps = engine.acquisition(target, owner, wait, retry_delay, tally)
     try:
-        result, sent = await arun(steps, target.store, target.key)
+        result, sent = await arun(steps, target.store, engine.subject(target))
     except BaseException as error:
         return error, 0.0, tally[0]
     return result, sent, tally[0]

@@ -11,7 +11,8 @@ calls, `waiting.to_the_end` and an `asyncio.Event`):
 - `TakeTurn(deadline)`: wait for this process's turn at the key (`waiting.Turn`); reply: True
   if it came (held until the generator ends);
 - `WATCH`: listen for releases of the key until the generator ends;
-- `Pause(seconds)`: sleep, ending early when a release of the key is heard.
+- `Pause(seconds, keys)`: sleep, ending early when a release of the key is heard (of one of
+  `keys`, for a multi-key waiter: those that refused it, not those it gave back itself).
 
 How a waiter asks and pauses is a `Policy` (plain, in the store's line, a writer that keeps new
 readers out, a permit): the one branch between the ways of waiting. A new way of waiting (a
@@ -49,11 +50,14 @@ __all__ = [
     "acquisition",
     "ask",
     "check",
+    "extend_call",
     "first_policy",
     "first_request",
     "give_back",
     "late",
+    "release_call",
     "request",
+    "subject",
     "waiting",
 ]
 
@@ -77,9 +81,12 @@ class TakeTurn(NamedTuple):
 
 
 class Pause(NamedTuple):
-    """Step: sleep `seconds`, or less when a release of the key is heard."""
+    """Step: sleep `seconds`, or less when a release of the key is heard: of one of `keys`
+    when given (a multi-key waiter's, which gave back others itself: their wakes are its
+    own), whenever it came since the attempt began."""
 
     seconds: float
+    keys: tuple[str, ...] = ()
 
 
 class _Watch(NamedTuple):
@@ -111,12 +118,19 @@ class Interrupted(BaseException):
 
 
 class Target(Protocol):
-    """What the engine reads of the handle it acquires for (`core.Lock`)."""
+    """What the engine reads of the handle it acquires for (`core.Lock`, or a multi-key
+    `multi.MultiLock`: `many`, whose store operations take its `keys`)."""
 
     key: str
     holder: str
     ttl: float
     mode: Mode
+
+    @property
+    def many(self) -> bool: ...
+
+    @property
+    def keys(self) -> tuple[str, ...]: ...
 
     @property
     def store(self) -> LockStore: ...
@@ -137,14 +151,30 @@ IN_LINE = Policy("acquire_queued", queued=True)
 PERMIT = Policy("acquire_permit")  # a semaphore's permit or a shared lock
 WRITER = Policy("acquire_permit", writer=True)
 WRITER_IN_LINE = Policy("acquire_permit", queued=True, writer=True)
+#: Several keys at once, all or nothing (`LockStore.acquire_many`). Not in any key's line:
+#: a waiter never holds a place, nor a key, while it waits for the rest.
+MANY = Policy("acquire_many")
+
+
+def subject(target: Target) -> str | tuple[str, ...]:
+    """What the target's store operations take: its key, or a multi-key lock's keys."""
+    return target.keys if target.many else target.key
 
 
 def first_policy(target: Target, wait: bool = False) -> Policy:
     """How the first attempt asks: an exclusive lock as plain `acquire` (the fast path), in
-    the store's line when it keeps one and the caller `wait`s; other modes for a permit."""
+    the store's line when it keeps one and the caller `wait`s; other modes for a permit;
+    several keys all at once."""
+    if target.many:
+        return MANY
     if target.mode is not EXCLUSIVE:
         return PERMIT
     return IN_LINE if wait and target.store.queues else PLAIN
+
+
+#: The operations of an exclusive lock that turn into a writer's on finding readers (a
+#: multi-key lock does not: it waits for the readers to go).
+_PLAIN_OPS = ("acquire", "acquire_queued")
 
 
 def _next_policy(policy: Policy, result: AcquireResult) -> Policy:
@@ -152,7 +182,7 @@ def _next_policy(policy: Policy, result: AcquireResult) -> Policy:
     the rest of the wait, as a writer waiting for them (`acquire_permit`), which keeps new
     readers out while it waits and withdraws that when it takes the lock. Taken through
     `acquire`, the mark would keep readers out of a key nobody holds until it lapsed."""
-    if policy.op != "acquire_permit" and result.held_as == "shared":
+    if policy.op in _PLAIN_OPS and result.held_as == "shared":
         return WRITER_IN_LINE if policy.queued else WRITER
     return policy
 
@@ -164,7 +194,7 @@ def request(
     `deadline` (None: no wait): the store operation and its arguments."""
     op = policy.op
     if op != "acquire_permit":
-        return op, (target.key, owner, target.holder, target.ttl)
+        return op, (subject(target), owner, target.holder, target.ttl)
     # A writer's mark keeps readers out until the deadline, for QUEUE_LEASE at most: it
     # renews it with each attempt, so one that was cancelled, failed or died no longer keeps
     # readers out a moment later.
@@ -174,9 +204,7 @@ def request(
 
 def first_request(target: Target, owner: str) -> tuple[str, tuple[Any, ...]]:
     """The one attempt of an acquire that does not wait (`once`), as `request` says it."""
-    if target.mode is EXCLUSIVE:
-        return "acquire", (target.key, owner, target.holder, target.ttl)
-    return request(target, owner, PERMIT, None)
+    return request(target, owner, first_policy(target), None)
 
 
 def ask(target: Target, owner: str, policy: Policy, deadline: float | None) -> Call:
@@ -191,8 +219,9 @@ def check(target: Target, result: AcquireResult) -> AcquireResult:
     if held is None or result.fence is not None:
         return result
     if (held == "semaphore") != (target.mode.kind == "semaphore"):
+        key = result.blocked[0] if result.blocked else target.key
         raise ValueError(
-            f"key {target.key!r} is held as {kind_phrase(held)} and cannot be taken as "
+            f"key {key!r} is held as {kind_phrase(held)} and cannot be taken as "
             f"{kind_phrase(target.mode.kind)} at the same time: a key is a semaphore or a "
             "lock, not both (use a key of its own for each); once every holder has gone it "
             "may be used either way"
@@ -226,18 +255,33 @@ def _pause(
 
 
 def release_op(target: Target) -> str:
-    """The store operation that releases the target's acquisition (a lock's, or a permit's)."""
+    """The store operation that releases the target's acquisition (a lock's, a permit's, or
+    a multi-key lock's)."""
+    if target.many:
+        return "release_many"
     return "release" if target.mode is EXCLUSIVE else "release_permit"
 
 
 def extend_op(target: Target) -> str:
     """The store operation that extends the target's acquisition."""
+    if target.many:
+        return "extend_many"
     return "extend" if target.mode is EXCLUSIVE else "extend_permit"
+
+
+def release_call(target: Target, owner: str, quiet: bool = False) -> Call:
+    """The step that releases `owner`'s acquisition of the target."""
+    return Call(release_op(target), (subject(target), owner), quiet)
+
+
+def extend_call(target: Target, owner: str, seconds: float) -> Call:
+    """The step that makes `owner`'s acquisition of the target live `seconds` more."""
+    return Call(extend_op(target), (subject(target), owner, seconds))
 
 
 def give_back(target: Target, owner: str) -> Call:
     """Release `owner`'s grant, quietly: it came too late or to a caller that has gone."""
-    return Call(release_op(target), (target.key, owner), quiet=True)
+    return release_call(target, owner, quiet=True)
 
 
 def giving_back(target: Target, owner: str, why: str = "granted too late") -> Steps:
@@ -297,38 +341,96 @@ def waiting(
     """An acquisition that waits until `deadline` (monotonic), polling every `retry_delay`
     where the store does not push wake-ups: the attempts (counted in `tally`) until one takes
     the lock or the deadline passes; the last one's result."""
-    if not (yield TakeTurn(deadline)):
+    # A multi-key waiter takes no turn: it would hold the turns of some keys while it
+    # waited for the others' (the store's all-or-nothing take is the one gate it passes).
+    if not target.many and not (yield TakeTurn(deadline)):
         # The turn did not come by the deadline. Whoever has it may be stuck on a store that
         # does not answer, so ask the store once ourselves: "held by someone else" must be
         # the store's word, and an outage must reach every caller as one.
         return (yield from once(target, owner))
     policy = first_policy(target, wait=True)
-    # Whether the way out gives up a place in the line: every way but taking the lock (the
-    # place goes with it) and the store failing (the place lapses by itself; trying would
-    # only make the error come twice as late): the deadline, a cancellation, an exception
-    # from a signal handler (a task's time limit), SystemExit, KeyboardInterrupt.
-    leave = policy.queued
+    # The key in whose line the waiter stands (a multi-key waiter joins one when refused:
+    # `_stand`), given up on every way out but taking the lock (the place goes with it) and
+    # the store failing (the place lapses by itself; trying would only make the error come
+    # twice as late): the deadline, a cancellation, an exception from a signal handler (a
+    # task's time limit), SystemExit, KeyboardInterrupt.
+    place = [target.key if policy.queued else None]
     try:
         yield WATCH
         tally[0] = 0
         while True:
             tally[0] += 1
             sent = time.monotonic()
-            result = yield from _attempt(target, owner, policy, deadline)
+            result = yield from _try(target, owner, policy, deadline, place)
             left = deadline - time.monotonic()
             if result.fence is not None or left <= 0:
-                leave = leave and result.fence is None
                 return result, sent
             pause = _pause(target, policy, result, retry_delay, left)
             policy = _next_policy(policy, result)
             if pause > 0:
-                yield Pause(pause)
+                yield Pause(pause, result.blocked)
     except (LockStoreUnavailable, GeneratorExit):
-        leave = False
+        place[0] = None
         raise
     finally:
-        if leave:
-            yield from _leave_line(target, owner)
+        if place[0] is not None:
+            yield from _leave_line(target, owner, place[0])
+
+
+def _try(
+    target: Target, owner: str, policy: Policy, deadline: float, place: list[str | None]
+) -> Generator[Step, Any, AcquireResult]:
+    """One attempt of a wait. A key taken from its line leaves it (`place`); a multi-key
+    waiter refused on a store with lines stands in one (`_stand`)."""
+    result = yield from _attempt(target, owner, policy, deadline)
+    if result.fence is not None:
+        if not target.many:  # a multi-key take leaves no line: the waiter leaves its own
+            place[0] = None
+    elif policy is MANY and result.blocked and target.store.queues:
+        result = yield from _stand(target, owner, result, place)
+    return result
+
+
+def _stand(
+    target: Target, owner: str, refused: AcquireResult, place: list[str | None]
+) -> Generator[Step, Any, AcquireResult]:
+    """Put a multi-key waiter that `refused` turned down in the line of the first key that
+    blocked it (`place`), so that a stream of single-key waiters does not starve it: a
+    release of that key wakes it, and the key goes to nobody behind it in the line.
+
+    It stands in one line at a time, always a key someone holds, and leaves the one it stood
+    in before: a free key it is first for is kept from others only until its next attempt,
+    so a holder of another of its keys that waits for this one is not held up for long. A
+    key the line gives it (free, and it was first) is taken with the others at once, or
+    given back: the waiter holds no key while it waits. What the attempts came to."""
+    key = refused.blocked[0]
+    if place[0] is not None and place[0] != key:
+        yield from _leave_line(target, owner, place[0])
+    place[0] = key
+    queued = Call("acquire_queued", (key, owner, target.holder, target.ttl))
+    stood = yield from _taking(target, owner, queued)
+    if stood.fence is None:
+        if stood.held_as not in (None, "exclusive"):
+            place[0] = None  # permits hold it: not queued
+        return refused
+    place[0] = None  # the key taken: out of its line
+    result = yield from _taking(target, owner, ask(target, owner, MANY, None))
+    if result.fence is None:
+        undone = yield Call("release", (key, owner), quiet=True)
+        if isinstance(undone, BaseException):
+            logger.warning("lock %r: could not give back key %r (%r)", target.key, key, undone)
+    return result
+
+
+def _taking(target: Target, owner: str, step: Call) -> Generator[Step, Any, AcquireResult]:
+    """Make `_stand`'s store call `step`; interrupted meanwhile, give back whatever key the
+    waiter may hold (every key it asks for: `release_many` frees those it holds) before the
+    interruption goes on."""
+    try:
+        return (yield step)  # type: ignore[no-any-return]
+    except Interrupted:
+        yield from giving_back(target, owner, "acquired as its waiter was cancelled")
+        raise
 
 
 def acquisition(
@@ -347,16 +449,16 @@ def acquisition(
     return result, sent
 
 
-def _leave_line(target: Target, owner: str) -> Generator[Step, Any, None]:
-    """Give up `owner`'s place in the key's line: the next in line is not held up. An error
+def _leave_line(target: Target, owner: str, key: str) -> Generator[Step, Any, None]:
+    """Give up `owner`'s place in `key`'s line: the next in line is not held up. An error
     is logged, not raised (the wait may be raising already); the place lapses by itself."""
-    error = yield Call("leave_queue", (target.key, owner), quiet=True)
+    error = yield Call("leave_queue", (key, owner), quiet=True)
     if isinstance(error, Exception):  # not a cancellation of the call itself
         unreachable = isinstance(error, LockStoreUnavailable)
         logger.log(
             logging.DEBUG if unreachable else logging.WARNING,
             "lock %r: could not leave the line of waiters (%s: %s); the place lapses in %gs",
-            target.key,
+            key,
             type(error).__name__,
             error,
             QUEUE_LEASE,

@@ -12,7 +12,8 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from functools import partial
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from django.dispatch import Signal
 
@@ -38,6 +39,8 @@ class Holding:
     __slots__ = ("_body", "_held", "_lost_reason", "_renewal", "_valid_until", "lost")
 
     key: str
+    #: True for a multi-key lock (`multi.MultiLock`), whose store operations take `keys`.
+    many: ClassVar[bool] = False
     holder: str
     ttl: float
     mode: Mode
@@ -67,6 +70,11 @@ class Holding:
         return self._store
 
     @property
+    def keys(self) -> tuple[str, ...]:
+        """The keys this handle takes: its one key (a multi-key lock's several)."""
+        return (self.key,)
+
+    @property
     def _handle(self) -> Lock:
         """This handle, as what it is: the `core.Lock` that signals and metrics are told of."""
         return cast("Lock", self)
@@ -81,12 +89,12 @@ class Holding:
             return False
         if self._renewal is not None:
             self._stop_renewal()
-        store = self._store  # `engine.release_op` written out: a call less on the hot path
+        store = self._store  # `engine.release_call` written out: a call less on the hot path
         try:
-            if self.mode is EXCLUSIVE:
+            if self.mode is EXCLUSIVE and not self.many:
                 released = store.release(self.key, self.owner)
             else:
-                released = store.release_permit(self.key, self.owner)
+                released = drivers.call(store, engine.release_call(self, self.owner))
         except LockStoreUnavailable:
             self._store_error("release")
             raise
@@ -94,6 +102,28 @@ class Holding:
             self._held = False  # `_released` in short: released, and nobody to tell
             return True
         return self._released(released)
+
+    def release_with(self, operation: Callable[[str, str], bool | None]) -> bool | None:
+        """`release` through another store operation, `operation(key, owner)`, which does
+        something else in the same round trip and may release this exclusive acquisition:
+        True if it released it, False if it found it gone (as `release` says), None if it
+        left it held. The handle then ends as `release` (or holding on) leaves it: signals,
+        metrics and wake-ups alike. None (and nothing called) when nothing is held.
+
+        Not with `auto_extend`: a renewal would race the operation's release."""
+        if not self._held or self.owner is None:
+            return None
+        if self.auto_extend or self.mode is not EXCLUSIVE:
+            raise ValueError(
+                f"release_with releases an exclusive lock without auto_extend; {self.key!r} "
+                "is not one: call release() instead"
+            )
+        try:
+            released = operation(self.key, self.owner)
+        except LockStoreUnavailable:
+            self._store_error("release")
+            raise
+        return None if released is None else self._released(released)
 
     def _released(self, released: bool) -> bool:
         self._held = False
@@ -119,7 +149,7 @@ class Holding:
         seconds, owner = self._extend_args(ttl)
         sent = time.monotonic()
         try:
-            extended = self.extend_op(self.key, owner, seconds)
+            extended = self.extend_op(owner, seconds)
         except LockStoreUnavailable:
             self._store_error("extend")
             raise
@@ -145,14 +175,15 @@ class Holding:
         )
 
     @property
-    def extend_op(self) -> Callable[[str, str, float], bool]:
-        """The store operation that extends this handle's acquisition (the watchdog's)."""
-        return getattr(self._store, engine.extend_op(self))  # type: ignore[no-any-return]
+    def extend_op(self) -> Callable[[str, float], bool]:
+        """The store operation that extends this handle's acquisition (the watchdog's), for
+        its key (or keys): called with the owner and the seconds."""
+        return partial(getattr(self._store, engine.extend_op(self)), engine.subject(self))
 
     @property
-    def aextend_op(self) -> Callable[[str, str, float], Awaitable[bool]]:
+    def aextend_op(self) -> Callable[[str, float], Awaitable[bool]]:
         """`extend_op` for async code."""
-        return getattr(self._store, "a" + engine.extend_op(self))  # type: ignore[no-any-return]
+        return partial(getattr(self._store, "a" + engine.extend_op(self)), engine.subject(self))
 
     def confirmed_until(self) -> float:
         """Monotonic time of the last expiry the store confirmed (inf before any acquisition)."""
@@ -191,12 +222,15 @@ class Holding:
             # that acquisition's watchdog is not ours to stop.
             renewal, self._renewal = self._renewal, None
             lost_owner = self.owner
+        # An extend the store may have made (its reply late or lost) keeps the lock a whole
+        # ttl more that `release()` (nothing held) would never free; a multi-key lock that
+        # lost one key still holds the others.
+        give_back = self.many
         if renewal is not None:
             renewal.stop()
-            if renewal.unanswered and lost_owner is not None:
-                # An extend the store may have made (its reply late or lost) keeps the lock a
-                # whole ttl more that `release()` (nothing held) would never free.
-                drivers.give_back_later(self._store, engine.give_back(self, lost_owner))
+            give_back = give_back or renewal.unanswered
+        if give_back and lost_owner is not None:
+            drivers.give_back_later(self._store, engine.give_back(self, lost_owner))
         if self._meter is not None:
             if cause == "gone" and time.monotonic() >= self._valid_until:
                 cause = "expired"
@@ -256,11 +290,14 @@ class Holding:
         if not self._held or self.owner is None:
             return False
         if self.mode is EXCLUSIVE:
-            return self._owned([self._store.get(self.key)])
+            return self._owned([self._store.get(key) for key in self.keys])
         return self._owned(self._store.holders(self.key))
 
     def _owned(self, holders: Sequence[LockInfo | None]) -> bool:
-        if any(info is not None and info.owner == self.owner for info in holders):
+        """Whether `holders` (each key's lock, or the key's permits) show this acquisition
+        on every key; if not, it is lost."""
+        owner = self.owner
+        if sum(info is not None and info.owner == owner for info in holders) >= len(self.keys):
             return True
         self._lost("the store no longer has it", owner=self.owner, cause="gone")
         return False
@@ -284,7 +321,7 @@ class Holding:
         self._stop_renewal()
         return await drivers.asettle(
             self._store,
-            engine.Call(engine.release_op(self), (self.key, self.owner)),
+            engine.release_call(self, self.owner),
             self._released,
             lambda: self._store_error("release"),
             f"release of lock {self.key!r} failed while its task was cancelled; it expires in "
@@ -299,7 +336,7 @@ class Holding:
         until = time.monotonic() + seconds
         await drivers.asettle(
             self._store,
-            engine.Call(engine.extend_op(self), (self.key, owner, seconds)),
+            engine.extend_call(self, owner, seconds),
             lambda extended: self._extended(extended, until),
             lambda: self._store_error("extend"),
         )
@@ -322,7 +359,7 @@ class Holding:
         if not self._held or self.owner is None:
             return False
         if self.mode is EXCLUSIVE:
-            return self._owned([await self._store.aget(self.key)])
+            return self._owned([await self._store.aget(key) for key in self.keys])
         return self._owned(await self._store.aholders(self.key))
 
     @property

@@ -26,7 +26,7 @@ from django.dispatch import receiver
 
 from .conf import conf
 from .durations import Duration, to_seconds
-from .stores.base import EXCLUSIVE, SHARED, Mode, semaphore_mode
+from .stores.base import EXCLUSIVE, MAX_KEYS, SHARED, Mode, semaphore_mode
 
 if TYPE_CHECKING:
     from .core import Lock
@@ -113,6 +113,31 @@ def validate_key(key: object, store: LockStore | None = None) -> str:
             f"accepts at most {limit}"
         )
     return key
+
+
+def validate_keys(keys: object, store: LockStore | None = None) -> tuple[str, ...]:
+    """The distinct keys of a multi-key lock, sorted (the order given does not matter), if
+    `keys` is a list or tuple of at most MAX_KEYS usable keys; else raise naming the
+    argument (and the item)."""
+    if not isinstance(keys, list | tuple):
+        raise TypeError(
+            f"keys must be a list or tuple of str (the keys to take at once), got "
+            f"{type(keys).__name__}; for one key pass the str itself"
+        )
+    if not keys:
+        raise ValueError("keys must name at least one key, got an empty " + type(keys).__name__)
+    distinct = set()
+    for index, key in enumerate(keys):
+        try:
+            distinct.add(validate_key(key, store))
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"keys[{index}] ({key!r:.60}): {error}") from None
+    if len(distinct) > MAX_KEYS:
+        raise ValueError(
+            f"keys names {len(distinct)} distinct keys; a lock takes at most {MAX_KEYS} at "
+            "once (split the work, or lock a key that stands for the group)"
+        )
+    return tuple(sorted(distinct))
 
 
 KeyTemplate = str | Callable[..., str]

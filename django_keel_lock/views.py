@@ -27,13 +27,13 @@ from django.core.exceptions import BadRequest, ImproperlyConfigured
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
 
 from .core import Lock
+from .keyed import handle_for, name_templates
 from .options import (
     OPTION_DEFAULTS,
     OPTION_NAMES,
     InvalidKey,
     LockOptions,
     LockSpec,
-    default_name,
 )
 
 if TYPE_CHECKING:
@@ -44,7 +44,9 @@ else:
     _MixinBase = object
 
 ViewFunc = TypeVar("ViewFunc", bound=Callable[..., Any])
-ViewKey = str | Callable[..., str]
+#: A template ("invoice:<pk>") or a callable `(request, *args, **kwargs) -> key`; a list or
+#: tuple of them (or a callable returning a list of keys) takes each key at once.
+ViewKey = str | Callable[..., str | list[str]] | list[str] | tuple[str, ...]
 OnLockedView = Callable[[HttpRequest, str], HttpResponseBase | Awaitable[HttpResponseBase]]
 
 _PLACEHOLDER = re.compile(r"<([^<>]*)>")
@@ -90,6 +92,41 @@ def render_key_template(template: str, url_kwargs: dict[str, Any]) -> str:
                 f"(its URL kwargs: {known})"
             )
     return "".join(out)
+
+
+def render_key(
+    key: ViewKey, request: HttpRequest, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> str | list[str]:
+    """The key (or keys, for a list of templates) `key` names for one request."""
+    if isinstance(key, str):
+        return render_key_template(key, kwargs)
+    if isinstance(key, list | tuple):
+        return [render_key_template(template, kwargs) for template in key]
+    return key(request, *args, **kwargs)
+
+
+def check_view_key(key: object) -> None:
+    """Raise unless `key` is a view's key: a template, a non-empty list or tuple of templates
+    (several keys at once), or a callable."""
+    if isinstance(key, list | tuple):
+        if not key:
+            raise ValueError(
+                f"lock key must name at least one key template, got an empty {type(key).__name__}"
+            )
+        for index, template in enumerate(key):
+            if not isinstance(template, str):
+                raise TypeError(
+                    f"lock key[{index}] must be a str template such as 'account:<pk>', got "
+                    f"{type(template).__name__}"
+                )
+            parse_key_template(template)
+    elif isinstance(key, str):
+        parse_key_template(key)
+    elif not callable(key):
+        raise TypeError(
+            f"lock key must be a str template, a list of them or a callable (request, *args, "
+            f"**kwargs) -> str, got {type(key).__name__}"
+        )
 
 
 def request_label(request: HttpRequest) -> str:
@@ -166,12 +203,9 @@ class ViewLock:
     on_locked: OnLockedView | None = None
 
     def handle(self, request: HttpRequest, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Lock:
-        if isinstance(self.key, str):
-            key = render_key_template(self.key, kwargs)
-        else:
-            key = self.key(request, *args, **kwargs)
+        key = render_key(self.key, request, args, kwargs)
         try:
-            return self.spec.lock(key, label=request_label(request))
+            return handle_for(self.spec, key, label=request_label(request), raises=False)
         except InvalidKey as exc:
             # The key comes from the URL: one a lock cannot take (the store's length limit
             # too) is the client's mistake.
@@ -233,13 +267,7 @@ def _view_lock(
 ) -> ViewLock:
     """`ViewLock` from what `lock_view` and `LockViewMixin` take (`surface`, named in errors);
     a bad value raises naming it."""
-    if isinstance(key, str):
-        parse_key_template(key)
-    elif not callable(key):
-        raise TypeError(
-            f"lock key must be a str template or a callable (request, *args, **kwargs) -> "
-            f"str, got {type(key).__name__}"
-        )
+    check_view_key(key)
     if on_locked is not None and not callable(on_locked):
         raise TypeError(
             f"on_locked must be a callable (request, key) -> HttpResponse, "
@@ -280,7 +308,7 @@ def lock_view(
     runs (an exclusive request they keep out gets the last one's expiry: it needs them all
     gone); the key is the same key `semaphore()` and `lock()` take.
     """
-    default_name(options, key)
+    name_templates(options, key)  # type: ignore[arg-type]
     config = _view_lock("lock_view", key, on_locked, options)
 
     def decorate(view: ViewFunc) -> ViewFunc:
@@ -320,21 +348,20 @@ class LockViewMixin(_MixinBase):
     #: A method `(self, request, key) -> HttpResponse` to answer instead of the default 409.
     lock_on_locked: OnLockedView | None = None
 
-    def get_lock_key(self, request: HttpRequest, *args: Any, **kwargs: Any) -> str:
-        """The key for this request: `lock_key` with <name> filled from the URL kwargs."""
+    def get_lock_key(self, request: HttpRequest, *args: Any, **kwargs: Any) -> str | list[str]:
+        """The key for this request: `lock_key` with <name> filled from the URL kwargs (a
+        list of templates: the keys, taken at once)."""
         template = self.lock_key
         if template is None:
             raise ImproperlyConfigured(
                 f"{type(self).__name__} needs a lock_key (e.g. 'invoice:<pk>') or a "
                 f"get_lock_key() method"
             )
-        if isinstance(template, str):
-            return render_key_template(template, kwargs)
-        return template(request, *args, **kwargs)
+        return render_key(template, request, args, kwargs)
 
     def _view_lock(self) -> ViewLock:
         options = cast(LockOptions, {name: getattr(self, f"lock_{name}") for name in OPTION_NAMES})
-        default_name(options, self.lock_key)
+        name_templates(options, self.lock_key)  # type: ignore[arg-type]
         return _view_lock(type(self).__name__, self.get_lock_key, self.lock_on_locked, options)
 
     def dispatch(self, request: HttpRequest, *args: Any, **kwargs: Any) -> Any:

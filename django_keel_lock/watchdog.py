@@ -53,12 +53,13 @@ class Renewable(Protocol):
     def store(self) -> LockStore: ...
 
     @property
-    def extend_op(self) -> Callable[[str, str, float], bool]:
-        """The store operation that extends the acquisition (a lock's, or a permit's)."""
+    def extend_op(self) -> Callable[[str, float], bool]:
+        """The store operation that extends the acquisition (a lock's, a permit's, a
+        multi-key lock's), called with the owner and the seconds."""
         ...
 
     @property
-    def aextend_op(self) -> Callable[[str, str, float], Awaitable[bool]]: ...
+    def aextend_op(self) -> Callable[[str, float], Awaitable[bool]]: ...
 
     def confirmed_until(self) -> float:
         """Monotonic time of the last expiry the store confirmed for the current acquisition."""
@@ -220,7 +221,7 @@ class Renewal:
                 pause = self.capped()
                 continue
             seconds, sent = due
-            future = self.store.submit(self.extend, self.key, self.owner, seconds)
+            future = self.store.submit(self.extend, self.owner, seconds)
             future.add_done_callback(lambda _: self._kick.set())
             # Wait for the answer, but no longer than the lock is known to live.
             deadline = sent + self.time_left()
@@ -245,7 +246,7 @@ class Renewal:
                 pause = self.capped()
                 continue
             seconds, sent = due
-            task = asyncio.ensure_future(self.aextend(self.key, self.owner, seconds))
+            task = asyncio.ensure_future(self.aextend(self.owner, seconds))
             _pending.add(task)
             task.add_done_callback(_forget)
             done, _ = await asyncio.wait({task}, timeout=self.time_left())

@@ -822,3 +822,48 @@ def test_force_release_action_without_readable_fences_releases_nothing(
     assert handle.is_owned()
     assert not LogEntry.objects.filter(object_repr=handle.key).exists()
     handle.release()
+
+
+# -- keys held together (a multi-key lock) ---------------------------------------------------
+def _take_together(alias: str, keys: tuple[str, ...]) -> str:
+    owner = uuid.uuid4().hex
+    assert get_lock_store(alias).acquire_many(tuple(sorted(keys)), owner, "web-5:42", 60).acquired
+    return owner
+
+
+@pytest.mark.parametrize("alias", store_params(["memory", "redis"]))
+def test_all_stores_page_shows_keys_held_together_as_one_holder(
+    alias: str, admin_client: Client
+) -> None:
+    key = key_of("together")
+    owner = _take_together(alias, (f"{key}:a", f"{key}:b"))
+    html = section(admin_client.get(STORES_PAGE, {"prefix": key}).content.decode(), alias)
+    get_lock_store(alias).release_many((f"{key}:a", f"{key}:b"), owner)
+    row_a = html[html.index(f'data-key="{key}:a"') : html.index(f'data-key="{key}:b"')]
+    assert f"held together with {key}:b" in row_a
+    assert f"held together with {key}:a" in html[html.index(f'data-key="{key}:b"') :]
+    assert owner not in html
+
+
+@pytest.mark.parametrize("alias", store_params(["memory", "postgres"]))
+def test_force_release_of_one_key_frees_every_key_held_with_it(
+    alias: str, admin_client: Client, released_signals: list[dict[str, Any]]
+) -> None:
+    key = key_of("together")
+    keys = (f"{key}:a", f"{key}:b", f"{key}:c")
+    _take_together(alias, keys)
+    fence = get_lock_store(alias).get(f"{key}:b").fence  # type: ignore[union-attr]
+
+    confirm = admin_client.get(RELEASE, {"store": alias, "key": f"{key}:b"}).content.decode()
+    assert f"held together with {key}:a + {key}:c" in confirm
+    assert "released too" in confirm
+    done = admin_client.post(
+        RELEASE, {"store": alias, "key": f"{key}:b", "fence": fence, "post": "yes"}, follow=True
+    )
+
+    html = done.content.decode()
+    assert f"with &#x27;{key}:a&#x27;, &#x27;{key}:c&#x27;" in html
+    assert all(get_lock_store(alias).get(each) is None for each in keys)
+    assert sorted(s["key"] for s in released_signals) == list(keys)
+    assert sorted(LogEntry.objects.filter(object_repr__startswith=key).values_list(
+        "object_repr", flat=True)) == list(keys)  # fmt: skip

@@ -92,6 +92,28 @@ def by_task_name(self: Task) -> str:
     return held.key
 
 
+@eager.task(bind=True)
+@locked_task(["acct:{target}", "acct:{source}"], store="memory", on_locked="skip")
+def transfer(self: Task, source: int, target: int) -> dict[str, Any]:
+    held = current_lock()
+    assert held is not None
+    return {"keys": list(held.keys), "fences": held.fences}
+
+
+def test_a_list_of_templates_takes_every_key_for_the_run_or_skips(key: str) -> None:
+    result = transfer.apply(args=(1, 2)).get()
+    assert result["keys"] == ["acct:1", "acct:2"] and set(result["fences"]) == set(result["keys"])
+    assert get_lock_store("memory").get("acct:1") is None
+    with lock("acct:2", store="memory"):
+        assert transfer.apply(args=(1, 2)).get() is None
+    assert get_lock_store("memory").get("acct:1") is None  # all or nothing
+
+
+def test_dedupe_with_a_list_of_templates_is_refused_naming_it() -> None:
+    with pytest.raises(TypeError, match="dedupe= takes one key template"):
+        locked_task(["a:{x}", "b:{x}"], dedupe="queued")
+
+
 def test_key_is_formatted_from_the_task_arguments_and_the_lock_is_released() -> None:
     result = skipping.apply(args=("a",), kwargs={"n": 7}).get()
     assert result["key"] == "job:a:7"
@@ -533,6 +555,22 @@ def test_50_duplicate_charges_for_5_invoices_charge_each_exactly_once(
     worked = {r["pid"] for r in results if r}
     assert len(worked) > 1, "only one worker process ran tasks"
     assert time.monotonic() - started < 45
+
+
+def test_transfers_under_a_list_of_templates_lose_no_write_and_never_deadlock(
+    worker: Worker, run: str
+) -> None:
+    """Both directions between two accounts at once (ABBA) across 4 worker processes."""
+    sent = [
+        tasks.transfer.delay(run, *((1, 2) if n % 2 else (2, 1)), amount=n) for n in range(1, 21)
+    ]
+    results = [result_of(result, 90) for result in sent]
+    client = tasks.provider()
+    balances = [int(client.get(tasks.balance_key(run, a)) or 0) for a in (1, 2)]
+    moved = sum(n if n % 2 else -n for n in range(1, 21))
+    assert balances == [-moved, moved]  # every transfer's two writes, none lost
+    assert all(set(r["fences"]) == {f"account:{run}:1", f"account:{run}:2"} for r in results)
+    assert len({r["pid"] for r in results}) > 1, "only one worker process ran transfers"
 
 
 def test_without_the_lock_the_same_duplicates_double_charge(worker: Worker, run: str) -> None:

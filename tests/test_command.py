@@ -482,3 +482,78 @@ def test_release_fence_frees_one_permit_and_release_yes_frees_every_holder(
     out = run("release", key, "--store", store_alias, "--yes")
     assert out.count("Released") == 2
     assert readers[0].holders() == []
+
+
+# -- several keys held together (a multi-key lock) ------------------------------------------
+def _take_together(store_alias: str, keys: tuple[str, ...], holder: str = "web-3:77") -> str:
+    """Take `keys` for one owner at once, as a multi-key lock does; its owner."""
+    owner = uuid.uuid4().hex
+    store = get_lock_store(store_alias)
+    assert store.acquire_many(tuple(sorted(keys)), owner, holder, 30).acquired
+    return owner
+
+
+@pytest.mark.parametrize("store_alias", ALL_STORES)
+def test_list_shows_keys_held_together_as_one_holder(store_alias: str, key: str) -> None:
+    owner = _take_together(store_alias, (f"{key}:b", f"{key}:a"))
+    alone = lock(f"{key}:c", store=store_alias)
+    assert alone.acquire()
+    try:
+        lines = run("list", "--store", store_alias, "--prefix", key).splitlines()
+    finally:
+        get_lock_store(store_alias).release_many((f"{key}:a", f"{key}:b"), owner)
+        alone.release()
+    assert [line.split()[-1] for line in lines[1:4]] == [f"{key}:a", f"{key}:b", f"{key}:c"]
+    assert lines[4] == f"Held together by web-3:77: {key}:a + {key}:b"
+    assert lines[5] == (
+        f"2 holders in store {store_alias!r} with prefix {key!r} (1 of them holds several keys)."
+    )
+    assert owner not in "\n".join(lines)
+
+
+@pytest.mark.parametrize("store_alias", store_params(["memory", "postgres", "redis"]))
+def test_show_names_the_keys_held_with_it(store_alias: str, key: str) -> None:
+    owner = _take_together(store_alias, (f"{key}:a", f"{key}:b", f"{key}:c"))
+    try:
+        text = run("show", f"{key}:b", "--store", store_alias)
+        data = json.loads(run("show", f"{key}:b", "--store", store_alias, "--json"))
+    finally:
+        get_lock_store(store_alias).release_many((f"{key}:a", f"{key}:b", f"{key}:c"), owner)
+    fields = {name: value.strip() for name, value in (line.split(":", 1) for line in
+                                                       text.splitlines())}  # fmt: skip
+    assert fields["with"] == f"{key}:a + {key}:c"
+    assert data["with"] == [f"{key}:a", f"{key}:c"]
+    assert data["holders"][0]["with"] == [f"{key}:a", f"{key}:c"]
+    assert owner not in text and owner not in json.dumps(data)
+
+
+def test_show_of_a_single_key_lock_names_no_other_key(key: str) -> None:
+    handle = lock(key, store="memory")
+    assert handle.acquire()
+    data = json.loads(run("show", key, "--store", "memory", "--json"))
+    assert "with" not in data and "with" not in run("show", key, "--store", "memory")
+    assert handle.release()
+
+
+@pytest.mark.parametrize("store_alias", store_params(["memory", "sqlite", "redis"]))
+def test_release_of_one_key_frees_every_key_of_its_holder(store_alias: str, key: str) -> None:
+    keys = (f"{key}:a", f"{key}:b")
+    _take_together(store_alias, keys)
+    out = run("release", f"{key}:a", "--store", store_alias, "--yes")
+    assert f"Released {key + ':a'!r}" in out and f"Released {key + ':b'!r}" in out
+    assert "held together" in out
+    for each in keys:
+        assert not lock(each, store=store_alias).is_locked()
+
+
+def test_release_asks_about_every_key_of_the_holder(
+    key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    owner = _take_together("memory", (f"{key}:a", f"{key}:b"))
+    asked: list[str] = []
+    monkeypatch.setattr("builtins.input", lambda question: asked.append(question) or "n")
+    error = fails("release", f"{key}:b", "--store", "memory")
+    assert error.returncode == 1
+    assert f"with {key}:a" in asked[0] and "released too" in asked[0]
+    assert lock(f"{key}:a", store="memory").is_locked()
+    get_lock_store("memory").release_many((f"{key}:a", f"{key}:b"), owner)

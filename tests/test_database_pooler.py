@@ -80,11 +80,11 @@ def one_server_connection() -> Iterator[PgBouncer]:
 def test_no_lock_operation_leaves_session_state_on_a_pooled_server_connection(
     one_server_connection: PgBouncer, pooled: PgBouncer, durable: bool, key: str
 ) -> None:
-    """Every kind of operation (exclusive, queued, shared, semaphore, reads, prune, a clean-up
-    round), then a second client on the same server connection finds nothing of ours: no SET
-    (DURABLE: False's synchronous_commit is each write's own), no prepared statement, no
-    LISTEN. Before pooler support, the first acquire failed on a prepared statement and the
-    connection set the session's isolation level."""
+    """Every kind of operation (exclusive, queued, shared, semaphore, multi-key, reads, prune,
+    a clean-up round), then a second client on the same server connection finds nothing of
+    ours: no SET (DURABLE: False's synchronous_commit is each write's own), no prepared
+    statement, no LISTEN. Before pooler support, the first acquire failed on a prepared
+    statement and the connection set the session's isolation level."""
     bouncer = one_server_connection
     alias = f"one-conn-{uuid.uuid4().hex[:6]}"
     connections.settings[alias] = bouncer.settings(connections.settings["postgres"])
@@ -105,6 +105,11 @@ def test_no_lock_operation_leaves_session_state_on_a_pooled_server_connection(
             assert store.extend_permit(f"{key}:s", owner, 40)
             assert store.holders(f"{key}:s")
             assert store.release_permit(f"{key}:s", owner)
+            keys = (f"{key}:m1", f"{key}:m2")
+            assert store.acquire_many(keys, owner, "a", 30).acquired
+            assert not store.acquire_many(keys, "other" + owner[5:], "b", 30).acquired
+            assert store.extend_many(keys, owner, 40)
+            assert store.release_many(keys, owner)
         store._sweep(store._sweeps)
         store._sweep(store._sweeps)
         store.prune()

@@ -363,3 +363,70 @@ def test_bad_auto_extend_and_max_hold_fail_at_decoration_naming_them(
 ) -> None:
     with pytest.raises(error, match=message):
         locked("k", **kwargs)
+
+
+# -- several keys at once: @locked([...]) ----------------------------------------------------
+@pytest.mark.parametrize("store_alias", store_params(["memory", "postgres", "redis"]))
+def test_a_list_of_templates_holds_every_key_they_name_during_the_call(
+    store_alias: str, key: str
+) -> None:
+    seen: list[Any] = []
+
+    @locked([key + ":{target}", key + ":{source}"], store=store_alias, ttl=60)
+    def transfer(source: int, target: int, amount: int) -> int:
+        seen.extend(lock(f"{key}:{n}", store=store_alias).is_locked() for n in (source, target))
+        seen.append(lock(f"{key}:{source}", store=store_alias).acquire())
+        return amount
+
+    assert transfer(1, 2, amount=5) == 5
+    assert seen == [True, True, False]
+    assert not lock(f"{key}:1", store=store_alias).is_locked()
+    assert not lock(f"{key}:2", store=store_alias).is_locked()
+
+
+def test_a_list_of_templates_raises_or_skips_when_one_key_is_held(key: str) -> None:
+    calls: list[int] = []
+
+    @locked([key + ":{a}", key + ":{b}"], store="memory")
+    def strict(a: int, b: int) -> None:
+        calls.append(1)
+
+    @locked([key + ":{a}", key + ":{b}"], store="memory", on_locked="skip")
+    def lenient(a: int, b: int) -> str:
+        calls.append(2)
+        return "ran"
+
+    other = lock(f"{key}:2", store="memory")
+    assert other.acquire()
+    with pytest.raises(LockUnavailable, match=f"{key}:1\\+{key}:2"):
+        strict(1, 2)
+    assert lenient(2, 1) is None and calls == []
+    assert other.release()
+    assert lenient(2, 1) == "ran"
+
+
+async def test_async_function_with_a_list_of_templates_holds_every_key(key: str) -> None:
+    @locked([key + ":{a}", key + ":{b}"], store="memory")
+    async def job(a: int, b: int) -> list[bool]:
+        await asyncio.sleep(0)
+        return [await lock(f"{key}:{n}", store="memory").ais_locked() for n in (a, b)]
+
+    assert await job(3, 4) == [True, True]
+    assert not await lock(f"{key}:3", store="memory").ais_locked()
+
+
+@pytest.mark.parametrize(
+    ("templates", "error", "message"),
+    [
+        ([], ValueError, "key must name at least one key template, got an empty list"),
+        (("a:{x}", 3), TypeError, r"key\[1\]: key must be a str template or a callable"),
+        (["a:{x}", "b:{nope}"], ValueError, r"names \{nope\}, which .*f does not take"),
+    ],
+)
+def test_a_bad_list_of_templates_fails_at_decoration_naming_it(
+    templates: Any, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+
+        @locked(templates, store="memory")
+        def f(x: int) -> None: ...

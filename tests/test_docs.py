@@ -221,6 +221,7 @@ def test_the_api_reference_shows_the_public_api_and_not_the_internal_hooks(
         "Lock.renewed",
         "Lock.renewal_lost",
         "Lock.extend_op",
+        "Lock.release_with",
         "LockStore.submit",
         "ensure_listener",
         "ListeningStore",

@@ -36,6 +36,11 @@ class Target:
     holder: str = "web-1"
     ttl: float = 30.0
     mode: Mode = EXCLUSIVE
+    many: bool = False
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return (self.key,)
 
 
 REFUSED = AcquireResult(None, retry_in=5.0, held_as="exclusive")

@@ -176,6 +176,32 @@ def test_a_member_cut_off_from_the_others_refuses_at_once_and_the_call_moves_on(
         store.close()
 
 
+def test_a_release_refused_by_a_member_without_a_leader_is_sent_to_the_next_member(
+    healthy: Cluster, key: str
+) -> None:
+    """A member without a leader refuses before it applies anything (`hasleader`), so even a
+    release, which is never sent twice once sent, moves on to the next member and frees the
+    lock there. The leaderless member is one of a second cluster, two of whose members are
+    stopped: this cluster keeps its quorum meanwhile."""
+    holder = _store(healthy.endpoints)
+    assert holder.acquire(key, "owner-a", "a", 30).acquired
+    with etcd_cluster() as other:
+        alone = next(m for m in other.members if m is not other.leader())
+        for member in other.members:
+            if member is not alone:
+                member.pause()
+        time.sleep(1.5)  # more than the election timeout: it knows it has no leader
+        store = _store([alone.url, *healthy.endpoints], timeout=3)
+        try:
+            assert store.release(key, "owner-a")
+        finally:
+            store.close()
+    try:
+        assert holder.get(key) is None
+    finally:
+        holder.close()
+
+
 def test_a_lock_survives_every_member_restarting(healthy: Cluster, key: str) -> None:
     store = _store(healthy.endpoints)
     try:

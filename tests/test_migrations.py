@@ -128,6 +128,9 @@ def test_sqlmigrate_prints_every_operation_of_every_migration_both_ways(server: 
     if connections[database].vendor == "postgresql":
         for function in PERMIT_FUNCTIONS:
             assert f"DROP FUNCTION IF EXISTS {function}(" in backwards["0003_permits"]
+        many = "django_keel_lock_acquire_many("
+        assert f"CREATE OR REPLACE FUNCTION {many}" in forwards["0008_acquire_many"]
+        assert f"DROP FUNCTION IF EXISTS {many}" in backwards["0008_acquire_many"]
 
 
 @pytest.mark.parametrize("server", store_params(DATABASE_STORES))
@@ -159,7 +162,7 @@ def test_sqlmigrate_output_applied_by_hand_builds_and_removes_what_migrate_does(
     else:
         assert built["sequences"] == ["django_keel_lock_fence"]
     if vendor == "postgresql":
-        assert built["functions"] == sorted(PERMIT_FUNCTIONS)
+        assert built["functions"] == sorted([*PERMIT_FUNCTIONS, "django_keel_lock_acquire_many"])
     if vendor == "mysql":
         for name in ("django_keel_lock_lock", "django_keel_lock_permit"):
             collations = {column: collation for column, _, collation in built[name]["columns"]}

@@ -182,6 +182,11 @@ class ImportView(View):
         return HttpResponse("imported")
 
 
+@lock_view(["account:<source>", "account:<destination>"], store="memory")
+def move_money(request: HttpRequest, source: int, target: int) -> HttpResponse:
+    return HttpResponse("moved")
+
+
 #: The URLconf of the E012 tests (ROOT_URLCONF="tests.test_mistakes").
 urlpatterns = [
     path("invoices/<int:pk>/charge", charge_invoice),
@@ -190,14 +195,15 @@ urlpatterns = [
     path("reports/daily/export", ExportView.as_view(), {"report": "daily"}),
     re_path(r"^imports/(?P<batch>[0-9]+)$", ImportView.as_view()),
     re_path(r"^imports/latest$", ImportView.as_view()),
+    path("moves/<int:source>/<int:target>", move_money),
 ]
 
 
 @override_settings(ROOT_URLCONF="tests.test_mistakes")
 def test_e012_lock_view_key_naming_a_kwarg_the_url_does_not_capture() -> None:
     found = check_view_keys()
-    assert [m.id for m in found] == ["django_keel_lock.E012"] * 3
-    charge, export, imports = found
+    assert [m.id for m in found] == ["django_keel_lock.E012"] * 4
+    charge, export, imports, move = found
     assert charge.msg == (
         "tests.test_mistakes.charge_invoice locks key 'invoice:<id>', but URL "
         "'invoices/<int:pk>/charge' has no kwarg <id> (its kwargs: <pk>): every request "
@@ -211,6 +217,8 @@ def test_e012_lock_view_key_naming_a_kwarg_the_url_does_not_capture() -> None:
         "URL 'reports/<str:name>/export' has no kwarg <report> (its kwargs: <name>)" in export.msg
     )
     assert "URL '^imports/latest$' has no kwarg <batch> (its kwargs: none)" in imports.msg
+    # A list of templates (several keys at once): each template's <name>s.
+    assert "has no kwarg <destination> (its kwargs: <source>, <target>)" in move.msg
     # What it saves the user from: the request fails only when it comes.
     response = Client(raise_request_exception=False).get("/invoices/7/charge")
     assert response.status_code == 500

@@ -5,6 +5,7 @@ the test's own (tests/support/redis_servers.py); the replica is stopped with SIG
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import time
@@ -17,6 +18,8 @@ from django.core.exceptions import ImproperlyConfigured
 from django_keel_lock import LockStoreUnavailable, lock, set_lock_store
 from django_keel_lock.stores import RedisLockStore
 from django_keel_lock.stores.base import semaphore_mode
+from django_keel_lock.stores.redis.results import RedisResults
+from django_keel_lock.stores.results import StoredResult
 from tests.support.redis_servers import RedisServer, wait_for
 
 #: The test settings' cache shares the URL's database: not what these tests are about.
@@ -172,3 +175,39 @@ def test_min_replicas_with_cluster_is_check_e014() -> None:
     options = {"URL": "redis://127.0.0.1:7000/0", "CLUSTER": True, "MIN_REPLICAS": 1}
     (message,) = [m for m in RedisLockStore.check_config("locks", options) if m.id != W005]
     assert message.id == "django_keel_lock.E014" and "with CLUSTER" in message.msg
+
+
+def test_an_idempotent_result_is_written_with_wait_and_one_short_of_replicas_is_warned_of(
+    primary: tuple[RedisServer, RedisServer], key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A result write (and the release it comes with) waits for MIN_REPLICAS as an acquire
+    does: once it returns, the replica has the result. Short of acknowledgements, the result
+    stays kept on the primary and the lock released (the request has answered), and a
+    WARNING says a failover may lose it (a retry would then run again)."""
+    main, copy = primary
+    store = _store(main.url, 1)
+    results = RedisResults(store)
+    try:
+        fence = store.acquire(key, "owner-a", "a", 30).fence
+        assert fence is not None
+        kept = StoredResult(key, "fp", fence, 201, b"paid")
+        assert results.save_releasing(key, "owner-a", fence, kept, 60, store.release) == (
+            True,
+            True,
+        )
+        assert copy.cli("hget", f"{store._names(key)[0]}:result", "s").strip() == "201"
+        assert "MIN_REPLICAS" not in caplog.text
+        fence = store.acquire(key, "owner-b", "b", 30).fence
+        assert fence is not None
+        with stopped(copy), caplog.at_level(logging.WARNING, "django_keel_lock"):
+            again = StoredResult(key, "fp", fence, 202, b"again")
+            assert results.save_releasing(key, "owner-b", fence, again, 60, store.release) == (
+                True,
+                True,
+            )
+        assert "fewer than the 1 replicas of MIN_REPLICAS acknowledged it" in caplog.text
+        assert store.get(key) is None  # released all the same
+        found = results.get(key)
+        assert found is not None and found.status == 202
+    finally:
+        store.close()

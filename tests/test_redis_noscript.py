@@ -114,3 +114,24 @@ async def test_async_scripts_on_worker_threads_are_reloaded(
     assert info is not None and info.owner == "a" * 32
     assert await client_store.arelease(key, "a" * 32)
     assert await client_store.aget(key) is None
+
+
+@pytest.mark.parametrize("which", ["url_store", "client_store"])
+async def test_multi_key_scripts_are_reloaded_sync_and_async(
+    raw: redis.Redis[bytes], which: str, request: pytest.FixtureRequest, key: str
+) -> None:
+    store: RedisLockStore = request.getfixturevalue(which)
+    keys, owner = (f"{key}:1", f"{key}:2"), "a" * 32
+    assert store.acquire_many(keys, owner, "h", 5).acquired
+    assert all_loaded(raw)
+    raw.script_flush()
+    assert store.extend_many(keys, owner, 5)
+    raw.script_flush()
+    assert store.release_many(keys, owner)
+    raw.script_flush()
+    assert (await store.aacquire_many(keys, owner, "h", 5)).acquired
+    raw.script_flush()
+    assert await store.aextend_many(keys, owner, 5)
+    raw.script_flush()
+    assert await store.arelease_many(keys, owner)
+    assert all_loaded(raw)

@@ -302,6 +302,22 @@ async def test_sentinel_async_methods_use_an_async_sentinel_client(
     assert await store.arelease(key, "a" * 32)
 
 
+async def test_sentinel_multi_key_locks_are_one_script_on_the_master(
+    sentinel: SentinelSetup, sentinel_alias: str, key: str
+) -> None:
+    store = get_lock_store(sentinel_alias)
+    assert isinstance(store, RedisLockStore) and store.atomic_many
+    keys, owner = (f"{key}:1", f"{key}:2"), "a" * 32
+    assert store.acquire_many(keys, owner, "h", 30).fences is not None
+    for each in keys:
+        assert owner in sentinel.master.cli("hget", store.lock_name(each), "o")
+    assert (await store.aacquire_many(keys, "b" * 32, "h", 30)).blocked == keys
+    assert await store.aextend_many(keys, owner, 30)
+    assert store.release_many(keys, owner)
+    assert (await store.aacquire_many(keys, "b" * 32, "h", 30)).fences is not None
+    assert await store.arelease_many(keys, "b" * 32)
+
+
 def test_sentinel_reconnect_behind_a_frozen_sentinel_gives_up_within_socket_timeout(
     key: str,
 ) -> None:

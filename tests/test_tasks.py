@@ -88,6 +88,30 @@ def immediate_deduped(name: str) -> str:
     return f"ran {name}"
 
 
+@locked_task(["djtasks-acct:{target}", "djtasks-acct:{source}"], store="memory")
+@task
+def transfer(source: int, target: int) -> dict[str, Any]:
+    held = current_lock()
+    assert held is not None
+    return {"keys": list(held.keys), "fences": held.fences}
+
+
+def test_a_list_of_templates_takes_every_key_for_the_run_or_skips() -> None:
+    ran = transfer.enqueue(1, 2).return_value
+    assert ran["keys"] == ["djtasks-acct:1", "djtasks-acct:2"]
+    assert set(ran["fences"]) == set(ran["keys"])
+    assert get_lock_store("memory").get("djtasks-acct:1") is None
+    with lock("djtasks-acct:1", store="memory"):
+        result = transfer.enqueue(1, 2)
+    assert result.status == TaskResultStatus.SUCCESSFUL and result.return_value is None
+    assert get_lock_store("memory").get("djtasks-acct:2") is None  # all or nothing
+
+
+def test_dedupe_with_a_list_of_templates_is_refused_naming_it() -> None:
+    with pytest.raises(TypeError, match="dedupe= takes one key template"):
+        locked_task(["a:{x}", "b:{x}"], dedupe="queued")
+
+
 def test_key_is_formatted_from_the_enqueued_arguments_and_the_lock_is_released() -> None:
     result = immediate.enqueue("a", n=7)
     assert result.status == TaskResultStatus.SUCCESSFUL

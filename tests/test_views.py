@@ -521,3 +521,62 @@ def test_a_url_key_with_control_characters_is_a_bad_request_not_a_lock(
     assert response.status_code == 400
     assert "slow" not in views.CALLS
     assert not list(get_lock_store("memory").iter_locks(key))
+
+
+# -- several keys at once: @lock_view([...]) ---------------------------------------------------
+@pytest.mark.parametrize(
+    ("url", "prefix"),
+    [("/views/transfer", "account"), ("/views/mixin-transfer", "maccount")],
+    ids=["lock_view", "mixin"],
+)
+def test_a_list_of_templates_locks_every_key_of_the_request(
+    client: Client, url: str, prefix: str
+) -> None:
+    source, target = random.randrange(10**9), random.randrange(10**9)
+    held = hold(f"{prefix}:{target}")
+    try:
+        response = client.get(f"{url}/{source}/{target}/", headers=JSON)
+    finally:
+        held.release()
+    assert response.status_code == 409
+    assert response.json()["key"] == "+".join(sorted([f"{prefix}:{source}",
+                                                       f"{prefix}:{target}"]))  # fmt: skip
+    assert is_free(f"{prefix}:{source}")  # all or nothing: the free one was not kept
+    response = client.get(f"{url}/{source}/{target}/")
+    assert response.status_code == 200
+    assert response.json()["keys"] == "+".join(sorted([f"{prefix}:{source}",
+                                                       f"{prefix}:{target}"]))  # fmt: skip
+    assert is_free(f"{prefix}:{source}") and is_free(f"{prefix}:{target}")
+
+
+def test_a_view_reads_a_fence_per_key(client: Client) -> None:
+    source, target = random.randrange(10**9), random.randrange(10**9)
+    listed = client.get(f"/views/transfer/{source}/{target}/").json()["fences"]
+    fences = dict(each.split("=") for each in listed.split(","))
+    assert set(fences) == {f"account:{source}", f"account:{target}"}
+    assert all(int(fence) > 0 for fence in fences.values())
+
+
+async def test_an_async_view_with_a_list_of_templates(async_client: AsyncClient) -> None:
+    source, target = random.randrange(10**9), random.randrange(10**9)
+    held = await sync_to_async(hold)(f"aaccount:{source}")
+    response = await async_client.get(f"/views/async-transfer/{source}/{target}/")
+    assert response.status_code == 409
+    await held.arelease()
+    response = await async_client.get(f"/views/async-transfer/{source}/{target}/")
+    assert response.status_code == 200 and views.CALLS == ["atransfer"]
+
+
+@pytest.mark.parametrize(
+    ("key", "error", "message"),
+    [
+        ([], ValueError, "lock key must name at least one key template"),
+        (["a:<pk>", 3], TypeError, r"lock key\[1\] must be a str template"),
+        (["a:<pk>", "b<"], ImproperlyConfigured, "placeholder"),
+    ],
+)
+def test_a_bad_list_of_view_templates_fails_at_decoration(
+    key: Any, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        lock_view(key)

@@ -44,9 +44,10 @@ except ImportError as exc:  # pragma: no cover - exercised by a subprocess test
         "django_keel_lock.contrib.celery needs Celery: pip install 'django-keel-lock[celery]'"
     ) from exc
 
+from .. import keyed
 from ..core import Lock, force_release, restore_lock
 from ..exceptions import AlreadyQueued, InvalidLockToken
-from ..options import RAISE, SKIP, KeyTemplate, check_key_fields, default_name, format_key
+from ..options import RAISE, SKIP, KeyTemplate, format_key
 from ..stores.base import LockInfo
 from .common import (
     CLAIM_SUFFIX,
@@ -88,7 +89,7 @@ _claim: contextvars.ContextVar[Lock | None] = contextvars.ContextVar(
 
 
 def locked_task(
-    key: KeyTemplate, **options: Unpack[TaskArgs]
+    key: keyed.KeyTemplates, **options: Unpack[TaskArgs]
 ) -> Callable[[Callable[P, R]], Callable[P, R | None]]:
     """Run the task body only while holding the lock `key` (formatted from the task's
     arguments, `self` included for bound tasks); put it *under* `@shared_task`.
@@ -123,20 +124,30 @@ def locked_task(
     message. With `limit=N`, at most N are queued (or running) at once.
     """
     # Fail where the task is defined, not in the worker on its first run.
-    default_name(options, key)
+    keyed.check_templates(key)
+    keyed.name_templates(options, key)
     parsed = TaskOptions.parse(**options)
+    if parsed.dedupe is not None and isinstance(key, list | tuple):
+        raise TypeError(
+            "dedupe= takes one key template (the claim of a queued task is one key), got a "
+            "list: drop dedupe=, or dedupe on one key that stands for the group"
+        )
 
     def decorate(fn: Callable[P, R]) -> Callable[P, R | None]:
         wrapper = _wrap(fn, key, parsed)
-        check_key_fields(key, fn)  # after _wrap refused a task object (its signature evaluates it)
+        # After _wrap refused a task object (its signature evaluates it).
+        keyed.check_fields(key, fn)
         if parsed.dedupe is None:
             return wrapper
-        return cast(Callable[P, R | None], _DedupedBody(wrapper, _Dedupe(parsed, key, fn)))
+        single = cast(KeyTemplate, key)
+        return cast(Callable[P, R | None], _DedupedBody(wrapper, _Dedupe(parsed, single, fn)))
 
     return decorate
 
 
-def _wrap(fn: Callable[P, R], key: KeyTemplate, options: TaskOptions) -> Callable[P, R | None]:
+def _wrap(
+    fn: Callable[P, R], key: keyed.KeyTemplates, options: TaskOptions
+) -> Callable[P, R | None]:
     """The task body `fn` run under a lock on `key` made as `options` say for each run; with
     `dedupe`, it also ends the claim its message brought (see `_Dedupe`)."""
     spec, dedupe = options.spec, options.dedupe
@@ -153,8 +164,9 @@ def _wrap(fn: Callable[P, R], key: KeyTemplate, options: TaskOptions) -> Callabl
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R | None:
         task = _running_task(args)
-        handle = spec.lock(
-            format_key(key, fn, args, kwargs),
+        handle = keyed.handle_for(
+            spec,
+            keyed.format_keys(key, fn, args, kwargs),
             label=_task_label(task),
             raises=options.on_locked == RAISE or task is None,
         )

@@ -188,13 +188,15 @@ def claimant(holder: str, task: str) -> str | None:
 
 def log_skipped(logger: logging.Logger, label: str, handle: Lock) -> None:
     """Say at INFO that the run `label` was skipped and who holds `handle`'s key."""
-    info = handle.info()
-    logger.info(
-        "skipped %s: %s is held by %s",
-        label,
-        handle.describe(),
-        f"{info.holder} (fence {info.fence}, {info.expires_in:.1f}s left)" if info else "?",
+    found = handle.info()  # a multi-key lock's: each key's holder, or None where free
+    many = isinstance(found, dict)
+    infos = list(found.values()) if isinstance(found, dict) else [found]
+    held_by = "; ".join(
+        f"{f'{i.key}: ' if many else ''}{i.holder} (fence {i.fence}, {i.expires_in:.1f}s left)"
+        for i in infos
+        if i is not None
     )
+    logger.info("skipped %s: %s is held by %s", label, handle.describe(), held_by or "?")
 
 
 def take_claim(claim: Lock, task: str) -> LockInfo | None:

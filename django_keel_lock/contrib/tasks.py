@@ -37,7 +37,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any, Generic, ParamSpec, TypeVar, Unpack
+from typing import Any, Generic, ParamSpec, TypeVar, Unpack, cast
 
 from asgiref.sync import iscoroutinefunction, sync_to_async
 from django.utils import timezone
@@ -61,11 +61,10 @@ except ImportError:  # Django 5.2: the backport
             "the django-tasks backport: pip install 'django-keel-lock[tasks]'"
         ) from exc
 
-from .. import tokens
+from .. import keyed, tokens
 from ..core import Lock, lock, restore_lock
 from ..exceptions import AlreadyQueued
-from ..options import RAISE, RETRY, SKIP, KeyTemplate, check_key_fields, default_name
-from ..options import format_key as _format_key
+from ..options import RAISE, RETRY, SKIP
 from ..stores.base import LockInfo
 from .common import (
     CLAIM_SUFFIX,
@@ -110,7 +109,7 @@ R = TypeVar("R")
 
 
 def locked_task(
-    key: KeyTemplate, *, max_retries: int | None = 3, **options: Unpack[TaskArgs]
+    key: keyed.KeyTemplates, *, max_retries: int | None = 3, **options: Unpack[TaskArgs]
 ) -> Callable[[Task[P, R]], LockedTask[P, R | None]]:
     """Run the task only while holding the lock `key` (formatted from the arguments the task
     was enqueued with); put it *above* `@task`. It takes the options of the Celery version
@@ -135,8 +134,14 @@ def locked_task(
     enqueue, each retry and the start of an "until_done" run. A task retried by
     `on_locked="retry"` stays the queued one: a duplicate gets the retry's TaskResult.
     """
-    default_name(options, key)
+    keyed.check_templates(key)
+    keyed.name_templates(options, key)
     parsed = TaskOptions.parse(**options)
+    if parsed.dedupe is not None and isinstance(key, list | tuple):
+        raise TypeError(
+            "dedupe= takes one key template (the claim of a queued task is one key), got a "
+            "list: drop dedupe=, or dedupe on one key that stands for the group"
+        )
     if max_retries is not None and (
         not isinstance(max_retries, int) or isinstance(max_retries, bool) or max_retries < 0
     ):
@@ -152,7 +157,7 @@ def locked_task(
             )
         if iscoroutinefunction(task.func):
             raise TypeError(f"locked_task does not lock async tasks yet ({task.module_path})")
-        check_key_fields(key, task.func)
+        keyed.check_fields(key, task.func)
         locking = _Locking(parsed, key, task.func, task.takes_context, max_retries)
         fields = {f.name: getattr(task, f.name) for f in dataclasses.fields(task) if f.init}
         # Every run gets the TaskContext: its TaskResult names the run (the holder, the claim)
@@ -197,16 +202,17 @@ class _Locking:
     """How one locked task takes its locks: the run lock in the worker, the claim at enqueue."""
 
     options: TaskOptions
-    key: KeyTemplate
+    key: keyed.KeyTemplates
     fn: Callable[..., Any]
     takes_context: bool
     max_retries: int | None
 
-    def format_key(self, args: Any, kwargs: dict[str, Any]) -> str:
-        """The run lock's key for a task enqueued with `args` and `kwargs`. A function that
-        takes the context gets None for it: the key is made before there is one."""
+    def format_key(self, args: Any, kwargs: dict[str, Any]) -> str | list[str]:
+        """The run lock's key (keys, for a list of templates) for a task enqueued with
+        `args` and `kwargs`. A function that takes the context gets None for it: the key is
+        made before there is one. With `dedupe` (one template) it is one key."""
         call_args = (None, *args) if self.takes_context else tuple(args)
-        return _format_key(self.key, self.fn, call_args, kwargs)
+        return keyed.format_keys(self.key, self.fn, call_args, kwargs)
 
     def wrap(self) -> Callable[..., Any]:
         """The function a LockedTask runs: `fn` under the run lock, called with the context
@@ -241,9 +247,10 @@ class _Locking:
         task = result.task
         label = claim_holder(task.module_path, result.id)
         key = self.format_key(args, kwargs)
-        handle = self.options.spec.lock(key, label=label, raises=self.options.on_locked == RAISE)
+        raises = self.options.on_locked == RAISE
+        handle = keyed.handle_for(self.options.spec, key, label=label, raises=raises)
         dedupe = self.options.dedupe
-        claim = self.find_claim(key, label) if dedupe is not None else None
+        claim = self.find_claim(handle.key, label) if dedupe is not None else None
 
         def body() -> Any:
             if claim is not None:
@@ -391,7 +398,7 @@ class _Locking:
     ) -> TaskResult[Any, Any]:
         """`task.enqueue(*args, **kwargs)`, unless the key's claim is taken: then the
         TaskResult of the task holding it (or AlreadyQueued), and nothing is enqueued."""
-        key = self.format_key(args, kwargs)
+        key = cast(str, self.format_key(args, kwargs))  # dedupe takes one template
         limit = self.options.spec.mode.limit
         with self.gated(key) as claims:
             probe = self.options.claim(key, "?")

@@ -23,7 +23,7 @@ from ..durations import Duration
 from ..exceptions import LockStoreUnavailable
 from ..options import LockSpec, check_key_fields, format_key, ttl_seconds
 from ..stores.results import StoredResult
-from .storage import after_commit, result_store_for
+from .storage import after_commit, keep_releasing, result_store_for, take_kept
 
 F = TypeVar("F", bound=Callable[..., Any])
 logger = logging.getLogger("django_keel_lock")
@@ -62,9 +62,8 @@ class _Once:
                 raise handle.unavailable("not run, another call of it is running: ")
             return False, json.loads(found.data)
         try:
-            found = results.get(handle.key)
+            found = take_kept(handle, results)  # and released with it when there is one
             if found is not None:
-                handle.release()
                 return False, json.loads(found.data)
             value = fn()
             data = _dumps(key, value)
@@ -79,11 +78,11 @@ class _Once:
             # `fn` has run: a store gone now must not hide its result from the caller (a task
             # would be retried, and run again). Said in a WARNING instead.
             try:
-                if not results.save(handle.key, owner, fence, kept, self.ttl):
+                if not keep_releasing(handle, results, kept, self.ttl):
                     logger.warning("run_once %r: the lock was lost while it ran; not kept", key)
             except LockStoreUnavailable as exc:
                 logger.warning("run_once %r: its result is not kept: %s", key, exc)
-            try:
+            try:  # when keeping it did not: the store failed (nothing if released)
                 handle.release()
             except LockStoreUnavailable as exc:
                 logger.warning("run_once %r: its lock frees itself within its ttl: %s", key, exc)

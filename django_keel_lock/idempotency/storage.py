@@ -1,5 +1,6 @@
-"""Which `ResultStore` keeps the idempotent results of a lock store, and running a step once
-the caller's transactions have committed."""
+"""Which `ResultStore` keeps the idempotent results of a lock store, reading and keeping a
+result in the operation that releases the key's lock, and running a step once the caller's
+transactions have committed."""
 
 from __future__ import annotations
 
@@ -7,13 +8,17 @@ import threading
 import weakref
 from collections.abc import Callable
 from functools import partial
+from typing import TYPE_CHECKING
 
 from django.db import connections, transaction
 
 from ..exceptions import LockStoreMisconfigured
 from ..registry import get_lock_store
 from ..stores.base import LockStore
-from ..stores.results import ResultStore
+from ..stores.results import ResultStore, StoredResult
+
+if TYPE_CHECKING:
+    from ..core import Lock
 
 _cache: weakref.WeakKeyDictionary[LockStore, ResultStore] = weakref.WeakKeyDictionary()
 _mutex = threading.Lock()
@@ -61,6 +66,37 @@ def _make(store: LockStore) -> ResultStore:
         f"give the class a method result_store(self) returning a "
         f"django_keel_lock.stores.results.ResultStore, or use a database, Redis or memory store"
     )
+
+
+def take_kept(handle: Lock, results: ResultStore) -> StoredResult | None:
+    """The result kept under the key `handle` holds, or None (the lock still held); when there
+    is one, the store operation that read it released the lock too, and the handle ends as a
+    release leaves it (`ResultStore.get_releasing`, `Lock.release_with`)."""
+    found: list[StoredResult | None] = [None]
+
+    def get(key: str, owner: str) -> bool | None:
+        found[0], released = results.get_releasing(key, owner, handle.store.release)
+        return released
+
+    handle.release_with(get)
+    return found[0]
+
+
+def keep_releasing(handle: Lock, results: ResultStore, result: StoredResult, ttl: float) -> bool:
+    """Keep `result` for `ttl` seconds, fenced by the acquisition `handle` holds, and release
+    it by the same store operation (`ResultStore.save_releasing`); whether it was kept."""
+    fence, kept = handle.fence, [False]
+    if fence is None:
+        return False
+
+    def save(key: str, owner: str) -> bool:
+        kept[0], released = results.save_releasing(
+            key, owner, fence, result, ttl, handle.store.release
+        )
+        return released
+
+    handle.release_with(save)
+    return kept[0]
 
 
 def after_commit(step: Callable[[], None]) -> bool:

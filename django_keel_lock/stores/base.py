@@ -11,7 +11,7 @@ import contextvars
 import os
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
@@ -309,6 +309,12 @@ class LockStore(ABC):
         """Context manager yielding a `Waiter` for `key`. Stores with a cross-process listener
         start it here."""
         return self.wake_board.watch(key)
+
+    def watch_many(self, keys: Iterable[str], callback: Callable[[str], None]) -> Any:
+        """Context manager: `callback(key)` (from any thread) on each release of any of `keys`
+        while it lasts (async waiters, multi-key waiters). Stores with a cross-process
+        listener start it here, as `watch` does."""
+        return self.wake_board.watch_many(keys, callback)
 
     def close(self) -> None:
         """Release connections and stop listeners; the store may be used again afterwards."""

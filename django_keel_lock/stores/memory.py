@@ -123,6 +123,58 @@ class MemoryLockStore(LockStore):
             entry.expires_at = max(entry.expires_at, now + ttl)
             return True
 
+    # -- several keys at once -------------------------------------------------------------
+    atomic_many = True  # under the one mutex
+
+    def acquire_many(
+        self, keys: tuple[str, ...], owner: str, holder: str, ttl: float
+    ) -> AcquireResult:
+        now = time.monotonic()
+        with self._mutex:
+            locks = self._locks
+            held = [(k, e) for k in keys if (e := locks.get(k)) is not None and e.expires_at > now]
+            blocked = [(k, e) for k, e in held if e.owner != owner]
+            if blocked:
+                kind = PERMIT_OWNERS.get(blocked[0][1].owner, "exclusive")
+                retry_in = min(e.expires_at for _, e in blocked) - now
+                return AcquireResult(None, retry_in, kind, None, tuple(k for k, _ in blocked))
+            fences = tuple(
+                self._taken(key, locks.get(key), owner, holder, ttl, now) for key in keys
+            )
+        return AcquireResult(max(fences), None, None, fences)
+
+    def _taken(
+        self, key: str, entry: _Entry | None, owner: str, holder: str, ttl: float, now: float
+    ) -> int:
+        """`_take`'s fence."""
+        fence = self._take(key, entry, owner, holder, ttl, now).fence
+        assert fence is not None
+        return fence
+
+    def release_many(self, keys: tuple[str, ...], owner: str) -> bool:
+        now = time.monotonic()
+        with self._mutex:
+            mine = [k for k in keys if self._owns(k, owner, now)]
+            for key in mine:
+                del self._locks[key]
+        for key in mine:
+            self.wake_board.wake(key)
+        return len(mine) == len(keys)
+
+    def extend_many(self, keys: tuple[str, ...], owner: str, ttl: float) -> bool:
+        now = time.monotonic()
+        with self._mutex:
+            mine = [k for k in keys if self._owns(k, owner, now)]
+            for key in mine:
+                entry = self._locks[key]
+                entry.expires_at = max(entry.expires_at, now + ttl)
+        return len(mine) == len(keys)
+
+    def _owns(self, key: str, owner: str, now: float) -> bool:
+        """Whether `owner` holds `key`'s lock, alive (under the mutex)."""
+        entry = self._locks.get(key)
+        return entry is not None and entry.owner == owner and entry.expires_at > now
+
     # -- permits --------------------------------------------------------------------------
     supports_modes = True
 

@@ -9,8 +9,9 @@ import secrets
 import select
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 logger = logging.getLogger("django_keel_lock")
@@ -42,6 +43,35 @@ class Waiter:
         woken = generation != self._seen
         self._seen = generation
         return woken
+
+
+class AnyWaiter:
+    """A `Waiter` over several keys (a multi-key lock's): it hears the releases of each of
+    them through the board's callbacks (`WakeBoard.watch_many`), registered before an
+    attempt, and remembers which keys they were until its next wait ends."""
+
+    __slots__ = ("_cond", "_woken")
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._woken: set[str] = set()
+
+    def wake(self, key: str) -> None:
+        """A release of `key` was announced (called from any thread)."""
+        with self._cond:
+            self._woken.add(key)
+            self._cond.notify_all()
+
+    def wait(self, timeout: float, keys: Iterable[str] = ()) -> bool:
+        """Block up to `timeout` seconds, until a release of one of `keys` (any key: none
+        given) is announced or was since the last wait; True if one was."""
+        wanted = set(keys)
+        with self._cond:
+            woken = self._cond.wait_for(
+                lambda: bool(self._woken & wanted if wanted else self._woken), timeout
+            )
+            self._woken.clear()
+            return woken
 
 
 class _Slot:
@@ -110,6 +140,18 @@ class WakeBoard:
     def remove_callback(self, token: Any) -> None:
         key, slot, callback = token
         self._leave(key, slot, callback)
+
+    @contextmanager
+    def watch_many(self, keys: Iterable[str], callback: Callable[[str], None]) -> Iterator[None]:
+        """Call `callback(key)` (from any thread) on each wake of any of `keys` in the block."""
+        tokens = []
+        try:
+            for key in keys:
+                tokens.append(self.add_callback(key, partial(callback, key)))
+            yield
+        finally:
+            for token in tokens:
+                self.remove_callback(token)
 
     def watched_keys(self) -> list[str]:
         with self._mutex:
@@ -393,6 +435,11 @@ class ListeningStore:
         if self._listens():
             self.ensure_listener()
         return self.wake_board.watch(key)
+
+    def watch_many(self, keys: Iterable[str], callback: Callable[[str], None]) -> Any:
+        if self._listens():
+            self.ensure_listener()
+        return self.wake_board.watch_many(keys, callback)
 
     def ensure_listener(self) -> None:
         """Start this process's listener unless one runs (a forked child starts its own)."""

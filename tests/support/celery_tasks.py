@@ -148,3 +148,23 @@ def dedupe_or_raise(self: Task, run: str) -> dict[str, Any]:
 def dedupe_until_done(self: Task, run: str) -> dict[str, Any]:
     """Its claim (dedupe_ttl = its ttl, 6 s from the start) lasts while it runs."""
     return _record_and_wait(self, run)
+
+
+def balance_key(run: str, account: int) -> str:
+    return f"keel-lock-test:{run}:balance:{account}"
+
+
+@shared_task(bind=True)
+@locked_task(["account:{run}:{source}", "account:{run}:{target}"], ttl=30, timeout=30,
+             on_locked="raise", store=STORE)  # fmt: skip
+def transfer(self: Task, run: str, source: int, target: int, amount: int) -> dict[str, Any]:
+    """Move `amount` by a non-atomic read, sleep, write of both balances: two runs on one
+    account at once would lose one's write."""
+    held = current_lock()
+    assert held is not None
+    client = provider()
+    balances = [int(client.get(balance_key(run, a)) or 0) for a in (source, target)]
+    time.sleep(0.02)
+    client.set(balance_key(run, source), balances[0] - amount)
+    client.set(balance_key(run, target), balances[1] + amount)
+    return {"pid": os.getpid(), "fences": held.fences}

@@ -367,6 +367,8 @@ class FaultyProxy:
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port
         self.mode = "pass"
+        self.trips = 0  # round trips: requests sent after a reply (or first), on any connection
+        self._replied = True
         self._listener = socket.socket()
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind(("127.0.0.1", 0))
@@ -403,6 +405,9 @@ class FaultyProxy:
                 data = source.recv(65536)
                 if not data:
                     break
+                with self._mutex:
+                    self.trips += self._replied and not reply
+                    self._replied = reply
                 while self.mode == "stall" and not self._closing.is_set():
                     time.sleep(0.01)
                 if reply and self.mode in ("drop_replies", "drop_one_reply"):

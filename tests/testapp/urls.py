@@ -25,4 +25,7 @@ urlpatterns = [
     path("async-decorated/<path:key>/", views.AsyncDecoratedView.as_view()),
     path("boom/<path:key>/", views.boom),
     path("async-boom/<path:key>/", views.aboom),
+    path("transfer/<int:source>/<int:target>/", views.transfer),
+    path("async-transfer/<int:source>/<int:target>/", views.atransfer),
+    path("mixin-transfer/<int:source>/<int:target>/", views.MixinTransferView.as_view()),
 ]

@@ -211,3 +211,29 @@ def boom(request: HttpRequest, key: str) -> HttpResponse:
 async def aboom(request: HttpRequest, key: str) -> HttpResponse:
     CALLS.append("aboom")
     raise Boom(key)
+
+
+# Several keys at once: a list of templates.
+@lock_view(["account:<source>", "account:<target>"], store="memory", ttl=60)
+def transfer(request: HttpRequest, source: int, target: int) -> HttpResponse:
+    handle = request.keel_lock  # type: ignore[attr-defined]
+    fences = {key: handle.fences[key] for key in handle.keys}
+    return _ran("transfer", keys="+".join(handle.keys), fences=json_fences(fences))
+
+
+@lock_view(["aaccount:<source>", "aaccount:<target>"], store="memory", ttl=60)
+async def atransfer(request: HttpRequest, source: int, target: int) -> HttpResponse:
+    await asyncio.sleep(0)
+    return _ran("atransfer", keys="+".join(request.keel_lock.keys))  # type: ignore[attr-defined]
+
+
+class MixinTransferView(LockViewMixin, View):
+    lock_key = ("maccount:<source>", "maccount:<target>")
+    lock_store = "memory"
+
+    def get(self, request: HttpRequest, source: int, target: int) -> HttpResponse:
+        return _ran("mixin_transfer", keys="+".join(request.keel_lock.keys))  # type: ignore[attr-defined]
+
+
+def json_fences(fences: dict[str, int]) -> str:
+    return ",".join(f"{key}={fence}" for key, fence in fences.items())

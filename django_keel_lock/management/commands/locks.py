@@ -20,8 +20,11 @@ misconfigured store alias; 3 the store could not be reached (the state of the lo
 `list` streams: rows are printed as the store yields them (page by page for the database store),
 the column widths set by the first rows (WIDTH_SAMPLE), so the table never needs every row in
 memory; nothing is cut. A key held by a semaphore or shared lock has a row per holder (each
-permit), with its MODE. Django's common options (--settings, --traceback, -v, ...) are taken
-after the action too.
+permit), with its MODE. Keys held together (a multi-key lock: one owner on several keys) are
+one holder: `list` names each such holder's keys after the table (and counts it once), `show`
+names the keys held with the one shown, and `release` frees every key of its holder (releasing
+one of them loses the holder its lock anyway). Django's common options (--settings,
+--traceback, -v, ...) are taken after the action too.
 
 Owner tokens are never printed unless `show --show-owner` asks: the token is what a store checks
 before it releases or extends a lock for its holder, so it stays out of terminals, logs and
@@ -47,6 +50,7 @@ from ...exceptions import LockStoreUnavailable
 from ...options import printable, validate_key
 from ...registry import get_lock_store
 from ...stores.base import LockInfo, LockStore
+from ...together import OwnerDigests, held_together, held_with, keys_with
 from .. import results, running
 
 EXIT_NOT_HELD = 1
@@ -83,7 +87,9 @@ def format_expires(seconds: float) -> str:
     return f"{seconds:.1f}s"
 
 
-def info_dict(info: LockInfo, *, owner: bool = False) -> dict[str, Any]:
+def info_dict(
+    info: LockInfo, *, owner: bool = False, together: tuple[str, ...] = ()
+) -> dict[str, Any]:
     data: dict[str, Any] = {
         "key": info.key,
         "mode": info.mode,
@@ -94,6 +100,8 @@ def info_dict(info: LockInfo, *, owner: bool = False) -> dict[str, Any]:
     }
     if owner:
         data["owner"] = info.owner
+    if together:
+        data["with"] = list(together)
     return data
 
 
@@ -131,7 +139,8 @@ def list_lines(store: LockStore, prefix: str = "", as_json: bool = False) -> Ite
     The first row is read before anything is produced: a store that cannot be reached fails
     the command with nothing printed, not under a table header that looks like an empty table.
     """
-    rows = iter(store.iter_locks(prefix))
+    digests = OwnerDigests()
+    rows = iter(digests.seen(store.iter_locks(prefix)))
     first = next(rows, None)
     count = 0
     if as_json:
@@ -146,8 +155,17 @@ def list_lines(store: LockStore, prefix: str = "", as_json: bool = False) -> Ite
     for row in itertools.chain(cells, (row_cells(info) for info in rows)):
         count += 1
         yield table.line(row)
+    groups = held_together(store, digests, prefix)
+    for group in groups:
+        keys = " + ".join(printable(info.key) for info in group)
+        yield f"Held together by {printable(group[0].holder)}: {keys}"
+    count -= sum(len(group) - 1 for group in groups)
     what = f" with prefix {prefix!r}" if prefix else ""
-    yield f"{count} holder{'' if count == 1 else 's'} in store {store.alias!r}{what}."
+    several = f" ({len(groups)} of them hold{'s' if len(groups) == 1 else ''} several keys)"
+    yield (
+        f"{count} holder{'' if count == 1 else 's'} in store {store.alias!r}{what}"
+        f"{several if groups else ''}."
+    )
 
 
 def checked_prefix(prefix: str) -> str:
@@ -256,19 +274,24 @@ class Command(BaseCommand):
 
     def do_show(self, store: LockStore, options: dict[str, Any]) -> None:
         holders = self.read(store, self.checked_key(store, options["key"]))
+        together = held_with(store, [info.owner for info in holders])
         show_owner: bool = options["show_owner"]
         if options["json"]:
             # The first holder (soonest expiry) at the top, as for a lock; all of them below.
             data = {
                 "store": store.alias,
-                **info_dict(holders[0], owner=show_owner),
-                "holders": [info_dict(info, owner=show_owner) for info in holders],
+                **info_dict(holders[0], owner=show_owner, together=keys_with(holders[0], together)),
+                "holders": [
+                    info_dict(info, owner=show_owner, together=keys_with(info, together))
+                    for info in holders
+                ],
             }
             self.stdout.write(json.dumps(data))
             return
         for number, info in enumerate(holders):
             if number:
                 self.stdout.write("")
+            others = keys_with(info, together)
             rows = [
                 ("key", info.key),
                 ("store", store.alias),
@@ -278,13 +301,15 @@ class Command(BaseCommand):
                 *([("owner", info.owner)] if show_owner else []),
                 ("acquired", f"{format_acquired(info)} UTC"),
                 ("expires in", format_expires(info.expires_in)),
+                *([("with", " + ".join(others))] if others else []),
             ]
             for label, value in rows:
                 self.stdout.write(f"{label + ':':<12}{printable(value)}")
 
     def do_release(self, store: LockStore, options: dict[str, Any]) -> None:
         """Free the holders read now (the one with --fence), each by its fence: a holder that
-        came after they were read (while the person was asked) is left alone."""
+        came after they were read (while the person was asked) is left alone. A holder of
+        several keys (a multi-key lock) loses them all: each of its keys is freed too."""
         key = self.checked_key(store, options["key"])
         fence: int | None = options.get("fence")
         holders = [info for info in self.read(store, key) if fence in (None, info.fence)]
@@ -293,26 +318,9 @@ class Command(BaseCommand):
                 f"lock {key!r} has no holder with fence {fence} in store {store.alias!r}",
                 returncode=EXIT_NOT_HELD,
             )
+        together = held_with(store, [info.owner for info in holders])
         if not options["yes"]:
-            held_by = "; ".join(
-                f"{printable(info.holder)} ({info.mode}, fence {info.fence}, expires in "
-                f"{format_expires(info.expires_in)})"
-                for info in holders
-            )
-            question = (
-                f"Force-release {key!r} in store {store.alias!r}, held by {held_by}? "
-                f"{'Its holder' if len(holders) == 1 else 'Each holder'} will keep running "
-                "without the lock. [y/N] "
-            )
-            try:
-                answer = input(question)
-            except EOFError:
-                answer = ""
-            if answer.strip().lower() not in {"y", "yes"}:
-                raise CommandError(
-                    "Not released (answer 'y' to release; --yes skips the question).",
-                    returncode=EXIT_NOT_HELD,
-                )
+            self.confirm_release(store, key, holders, together)
         freed = [
             info
             for info in holders
@@ -329,6 +337,45 @@ class Command(BaseCommand):
             self.stdout.write(
                 f"Released {key!r} in store {store.alias!r} (was held by "
                 f"{printable(info.holder)}, {info.mode}, fence {info.fence})."
+            )
+            for other in together.get(info.owner, []):
+                if other.key != key and force_release(
+                    other.key, store=store.alias, fence=other.fence
+                ):
+                    self.stdout.write(
+                        f"Released {other.key!r} in store {store.alias!r} (held together "
+                        f"with {key!r}, fence {other.fence})."
+                    )
+
+    @staticmethod
+    def confirm_release(
+        store: LockStore, key: str, holders: list[LockInfo], together: dict[str, list[LockInfo]]
+    ) -> None:
+        """Ask before releasing; anything but yes: exit 1, nothing released."""
+        held_by = "; ".join(
+            f"{printable(info.holder)} ({info.mode}, fence {info.fence}, expires in "
+            f"{format_expires(info.expires_in)}"
+            + (
+                f", with {' + '.join(printable(k) for k in others)}: released too"
+                if (others := keys_with(info, together))
+                else ""
+            )
+            + ")"
+            for info in holders
+        )
+        question = (
+            f"Force-release {key!r} in store {store.alias!r}, held by {held_by}? "
+            f"{'Its holder' if len(holders) == 1 else 'Each holder'} will keep running "
+            "without the lock. [y/N] "
+        )
+        try:
+            answer = input(question)
+        except EOFError:
+            answer = ""
+        if answer.strip().lower() not in {"y", "yes"}:
+            raise CommandError(
+                "Not released (answer 'y' to release; --yes skips the question).",
+                returncode=EXIT_NOT_HELD,
             )
 
     def do_prune(self, store: LockStore, options: dict[str, Any]) -> None:

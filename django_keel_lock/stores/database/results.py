@@ -24,7 +24,7 @@ from django.db.models.functions import Now
 
 from ...exceptions import LockStoreUnavailable
 from ...models import IdempotentResult
-from ..results import ResultStore, StoredResult
+from ..results import Release, ResultStore, StoredResult
 
 if TYPE_CHECKING:
     from .store import DatabaseLockStore
@@ -88,6 +88,36 @@ _SAVE: Mapping[str, str] = {
         " OR django_keel_lock_result.expires_at <= UTC_TIMESTAMP(6))",
     ),
 }
+
+# PostgreSQL: a request's read of its key's result and its write of the response, each in the
+# statement that releases the key's lock (`release_text`), so a request costs a round trip
+# less. The write keeps the result only through the lock the release found its owner
+# holding (INSERT ... SELECT FROM released), then as _SAVE does.
+_PG_KEEP_RELEASING = f"""
+    WITH released AS ({{release}}),
+    kept AS (
+        INSERT INTO django_keel_lock_result AS r {_COLUMNS}
+        SELECT %s, %s, %s, %s, %s, %s, clock_timestamp(),
+               clock_timestamp() + make_interval(secs => %s)
+        FROM released
+        ON CONFLICT (key) DO UPDATE SET
+            fingerprint = EXCLUDED.fingerprint, fence = EXCLUDED.fence,
+            status = EXCLUDED.status, data = EXCLUDED.data, size = EXCLUDED.size,
+            created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at
+        WHERE r.fence < EXCLUDED.fence OR r.expires_at <= clock_timestamp()
+        RETURNING 1
+    )
+    SELECT (SELECT count(*) FROM released), (SELECT count(*) FROM kept)
+"""
+# The read releases the lock only when it finds a result: no row when there is none.
+_PG_GET_RELEASING = """
+    WITH found AS (
+        SELECT fingerprint, fence, status, data FROM django_keel_lock_result
+        WHERE key = %s AND expires_at > clock_timestamp()
+    ),
+    released AS ({release})
+    SELECT (SELECT count(*) FROM released), fingerprint, fence, status, data FROM found
+"""
 
 _FENCE_OF = "SELECT fence FROM django_keel_lock_result WHERE `key` = %s"
 # Per vendor: the live result of a key, by the lock store's clock.
@@ -166,11 +196,52 @@ class DatabaseResults(ResultStore):
             # was (2: updated). The fence tells: no one else writes ours.
             rows, _ = self.store.execute([(_FENCE_OF, (key,))], key=key)
             kept = bool(rows) and int(rows[0][0]) == fence
+        self._count_write()
+        return kept
+
+    def _count_write(self) -> None:
+        """One more result written: every CLEAN_EVERY, expired ones are deleted."""
         with self._mutex:
             clean = next(self._writes) % CLEAN_EVERY == 0
         if clean:
             self.prune(CLEAN_BATCH)
-        return kept
+
+    def save_releasing(
+        self, key: str, owner: str, fence: int, result: StoredResult, ttl: float, release: Release
+    ) -> tuple[bool, bool]:
+        if self._vendor != "postgresql":
+            return super().save_releasing(key, owner, fence, result, ttl, release)
+        params = (
+            key, owner, key, result.fingerprint, fence, result.status, result.data, result.size,
+            ttl,
+        )  # fmt: skip
+
+        def statement(line: bool) -> tuple[str, Any]:
+            text = self.store.dialect.release_text(line, keeps=True)  # type: ignore[attr-defined]
+            return _PG_KEEP_RELEASING.format(release=text), params
+
+        (released, kept), *_ = self.store.release_by(key, statement)
+        self._count_write()
+        return int(kept) > 0, int(released) > 0
+
+    def get_releasing(
+        self, key: str, owner: str, release: Release
+    ) -> tuple[StoredResult | None, bool | None]:
+        if self._vendor != "postgresql":
+            return super().get_releasing(key, owner, release)
+
+        def statement(line: bool) -> tuple[str, Any]:
+            text = self.store.dialect.release_text(  # type: ignore[attr-defined]
+                line, when="EXISTS (SELECT 1 FROM found)"
+            )
+            return _PG_GET_RELEASING.format(release=text), (key, key, owner)
+
+        rows = self.store.release_by(key, statement)
+        if not rows:
+            return None, None
+        released, fingerprint, fence, status, data = rows[0]
+        found = StoredResult(key, str(fingerprint), int(fence), int(status), bytes(data))
+        return found, int(released) > 0
 
     def forget(self, key: str) -> bool:
         try:

@@ -59,6 +59,8 @@ SWEEP_EVERY = 500
 SWEEP_BATCH = 1000
 T = TypeVar("T")
 _Result = tuple[list[Row], int]
+#: The key (or keys, of a multi-key operation) an error about a value names.
+Keys = str | tuple[str, ...] | None
 
 
 class DatabaseLockStore(ListeningStore, LockStore):
@@ -247,7 +249,7 @@ class DatabaseLockStore(ListeningStore, LockStore):
         hot: bool = False,
         idempotent: bool = True,
         after: Sequence[Statement] = (),
-        key: str | None = None,
+        key: Keys = None,
         holder: str | None = None,
     ) -> tuple[list[Row], int]:
         """Run `statements` in autocommit, then `after` on the same connection (what closes
@@ -295,7 +297,7 @@ class DatabaseLockStore(ListeningStore, LockStore):
         body: Callable[[Any], T],
         *,
         idempotent: bool = True,
-        key: str | None = None,
+        key: Keys = None,
         holder: str | None = None,
     ) -> T:
         """`body(cursor)` inside one transaction (the dialect's `begin_sql` ... COMMIT), by
@@ -310,7 +312,7 @@ class DatabaseLockStore(ListeningStore, LockStore):
         transaction: bool = False,
         idempotent: bool = True,
         closing: bool = False,
-        key: str | None = None,
+        key: Keys = None,
         holder: str | None = None,
     ) -> T:
         """What `_execute` and `_transaction` share: `work(cursor, libpq, driver)` (or, in a
@@ -362,7 +364,7 @@ class DatabaseLockStore(ListeningStore, LockStore):
         raw: Any,
         work: Callable[..., T],
         transaction: bool,
-        key: str | None,
+        key: Keys,
         holder: str | None,
     ) -> T:
         """`_run` on the caller's driver connection `raw`, inside its transaction: no retry,
@@ -393,8 +395,13 @@ class DatabaseLockStore(ListeningStore, LockStore):
             f"manage.py migrate django_keel_lock --database {self.database}"
         )
 
-    def _refused(self, exc: Exception, key: str | None, holder: str | None) -> ValueError:
-        what = "a value" if key is None else f"key {key!r}"
+    def _refused(self, exc: Exception, key: Keys, holder: str | None) -> ValueError:
+        if key is None:
+            what = "a value"
+        elif isinstance(key, str):
+            what = f"key {key!r}"
+        else:
+            what = f"one of keys {list(key)!r}"
         if holder is not None:
             what += f" or holder {holder!r}"
         return ValueError(
@@ -491,6 +498,35 @@ class DatabaseLockStore(ListeningStore, LockStore):
         released = self.vendor.release(key, owner, line=self._has_line())
         self._tick()
         return released
+
+    def release_by(self, key: str, statement: Callable[[bool], Statement]) -> list[Row]:
+        """Run `statement(line)`, one (built by `results`) that releases `key` as `release`
+        does (`line`: the database has the line's table, whose first waiter it wakes) and
+        does more, in autocommit and never retried (as a release); its rows, the first of
+        which begins with how many locks it released (none: nothing released). This
+        process's waiters are then woken as a release wakes them."""
+        rows, _ = self.execute([statement(self._has_line())], idempotent=False, key=key)
+        self.vendor.released(key, bool(rows) and int(rows[0][0]) > 0, False)
+        self._tick()
+        return rows
+
+    # -- several keys: one call (PostgreSQL) or one transaction (see `vendors`) ------------
+    atomic_many = True
+
+    def acquire_many(
+        self, keys: tuple[str, ...], owner: str, holder: str, ttl: float
+    ) -> AcquireResult:
+        result = self.vendor.acquire_many(keys, owner, holder, ttl)
+        self._tick()
+        return result
+
+    def release_many(self, keys: tuple[str, ...], owner: str) -> bool:
+        released = self.vendor.release_many(keys, owner, line=self._has_line())
+        self._tick()
+        return released
+
+    def extend_many(self, keys: tuple[str, ...], owner: str, ttl: float) -> bool:
+        return self.vendor.extend_many(keys, owner, ttl)
 
     def extend(self, key: str, owner: str, ttl: float) -> bool:
         dialect = self.dialect

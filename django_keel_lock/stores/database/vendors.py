@@ -18,14 +18,14 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 from django.core.checks import CheckMessage
 from django.db import connections
 
 from ...exceptions import LockStoreUnavailable
-from ..base import AcquireResult, Kind, Mode
+from ..base import PERMIT_OWNERS, AcquireResult, Kind, Mode
 from ..wakeups import ReleaseListener
 from . import checks, pooler
 from .dialects.base import Dialect, PermitTransaction, ServerDialect, in_transaction
@@ -35,12 +35,23 @@ from .dialects.sqlite import SQLiteDialect
 from .doorbells import DoorbellListener, Doorbells
 from .libpq import PreparedStatements, Row
 from .listener import MariaDBListener, PostgresListener
+from .many import Many, array_literal, int_array
+from .many import seconds as _seconds
+from .many import text as _text
 from .permits import Transaction
 
 if TYPE_CHECKING:
     from .store import DatabaseLockStore
 
 logger = logging.getLogger("django_keel_lock")
+
+T = TypeVar("T")
+
+#: MariaDB's errors of a transaction the server rolled back to end a deadlock (ER_LOCK_DEADLOCK)
+#: or one that waited too long for a row lock (ER_LOCK_WAIT_TIMEOUT): contention, not an
+#: outage. A multi-key operation runs its transaction again, at most DEADLOCK_RETRIES times.
+DEADLOCKS = frozenset({1213, 1205})
+DEADLOCK_RETRIES = 3
 
 #: At most this many keys remembered as contended (`MariaDB.found_contended`).
 CONTENDED_KEYS = 1024
@@ -134,6 +145,20 @@ class Vendor:
         where they hang none."""
         return None
 
+    # -- several keys (see `LockStore.acquire_many`) ---------------------------------------
+    def acquire_many(
+        self, keys: tuple[str, ...], owner: str, holder: str, ttl: float
+    ) -> AcquireResult:
+        raise NotImplementedError
+
+    def release_many(self, keys: tuple[str, ...], owner: str, line: bool) -> bool:
+        """Release each of `keys` that `owner` holds, waking who waits for each (`line`: as
+        `release`); whether it held every one."""
+        raise NotImplementedError
+
+    def extend_many(self, keys: tuple[str, ...], owner: str, ttl: float) -> bool:
+        raise NotImplementedError
+
     # -- permits --------------------------------------------------------------------------
     def acquire_permit(
         self, key: str, owner: str, holder: str, ttl: float, mode: Mode, writer_wait: float
@@ -182,6 +207,64 @@ class PermitsInPython(Vendor):
         return self.store.transaction(
             lambda cursor: self._decide(cursor).extend(key, owner, ttl), key=key
         )
+
+    # -- several keys: one transaction (`database.many`) -------------------------------
+    def acquire_many(
+        self, keys: tuple[str, ...], owner: str, holder: str, ttl: float
+    ) -> AcquireResult:
+        refused_sql: str = getattr(self.dialect, "refused_sql", "")
+        return self.one_transaction(
+            lambda cursor: self._many(cursor).acquire(keys, owner, holder, ttl, refused_sql),
+            keys=keys,
+            holder=holder,
+            deadlocked=AcquireResult(None, 0.0, "exclusive", None, keys),
+        )
+
+    def release_many(self, keys: tuple[str, ...], owner: str, line: bool) -> bool:
+        released: list[tuple[str, bool]] = self.one_transaction(
+            lambda cursor: self._many(cursor).release(keys, owner), keys=keys, idempotent=False
+        )
+        for key, waited in released:
+            self.released_one_of_many(key, waited, line)
+        return len(released) == len(keys)
+
+    def extend_many(self, keys: tuple[str, ...], owner: str, ttl: float) -> bool:
+        extended: int = self.one_transaction(
+            lambda cursor: self._many(cursor).extend(keys, owner, ttl), keys=keys
+        )
+        return extended == len(keys)
+
+    def _many(self, cursor: Any) -> Many:
+        return Many(self.dialect, self.permits, cursor)
+
+    def one_transaction(
+        self,
+        body: Callable[[Any], T],
+        *,
+        keys: tuple[str, ...],
+        holder: str | None = None,
+        idempotent: bool = True,
+        deadlocked: T | None = None,
+    ) -> T:
+        """`body(cursor)` in one transaction of the store (see `DatabaseLockStore.transaction`).
+        `deadlocked`: what a transaction the server chose as a deadlock's victim gives, where
+        the database can have deadlocks (see `deadlock_safe`); None: the error is raised."""
+        work = self.deadlock_safe(body, deadlocked)
+        if work is None:
+            return self.store.transaction(body, idempotent=idempotent, key=keys, holder=holder)
+        return self.store.run(work, idempotent=idempotent, key=keys, holder=holder)
+
+    def deadlock_safe(
+        self, body: Callable[[Any], T], deadlocked: T | None
+    ) -> Callable[[Any, Any, Any], T] | None:
+        """The work (for `DatabaseLockStore.run`) of `body`'s transaction where the database
+        can end it as a deadlock's victim; None where it cannot (SQLite: one writer)."""
+        return None
+
+    def released_one_of_many(self, key: str, waited: bool, line: bool) -> None:
+        """A multi-key release freed `key` (`waited`: someone was refused it since its take):
+        wake who waits for it, as `release` does."""
+        self.released(key, True, waited)
 
 
 class ServerVendor(Vendor):
@@ -371,6 +454,42 @@ class Postgres(ServerVendor):
         self.released(key, released, False)
         return released
 
+    def acquire_many(
+        self, keys: tuple[str, ...], owner: str, holder: str, ttl: float
+    ) -> AcquireResult:
+        # One call of migration 0008's function (one round trip, by libpq where it can).
+        params = (array_literal(keys), owner, holder, ttl)
+        rows, _ = self.store.execute(
+            [(self.dialect.acquire_many_sql, params)], hot=True, key=keys, holder=holder
+        )
+        fences, retry_in, held_as, blocked = rows[0][:4]
+        if fences is not None:
+            taken = tuple(int_array(fences))
+            return AcquireResult(max(taken), fences=taken)
+        return AcquireResult(
+            None,
+            _seconds(retry_in),
+            PERMIT_OWNERS.get(_text(held_as) or "", "exclusive"),
+            None,
+            tuple(keys[at - 1] for at in int_array(blocked)),
+        )
+
+    def release_many(self, keys: tuple[str, ...], owner: str, line: bool) -> bool:
+        # The statement NOTIFYs each key's waiters itself, or the first of its line.
+        dialect = self.dialect
+        sql = dialect.release_many_line_sql if line else dialect.release_many_sql
+        rows, _ = self.store.execute(
+            [(sql, (array_literal(keys), owner))], hot=True, idempotent=False, key=keys
+        )
+        for row in rows:
+            self.announce(_text(row[0]) or "")
+        return len(rows) == len(keys)
+
+    def extend_many(self, keys: tuple[str, ...], owner: str, ttl: float) -> bool:
+        params = (array_literal(keys), owner, ttl)
+        rows, _ = self.store.execute([(self.dialect.extend_many_sql, params)], hot=True, key=keys)
+        return len(rows) == len(keys)
+
     def acquire_permit(
         self, key: str, owner: str, holder: str, ttl: float, mode: Mode, writer_wait: float
     ) -> AcquireResult:
@@ -444,6 +563,37 @@ class MariaDB(PermitsInPython, ServerVendor):
         super().released(key, released, waited)
         if released and waited:
             self._ring(key)
+
+    def deadlock_safe(
+        self, body: Callable[[Any], T], deadlocked: T | None
+    ) -> Callable[[Any, Any, Any], T] | None:
+        # READ COMMITTED (the next transaction's, set before it begins): each read sees the
+        # latest row, and inserts of new keys take no gap locks another set's inserts wait
+        # for. A transaction the server rolled back to end a deadlock did nothing: it runs
+        # again, and after DEADLOCK_RETRIES gives `deadlocked` (a refusal to retry at once).
+        dialect = self.dialect
+
+        def work(cursor: Any, libpq: Any, database: Any) -> T:
+            for attempt in range(DEADLOCK_RETRIES + 1):
+                cursor.execute(dialect.read_committed)
+                try:
+                    return in_transaction(cursor, dialect.begin_sql, body)
+                except database.OperationalError as exc:
+                    if exc.args[0] not in DEADLOCKS or (
+                        deadlocked is None and attempt == DEADLOCK_RETRIES
+                    ):
+                        raise
+            assert deadlocked is not None
+            return deadlocked
+
+        return work
+
+    def released_one_of_many(self, key: str, waited: bool, line: bool) -> None:
+        self.announce(key)
+        if line:
+            self.found_contended(key, waited)
+        if waited:
+            self._ring(key, line=line)
 
     def _release_waking(self, key: str, owner: str) -> Any:
         """The work (for `run`) of a release of a key found contended: `release_line_sql` in
@@ -593,15 +743,6 @@ def _unprepared(preparing: Any) -> None:
         preparing.named = False
     else:
         preparing.prepare_threshold = None
-
-
-def _seconds(value: Any) -> float | None:
-    return None if value is None else max(0.0, float(value))
-
-
-def _text(value: Any) -> str | None:
-    """A text column's value (the libpq path gives bytes)."""
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def check_database(database: str, stores: str) -> list[CheckMessage]:

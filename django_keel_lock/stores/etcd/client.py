@@ -8,7 +8,8 @@ most: a call either answers within SOCKET_TIMEOUT or raises `EtcdUnavailable`.
 - Each thread keeps one keep-alive connection per endpoint (`PerThread`).
 - A call goes to the endpoint that answered last; when it fails, the next one is tried, with
   what is left of the deadline. A call that may not run twice (`once=True`: a release) moves
-  on only when nothing was sent; once sent, its failure is the caller's to report.
+  on only when nothing was sent, or a member without a leader refused it (nothing applied);
+  once sent, any other failure is the caller's to report.
 - Every request asks the member to refuse when it has no leader (`hasleader`): a member cut
   off from the others answers at once instead of waiting for a quorum that is not there.
 """
@@ -31,6 +32,8 @@ from ..connections import Deadline, PerThread, SocketCheck
 
 #: Sent with every request: a member without a leader refuses at once ("no leader").
 HEADERS = {"Content-Type": "application/json", "Grpc-Metadata-hasleader": "true"}
+#: How a member without a leader refuses a request sent with `hasleader`.
+NO_LEADER = "etcdserver: no leader"
 
 
 class EtcdUnavailable(Exception):
@@ -212,6 +215,10 @@ def _answer(status: int, data: bytes) -> Any:
         raise _Failed(f"HTTP {status}, not JSON: {data[:200]!r}") from exc
     if status != 200 or not isinstance(reply, dict) or "error" in reply:
         message = reply.get("error") or reply.get("message") if isinstance(reply, dict) else reply
+        if message == NO_LEADER:
+            # Refused before anything was proposed (`hasleader`): as good as never sent, so
+            # even a call that may not run twice (a release) goes on to the next member.
+            raise _NotSent(f"HTTP {status}: {message}")
         raise _Failed(f"HTTP {status}: {message}")
     return reply
 

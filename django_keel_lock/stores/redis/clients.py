@@ -30,6 +30,7 @@ try:
     import redis.asyncio
     from redis.asyncio.retry import Retry as AsyncRetry
     from redis.backoff import NoBackoff
+    from redis.crc import key_slot
     from redis.exceptions import NoScriptError, RedisClusterException, RedisError
     from redis.retry import Retry
     from redis.sentinel import (
@@ -68,6 +69,7 @@ __all__ = [
     "async_twin",
     "borrow_connection",
     "close_sentinels",
+    "key_slot",
     "pack_command",
     "pubsub_pool",
     "ready",

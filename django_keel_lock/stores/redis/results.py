@@ -3,40 +3,37 @@
     keel-lock:{key}:result   hash: f fence, p fingerprint, s status, d data, t stored at
                              (ms since the epoch, by the server's TIME); PX = the result's ttl
 
-It shares the lock's hash tag, so on a Cluster it lives in the lock's slot and SAVE reads the
-lock and writes the result in one script.
+It shares the lock's hash tag, so on a Cluster it lives in the lock's slot and one script reads
+the lock and writes the result (`scripts.KEEP_RESULT`), or releases the lock too
+(`RELEASE_KEEPING`, `RELEASE_IF_KEPT`: a request's round trip fewer). A write waits for
+MIN_REPLICAS replicas as an acquire does; one they did not acknowledge is kept (the lock may
+be released already) and said in a WARNING: a failover before they have it loses it, and a
+retry then runs again.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
 from ...exceptions import LockStoreUnavailable
-from ..results import ResultStore, StoredResult
+from ..results import Release, ResultStore, StoredResult
 from .clients import STORE_ERRORS, as_text
-from .scripts import escape_key, glob_quote, unescape_key
+from .scripts import (
+    KEEP_RESULT,
+    RELEASE_IF_KEPT,
+    RELEASE_KEEPING,
+    Script,
+    escape_key,
+    glob_quote,
+    unescape_key,
+)
 
 SUFFIX = ":result"
 
-#: KEYS: the lock, the result. ARGV: owner, fence, fingerprint, status, data, ttl (ms).
-#: Kept only while the lock has `owner`, and never over a result of a fence as high.
-SAVE = """
-if redis.call('HGET', KEYS[1], 'o') ~= ARGV[1] then
-    return 0
-end
-local kept = redis.call('HGET', KEYS[2], 'f')
-if kept and tonumber(kept) >= tonumber(ARGV[2]) then
-    return 0
-end
-local now = redis.call('TIME')
-redis.call('DEL', KEYS[2])
-redis.call('HSET', KEYS[2], 'f', ARGV[2], 'p', ARGV[3], 's', ARGV[4], 'd', ARGV[5],
-           't', string.format('%d', now[1] * 1000 + math.floor(now[2] / 1000)))
-redis.call('PEXPIRE', KEYS[2], ARGV[6])
-return 1
-"""
+logger = logging.getLogger("django_keel_lock")
 
 
 class RedisResults(ResultStore):
@@ -44,7 +41,6 @@ class RedisResults(ResultStore):
 
     def __init__(self, store: Any) -> None:
         self.store = store
-        self._save: Any = None
 
     def _name(self, key: str) -> str:
         return str(self.store.lock_name(key)) + SUFFIX
@@ -63,19 +59,46 @@ class RedisResults(ResultStore):
         return _result(key, fields)
 
     def save(self, key: str, owner: str, fence: int, result: StoredResult, ttl: float) -> bool:
-        client = self.store.client()
-        try:
-            if self._save is None:
-                self._save = client.register_script(SAVE)
-            kept = self._save(
-                keys=[self.store.lock_name(key), self._name(key)],
-                args=[owner, fence, result.fingerprint, result.status, result.data,
-                      max(1, round(ttl * 1000))],
-                client=client,
-            )  # fmt: skip
-        except STORE_ERRORS as exc:
-            raise self._unavailable(exc) from exc
-        return bool(int(kept))
+        keys = (self.store.lock_name(key), self._name(key))
+        args = (owner, *_fields(fence, result, ttl))
+        return self._write(KEEP_RESULT, key, keys, args) == 1
+
+    def save_releasing(
+        self, key: str, owner: str, fence: int, result: StoredResult, ttl: float, release: Release
+    ) -> tuple[bool, bool]:
+        keys, args = self.store.releasing_call(key, owner)
+        keys, args = (*keys, self._name(key)), (*args, *_fields(fence, result, ttl))
+        reply = self._write(RELEASE_KEEPING, key, keys, args, kept=2)
+        return reply == 2, self.store.released_by(key, reply > 0)
+
+    def get_releasing(
+        self, key: str, owner: str, release: Release
+    ) -> tuple[StoredResult | None, bool | None]:
+        keys, args = self.store.releasing_call(key, owner)
+        keys = (*keys, self._name(key))
+        reply = self.store.run_extra(RELEASE_IF_KEPT, keys, args, writes=False)[0]
+        if not reply:
+            return None, None
+        released, fields = reply
+        found = _result(key, dict(zip(fields[::2], fields[1::2], strict=True)))
+        return found, self.store.released_by(key, int(released) > 0)
+
+    def _write(
+        self, script: Script, key: str, keys: tuple[str, ...], args: tuple[Any, ...], kept: int = 1
+    ) -> int:
+        """Run `script`, which replies `kept` when it kept the result, waiting for
+        MIN_REPLICAS; its reply."""
+        reply, acknowledged = self.store.run_extra(script, keys, args, writes=True)
+        if not acknowledged and int(reply) == kept:
+            logger.warning(
+                "idempotent result %r: fewer than the %d replicas of MIN_REPLICAS acknowledged "
+                "it (lock store %r); a failover before they have it loses it, and a retry "
+                "then runs again",
+                key,
+                self.store.min_replicas,
+                self.store.alias,
+            )
+        return int(reply)
 
     def forget(self, key: str) -> bool:
         try:
@@ -96,6 +119,11 @@ class RedisResults(ResultStore):
                     yield found
         except STORE_ERRORS as exc:
             raise self._unavailable(exc) from exc
+
+
+def _fields(fence: int, result: StoredResult, ttl: float) -> tuple[Any, ...]:
+    """The scripts' ARGV for a result: fence, fingerprint, status, data, ttl (ms)."""
+    return fence, result.fingerprint, result.status, result.data, max(1, round(ttl * 1000))
 
 
 def _result(key: str, fields: Any) -> StoredResult | None:

@@ -3,6 +3,10 @@
 Each operation is one script, loaded once and called by SHA: one round trip, atomic. Every key
 of one lock shares the lock key's hash tag, so the scripts run on Redis Cluster.
 
+The braces are a hash tag: all of `key`, its own braces escaped (`escape_key`), but for a key
+that starts with a tag of its own ("{account}:1" is named "keel-lock:{%7Baccount}:1}"): then
+that tag alone, so keys starting with the same tag share one slot and one script takes them.
+
 Layout of one lock on `key` under the default KEY_PREFIX, "keel-lock:" (a prefix that does not
 end with ":" gets one, so "keel-lock" gives the same names):
     keel-lock:{key}          hash: o = owner, h = holder, f = fence, t = acquired (ms), with PX
@@ -244,6 +248,79 @@ return 0
 """
 )
 
+# Idempotent results (`results`): RELEASE fused with what a request does with its key's
+# result, so that the request costs a round trip less. KEYS and ARGV start as RELEASE's;
+# KEYS[4] is the result's hash (f fence, p fingerprint, s status, d data, t stored at, ms).
+_RELEASE_OWN = """
+local function release_own()
+    if redis.call('HGET', KEYS[1], 'o') ~= ARGV[1] then
+        return 0
+    end
+    redis.call('DEL', KEYS[1])
+    wake_first(KEYS[2], KEYS[3], ARGV[3], ARGV[4], ARGV[2])
+    return 1
+end
+"""
+
+# Keep a result while ARGV[1] owns the lock, over none of a fence as high (and keep the lock).
+#   KEYS[1] the lock's hash  KEYS[2] the result's hash
+#   ARGV[2] fence  ARGV[3] fingerprint  ARGV[4] status  ARGV[5] data  ARGV[6] ttl (ms)
+#   -> 1 kept, else 0
+KEEP_RESULT = _script(
+    """
+if redis.call('HGET', KEYS[1], 'o') ~= ARGV[1] then
+    return 0
+end
+local kept = redis.call('HGET', KEYS[2], 'f')
+if kept and tonumber(kept) >= tonumber(ARGV[2]) then
+    return 0
+end
+local now = redis.call('TIME')
+redis.call('DEL', KEYS[2])
+redis.call('HSET', KEYS[2], 'f', ARGV[2], 'p', ARGV[3], 's', ARGV[4], 'd', ARGV[5],
+           't', string.format('%d', now[1] * 1000 + math.floor(now[2] / 1000)))
+redis.call('PEXPIRE', KEYS[2], ARGV[6])
+return 1
+"""
+)
+
+# Keep a result and release the lock, both only while ARGV[1] owns the lock, the result
+# only over none of a fence as high.
+#   ARGV[5] fence  ARGV[6] fingerprint  ARGV[7] status  ARGV[8] data  ARGV[9] ttl (ms)
+#   -> 2 kept and released, 1 released (a result of a fence as high is there), 0 neither
+RELEASE_KEEPING = _script(
+    _LINE
+    + _RELEASE_OWN
+    + """
+if redis.call('HGET', KEYS[1], 'o') ~= ARGV[1] then
+    return 0
+end
+local kept = redis.call('HGET', KEYS[4], 'f')
+if kept and tonumber(kept) >= tonumber(ARGV[5]) then
+    return release_own()
+end
+redis.call('DEL', KEYS[4])
+redis.call('HSET', KEYS[4], 'f', ARGV[5], 'p', ARGV[6], 's', ARGV[7], 'd', ARGV[8],
+           't', string.format('%d', clock_ms()))
+redis.call('PEXPIRE', KEYS[4], ARGV[9])
+return 1 + release_own()
+"""
+)
+
+# Read the key's result; when there is one, release the lock of ARGV[1] too.
+#   -> {} when no result (the lock is left as it is), else {released (1 or 0), the result's
+#   fields as HGETALL gives them}
+RELEASE_IF_KEPT = _script(
+    _LINE
+    + _RELEASE_OWN
+    + """
+if redis.call('HEXISTS', KEYS[4], 'f') == 0 then
+    return {}
+end
+return {release_own(), redis.call('HGETALL', KEYS[4])}
+"""
+)
+
 # Let the owner's lock live at least ttl more: expiry becomes max(current, now + ttl).
 #   KEYS[1] the lock's hash
 #   ARGV[1] owner  ARGV[2] ttl (ms)
@@ -257,6 +334,99 @@ if redis.call('HGET', KEYS[1], 'o') == ARGV[1] then
     return 1
 end
 return 0
+"""
+)
+
+# Several keys at once (LockStore.acquire_many), each an exclusive lock of its own key laid out
+# as ACQUIRE's: every key is free or the owner's, and then all are taken (the owner's renewed),
+# or none is. Like ACQUIRE, it takes a free key whatever its line of waiters holds. The keys
+# share one slot (always, but on Cluster where the store groups them by slot).
+#   KEYS[2i - 1] key i's lock hash   KEYS[2i] key i's fence counter
+#   ARGV[1] owner  ARGV[2] holder  ARGV[3] ttl (ms)
+#   -> {each key's fence} when taken; else {-(the soonest expiry among the holders, ms, + 1)
+#      (0 when none has one), the first blocked key's gate owner ('' for a lock), then the
+#      index (1-based) of each key held by another}
+ACQUIRE_MANY = _script(
+    _FENCE
+    + """
+local owner, ttl = ARGV[1], tonumber(ARGV[3])
+local blocked, soonest, held_by = {}, -1, ''
+for i = 1, #KEYS, 2 do
+    local current = redis.call('HGET', KEYS[i], 'o')
+    if current and current ~= owner then
+        if #blocked == 0 and string.sub(current, 1, 1) == '*' then
+            held_by = current
+        end
+        table.insert(blocked, (i + 1) / 2)
+        local pttl = redis.call('PTTL', KEYS[i])
+        if pttl >= 0 and (soonest < 0 or pttl < soonest) then
+            soonest = pttl
+        end
+    end
+end
+if #blocked > 0 then
+    local reply = {0, held_by}
+    if soonest >= 0 then
+        reply[1] = -(soonest + 1)
+    end
+    for _, index in ipairs(blocked) do
+        table.insert(reply, index)
+    end
+    return reply
+end
+local now = redis.call('TIME')
+local acquired = tostring(now[1] * 1000 + math.floor(now[2] / 1000))
+local fences = {}
+for i = 1, #KEYS, 2 do
+    local fence = tonumber(redis.call('HGET', KEYS[i], 'f'))
+    if not fence then
+        fence = draw_fence(KEYS[i + 1], ttl, now)
+        redis.call('HSET', KEYS[i], 'o', owner, 'h', ARGV[2], 'f', fence, 't', acquired)
+    end
+    redis.call('PEXPIRE', KEYS[i], ttl)
+    table.insert(fences, fence)
+end
+return fences
+"""
+)
+
+# RELEASE for several keys: each the owner still holds is freed and announced as RELEASE does.
+#   KEYS[3i - 2] key i's lock hash   KEYS[3i - 1] its line   KEYS[3i] its places
+#   ARGV[1] owner  ARGV[2] the wake channels' prefix  ARGV[2i + 1] key i's release channel
+#   ARGV[2i + 2] key i
+#   -> {1 if key i was released (and announced), else 0, for each key}
+RELEASE_MANY = _script(
+    _LINE
+    + """
+local released = {}
+for i = 1, #KEYS / 3 do
+    released[i] = 0
+    if redis.call('HGET', KEYS[3 * i - 2], 'o') == ARGV[1] then
+        redis.call('DEL', KEYS[3 * i - 2])
+        wake_first(KEYS[3 * i - 1], KEYS[3 * i], ARGV[2], ARGV[2 * i + 2], ARGV[2 * i + 1])
+        released[i] = 1
+    end
+end
+return released
+"""
+)
+
+# EXTEND for several keys: each the owner still holds lives at least ttl more.
+#   KEYS[i] key i's lock hash
+#   ARGV[1] owner  ARGV[2] ttl (ms)
+#   -> how many of the keys the owner holds
+EXTEND_MANY = _script(
+    """
+local held = 0
+for i = 1, #KEYS do
+    if redis.call('HGET', KEYS[i], 'o') == ARGV[1] then
+        if redis.call('PTTL', KEYS[i]) < tonumber(ARGV[2]) then
+            redis.call('PEXPIRE', KEYS[i], ARGV[2])
+        end
+        held = held + 1
+    end
+end
+return held
 """
 )
 
@@ -480,6 +650,12 @@ SCRIPTS = (
     RELEASE_PERMIT,
     EXTEND_PERMIT,
     HOLDERS,
+    ACQUIRE_MANY,
+    RELEASE_MANY,
+    EXTEND_MANY,
+    KEEP_RESULT,
+    RELEASE_KEEPING,
+    RELEASE_IF_KEPT,
 )
 
 _ESCAPES = {"%": "%25", "{": "%7B", "}": "%7D"}
@@ -490,11 +666,21 @@ _GLOB_RE = re.compile(r"([*?\[\]\\])")
 
 
 def escape_key(key: str) -> str:
-    """`key` without braces, so it fits inside a hash tag. A prefix code: escaping keeps
-    "starts with" intact, which iter_locks' SCAN MATCH relies on."""
+    """`key` without braces, so it fits inside a hash tag; but a key that starts with a
+    hash tag of its own ("{account}:1") keeps that tag's closing brace, so the lock's name
+    ("keel-lock:{%7Baccount}:1}") hashes by the tag alone, and keys starting with the same
+    tag share a Cluster slot. A prefix code: escaping keeps "starts with" intact, which
+    iter_locks' SCAN MATCH relies on."""
     if "%" not in key and "{" not in key and "}" not in key:  # the usual key: no regex
         return key
-    return _ESCAPE_RE.sub(lambda m: _ESCAPES[m.group()], key)
+    tag_end = key.find("}", 1) if key.startswith("{") else -1
+    if tag_end > 1:  # "{}" is no tag, as Redis Cluster reads it
+        return f"{_escape(key[:tag_end])}}}{_escape(key[tag_end + 1 :])}"
+    return _escape(key)
+
+
+def _escape(text: str) -> str:
+    return _ESCAPE_RE.sub(lambda m: _ESCAPES[m.group()], text)
 
 
 def unescape_key(text: str) -> str:

@@ -57,6 +57,7 @@ from .clients import (
     as_text,
     async_twin,
     close_sentinels,
+    key_slot,
     pack_command,
     ready,
     redis,
@@ -70,14 +71,17 @@ from .clients import (
 from .listener import RedisListener
 from .scripts import (
     ACQUIRE,
+    ACQUIRE_MANY,
     ACQUIRE_PERMIT,
     ACQUIRE_QUEUED,
     EXTEND,
+    EXTEND_MANY,
     EXTEND_PERMIT,
     GET,
     HOLDERS,
     LEAVE_QUEUE,
     RELEASE,
+    RELEASE_MANY,
     RELEASE_PERMIT,
     Script,
     escape_key,
@@ -92,6 +96,8 @@ T = TypeVar("T")
 
 #: One script call: the script, its KEYS, its ARGV.
 Call = tuple[Script, tuple[str, ...], tuple[Any, ...]]
+#: What a granting call is about: a key, or the keys of a multi-key call.
+Granted = str | tuple[str, ...]
 
 logger = logging.getLogger("django_keel_lock")
 
@@ -169,6 +175,8 @@ class RedisLockStore(ListeningStore, LockStore):
         self.connection_alias: str | None = connection
         self.url: str | None = url
         self.cluster = bool(self.options.get("CLUSTER", False))
+        # On Cluster, keys on several slots are taken a slot at a time (acquire_many).
+        self.atomic_many = not self.cluster
         if self.cluster and url is None:
             raise ImproperlyConfigured(
                 f"KEEL_LOCK_STORES[{alias!r}] OPTIONS CLUSTER needs URL (a node of the cluster)"
@@ -446,6 +454,179 @@ class RedisLockStore(ListeningStore, LockStore):
         """GET's reply: the lock on `key`, or None."""
         return None if reply is None else self._info(key, *reply)
 
+    # -- several keys at once -------------------------------------------------------------
+    # One script for keys whose names share a slot: every key on one server or behind
+    # Sentinel; on Cluster, keys that start with the same hash tag ("{account}:1"). Keys on
+    # several Cluster slots are taken a slot at a time (`_take_by_slot`).
+    def acquire_many(
+        self, keys: tuple[str, ...], owner: str, holder: str, ttl: float
+    ) -> AcquireResult:
+        slots = self._slots(keys)
+        if len(slots) == 1:
+            return self._acquire_slot(keys, owner, holder, ttl)
+        take, give_back = ready(self._acquire_slot), ready(self.release_many)
+        return run_ready(self._take_by_slot(slots, keys, owner, holder, ttl, take, give_back))
+
+    async def aacquire_many(
+        self, keys: tuple[str, ...], owner: str, holder: str, ttl: float
+    ) -> AcquireResult:
+        slots = self._slots(keys)
+        if len(slots) == 1:
+            return await self._aacquire_slot(keys, owner, holder, ttl)
+        take, give_back = self._aacquire_slot, self.arelease_many
+        return await self._take_by_slot(slots, keys, owner, holder, ttl, take, give_back)
+
+    def release_many(self, keys: tuple[str, ...], owner: str) -> bool:
+        def run(part: tuple[str, ...]) -> bool:
+            return self._released_many(part, self._run(*self._release_many_call(part, owner)))
+
+        return run_ready(self._each_slot(self._slots(keys), ready(run)))
+
+    async def arelease_many(self, keys: tuple[str, ...], owner: str) -> bool:
+        async def run(part: tuple[str, ...]) -> bool:
+            reply = await self._arun(*self._release_many_call(part, owner))
+            return self._released_many(part, reply)
+
+        return await self._each_slot(self._slots(keys), run)
+
+    def extend_many(self, keys: tuple[str, ...], owner: str, ttl: float) -> bool:
+        def run(part: tuple[str, ...]) -> bool:
+            call = self._extend_many_call(part, owner, ttl)
+            return self._extended_many(part, self._granting(call, part, owner, extend=True))
+
+        return run_ready(self._each_slot(self._slots(keys), ready(run)))
+
+    async def aextend_many(self, keys: tuple[str, ...], owner: str, ttl: float) -> bool:
+        async def run(part: tuple[str, ...]) -> bool:
+            call = self._extend_many_call(part, owner, ttl)
+            return self._extended_many(part, await self._agranting(call, part, owner, extend=True))
+
+        return await self._each_slot(self._slots(keys), run)
+
+    def _acquire_slot(
+        self, keys: tuple[str, ...], owner: str, holder: str, ttl: float
+    ) -> AcquireResult:
+        call = self._acquire_many_call(keys, owner, holder, ttl)
+        return self._acquired_many(keys, self._granting(call, keys, owner))
+
+    async def _aacquire_slot(
+        self, keys: tuple[str, ...], owner: str, holder: str, ttl: float
+    ) -> AcquireResult:
+        call = self._acquire_many_call(keys, owner, holder, ttl)
+        return self._acquired_many(keys, await self._agranting(call, keys, owner))
+
+    def _slots(self, keys: tuple[str, ...]) -> list[tuple[str, ...]]:
+        """`keys` in groups whose names share a Cluster slot, in the order of their first
+        key: one group but on Cluster."""
+        if not self.cluster:
+            return [keys]
+        groups: dict[int, list[str]] = {}
+        for key in keys:
+            groups.setdefault(key_slot(self._names(key)[0].encode()), []).append(key)
+        return [tuple(group) for group in groups.values()]
+
+    async def _take_by_slot(
+        self,
+        slots: list[tuple[str, ...]],
+        keys: tuple[str, ...],
+        owner: str,
+        holder: str,
+        ttl: float,
+        take: Callable[..., Awaitable[AcquireResult]],
+        give_back: Callable[[tuple[str, ...], str], Awaitable[bool]],
+    ) -> AcquireResult:
+        """Cluster's way for keys on several slots (for sync and async callers alike, as
+        `run_script`): one script per slot, in order; at the first refusal or error every
+        key taken so far (and those of the slot in flight, whose reply may be lost) is given
+        back. Others may see a part taken meanwhile, never keep it: nobody holds a part
+        while waiting for the rest."""
+        fences: dict[str, int] = {}
+        part: tuple[str, ...] = ()
+        try:
+            for part in slots:
+                result = await take(part, owner, holder, ttl)
+                if result.fences is None:
+                    await self._give_back_quietly(tuple(fences), owner, give_back)
+                    return result
+                fences.update(zip(part, result.fences, strict=True))
+        except BaseException:
+            await self._give_back_quietly((*fences, *part), owner, give_back)
+            raise
+        ordered = tuple(fences[key] for key in keys)
+        return AcquireResult(max(ordered), fences=ordered)
+
+    @staticmethod
+    async def _give_back_quietly(
+        keys: tuple[str, ...],
+        owner: str,
+        give_back: Callable[[tuple[str, ...], str], Awaitable[bool]],
+    ) -> None:
+        """Release `owner`'s `keys` of a refused or failing multi-key acquire; a key that
+        cannot be released now lives out its ttl."""
+        if keys:
+            with contextlib.suppress(Exception):
+                await give_back(keys, owner)
+
+    @staticmethod
+    async def _each_slot(
+        slots: list[tuple[str, ...]], run: Callable[[tuple[str, ...]], Awaitable[bool]]
+    ) -> bool:
+        """`run` on each slot's keys, all of them even when one fails (its error is raised
+        after); True if every one was."""
+        every, failed = True, None
+        for part in slots:
+            try:
+                every = await run(part) and every
+            except LockStoreUnavailable as exc:
+                failed = failed or exc
+        if failed is not None:
+            raise failed
+        return every
+
+    def _acquire_many_call(
+        self, keys: tuple[str, ...], owner: str, holder: str, ttl: float
+    ) -> Call:
+        names = tuple(name for key in keys for name in self._names(key))
+        return ACQUIRE_MANY, names, (owner, holder, _ms(ttl))
+
+    def _release_many_call(self, keys: tuple[str, ...], owner: str) -> Call:
+        names: list[str] = []
+        args: list[str] = [owner, self.wake_prefix]
+        for key in keys:
+            lock_name = self._names(key)[0]
+            names += (lock_name, lock_name + ":line", lock_name + ":places")
+            args += (self.release_channel(key), key)
+        return RELEASE_MANY, tuple(names), tuple(args)
+
+    def _extend_many_call(self, keys: tuple[str, ...], owner: str, ttl: float) -> Call:
+        return EXTEND_MANY, tuple(self._names(key)[0] for key in keys), (owner, _ms(ttl))
+
+    @staticmethod
+    def _acquired_many(keys: tuple[str, ...], reply: Any) -> AcquireResult:
+        """ACQUIRE_MANY's reply as an AcquireResult."""
+        first = int(reply[0])
+        if first > 0:
+            fences = tuple(map(int, reply))
+            return AcquireResult(max(fences), fences=fences)
+        gate_owner = as_text(reply[1])
+        return AcquireResult(
+            None,
+            None if first == 0 else (-first - 1) / 1000.0,
+            PERMIT_OWNERS.get(gate_owner, "exclusive"),
+            blocked=tuple(keys[int(index) - 1] for index in reply[2:]),
+        )
+
+    def _released_many(self, keys: tuple[str, ...], reply: Any) -> bool:
+        """RELEASE_MANY's reply: True if every key was released; this process's waiters of
+        each released key are woken at once."""
+        for key, released in zip(keys, reply, strict=True):
+            self._released(key, int(released))
+        return all(int(released) for released in reply)
+
+    @staticmethod
+    def _extended_many(keys: tuple[str, ...], reply: Any) -> bool:
+        return int(reply) == len(keys)
+
     # -- replicas (MIN_REPLICAS) ------------------------------------------------------------
     # A script that may grant (acquire, extend and their permit twins) is followed by WAIT on
     # the same connection, in the same round trip: an acquire fewer than MIN_REPLICAS
@@ -457,7 +638,7 @@ class RedisLockStore(ListeningStore, LockStore):
     # stays asynchronous, Sentinel may promote a replica that had not acknowledged, and a
     # grant can be acknowledged after WAIT gave up.
     def _granting(
-        self, call: Call, key: str, owner: str, permit: bool = False, extend: bool = False
+        self, call: Call, key: Granted, owner: str, permit: bool = False, extend: bool = False
     ) -> Any:
         if not self.min_replicas:
             return self._run(*call)
@@ -466,15 +647,18 @@ class RedisLockStore(ListeningStore, LockStore):
         return run_ready(self._on_replicas(call, key, give_back, waiting, run))
 
     async def _agranting(
-        self, call: Call, key: str, owner: str, permit: bool = False, extend: bool = False
+        self, call: Call, key: Granted, owner: str, permit: bool = False, extend: bool = False
     ) -> Any:
         if not self.min_replicas:
             return await self._arun(*call)
         give_back = None if extend else self._give_back_call(key, owner, permit)
         return await self._on_replicas(call, key, give_back, self._arun_waiting, self._arun)
 
-    def _give_back_call(self, key: str, owner: str, permit: bool) -> Call:
-        """The release (owner-checked) of an acquire short of replicas."""
+    def _give_back_call(self, key: Granted, owner: str, permit: bool) -> Call:
+        """The release (owner-checked) of an acquire short of replicas: of `key`, or of
+        each key of a multi-key acquire (a tuple)."""
+        if isinstance(key, tuple):
+            return self._release_many_call(key, owner)
         return (
             self._release_permit_call(key, owner)
             if permit
@@ -484,7 +668,7 @@ class RedisLockStore(ListeningStore, LockStore):
     async def _on_replicas(
         self,
         call: Call,
-        key: str,
+        key: Granted,
         give_back: Call | None,
         waiting: Callable[..., Awaitable[tuple[Any, int]]],
         run: Callable[..., Awaitable[Any]],
@@ -493,7 +677,8 @@ class RedisLockStore(ListeningStore, LockStore):
         a grant short of acknowledgements raises, an acquire's given back first (`run` of
         `give_back`; an extend has none)."""
         reply, acks = await waiting(*call)
-        granted = not isinstance(reply, list) and int(reply) > 0
+        # A fence, an extend's 1 (or count), or ACQUIRE_MANY's first fence: > 0 when granted.
+        granted = int(reply[0] if isinstance(reply, list) else reply) > 0
         if granted and acks < self.min_replicas:
             if give_back is not None:
                 with contextlib.suppress(LockStoreUnavailable):  # else it expires at its ttl
@@ -505,6 +690,29 @@ class RedisLockStore(ListeningStore, LockStore):
                 f"({self._where()}); {kept}"
             )
         return reply
+
+    def run_extra(
+        self, script: Script, keys: Sequence[str], args: Sequence[Any], *, writes: bool
+    ) -> tuple[Any, bool]:
+        """Run `script`, one of another part's (idempotent results); one that `writes` what
+        must survive a failover is followed by WAIT on its connection with MIN_REPLICAS, in
+        the same round trip, as an acquire is: (its reply, whether MIN_REPLICAS replicas
+        acknowledged it; True without MIN_REPLICAS or when it does not write)."""
+        if not (writes and self.min_replicas):
+            return self._run(script, keys, args), True
+        reply, acks = self._run_waiting(script, keys, args)
+        return reply, acks >= self.min_replicas
+
+    def releasing_call(self, key: str, owner: str) -> tuple[tuple[str, ...], tuple[Any, ...]]:
+        """RELEASE's KEYS and ARGV for `owner`'s lock on `key`: how a script that releases
+        it as RELEASE does (scripts.RELEASE_KEEPING) begins its own."""
+        _, keys, args = self._line_call(RELEASE, key, owner)
+        return keys, args
+
+    def released_by(self, key: str, released: bool) -> bool:
+        """A script released `key` (`released`): wake this process's waiters as `release`
+        does."""
+        return self._released(key, released)
 
     @property
     def _wait_ms(self) -> int:

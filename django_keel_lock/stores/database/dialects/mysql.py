@@ -174,7 +174,8 @@ class MySQLDialect(ServerDialect):
     # until it has committed. A user without the PROCESS privilege sees only its own
     # connections: every process locking through this table must connect as the same user,
     # or have PROCESS.
-    sweep_before = ("SET TRANSACTION ISOLATION LEVEL READ COMMITTED",)
+    read_committed = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED"
+    sweep_before = (read_committed,)
     sweep_select = f"SELECT `key` FROM {TABLE} WHERE fence <= %s AND expires_at <= {_NOW} LIMIT %s"
     sweep_delete = (
         f"DELETE FROM {TABLE} WHERE fence <= %s AND `key` {{names}} AND expires_at <= {_NOW}"

@@ -91,11 +91,11 @@ class PostgresDialect(ServerDialect):
     # waited for the row is not in it, but then it listens to the key's channel already.
     _release = f"""
         UPDATE {TABLE} AS l SET owner = {RELEASED}, expires_at = clock_timestamp()
-        WHERE key = %s AND owner = %s AND expires_at > clock_timestamp()
+        WHERE key = %s AND owner = %s AND expires_at > clock_timestamp(){{when}}
         RETURNING CASE WHEN waiting IS TRUE THEN pg_notify({{channel}}, l.key) END{{flush}}
     """
-    _release_template = _release.format(channel=_KEY_CHANNEL, flush="{flush}")
-    _release_line_template = _release.format(channel=_FIRST_CHANNEL, flush="{flush}")
+    _release_template = _release.format(channel=_KEY_CHANNEL, flush="{flush}", when="{when}")
+    _release_line_template = _release.format(channel=_FIRST_CHANNEL, flush="{flush}", when="{when}")
     # A waiter in the line that is first in it takes the free lock in one statement, as the
     # release that woke it expects (the line's transaction is for joining and keeping a
     # place): the UPDATE draws its fence once it holds the row; its place goes with the
@@ -177,6 +177,38 @@ class PostgresDialect(ServerDialect):
     )
     prune_unguard = ("COMMIT",)
 
+    # Several keys (`LockStore.acquire_many`): an acquire is one call of the function of
+    # migration 0008 (the keys as one text[] parameter). A release or an extend is one
+    # statement that locks the owner's rows in the order of the keys (as the acquire does:
+    # no two of them wait for each other in a circle), then writes them as the single-key
+    # statement does; a release NOTIFYs each key's waiters, or the first of its line.
+    _acquire_many_template = (
+        "SELECT fences, retry_in, held_as, blocked{flush} "
+        "FROM django_keel_lock_acquire_many(%s::text[], %s, %s, %s::float8)"
+    )
+    _owned_rows = f"""
+        WITH mine AS (
+            SELECT l.key FROM unnest(%s::text[]) WITH ORDINALITY AS u(k, n)
+            JOIN {TABLE} l ON l.key = u.k
+            WHERE l.owner = %s AND l.expires_at > clock_timestamp()
+            ORDER BY u.n FOR UPDATE OF l
+        )
+    """
+    _release_many = f"""{_owned_rows}
+        UPDATE {TABLE} AS l SET owner = {RELEASED}, expires_at = clock_timestamp()
+        FROM mine WHERE l.key = mine.key
+        RETURNING l.key, CASE WHEN l.waiting IS TRUE THEN pg_notify({{channel}}, l.key) END
+                  {{flush}}
+    """
+    _release_many_template = _release_many.format(channel=_KEY_CHANNEL, flush="{flush}")
+    _release_many_line_template = _release_many.format(channel=_FIRST_CHANNEL, flush="{flush}")
+    _extend_many_template = f"""{_owned_rows}
+        UPDATE {TABLE} AS l
+        SET expires_at = GREATEST(l.expires_at, clock_timestamp() + make_interval(secs => %s))
+        FROM mine WHERE l.key = mine.key
+        RETURNING 1{{flush}}
+    """
+
     # Permits: each operation is one call of a function migration 0003 creates (one round
     # trip; its rules are `stores.permits.plan_acquire`'s), which NOTIFYs as a release does.
     _acquire_permit_template = (
@@ -220,13 +252,28 @@ class PostgresDialect(ServerDialect):
         hot = "" if durable else NO_FLUSH
         self.acquire_sql = (self._acquire_template.format(flush=hot),)
         self.acquire_queued_sql = (self._acquire_queued_template.format(flush=hot),)
-        self.release_sql = self._release_template.format(flush=NO_FLUSH)
-        self.release_line_sql = self._release_line_template.format(flush=NO_FLUSH)
+        self.release_sql = self._release_template.format(flush=NO_FLUSH, when="")
+        self.release_line_sql = self._release_line_template.format(flush=NO_FLUSH, when="")
+        self._hot = hot
         self.take_first_sql = self._take_first_template.format(flush=hot)
         self.extend_sql = self._extend_template.format(flush=hot)
         self.acquire_permit_sql = self._acquire_permit_template.format(flush=hot)
+        self.acquire_many_sql = self._acquire_many_template.format(flush=hot)
+        self.release_many_sql = self._release_many_template.format(flush=NO_FLUSH)
+        self.release_many_line_sql = self._release_many_line_template.format(flush=NO_FLUSH)
+        self.extend_many_sql = self._extend_many_template.format(flush=hot)
         self.release_permit_sql = self._release_permit_template.format(flush=NO_FLUSH)
         self.extend_permit_sql = self._extend_permit_template.format(flush=hot)
+
+    def release_text(self, line: bool, when: str = "", keeps: bool = False) -> str:
+        """The release's UPDATE (`line`: waking the first of the key's line), for a statement
+        of idempotent results to put in a WITH: only `when` (an SQL condition) holds too;
+        one that `keeps` a result waits for its flush as an acquire does, where a plain
+        release does not (a result lost to a crash would let a retry run again)."""
+        template = self._release_line_template if line else self._release_template
+        return template.format(
+            flush=self._hot if keeps else NO_FLUSH, when=f" AND {when}" if when else ""
+        )
 
     def sweep_names(self, delete: str, names: Sequence[Any]) -> tuple[str, Sequence[Any]]:
         # One array parameter: one statement text whatever the count, prepared once.
