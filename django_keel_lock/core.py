@@ -18,6 +18,7 @@ import inspect
 import logging
 import math
 import os
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -36,6 +37,7 @@ from typing import (
 )
 
 from asgiref.sync import iscoroutinefunction, sync_to_async
+from django.core.signals import setting_changed
 from django.dispatch import Signal
 
 from . import drivers, engine, metrics, signals, tokens, watchdog
@@ -47,15 +49,14 @@ from .options import (
     LockOptions,
     LockSpec,
     check_store,
-    default_holder,
     lock_name,
     make_handles_with,
     refuse_option,
     validate_key,
 )
 from .queries import KeyQueries
-from .registry import get_lock_store
-from .stores.base import EXCLUSIVE, LockInfo, Mode
+from .registry import get_lock_store, on_stores_changed
+from .stores.base import EXCLUSIVE, LockInfo, LockStore, Mode
 from .waiting import to_the_end
 
 if TYPE_CHECKING:
@@ -131,25 +132,22 @@ class Lock(Holding, KeyQueries):
         return handle
 
     def _setup(self, key: str, spec: LockSpec, *, label: str | None, raises: bool = False) -> None:
-        self._store = get_lock_store(spec.store)
-        self.key = validate_key(key, self._store)
-        # The spec's calls written out where they only read a value: calls less per handle.
-        self.ttl = spec.resolved_ttl() if spec.ttl is None else spec.ttl
-        self.timeout, self.retry_delay = spec.timeout, spec.retry_delay
-        if spec.holder is None and label is None:
-            self.holder = default_holder()
+        ready = _ready.get(id(spec))
+        if ready is None or ready[0] is not spec:
+            ready = _prepare(spec)
+        _, store, self.ttl, holder, longest = ready
+        self._store = store
+        # `validate_key`'s tests, in short for the usual key: a printable ASCII str.
+        if type(key) is str and key.isascii() and key.isprintable() and 0 < len(key) <= longest:
+            self.key = key
         else:
-            self.holder = spec.holder_for(label)
+            self.key = validate_key(key, store)
+        self.timeout, self.retry_delay = spec.timeout, spec.retry_delay
+        self.holder = holder if label is None or spec.holder is not None else spec.holder_for(label)
         self.auto_extend, self.max_hold = spec.auto_extend, spec.max_hold
         self.on_lost = spec.on_lost
         self.store_alias = spec.store
         self.mode: Mode = spec.mode
-        if spec.mode is not EXCLUSIVE and not self._store.supports_modes:
-            what = "limit=" if spec.mode.kind == "semaphore" else "shared=True"
-            raise ValueError(
-                f"{what} needs a store with semaphores and shared locks; store {spec.store!r} "
-                f"({type(self._store).__name__}) has none"
-            )
         self.owner: str | None = None
         self._next_owner: str | None = None
         self.fence: int | None = None
@@ -237,11 +235,13 @@ class Lock(Holding, KeyQueries):
             if meter is not None:
                 meter.refused(self, waited, self._attempts, self._raises)
             return False
-        with self._mutex:
+        if not self.auto_extend:  # no other thread touches the handle: `_took` written out
             self.owner, self.fence, self._held, self.lost = owner, result.fence, True, False
             self._next_owner = None
-            # The store started the ttl after we sent the call: counting from `sent` errs early.
             self._valid_until = sent + self.ttl
+        else:
+            with self._mutex:  # the state the watchdog shares
+                self._took(owner, result.fence, sent)
         if signals.lock_acquired.receivers:  # `_announce`'s test first: a call less
             _announce(signals.lock_acquired, lock=self)
         if meter is not None:
@@ -253,6 +253,13 @@ class Lock(Holding, KeyQueries):
             else:
                 renewal.start_task()
         return True
+
+    def _took(self, owner: str, fence: int, sent: float) -> None:
+        """The acquire of `owner` took the lock with `fence`: the handle holds it."""
+        self.owner, self.fence, self._held, self.lost = owner, fence, True, False
+        self._next_owner = None
+        # The store started the ttl after we sent the call: counting from `sent` errs early.
+        self._valid_until = sent + self.ttl
 
     def _wait_args(
         self, timeout: Duration | None, retry_delay: Duration | None
@@ -280,8 +287,10 @@ class Lock(Holding, KeyQueries):
             # reply was lost (timeout, dropped connection) may still have taken the lock, and a
             # retry with the same owner gets it back instead of stranding it until its ttl.
             if self._next_owner is None:
-                # 128 random bits, as secrets.token_hex(16) draws them: half its cost.
-                self._next_owner = os.urandom(16).hex()
+                try:
+                    self._next_owner = _owners.pop()
+                except IndexError:
+                    self._next_owner = _draw_owners()
             # Until this acquire ends, another acquire of the handle is refused:
             # it would ask with the same pending owner, and the store grants one owner twice.
             self._acquiring = mine
@@ -402,11 +411,14 @@ class Lock(Holding, KeyQueries):
         return f"{engine.kind_phrase(self.mode.kind, article=False)} {self.key!r}"
 
     def __enter__(self) -> Self:
-        raises, self._raises = self._raises, True  # a refusal here raises: traces say so
-        try:
+        if metrics.recorder is None:  # only metrics read `_raises`: a swap less
             acquired = self.acquire()
-        finally:
-            self._raises = raises
+        else:
+            raises, self._raises = self._raises, True  # a refusal here raises: traces say so
+            try:
+                acquired = self.acquire()
+            finally:
+                self._raises = raises
         if not acquired:
             raise self.unavailable()
         return self
@@ -417,7 +429,9 @@ class Lock(Holding, KeyQueries):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._leave(exc)
+        self.release()  # `_leave` written out: a call less per block
+        if self.lost:
+            self._check_kept(exc)
 
     # -- handing over ---------------------------------------------------------------------
     def serialize(self) -> str:
@@ -465,6 +479,59 @@ class Lock(Holding, KeyQueries):
 
 
 make_handles_with(Lock.from_spec)
+
+#: Owner tokens drawn ahead: one os.urandom call per OWNERS_DRAWN acquires, not one each.
+#: Each is 128 random bits, as secrets.token_hex(16) draws them; a forked child forgets its
+#: parent's (it would take the same ones).
+_owners: list[str] = []
+OWNERS_DRAWN = 64
+
+
+def _draw_owners() -> str:
+    """A new owner token, and OWNERS_DRAWN - 1 more kept for the next acquires."""
+    drawn = os.urandom(16 * OWNERS_DRAWN).hex()
+    _owners.extend(drawn[start : start + 32] for start in range(32, len(drawn), 32))
+    return drawn[:32]
+
+
+os.register_at_fork(after_in_child=_owners.clear)
+
+#: What a handle of a spec starts from (`_prepare`), by the spec's id: the spec, its store,
+#: its ttl, the holder of a handle without a label, the longest key the store takes.
+_Ready = tuple[LockSpec, LockStore, float, str, int]
+_ready: dict[int, _Ready] = {}
+#: The most specs `_ready` keeps (a program makes a few kinds of handle: a rare reset).
+READY_KEPT = 256
+
+
+def _prepare(spec: LockSpec) -> _Ready:
+    """What every handle of `spec` starts from, found once: kept until a setting changes, a
+    store is set on an alias or the settings' stores are rebuilt, or the process forks (the
+    default holder names the process)."""
+    kept = _ready  # replaced by a change meanwhile: what is found then is not kept
+    store = get_lock_store(spec.store)
+    if spec.mode is not EXCLUSIVE and not store.supports_modes:
+        what = "limit=" if spec.mode.kind == "semaphore" else "shared=True"
+        raise ValueError(
+            f"{what} needs a store with semaphores and shared locks; store {spec.store!r} "
+            f"({type(store).__name__}) has none"
+        )
+    longest = sys.maxsize if store.max_key_length is None else store.max_key_length
+    ready = (spec, store, spec.resolved_ttl(), spec.holder_for(None), longest)
+    if len(kept) >= READY_KEPT:
+        kept.clear()
+    kept[id(spec)] = ready
+    return ready
+
+
+def _forget_ready(**kwargs: object) -> None:
+    global _ready
+    _ready = {}
+
+
+on_stores_changed(_forget_ready)
+setting_changed.connect(_forget_ready, dispatch_uid="django_keel_lock.core.ready")
+os.register_at_fork(after_in_child=_forget_ready)
 
 
 class MultiMaker(Protocol):
@@ -533,7 +600,9 @@ def lock(
         raise refuse_option("lock", "limit", "for at most N holders use semaphore(key, limit=N)")
     # The options as given (a new handle per `with lock(key):` is the usual way: no copy).
     given: Mapping[str, object] = options if shared is False else {**options, "shared": shared}
-    return Lock.from_spec(key, LockSpec.of("lock", given))  # type: ignore[arg-type]
+    handle = Lock.__new__(Lock)  # `Lock.from_spec` written out: a call less per handle
+    handle._setup(key, LockSpec.of("lock", given), label=None)  # type: ignore[arg-type]
+    return handle
 
 
 def semaphore(key: str, *, limit: int, **options: Unpack[HandleOptions]) -> Lock:

@@ -98,6 +98,9 @@ class Holding:
         except LockStoreUnavailable:
             self._store_error("release")
             raise
+        if released and self._meter is None and not signals.lock_released.receivers:
+            self._held = False  # `_released` in short: released, and nobody to tell
+            return True
         return self._released(released)
 
     def release_with(self, operation: Callable[[str, str], bool | None]) -> bool | None:

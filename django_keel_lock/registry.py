@@ -7,7 +7,7 @@ settings are closed and forgotten when a setting they depend on changes (`overri
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
@@ -21,6 +21,8 @@ from .stores.base import LockStore
 _mutex = threading.Lock()
 _built: dict[str, LockStore] = {}
 _overrides: dict[str, LockStore] = {}
+#: Called with no arguments whenever the store of an alias may change (`on_stores_changed`).
+_listeners: list[Callable[[], None]] = []
 
 
 class NotALockStore(TypeError):
@@ -90,6 +92,17 @@ def get_lock_store(alias: str = "default") -> LockStore:
         return store
 
 
+def on_stores_changed(listener: Callable[[], None]) -> None:
+    """Call `listener()` whenever the store of an alias may change (`set_lock_store`,
+    `reset_stores`): whoever keeps stores by alias forgets them then."""
+    _listeners.append(listener)
+
+
+def _changed() -> None:
+    for listener in _listeners:
+        listener()
+
+
 def set_lock_store(store: LockStore | None, alias: str = "default") -> None:
     """Use `store` for `alias` (whatever the settings say); None goes back to the settings."""
     if store is not None and not isinstance(store, LockStore):
@@ -99,6 +112,7 @@ def set_lock_store(store: LockStore | None, alias: str = "default") -> None:
             _overrides.pop(alias, None)
         else:
             _overrides[alias] = store
+    _changed()
 
 
 def lock_store_override(alias: str = "default") -> LockStore | None:
@@ -112,6 +126,7 @@ def reset_stores() -> None:
     with _mutex:
         built = list(_built.values())
         _built.clear()
+    _changed()
     for store in built:
         store.close()
 

@@ -29,6 +29,7 @@ from django_keel_lock.testing import memory_lock_store
 from django_keel_lock.tokens import TOKEN_SALT
 
 from .conftest import ALL_STORES, store_params
+from .support.forked import in_forked_child
 
 quick = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 
@@ -310,17 +311,7 @@ def test_derived_holders_escape_control_characters() -> None:
 def test_a_forked_child_names_itself_in_the_default_holder() -> None:
     parent = lock("k", store="memory").holder
     assert parent.endswith(f":{os.getpid()}")
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: report its handle's holder, then leave without cleanup
-        try:
-            os.write(write, lock("k", store="memory").holder.encode())
-        finally:
-            os._exit(0)
-    os.close(write)
-    os.waitpid(pid, 0)
-    with os.fdopen(read, "rb") as pipe:
-        child = pipe.read().decode()
+    child, pid = in_forked_child(lambda: lock("k", store="memory").holder)
     assert child == parent.rsplit(":", 1)[0] + f":{pid}"
 
 

@@ -77,7 +77,13 @@ class MemoryLockStore(LockStore):
         now = time.monotonic()
         with self._mutex:
             entry = self._locks.get(key)
-            if entry is not None and entry.expires_at > now and entry.owner != owner:
+            if entry is None:  # the usual case: `_take` written out, a call less
+                fence = next(self._fences)
+                self._locks[key] = _Entry(owner, holder, fence, now, now + ttl)
+                if self._permits:
+                    self._permits.pop(key, None)
+                return _granted(AcquireResult, (fence, None, None, None, ()))
+            if entry.expires_at > now and entry.owner != owner:
                 kind = PERMIT_OWNERS.get(entry.owner, "exclusive")
                 return AcquireResult(None, entry.expires_at - now, kind)
             return self._take(key, entry, owner, holder, ttl, now)
@@ -104,7 +110,8 @@ class MemoryLockStore(LockStore):
             if entry is None or entry.owner != owner or entry.expires_at <= now:
                 return False
             del self._locks[key]
-        self.wake_board.wake(key)
+        if key in self.wake_board.watched:  # someone listens: `wake`'s test first
+            self.wake_board.wake(key)
         return True
 
     def extend(self, key: str, owner: str, ttl: float) -> bool:

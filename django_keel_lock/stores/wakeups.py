@@ -9,7 +9,7 @@ import secrets
 import select
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -91,6 +91,9 @@ class WakeBoard:
     def __init__(self) -> None:
         self._mutex = threading.Lock()
         self._slots: dict[str, _Slot] = {}
+        #: The keys someone in this process listens to (read only): a release of another key
+        #: need not call `wake`.
+        self.watched: Mapping[str, object] = self._slots
         #: Called as hook(key, True) when a key gets its first watcher and hook(key, False)
         #: when its last one leaves (under the board's mutex: keep it short, never block).
         #: A listener uses it to hear only about the keys this process waits for.
