@@ -263,6 +263,33 @@ def test_each_multi_key_operation_is_one_round_trip_on_postgres(key: str) -> Non
     assert counts == [1, 1, 1, 1]
 
 
+@needs_store("postgres")
+@pytest.mark.parametrize("count", [2, 10])
+def test_release_and_extend_of_several_keys_run_their_generic_plan_on_postgres(
+    key: str, count: int
+) -> None:
+    """A prepared statement is planned anew at every call while its generic plan looks
+    dearer than a plan for the values, as over an array parameter's unnest at a few keys
+    (the planner guesses ten rows): the statements of several keys take one parameter a
+    key, in a VALUES list, and run their generic plan past the planner's five trial runs."""
+    store, keys, mine = store_of("postgres"), keys_of(key, count), owner()
+    values = ", ".join(f"({n}, ${n}::text)" for n in range(1, count + 1))
+    for _ in range(8):
+        assert store.acquire_many(keys, mine, "plans", 30).acquired
+        assert store.extend_many(keys, mine, 30) and store.release_many(keys, mine)
+    rows, _ = store.execute(
+        [
+            (
+                "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements "
+                "WHERE statement LIKE %s",
+                (f"%(VALUES {values}) AS u%",),
+            )
+        ]
+    )
+    assert len(rows) >= 2  # the release and the extend of `count` keys
+    assert all(generic > 0 and custom <= 5 for _, generic, custom in rows), rows
+
+
 @pytest.mark.parametrize("alias", store_params(["postgres", "mariadb"]))
 def test_an_outage_mid_call_raises_unavailable_and_leaves_no_key_held(alias: str, key: str) -> None:
     keys, mine = keys_of(key, 3), owner()

@@ -476,18 +476,15 @@ class Postgres(ServerVendor):
 
     def release_many(self, keys: tuple[str, ...], owner: str, line: bool) -> bool:
         # The statement NOTIFYs each key's waiters itself, or the first of its line.
-        dialect = self.dialect
-        sql = dialect.release_many_line_sql if line else dialect.release_many_sql
-        rows, _ = self.store.execute(
-            [(sql, (array_literal(keys), owner))], hot=True, idempotent=False, key=keys
-        )
+        sql = self.dialect.release_many_sql(len(keys), line)
+        rows, _ = self.store.execute([(sql, (*keys, owner))], hot=True, idempotent=False, key=keys)
         for row in rows:
             self.announce(_text(row[0]) or "")
         return len(rows) == len(keys)
 
     def extend_many(self, keys: tuple[str, ...], owner: str, ttl: float) -> bool:
-        params = (array_literal(keys), owner, ttl)
-        rows, _ = self.store.execute([(self.dialect.extend_many_sql, params)], hot=True, key=keys)
+        sql = self.dialect.extend_many_sql(len(keys))
+        rows, _ = self.store.execute([(sql, (*keys, owner, ttl))], hot=True, key=keys)
         return len(rows) == len(keys)
 
     def acquire_permit(

@@ -186,9 +186,14 @@ class PostgresDialect(ServerDialect):
         "SELECT fences, retry_in, held_as, blocked{flush} "
         "FROM django_keel_lock_acquire_many(%s::text[], %s, %s, %s::float8)"
     )
+    # The keys come as one parameter each, in a VALUES list: its row count is in the text,
+    # so the planner's generic plan costs what a plan for the values does and is kept after
+    # its five trial runs. (Over an array parameter's unnest, the generic plan guessed ten
+    # rows and so looked dearer at a few keys: every call was planned anew, which was most
+    # of the time of a release of two keys.)
     _owned_rows = f"""
         WITH mine AS (
-            SELECT l.key FROM unnest(%s::text[]) WITH ORDINALITY AS u(k, n)
+            SELECT l.key FROM (VALUES {{keys}}) AS u(n, k)
             JOIN {TABLE} l ON l.key = u.k
             WHERE l.owner = %s AND l.expires_at > clock_timestamp()
             ORDER BY u.n FOR UPDATE OF l
@@ -200,8 +205,12 @@ class PostgresDialect(ServerDialect):
         RETURNING l.key, CASE WHEN l.waiting IS TRUE THEN pg_notify({{channel}}, l.key) END
                   {{flush}}
     """
-    _release_many_template = _release_many.format(channel=_KEY_CHANNEL, flush="{flush}")
-    _release_many_line_template = _release_many.format(channel=_FIRST_CHANNEL, flush="{flush}")
+    _release_many_template = _release_many.format(
+        channel=_KEY_CHANNEL, flush="{flush}", keys="{keys}"
+    )
+    _release_many_line_template = _release_many.format(
+        channel=_FIRST_CHANNEL, flush="{flush}", keys="{keys}"
+    )
     _extend_many_template = f"""{_owned_rows}
         UPDATE {TABLE} AS l
         SET expires_at = GREATEST(l.expires_at, clock_timestamp() + make_interval(secs => %s))
@@ -259,11 +268,32 @@ class PostgresDialect(ServerDialect):
         self.extend_sql = self._extend_template.format(flush=hot)
         self.acquire_permit_sql = self._acquire_permit_template.format(flush=hot)
         self.acquire_many_sql = self._acquire_many_template.format(flush=hot)
-        self.release_many_sql = self._release_many_template.format(flush=NO_FLUSH)
-        self.release_many_line_sql = self._release_many_line_template.format(flush=NO_FLUSH)
-        self.extend_many_sql = self._extend_many_template.format(flush=hot)
+        self._release_many_sql = self._release_many_template.format(flush=NO_FLUSH, keys="{keys}")
+        self._release_many_line_sql = self._release_many_line_template.format(
+            flush=NO_FLUSH, keys="{keys}"
+        )
+        self._extend_many_sql = self._extend_many_template.format(flush=hot, keys="{keys}")
+        self._of_count: dict[tuple[str, int], str] = {}
         self.release_permit_sql = self._release_permit_template.format(flush=NO_FLUSH)
         self.extend_permit_sql = self._extend_permit_template.format(flush=hot)
+
+    def release_many_sql(self, count: int, line: bool) -> str:
+        """The release of `count` keys (`line`: waking the first of each key's line); its
+        parameters are the keys, then the owner."""
+        template = self._release_many_line_sql if line else self._release_many_sql
+        return self._for_count(template, count)
+
+    def extend_many_sql(self, count: int) -> str:
+        """The extend of `count` keys; its parameters are the keys, the owner, the ttl."""
+        return self._for_count(self._extend_many_sql, count)
+
+    def _for_count(self, template: str, count: int) -> str:
+        """`template` with a VALUES row for each of `count` keys (built once a count)."""
+        sql = self._of_count.get((template, count))
+        if sql is None:
+            rows = ", ".join(f"({n}, %s::text)" for n in range(1, count + 1))
+            sql = self._of_count[template, count] = template.format(keys=rows)
+        return sql
 
     def release_text(self, line: bool, when: str = "", keeps: bool = False) -> str:
         """The release's UPDATE (`line`: waking the first of the key's line), for a statement
