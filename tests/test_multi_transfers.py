@@ -29,8 +29,8 @@ from .conftest import STORE_AVAILABILITY, store_params
 WORKERS = 8
 ACCOUNTS = 5
 START_BALANCE = 1_000
-#: Seconds of transfers per store (the file's CI budget is about 20 s a store).
-DURATION = 12.0
+#: Seconds of transfers per store, as the issue asks (20 s of every store; CI pays it twice).
+DURATION = 20.0
 #: Seconds a transfer may wait for its two accounts before the worker gives up (a deadlock
 #: or starvation shows as a worker that fails, not as a test that hangs).
 WAIT = 30.0
