@@ -5,6 +5,7 @@ and everything a single-key handle does, on every store of the contract."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -349,6 +350,36 @@ async def test_async_with_and_a_cancelled_wait_leave_no_key_held(
     assert await later.arelease()
     ran, value = await many([a, c], ttl=30).arun(lambda: 7)
     assert (ran, value) == (True, 7)
+
+
+@pytest.mark.parametrize("store_alias", LINE_STORES)
+async def test_a_waiter_cancelled_as_it_takes_its_keys_from_a_line_leaves_none_held(
+    keys: Keys, many: Callable[..., MultiLock], one: Callable[..., Lock], store: LockStore
+) -> None:
+    # The waiter stands in `a`'s line; `a` released, it takes both keys and then leaves the
+    # line. A cancellation that lands at any moment of that (each count of loop turns
+    # after the release) must leave no key held: taken, they are given back.
+    a, b = keys("a", "b")
+    held: list[tuple[int, object, object]] = []
+    for turns in range(16):
+        blocker = one(a, ttl=30)
+        assert await blocker.aacquire()
+        waiter = many([a, b], ttl=30, timeout=10)
+        task = asyncio.ensure_future(waiter.aacquire())
+        await asyncio.sleep(0.05)
+        assert await blocker.arelease()
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            if await task:
+                await waiter.arelease()
+        left = (await store.aget(a), await store.aget(b))
+        if left != (None, None):
+            held.append((turns, *left))
+            for name in (a, b):
+                await asyncio.to_thread(force_release, name, store=store.alias)
+    assert held == []
 
 
 def test_a_refused_with_block_raises_lock_unavailable_naming_the_keys(
