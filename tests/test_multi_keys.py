@@ -19,6 +19,7 @@ from django_keel_lock import (
     InvalidLockToken,
     Lock,
     LockNotHeldError,
+    LockStoreUnavailable,
     LockUnavailable,
     MultiLock,
     force_release,
@@ -32,6 +33,7 @@ from django_keel_lock.options import LockSpec
 from django_keel_lock.stores import LockStore
 from django_keel_lock.stores.base import MAX_KEYS
 from tests.conftest import CONTRACT_STORES, store_params
+from tests.support.third_party_store import DictLockStore
 
 #: The stores that keep a line of waiters per key (`LockStore.queues`).
 LINE_STORES = store_params(["postgres", "mariadb", "redis"])
@@ -462,3 +464,25 @@ def test_a_signed_token_with_keys_but_not_a_fence_each_is_refused(
     with pytest.raises(InvalidLockToken, match="does not describe a lock"):
         restore_lock(forged)
     assert single.release()
+
+
+class _OneKeyDown(DictLockStore):
+    """A store (written on the documented default `release_many`) one of whose keys cannot
+    be released: the shard that keeps it is down."""
+
+    down = ""
+
+    def release(self, key: str, owner: str) -> bool:
+        if key == self.down:
+            raise LockStoreUnavailable(f"the shard of {key!r} is down")
+        return super().release(key, owner)
+
+
+def test_the_default_release_many_frees_every_key_it_can_when_one_fails() -> None:
+    store = _OneKeyDown("one-key-down")
+    keys = ("a", "b", "c")
+    assert store.acquire_many(keys, "mine", "here", 30).acquired
+    store.down = "a"
+    with pytest.raises(LockStoreUnavailable, match="'a'"):
+        store.release_many(keys, "mine")
+    assert store.get("b") is None and store.get("c") is None
