@@ -404,6 +404,11 @@ def test_a_refused_with_block_raises_lock_unavailable_naming_the_keys(
         (["a", 3], TypeError, r"keys\[1\]"),
         (["a", "bad\nkey"], ValueError, r"keys\[1\]"),
         (["a", ""], ValueError, r"keys\[1\]"),
+        # Several keys in another collection: told to pass a list or tuple, not "a str".
+        ({"a", "b"}, TypeError, "list or tuple of str.*got set"),
+        (frozenset({"a"}), TypeError, "list or tuple of str.*got frozenset"),
+        ((k for k in "ab"), TypeError, "list or tuple of str.*got generator"),
+        ({"a": 1}.keys(), TypeError, "list or tuple of str.*got dict_keys"),
     ],
 )
 def test_bad_keys_are_refused_naming_the_argument(
