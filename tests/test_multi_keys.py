@@ -31,7 +31,7 @@ from django_keel_lock import (
 )
 from django_keel_lock.options import LockSpec
 from django_keel_lock.stores import LockStore
-from django_keel_lock.stores.base import MAX_KEYS
+from django_keel_lock.stores.base import MAX_KEYS, AcquireResult
 from tests.conftest import CONTRACT_STORES, store_params
 from tests.support.third_party_store import DictLockStore
 
@@ -491,3 +491,47 @@ def test_the_default_release_many_frees_every_key_it_can_when_one_fails() -> Non
     with pytest.raises(LockStoreUnavailable, match="'a'"):
         store.release_many(keys, "mine")
     assert store.get("b") is None and store.get("c") is None
+
+
+class _RefusedThenDown(DictLockStore):
+    """A store with a line of waiters whose multi-key acquire is refused once, by the first
+    key (held, as its release comes), and then cannot reach its server."""
+
+    queues = True
+
+    def __init__(self, alias: str = "default", options: object = None) -> None:
+        super().__init__(alias, options)  # type: ignore[arg-type]
+        self.asked = 0
+
+    def acquire_many(
+        self, keys: tuple[str, ...], owner: str, holder: str, ttl: float
+    ) -> AcquireResult:
+        self.asked += 1
+        if self.asked == 1:
+            return AcquireResult(None, 0.1, "exclusive", None, (keys[0],))
+        raise LockStoreUnavailable("the server went down")
+
+    def acquire_queued(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
+        return self.acquire(key, owner, holder, ttl)  # the line: nobody else in it
+
+    def leave_queue(self, key: str, owner: str) -> None:
+        pass
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+def test_a_key_taken_from_its_line_is_given_back_when_the_store_then_fails(
+    keys: Keys, use_async: bool
+) -> None:
+    # Refused by `a`, the waiter stands in `a`'s line and the line gives it `a`; asked for
+    # both keys then, the store fails: the waiter must not keep `a` until its ttl.
+    a, b = keys("a", "b")
+    stores = {**settings.KEEL_LOCK_STORES, "down": {"BACKEND": f"{__name__}._RefusedThenDown"}}
+    with override_settings(KEEL_LOCK_STORES=stores):
+        handle = lock([a, b], store="down", ttl=30)
+        with pytest.raises(LockStoreUnavailable):
+            if use_async:
+                asyncio.run(handle.aacquire(timeout=5))
+            else:
+                handle.acquire(timeout=5)
+        assert get_lock_store("down").get(a) is None
+
