@@ -535,3 +535,23 @@ def test_a_key_taken_from_its_line_is_given_back_when_the_store_then_fails(
                 handle.acquire(timeout=5)
         assert get_lock_store("down").get(a) is None
 
+
+class _LostReply(DictLockStore):
+    """A store (on the documented default `acquire_many`) whose acquire of one key takes it
+    and then loses the reply: the caller gets an error, the key is held."""
+
+    lost = ""
+
+    def acquire(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
+        result = super().acquire(key, owner, holder, ttl)
+        if key == self.lost:
+            raise LockStoreUnavailable(f"the reply for {key!r} was lost")
+        return result
+
+
+def test_the_default_acquire_many_gives_back_the_key_whose_reply_was_lost() -> None:
+    store = _LostReply("lost-reply")
+    store.lost = "b"
+    with pytest.raises(LockStoreUnavailable, match="'b'"):
+        store.acquire_many(("a", "b", "c"), "mine", "here", 30)
+    assert store.get("a") is None and store.get("b") is None and store.get("c") is None

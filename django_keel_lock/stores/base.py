@@ -183,11 +183,12 @@ class LockStore(ABC):
         fences: list[int] = []
         try:
             for key in keys:
+                taken.append(key)  # before the call: one whose reply is lost may have taken it
                 result = self.acquire(key, owner, holder, ttl)
                 if result.fence is None:
+                    taken.pop()
                     self._give_back_keys(taken, owner)
                     return AcquireResult(None, result.retry_in, result.held_as, None, (key,))
-                taken.append(key)
                 fences.append(result.fence)
         except BaseException:
             self._give_back_keys(taken, owner)
