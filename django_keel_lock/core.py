@@ -21,7 +21,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from types import TracebackType
 from typing import (
@@ -53,6 +53,7 @@ from .options import (
     make_handles_with,
     refuse_option,
     validate_key,
+    validate_keys,
 )
 from .queries import KeyQueries
 from .registry import get_lock_store, on_stores_changed
@@ -594,8 +595,11 @@ def lock(
 
     `name` is what metrics and traces call the lock ("invoice" for "invoice:42"); without
     it they show the key with its digits, UUIDs and long hex as `*`."""
-    if type(key) is not str and isinstance(key, list | tuple):
-        return _multi[0].of(key, shared, options)
+    if type(key) is not str:
+        if isinstance(key, list | tuple):
+            return _multi[0].of(key, shared, options)
+        if isinstance(key, Iterable) and not isinstance(key, str | bytes):
+            validate_keys(key)  # a set, a generator: raises, asking for a list or tuple
     if "limit" in options:
         raise refuse_option("lock", "limit", "for at most N holders use semaphore(key, limit=N)")
     # The options as given (a new handle per `with lock(key):` is the usual way: no copy).

@@ -255,9 +255,15 @@ class _Async:
             await woken.wait()
 
 
-async def arun(steps: Steps, store: LockStore, key: Watched) -> Any:
+async def arun(
+    steps: Steps,
+    store: LockStore,
+    key: Watched,
+    undo: Callable[[Any], Steps | None] | None = None,
+) -> Any:
     """`run` for async code: the store's async calls, each run to its end. A cancellation
-    that came during a quiet call is raised once the engine is done."""
+    that came during a quiet call is raised once the engine is done, after the steps
+    `undo(value)` gives (if any) undid what the engine returned."""
     async with contextlib.AsyncExitStack() as held:
         driver = _Async(store, key, held)
         try:
@@ -271,6 +277,11 @@ async def arun(steps: Steps, store: LockStore, key: Watched) -> Any:
                 raise driver.pending from None
             raise
         if driver.pending is not None:
+            undoing = None if undo is None else undo(step)
+            if undoing is not None:
+                done, step = resume(undoing, None)
+                while not done:
+                    done, step = resume(undoing, await driver.step(step))
             raise driver.pending
         return step
 
@@ -280,8 +291,16 @@ async def aacquire(target: Target, owner: str, wait: float, retry_delay: float) 
     back what an attempt took when the task is cancelled meanwhile."""
     tally = [1]
     steps = engine.acquisition(target, owner, wait, retry_delay, tally)
+
+    def undo(attempted: engine.Attempted) -> Steps | None:
+        # Cancelled during a quiet call after the lock was taken (a multi-key waiter leaving
+        # the line it stood in): give it back, or it stays held until its ttl runs out.
+        if attempted[0].fence is None:
+            return None
+        return engine.giving_back(target, owner, "acquired as its waiter was cancelled")
+
     try:
-        result, sent = await arun(steps, target.store, engine.subject(target))
+        result, sent = await arun(steps, target.store, engine.subject(target), undo)
     except BaseException as error:
         return error, 0.0, tally[0]
     return result, sent, tally[0]

@@ -417,12 +417,25 @@ def _stand(
             place[0] = None  # permits hold it: not queued
         return refused
     place[0] = None  # the key taken: out of its line
-    result = yield from _taking(target, owner, ask(target, owner, MANY, None))
+    try:
+        result = yield from _taking(target, owner, ask(target, owner, MANY, None))
+    except (Interrupted, GeneratorExit):
+        raise  # `_taking` gave back every key
+    except BaseException:
+        # The store failed, or a signal handler raised (a task's time limit): the key the
+        # line gave is given back, or it would stay held for its ttl.
+        yield from _give_back_key(target, owner, key)
+        raise
     if result.fence is None:
-        undone = yield Call("release", (key, owner), quiet=True)
-        if isinstance(undone, BaseException):
-            logger.warning("lock %r: could not give back key %r (%r)", target.key, key, undone)
+        yield from _give_back_key(target, owner, key)
     return result
+
+
+def _give_back_key(target: Target, owner: str, key: str) -> Generator[Step, Any, None]:
+    """Release the one `key` a multi-key waiter took from its line; an error is logged."""
+    undone = yield Call("release", (key, owner), quiet=True)
+    if isinstance(undone, BaseException):
+        logger.warning("lock %r: could not give back key %r (%r)", target.key, key, undone)
 
 
 def _taking(target: Target, owner: str, step: Call) -> Generator[Step, Any, AcquireResult]:

@@ -190,8 +190,8 @@ def format_key(
     except (KeyError, AttributeError, IndexError) as exc:
         names = ", ".join(bound.arguments) or "none"
         raise ValueError(
-            f"key template {template!r} names {exc} which {fn.__qualname__} does not have "
-            f"(its arguments: {names})"
+            f"key template {template!r} cannot be formatted for this call of "
+            f"{fn.__qualname__}: {type(exc).__name__}: {exc} (its arguments: {names})"
         ) from None
 
 

@@ -116,6 +116,22 @@ def test_locked_template_naming_a_missing_argument_fails_at_decoration() -> None
     )
 
 
+def test_locked_template_whose_argument_lacks_the_attribute_says_so_per_call() -> None:
+    # "{obj.pk}" names an argument the function takes, so decoration passes; a call with an
+    # int there cannot be formatted: the error says which template, what is missing, and
+    # the call's arguments (it said "names 'int' object has no attribute 'pk' which ...").
+    @locked(["account:{src}", "account:{obj.pk}"], store="memory")
+    def transfer(src: int, obj: object) -> None: ...
+
+    with pytest.raises(ValueError) as info:
+        transfer(1, 5)
+    assert str(info.value) == (
+        "key template 'account:{obj.pk}' cannot be formatted for this call of "
+        "test_locked_template_whose_argument_lacks_the_attribute_says_so_per_call.<locals>."
+        "transfer: AttributeError: 'int' object has no attribute 'pk' (its arguments: src, obj)"
+    )
+
+
 def test_locked_template_names_keywords_of_kwargs_through_its_name() -> None:
     # The keywords **kwargs gathers are formatted under its name: "{invoice_id}" would fail on
     # every call, so it fails at decoration too.

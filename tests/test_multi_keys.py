@@ -5,6 +5,7 @@ and everything a single-key handle does, on every store of the contract."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from django_keel_lock import (
     InvalidLockToken,
     Lock,
     LockNotHeldError,
+    LockStoreUnavailable,
     LockUnavailable,
     MultiLock,
     force_release,
@@ -29,8 +31,9 @@ from django_keel_lock import (
 )
 from django_keel_lock.options import LockSpec
 from django_keel_lock.stores import LockStore
-from django_keel_lock.stores.base import MAX_KEYS
+from django_keel_lock.stores.base import MAX_KEYS, AcquireResult
 from tests.conftest import CONTRACT_STORES, store_params
+from tests.support.third_party_store import DictLockStore
 
 #: The stores that keep a line of waiters per key (`LockStore.queues`).
 LINE_STORES = store_params(["postgres", "mariadb", "redis"])
@@ -351,6 +354,36 @@ async def test_async_with_and_a_cancelled_wait_leave_no_key_held(
     assert (ran, value) == (True, 7)
 
 
+@pytest.mark.parametrize("store_alias", LINE_STORES)
+async def test_a_waiter_cancelled_as_it_takes_its_keys_from_a_line_leaves_none_held(
+    keys: Keys, many: Callable[..., MultiLock], one: Callable[..., Lock], store: LockStore
+) -> None:
+    # The waiter stands in `a`'s line; `a` released, it takes both keys and then leaves the
+    # line. A cancellation that lands at any moment of that (each count of loop turns
+    # after the release) must leave no key held: taken, they are given back.
+    a, b = keys("a", "b")
+    held: list[tuple[int, object, object]] = []
+    for turns in range(16):
+        blocker = one(a, ttl=30)
+        assert await blocker.aacquire()
+        waiter = many([a, b], ttl=30, timeout=10)
+        task = asyncio.ensure_future(waiter.aacquire())
+        await asyncio.sleep(0.05)
+        assert await blocker.arelease()
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            if await task:
+                await waiter.arelease()
+        left = (await store.aget(a), await store.aget(b))
+        if left != (None, None):
+            held.append((turns, *left))
+            for name in (a, b):
+                await asyncio.to_thread(force_release, name, store=store.alias)
+    assert held == []
+
+
 def test_a_refused_with_block_raises_lock_unavailable_naming_the_keys(
     keys: Keys, many: Callable[..., MultiLock], one: Callable[..., Lock]
 ) -> None:
@@ -371,6 +404,11 @@ def test_a_refused_with_block_raises_lock_unavailable_naming_the_keys(
         (["a", 3], TypeError, r"keys\[1\]"),
         (["a", "bad\nkey"], ValueError, r"keys\[1\]"),
         (["a", ""], ValueError, r"keys\[1\]"),
+        # Several keys in another collection: told to pass a list or tuple, not "a str".
+        ({"a", "b"}, TypeError, "list or tuple of str.*got set"),
+        (frozenset({"a"}), TypeError, "list or tuple of str.*got frozenset"),
+        ((k for k in "ab"), TypeError, "list or tuple of str.*got generator"),
+        ({"a": 1}.keys(), TypeError, "list or tuple of str.*got dict_keys"),
     ],
 )
 def test_bad_keys_are_refused_naming_the_argument(
@@ -431,3 +469,89 @@ def test_a_signed_token_with_keys_but_not_a_fence_each_is_refused(
     with pytest.raises(InvalidLockToken, match="does not describe a lock"):
         restore_lock(forged)
     assert single.release()
+
+
+class _OneKeyDown(DictLockStore):
+    """A store (written on the documented default `release_many`) one of whose keys cannot
+    be released: the shard that keeps it is down."""
+
+    down = ""
+
+    def release(self, key: str, owner: str) -> bool:
+        if key == self.down:
+            raise LockStoreUnavailable(f"the shard of {key!r} is down")
+        return super().release(key, owner)
+
+
+def test_the_default_release_many_frees_every_key_it_can_when_one_fails() -> None:
+    store = _OneKeyDown("one-key-down")
+    keys = ("a", "b", "c")
+    assert store.acquire_many(keys, "mine", "here", 30).acquired
+    store.down = "a"
+    with pytest.raises(LockStoreUnavailable, match="'a'"):
+        store.release_many(keys, "mine")
+    assert store.get("b") is None and store.get("c") is None
+
+
+class _RefusedThenDown(DictLockStore):
+    """A store with a line of waiters whose multi-key acquire is refused once, by the first
+    key (held, as its release comes), and then cannot reach its server."""
+
+    queues = True
+
+    def __init__(self, alias: str = "default", options: object = None) -> None:
+        super().__init__(alias, options)  # type: ignore[arg-type]
+        self.asked = 0
+
+    def acquire_many(
+        self, keys: tuple[str, ...], owner: str, holder: str, ttl: float
+    ) -> AcquireResult:
+        self.asked += 1
+        if self.asked == 1:
+            return AcquireResult(None, 0.1, "exclusive", None, (keys[0],))
+        raise LockStoreUnavailable("the server went down")
+
+    def acquire_queued(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
+        return self.acquire(key, owner, holder, ttl)  # the line: nobody else in it
+
+    def leave_queue(self, key: str, owner: str) -> None:
+        pass
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+def test_a_key_taken_from_its_line_is_given_back_when_the_store_then_fails(
+    keys: Keys, use_async: bool
+) -> None:
+    # Refused by `a`, the waiter stands in `a`'s line and the line gives it `a`; asked for
+    # both keys then, the store fails: the waiter must not keep `a` until its ttl.
+    a, b = keys("a", "b")
+    stores = {**settings.KEEL_LOCK_STORES, "down": {"BACKEND": f"{__name__}._RefusedThenDown"}}
+    with override_settings(KEEL_LOCK_STORES=stores):
+        handle = lock([a, b], store="down", ttl=30)
+        with pytest.raises(LockStoreUnavailable):
+            if use_async:
+                asyncio.run(handle.aacquire(timeout=5))
+            else:
+                handle.acquire(timeout=5)
+        assert get_lock_store("down").get(a) is None
+
+
+class _LostReply(DictLockStore):
+    """A store (on the documented default `acquire_many`) whose acquire of one key takes it
+    and then loses the reply: the caller gets an error, the key is held."""
+
+    lost = ""
+
+    def acquire(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
+        result = super().acquire(key, owner, holder, ttl)
+        if key == self.lost:
+            raise LockStoreUnavailable(f"the reply for {key!r} was lost")
+        return result
+
+
+def test_the_default_acquire_many_gives_back_the_key_whose_reply_was_lost() -> None:
+    store = _LostReply("lost-reply")
+    store.lost = "b"
+    with pytest.raises(LockStoreUnavailable, match="'b'"):
+        store.acquire_many(("a", "b", "c"), "mine", "here", 30)
+    assert store.get("a") is None and store.get("b") is None and store.get("c") is None

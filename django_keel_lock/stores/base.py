@@ -18,6 +18,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, TypeVar
 
 from ..conf import validate_store_options
+from ..exceptions import LockStoreUnavailable
 from .wakeups import WakeBoard
 
 if TYPE_CHECKING:
@@ -187,11 +188,12 @@ class LockStore(ABC):
         fences: list[int] = []
         try:
             for key in keys:
+                taken.append(key)  # before the call: one whose reply is lost may have taken it
                 result = self.acquire(key, owner, holder, ttl)
                 if result.fence is None:
+                    taken.pop()
                     self._give_back_keys(taken, owner)
                     return AcquireResult(None, result.retry_in, result.held_as, None, (key,))
-                taken.append(key)
                 fences.append(result.fence)
         except BaseException:
             self._give_back_keys(taken, owner)
@@ -208,9 +210,18 @@ class LockStore(ABC):
                 pass
 
     def release_many(self, keys: tuple[str, ...], owner: str) -> bool:
-        """Free each of `keys` that `owner` still holds; True if it held every one."""
-        released = [self.release(key, owner) for key in keys]
-        return all(released)
+        """Free each of `keys` that `owner` still holds; True if it held every one. A key
+        whose release fails does not keep the others held: each is tried, and the first
+        failure raised after."""
+        every, failed = True, None
+        for key in keys:
+            try:
+                every = self.release(key, owner) and every
+            except LockStoreUnavailable as error:
+                failed = failed or error
+        if failed is not None:
+            raise failed
+        return every
 
     def extend_many(self, keys: tuple[str, ...], owner: str, ttl: float) -> bool:
         """Make each of `keys` that `owner` still holds live at least `ttl` more seconds;
