@@ -10,6 +10,7 @@ import asyncio
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from multiprocessing.connection import Connection
 from typing import Any
@@ -242,3 +243,36 @@ def test_a_place_written_before_hand_offs_gets_a_wake_up_and_no_grant(alias: str
     assert info is not None and info.owner == "c" * 32
     store.leave_queue(key, "c" * 32)
     assert store.get(key) is None
+
+
+def test_a_multi_key_waiter_handed_a_key_keeps_it_once_it_takes_them_all(
+    alias: str, key: str
+) -> None:
+    # It stands in the line of `b` (held), is handed `b` by its release and takes `a` and
+    # `b` at once: leaving `b`'s line then must not give `b` away to the next in line.
+    store = get_lock_store(alias)
+    other = type(store)(f"{alias}-holder", store.options)
+    a, b = f"{key}:a", f"{key}:b"
+    try:
+        assert other.acquire(b, "a" * 32, "holder", 30).acquired
+        handle = lock([a, b], ttl=30, holder="many", store=alias)
+        got: list[bool] = []
+        thread = threading.Thread(
+            target=lambda: got.append(handle.acquire(timeout=20, retry_delay=RETRY_DELAY))
+        )
+        thread.start()
+        _in_line(alias, b, 1, close=False)
+        _stand(other, b, "c" * 32)
+        assert other.release(b, "a" * 32)
+        thread.join(20)
+        assert got == [True]
+        held_a, held_b = store.get(a), store.get(b)
+        assert held_a is not None and held_b is not None
+        assert held_b.owner == held_a.owner and held_b.holder == "many"
+        assert not other.acquire_queued(b, "c" * 32, "holder-cccc", 30).acquired
+        assert handle.release()  # a multi-key release wakes the next in line
+        assert other.acquire_queued(b, "c" * 32, "holder-cccc", 30).acquired
+        assert other.release(b, "c" * 32)
+    finally:
+        other.leave_queue(b, "c" * 32)
+        other.close()

@@ -9,7 +9,9 @@ that tag alone, so keys starting with the same tag share one slot and one script
 
 Layout of one lock on `key` under the default KEY_PREFIX, "keel-lock:" (a prefix that does not
 end with ":" gets one, so "keel-lock" gives the same names):
-    keel-lock:{key}          hash: o = owner, h = holder, f = fence, t = acquired (ms), with PX
+    keel-lock:{key}          hash: o = owner, h = holder, f = fence, t = acquired (ms), with PX;
+                             g = 1 while a lock handed over is not taken up (any acquire of
+                             its owner takes it up; only then is it the owner's for good)
     keel-lock:{key}:fence    the key's last fence, kept a day after its last acquisition
     keel-lock:released:key   pub/sub channel a release publishes on; a process subscribes to it
                              only while one of its threads or tasks waits for `key`
@@ -155,7 +157,8 @@ local function hand_on()
     local ttl, address, holder = string.match(rest, '^(%d+):(%x*):(.*)$')
     if ttl then
         local fence = draw_fence(KEYS[2], tonumber(ttl), now)
-        redis.call('HSET', KEYS[1], 'o', first, 'h', holder, 'f', fence, 't', tostring(now_ms))
+        redis.call('HSET', KEYS[1], 'o', first, 'h', holder, 'f', fence, 't', tostring(now_ms),
+                   'g', '1')
         redis.call('PEXPIRE', KEYS[1], math.min(tonumber(ttl), tonumber(ARGV[5])))
     else
         address = rest
@@ -204,6 +207,7 @@ if current ~= ARGV[1] then
     end
     return refuse(redis.call('PTTL', KEYS[1]), held_by)
 end
+redis.call('HDEL', KEYS[1], 'g')
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return tonumber(redis.call('HGET', KEYS[1], 'f'))
 """
@@ -242,6 +246,7 @@ end
 local current = redis.call('HGET', KEYS[1], 'o')
 if current == owner then
     leave()
+    redis.call('HDEL', KEYS[1], 'g')
     redis.call('PEXPIRE', KEYS[1], ARGV[3])
     return tonumber(redis.call('HGET', KEYS[1], 'f'))
 end
@@ -264,7 +269,9 @@ return take()
 )
 
 # Take the caller out of the key's line. A caller a release handed the lock to (it gave up
-# as the grant came) passes it on; a free lock goes to whoever is now first (HAND_ON).
+# as the grant came) passes it on, unless it took the grant up meanwhile (a multi-key waiter
+# takes a key of its line with ACQUIRE_MANY, then leaves the line); a free lock goes to
+# whoever is now first (HAND_ON).
 #   KEYS[1] the lock's hash  KEYS[2] the key's fence counter  KEYS[3] line  KEYS[4] places
 #   ARGV[1] owner  ARGV[2] the key's release channel  ARGV[3] the wake channels' prefix
 #   ARGV[4] the key  ARGV[5] the longest grant (ms)
@@ -273,7 +280,8 @@ LEAVE_QUEUE = _script(
     _HAND_ON
     + """
 local placed = leave_line(ARGV[1])
-if redis.call('HGET', KEYS[1], 'o') == ARGV[1] then
+local held = redis.call('HMGET', KEYS[1], 'o', 'g')
+if held[1] == ARGV[1] and held[2] then
     redis.call('DEL', KEYS[1])
     hand_on()
     return 1
@@ -442,6 +450,8 @@ for i = 1, #KEYS, 2 do
     if not fence then
         fence = draw_fence(KEYS[i + 1], ttl, now)
         redis.call('HSET', KEYS[i], 'o', owner, 'h', ARGV[2], 'f', fence, 't', acquired)
+    else
+        redis.call('HDEL', KEYS[i], 'g')  -- a grant it stood for: taken up
     end
     redis.call('PEXPIRE', KEYS[i], ttl)
     table.insert(fences, fence)
@@ -567,6 +577,7 @@ if kind == '' then
             redis.call('DEL', KEYS[5])
         end
         if gate then
+            redis.call('HDEL', KEYS[1], 'g')
             redis.call('PEXPIRE', KEYS[1], ttl)
             return tonumber(redis.call('HGET', KEYS[1], 'f'))
         end
