@@ -276,3 +276,23 @@ def test_a_multi_key_waiter_handed_a_key_keeps_it_once_it_takes_them_all(
     finally:
         other.leave_queue(b, "c" * 32)
         other.close()
+
+
+def test_a_grant_lives_no_longer_than_the_place_of_its_waiter(alias: str, key: str) -> None:
+    # The first in line last asked 1.7 s ago (it was killed then): its place lapses in 0.3 s,
+    # and so must the lock handed to it, or a dead waiter holds the others up for up to twice
+    # QUEUE_LEASE from its death instead of QUEUE_LEASE.
+    store = get_lock_store(alias)
+    assert isinstance(store, RedisLockStore)
+    assert store.acquire(key, "a" * 32, "holder", 30).acquired
+    client, name = store.client(), store.lock_name(key)
+    seconds, micros = client.time()
+    until = int(seconds) * 1000 + int(micros) // 1000 + 300
+    client.hset(name + ":places", "b" * 32, f"{until}:30000::dead")
+    client.rpush(name + ":line", "b" * 32)
+    client.pexpire(name + ":places", 2000)
+    client.pexpire(name + ":line", 2000)
+    assert store.release(key, "a" * 32)
+    granted = store.get(key)
+    assert granted is not None and granted.holder == "dead"
+    assert granted.expires_in <= 0.3

@@ -22,10 +22,10 @@ The callers waiting for an exclusive lock stand in its line (see LockStore.acqui
                              any of them)
     keel-lock:wake:address   pub/sub channel of one process's listener: a release that finds
                              a live waiter first in line hands the lock over to it (the hash
-                             written for it, for its grant ttl: min(its ttl, QUEUE_LEASE)) and
-                             publishes the key there, for that waiter only, instead of on the
-                             key's release channel; the waiter's next ACQUIRE_QUEUED takes the
-                             grant up at its own ttl
+                             written for it, for its grant ttl: min(its ttl, QUEUE_LEASE,
+                             what is left of its place)) and publishes the key there, for that
+                             waiter only, instead of on the key's release channel; the
+                             waiter's next ACQUIRE_QUEUED takes the grant up at its own ttl
 A key held by permits (a shared lock's readers, a semaphore's holders) also has:
     keel-lock:{key}          the gate: o = the kind's GATE_OWNER ("*shared", "*semaphore"), h
                              empty, f = the latest permit's fence, t = the first permit's time,
@@ -129,7 +129,8 @@ end
 """
 
 # HAND_ON: the lock (KEYS[1], fence counter KEYS[2], line KEYS[3], places KEYS[4]) is free:
-# hand it over to the first live waiter in line, for min(its ttl, ARGV[5] ms), with a fence
+# hand it over to the first live waiter in line, for min(its ttl, ARGV[5] ms, what is left of
+# its place: a waiter that died does not hold the others up past its place), with a fence
 # from the key's counter, and wake it on its process's wake channel (ARGV[3] its prefix,
 # ARGV[4] the key); with nobody in line, announce the release on the key's channel ARGV[2].
 # The waiter keeps its place until it takes the grant up: one that missed the wake-up and
@@ -149,7 +150,7 @@ end
 local function hand_on()
     local now = redis.call('TIME')
     local now_ms = now[1] * 1000 + math.floor(now[2] / 1000)
-    local first, rest = first_in_line(KEYS[3], KEYS[4], now_ms)
+    local first, rest, until_ms = first_in_line(KEYS[3], KEYS[4], now_ms)
     if not first then
         redis.call('PUBLISH', ARGV[2], '1')
         return
@@ -159,7 +160,8 @@ local function hand_on()
         local fence = draw_fence(KEYS[2], tonumber(ttl), now)
         redis.call('HSET', KEYS[1], 'o', first, 'h', holder, 'f', fence, 't', tostring(now_ms),
                    'g', '1')
-        redis.call('PEXPIRE', KEYS[1], math.min(tonumber(ttl), tonumber(ARGV[5])))
+        redis.call('PEXPIRE', KEYS[1],
+                   math.min(tonumber(ttl), tonumber(ARGV[5]), until_ms - now_ms))
     else
         address = rest
     end
