@@ -225,8 +225,8 @@ def test_an_async_waiter_cancelled_while_granted_passes_the_grant_on(alias: str,
 
 def test_a_place_written_before_hand_offs_gets_a_wake_up_and_no_grant(alias: str, key: str) -> None:
     # During a rolling upgrade a waiter of the previous version keeps its place as
-    # "expiry:address": a release cannot know its holder or ttl, so it only wakes it, and
-    # the waiter takes the free lock itself as before.
+    # "expiry:address", with no ttl and holder beside it: a release cannot know them, so it
+    # only wakes it, and the waiter takes the free lock itself as before.
     store = get_lock_store(alias)
     assert isinstance(store, RedisLockStore)
     assert store.acquire(key, "a" * 32, "holder", 30).acquired
@@ -288,7 +288,8 @@ def test_a_grant_lives_no_longer_than_the_place_of_its_waiter(alias: str, key: s
     client, name = store.client(), store.lock_name(key)
     seconds, micros = client.time()
     until = int(seconds) * 1000 + int(micros) // 1000 + 300
-    client.hset(name + ":places", "b" * 32, f"{until}:30000::dead")
+    place = {"b" * 32: f"{until}:", "b" * 32 + ":": "30000:dead"}  # ttl 30 s, holder "dead"
+    client.hset(name + ":places", mapping=place)
     client.rpush(name + ":line", "b" * 32)
     client.pexpire(name + ":places", 2000)
     client.pexpire(name + ":line", 2000)
@@ -296,3 +297,62 @@ def test_a_grant_lives_no_longer_than_the_place_of_its_waiter(alias: str, key: s
     granted = store.get(key)
     assert granted is not None and granted.holder == "dead"
     assert granted.expires_in <= 0.3
+
+
+#: RELEASE as the version before hand-offs has it: during a rolling upgrade its processes
+#: still release, and must still wake a waiter of this version first in line.
+PREVIOUS_RELEASE = """
+local first = nil
+local address = nil
+while true do
+    first = redis.call('LINDEX', KEYS[2], 0)
+    if not first then
+        break
+    end
+    local place = redis.call('HGET', KEYS[3], first)
+    if place then
+        local until_ms, rest = string.match(place, '^(%d+):(.*)$')
+        local now = redis.call('TIME')
+        if tonumber(until_ms) > now[1] * 1000 + math.floor(now[2] / 1000) then
+            address = rest
+            break
+        end
+    end
+    redis.call('LPOP', KEYS[2])
+    redis.call('HDEL', KEYS[3], first)
+end
+if redis.call('HGET', KEYS[1], 'o') == ARGV[1] then
+    redis.call('DEL', KEYS[1])
+    if not first then
+        redis.call('PUBLISH', ARGV[2], '1')
+    elseif address ~= '' then
+        redis.call('PUBLISH', ARGV[3] .. address, ARGV[4])
+    end
+    return 1
+end
+return 0
+"""
+
+
+def test_a_release_of_the_previous_version_still_wakes_a_waiter_of_this_one(
+    alias: str, key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = get_lock_store(alias)
+    assert isinstance(store, RedisLockStore)
+    monkeypatch.setattr(RedisLockStore, "wake_address", property(lambda self: "abcd"))
+    assert store.acquire(key, "a" * 32, "holder", 30).acquired
+    _stand(store, key, "b" * 32)  # a waiter of this version, its process at "abcd"
+    client, name = store.client(), store.lock_name(key)
+    subscriber = client.pubsub()
+    try:
+        subscriber.subscribe(store.wake_prefix + "abcd")
+        assert subscriber.get_message(timeout=5)["type"] == "subscribe"
+        names = (name, name + ":line", name + ":places")
+        args = ("a" * 32, store.release_channel(key), store.wake_prefix, key)
+        assert client.eval(PREVIOUS_RELEASE, 3, *names, *args) == 1
+        woken = subscriber.get_message(timeout=5)
+        assert woken is not None and woken["data"] == key.encode()
+    finally:
+        subscriber.close()
+    assert store.acquire_queued(key, "b" * 32, "holder-bbbb", 30).acquired
+    assert store.release(key, "b" * 32)

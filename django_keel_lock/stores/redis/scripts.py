@@ -17,9 +17,11 @@ end with ":" gets one, so "keel-lock" gives the same names):
                              only while one of its threads or tasks waits for `key`
 The callers waiting for an exclusive lock stand in its line (see LockStore.acquire_queued):
     keel-lock:{key}:line     list: their owners, in the order they first asked
-    keel-lock:{key}:places   hash: owner -> "expiry (ms since the epoch):ttl (ms):wake
-                             address:holder" (both expire QUEUE_LEASE after the last attempt of
-                             any of them)
+    keel-lock:{key}:places   hash: owner -> "expiry (ms since the epoch):wake address" (as
+                             versions before hand-offs wrote and read it, so that their releases
+                             still wake waiters of this one during a rolling upgrade), and
+                             owner + ":" -> "ttl (ms):holder", what a hand-off writes for it
+                             (both expire QUEUE_LEASE after the last attempt of any of them)
     keel-lock:wake:address   pub/sub channel of one process's listener: a release that finds
                              a live waiter first in line hands the lock over to it (the hash
                              written for it, for its grant ttl: min(its ttl, QUEUE_LEASE,
@@ -89,10 +91,10 @@ end
 )
 
 # The line of waiters (the layout above). first_in_line drops the places at its front that
-# have lapsed and gives the first live one (owner, the rest of its place after the expiry, the
-# expiry), or nil. wake_first, for the releases that do not hand the lock over (RELEASE_MANY,
-# the idempotent results' fused releases), tells the first in line that the lock is free, or
-# the key's release channel when nobody is in line.
+# have lapsed and gives the first live one (owner, its wake address, the expiry), or nil.
+# wake_first, for the releases that do not hand the lock over (RELEASE_MANY, the idempotent
+# results' fused releases), tells the first in line that the lock is free, or the key's
+# release channel when nobody is in line.
 _LINE = """
 local function first_in_line(line, places, now_ms)
     while true do
@@ -102,13 +104,13 @@ local function first_in_line(line, places, now_ms)
         end
         local place = redis.call('HGET', places, first)
         if place then
-            local until_ms, rest = string.match(place, '^(%d+):(.*)$')
+            local until_ms, address = string.match(place, '^(%d+):(.*)$')
             if tonumber(until_ms) > now_ms then
-                return first, rest, tonumber(until_ms)
+                return first, address, tonumber(until_ms)
             end
         end
         redis.call('LPOP', line)
-        redis.call('HDEL', places, first)
+        redis.call('HDEL', places, first, first .. ':')
     end
 end
 local function clock_ms()
@@ -116,13 +118,10 @@ local function clock_ms()
     return now[1] * 1000 + math.floor(now[2] / 1000)
 end
 local function wake_first(line, places, wake_prefix, key, channel)
-    local first, rest = first_in_line(line, places, clock_ms())
+    local first, address = first_in_line(line, places, clock_ms())
     if not first then
         redis.call('PUBLISH', channel, '1')
-        return
-    end
-    local address = string.match(rest, '^%d+:(%x*):') or rest
-    if address ~= '' then
+    elseif address ~= '' then
         redis.call('PUBLISH', wake_prefix .. address, key)
     end
 end
@@ -134,14 +133,14 @@ end
 # from the key's counter, and wake it on its process's wake channel (ARGV[3] its prefix,
 # ARGV[4] the key); with nobody in line, announce the release on the key's channel ARGV[2].
 # The waiter keeps its place until it takes the grant up: one that missed the wake-up and
-# asks after the grant lapsed still finds itself first. A place written before hand-offs
-# ("expiry:address") gets a wake-up only.
+# asks after the grant lapsed still finds itself first. A waiter of a version before
+# hand-offs (a place without its owner + ":" field) gets a wake-up only.
 _HAND_ON = (
     _FENCE
     + _LINE
     + """
 local function leave_line(owner)
-    if redis.call('HDEL', KEYS[4], owner) == 0 then
+    if redis.call('HDEL', KEYS[4], owner, owner .. ':') == 0 then
         return false
     end
     redis.call('LREM', KEYS[3], 1, owner)
@@ -150,20 +149,19 @@ end
 local function hand_on()
     local now = redis.call('TIME')
     local now_ms = now[1] * 1000 + math.floor(now[2] / 1000)
-    local first, rest, until_ms = first_in_line(KEYS[3], KEYS[4], now_ms)
+    local first, address, until_ms = first_in_line(KEYS[3], KEYS[4], now_ms)
     if not first then
         redis.call('PUBLISH', ARGV[2], '1')
         return
     end
-    local ttl, address, holder = string.match(rest, '^(%d+):(%x*):(.*)$')
+    local ttl, holder = string.match(redis.call('HGET', KEYS[4], first .. ':') or '',
+                                     '^(%d+):(.*)$')
     if ttl then
         local fence = draw_fence(KEYS[2], tonumber(ttl), now)
         redis.call('HSET', KEYS[1], 'o', first, 'h', holder, 'f', fence, 't', tostring(now_ms),
                    'g', '1')
         redis.call('PEXPIRE', KEYS[1],
                    math.min(tonumber(ttl), tonumber(ARGV[5]), until_ms - now_ms))
-    else
-        address = rest
     end
     if address ~= '' then
         redis.call('PUBLISH', ARGV[3] .. address, ARGV[4])
@@ -231,16 +229,16 @@ ACQUIRE_QUEUED = _script(
 local owner, lease = ARGV[1], tonumber(ARGV[4])
 local now_ms = clock_ms()
 local function leave()
-    if redis.call('HDEL', KEYS[4], owner) == 1 then
+    if redis.call('HDEL', KEYS[4], owner, owner .. ':') > 0 then
         redis.call('LREM', KEYS[3], 1, owner)
     end
 end
 local function stand(ms)
-    local place = string.format('%d', now_ms + lease) .. ':' .. ARGV[3] .. ':' .. ARGV[5]
-        .. ':' .. ARGV[2]
+    local place = string.format('%d', now_ms + lease) .. ':' .. ARGV[5]
     if redis.call('HSET', KEYS[4], owner, place) == 1 then
         redis.call('RPUSH', KEYS[3], owner)
     end
+    redis.call('HSET', KEYS[4], owner .. ':', ARGV[3] .. ':' .. ARGV[2])
     redis.call('PEXPIRE', KEYS[3], lease)
     redis.call('PEXPIRE', KEYS[4], lease)
     return refuse(math.min(ms, lease), nil)
