@@ -10,6 +10,7 @@ import asyncio
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from multiprocessing.connection import Connection
 from typing import Any
@@ -224,8 +225,8 @@ def test_an_async_waiter_cancelled_while_granted_passes_the_grant_on(alias: str,
 
 def test_a_place_written_before_hand_offs_gets_a_wake_up_and_no_grant(alias: str, key: str) -> None:
     # During a rolling upgrade a waiter of the previous version keeps its place as
-    # "expiry:address": a release cannot know its holder or ttl, so it only wakes it, and
-    # the waiter takes the free lock itself as before.
+    # "expiry:address", with no ttl and holder beside it: a release cannot know them, so it
+    # only wakes it, and the waiter takes the free lock itself as before.
     store = get_lock_store(alias)
     assert isinstance(store, RedisLockStore)
     assert store.acquire(key, "a" * 32, "holder", 30).acquired
@@ -242,3 +243,116 @@ def test_a_place_written_before_hand_offs_gets_a_wake_up_and_no_grant(alias: str
     assert info is not None and info.owner == "c" * 32
     store.leave_queue(key, "c" * 32)
     assert store.get(key) is None
+
+
+def test_a_multi_key_waiter_handed_a_key_keeps_it_once_it_takes_them_all(
+    alias: str, key: str
+) -> None:
+    # It stands in the line of `b` (held), is handed `b` by its release and takes `a` and
+    # `b` at once: leaving `b`'s line then must not give `b` away to the next in line.
+    store = get_lock_store(alias)
+    other = type(store)(f"{alias}-holder", store.options)
+    a, b = f"{key}:a", f"{key}:b"
+    try:
+        assert other.acquire(b, "a" * 32, "holder", 30).acquired
+        handle = lock([a, b], ttl=30, holder="many", store=alias)
+        got: list[bool] = []
+        thread = threading.Thread(
+            target=lambda: got.append(handle.acquire(timeout=20, retry_delay=RETRY_DELAY))
+        )
+        thread.start()
+        _in_line(alias, b, 1, close=False)
+        _stand(other, b, "c" * 32)
+        assert other.release(b, "a" * 32)
+        thread.join(20)
+        assert got == [True]
+        held_a, held_b = store.get(a), store.get(b)
+        assert held_a is not None and held_b is not None
+        assert held_b.owner == held_a.owner and held_b.holder == "many"
+        assert not other.acquire_queued(b, "c" * 32, "holder-cccc", 30).acquired
+        assert handle.release()  # a multi-key release wakes the next in line
+        assert other.acquire_queued(b, "c" * 32, "holder-cccc", 30).acquired
+        assert other.release(b, "c" * 32)
+    finally:
+        other.leave_queue(b, "c" * 32)
+        other.close()
+
+
+def test_a_grant_lives_no_longer_than_the_place_of_its_waiter(alias: str, key: str) -> None:
+    # The first in line last asked 1.7 s ago (it was killed then): its place lapses in 0.3 s,
+    # and so must the lock handed to it, or a dead waiter holds the others up for up to twice
+    # QUEUE_LEASE from its death instead of QUEUE_LEASE.
+    store = get_lock_store(alias)
+    assert isinstance(store, RedisLockStore)
+    assert store.acquire(key, "a" * 32, "holder", 30).acquired
+    client, name = store.client(), store.lock_name(key)
+    seconds, micros = client.time()
+    until = int(seconds) * 1000 + int(micros) // 1000 + 300
+    place = {"b" * 32: f"{until}:", "b" * 32 + ":": "30000:dead"}  # ttl 30 s, holder "dead"
+    client.hset(name + ":places", mapping=place)
+    client.rpush(name + ":line", "b" * 32)
+    client.pexpire(name + ":places", 2000)
+    client.pexpire(name + ":line", 2000)
+    assert store.release(key, "a" * 32)
+    granted = store.get(key)
+    assert granted is not None and granted.holder == "dead"
+    assert granted.expires_in <= 0.3
+
+
+#: RELEASE as the version before hand-offs has it: during a rolling upgrade its processes
+#: still release, and must still wake a waiter of this version first in line.
+PREVIOUS_RELEASE = """
+local first = nil
+local address = nil
+while true do
+    first = redis.call('LINDEX', KEYS[2], 0)
+    if not first then
+        break
+    end
+    local place = redis.call('HGET', KEYS[3], first)
+    if place then
+        local until_ms, rest = string.match(place, '^(%d+):(.*)$')
+        local now = redis.call('TIME')
+        if tonumber(until_ms) > now[1] * 1000 + math.floor(now[2] / 1000) then
+            address = rest
+            break
+        end
+    end
+    redis.call('LPOP', KEYS[2])
+    redis.call('HDEL', KEYS[3], first)
+end
+if redis.call('HGET', KEYS[1], 'o') == ARGV[1] then
+    redis.call('DEL', KEYS[1])
+    if not first then
+        redis.call('PUBLISH', ARGV[2], '1')
+    elseif address ~= '' then
+        redis.call('PUBLISH', ARGV[3] .. address, ARGV[4])
+    end
+    return 1
+end
+return 0
+"""
+
+
+def test_a_release_of_the_previous_version_still_wakes_a_waiter_of_this_one(
+    alias: str, key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = get_lock_store(alias)
+    assert isinstance(store, RedisLockStore)
+    monkeypatch.setattr(RedisLockStore, "wake_address", property(lambda self: "abcd"))
+    assert store.acquire(key, "a" * 32, "holder", 30).acquired
+    _stand(store, key, "b" * 32)  # a waiter of this version, its process at "abcd"
+    client, name = store.client(), store.lock_name(key)
+    subscriber = client.pubsub()
+    try:
+        subscriber.subscribe(store.wake_prefix + "abcd")
+        assert subscriber.get_message(timeout=5)["type"] == "subscribe"
+        names = (name, name + ":line", name + ":places")
+        args = ("a" * 32, store.release_channel(key), store.wake_prefix, key)
+        assert client.eval(PREVIOUS_RELEASE, 3, *names, *args) == 1
+        woken = subscriber.get_message(timeout=5)
+        assert woken is not None and woken["data"] == key.encode()
+    finally:
+        subscriber.close()
+    assert store.acquire_queued(key, "b" * 32, "holder-bbbb", 30).acquired
+    assert store.release(key, "b" * 32)

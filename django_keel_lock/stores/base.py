@@ -248,7 +248,9 @@ class LockStore(ABC):
     def leave_queue(self, key: str, owner: str) -> None:
         """Take `owner` out of `key`'s line (it stopped waiting); nothing if it is not in it.
         The next in line is woken if the lock is free. With `hands_off`, a lock handed over
-        to `owner` meanwhile is released (and handed on): it stopped waiting, never took it."""
+        to `owner` meanwhile is released (and handed on): it stopped waiting, never took it.
+        One it took up (any acquire of `owner`: a multi-key waiter takes a key of the line it
+        stands in with `acquire_many`, then leaves the line) stays its own."""
         raise NotImplementedError(f"{type(self).__name__} keeps no line of waiters")
 
     # -- permits (stores with supports_modes) ---------------------------------------------

@@ -9,21 +9,25 @@ that tag alone, so keys starting with the same tag share one slot and one script
 
 Layout of one lock on `key` under the default KEY_PREFIX, "keel-lock:" (a prefix that does not
 end with ":" gets one, so "keel-lock" gives the same names):
-    keel-lock:{key}          hash: o = owner, h = holder, f = fence, t = acquired (ms), with PX
+    keel-lock:{key}          hash: o = owner, h = holder, f = fence, t = acquired (ms), with PX;
+                             g = 1 while a lock handed over is not taken up (any acquire of
+                             its owner takes it up; only then is it the owner's for good)
     keel-lock:{key}:fence    the key's last fence, kept a day after its last acquisition
     keel-lock:released:key   pub/sub channel a release publishes on; a process subscribes to it
                              only while one of its threads or tasks waits for `key`
 The callers waiting for an exclusive lock stand in its line (see LockStore.acquire_queued):
     keel-lock:{key}:line     list: their owners, in the order they first asked
-    keel-lock:{key}:places   hash: owner -> "expiry (ms since the epoch):ttl (ms):wake
-                             address:holder" (both expire QUEUE_LEASE after the last attempt of
-                             any of them)
+    keel-lock:{key}:places   hash: owner -> "expiry (ms since the epoch):wake address" (as
+                             versions before hand-offs wrote and read it, so that their releases
+                             still wake waiters of this one during a rolling upgrade), and
+                             owner + ":" -> "ttl (ms):holder", what a hand-off writes for it
+                             (both expire QUEUE_LEASE after the last attempt of any of them)
     keel-lock:wake:address   pub/sub channel of one process's listener: a release that finds
                              a live waiter first in line hands the lock over to it (the hash
-                             written for it, for its grant ttl: min(its ttl, QUEUE_LEASE)) and
-                             publishes the key there, for that waiter only, instead of on the
-                             key's release channel; the waiter's next ACQUIRE_QUEUED takes the
-                             grant up at its own ttl
+                             written for it, for its grant ttl: min(its ttl, QUEUE_LEASE,
+                             what is left of its place)) and publishes the key there, for that
+                             waiter only, instead of on the key's release channel; the
+                             waiter's next ACQUIRE_QUEUED takes the grant up at its own ttl
 A key held by permits (a shared lock's readers, a semaphore's holders) also has:
     keel-lock:{key}          the gate: o = the kind's GATE_OWNER ("*shared", "*semaphore"), h
                              empty, f = the latest permit's fence, t = the first permit's time,
@@ -87,10 +91,10 @@ end
 )
 
 # The line of waiters (the layout above). first_in_line drops the places at its front that
-# have lapsed and gives the first live one (owner, the rest of its place after the expiry, the
-# expiry), or nil. wake_first, for the releases that do not hand the lock over (RELEASE_MANY,
-# the idempotent results' fused releases), tells the first in line that the lock is free, or
-# the key's release channel when nobody is in line.
+# have lapsed and gives the first live one (owner, its wake address, the expiry), or nil.
+# wake_first, for the releases that do not hand the lock over (RELEASE_MANY, the idempotent
+# results' fused releases), tells the first in line that the lock is free, or the key's
+# release channel when nobody is in line.
 _LINE = """
 local function first_in_line(line, places, now_ms)
     while true do
@@ -100,13 +104,13 @@ local function first_in_line(line, places, now_ms)
         end
         local place = redis.call('HGET', places, first)
         if place then
-            local until_ms, rest = string.match(place, '^(%d+):(.*)$')
+            local until_ms, address = string.match(place, '^(%d+):(.*)$')
             if tonumber(until_ms) > now_ms then
-                return first, rest, tonumber(until_ms)
+                return first, address, tonumber(until_ms)
             end
         end
         redis.call('LPOP', line)
-        redis.call('HDEL', places, first)
+        redis.call('HDEL', places, first, first .. ':')
     end
 end
 local function clock_ms()
@@ -114,31 +118,29 @@ local function clock_ms()
     return now[1] * 1000 + math.floor(now[2] / 1000)
 end
 local function wake_first(line, places, wake_prefix, key, channel)
-    local first, rest = first_in_line(line, places, clock_ms())
+    local first, address = first_in_line(line, places, clock_ms())
     if not first then
         redis.call('PUBLISH', channel, '1')
-        return
-    end
-    local address = string.match(rest, '^%d+:(%x*):') or rest
-    if address ~= '' then
+    elseif address ~= '' then
         redis.call('PUBLISH', wake_prefix .. address, key)
     end
 end
 """
 
 # HAND_ON: the lock (KEYS[1], fence counter KEYS[2], line KEYS[3], places KEYS[4]) is free:
-# hand it over to the first live waiter in line, for min(its ttl, ARGV[5] ms), with a fence
+# hand it over to the first live waiter in line, for min(its ttl, ARGV[5] ms, what is left of
+# its place: a waiter that died does not hold the others up past its place), with a fence
 # from the key's counter, and wake it on its process's wake channel (ARGV[3] its prefix,
 # ARGV[4] the key); with nobody in line, announce the release on the key's channel ARGV[2].
 # The waiter keeps its place until it takes the grant up: one that missed the wake-up and
-# asks after the grant lapsed still finds itself first. A place written before hand-offs
-# ("expiry:address") gets a wake-up only.
+# asks after the grant lapsed still finds itself first. A waiter of a version before
+# hand-offs (a place without its owner + ":" field) gets a wake-up only.
 _HAND_ON = (
     _FENCE
     + _LINE
     + """
 local function leave_line(owner)
-    if redis.call('HDEL', KEYS[4], owner) == 0 then
+    if redis.call('HDEL', KEYS[4], owner, owner .. ':') == 0 then
         return false
     end
     redis.call('LREM', KEYS[3], 1, owner)
@@ -147,18 +149,19 @@ end
 local function hand_on()
     local now = redis.call('TIME')
     local now_ms = now[1] * 1000 + math.floor(now[2] / 1000)
-    local first, rest = first_in_line(KEYS[3], KEYS[4], now_ms)
+    local first, address, until_ms = first_in_line(KEYS[3], KEYS[4], now_ms)
     if not first then
         redis.call('PUBLISH', ARGV[2], '1')
         return
     end
-    local ttl, address, holder = string.match(rest, '^(%d+):(%x*):(.*)$')
+    local ttl, holder = string.match(redis.call('HGET', KEYS[4], first .. ':') or '',
+                                     '^(%d+):(.*)$')
     if ttl then
         local fence = draw_fence(KEYS[2], tonumber(ttl), now)
-        redis.call('HSET', KEYS[1], 'o', first, 'h', holder, 'f', fence, 't', tostring(now_ms))
-        redis.call('PEXPIRE', KEYS[1], math.min(tonumber(ttl), tonumber(ARGV[5])))
-    else
-        address = rest
+        redis.call('HSET', KEYS[1], 'o', first, 'h', holder, 'f', fence, 't', tostring(now_ms),
+                   'g', '1')
+        redis.call('PEXPIRE', KEYS[1],
+                   math.min(tonumber(ttl), tonumber(ARGV[5]), until_ms - now_ms))
     end
     if address ~= '' then
         redis.call('PUBLISH', ARGV[3] .. address, ARGV[4])
@@ -204,6 +207,7 @@ if current ~= ARGV[1] then
     end
     return refuse(redis.call('PTTL', KEYS[1]), held_by)
 end
+redis.call('HDEL', KEYS[1], 'g')
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return tonumber(redis.call('HGET', KEYS[1], 'f'))
 """
@@ -225,16 +229,16 @@ ACQUIRE_QUEUED = _script(
 local owner, lease = ARGV[1], tonumber(ARGV[4])
 local now_ms = clock_ms()
 local function leave()
-    if redis.call('HDEL', KEYS[4], owner) == 1 then
+    if redis.call('HDEL', KEYS[4], owner, owner .. ':') > 0 then
         redis.call('LREM', KEYS[3], 1, owner)
     end
 end
 local function stand(ms)
-    local place = string.format('%d', now_ms + lease) .. ':' .. ARGV[3] .. ':' .. ARGV[5]
-        .. ':' .. ARGV[2]
+    local place = string.format('%d', now_ms + lease) .. ':' .. ARGV[5]
     if redis.call('HSET', KEYS[4], owner, place) == 1 then
         redis.call('RPUSH', KEYS[3], owner)
     end
+    redis.call('HSET', KEYS[4], owner .. ':', ARGV[3] .. ':' .. ARGV[2])
     redis.call('PEXPIRE', KEYS[3], lease)
     redis.call('PEXPIRE', KEYS[4], lease)
     return refuse(math.min(ms, lease), nil)
@@ -242,6 +246,7 @@ end
 local current = redis.call('HGET', KEYS[1], 'o')
 if current == owner then
     leave()
+    redis.call('HDEL', KEYS[1], 'g')
     redis.call('PEXPIRE', KEYS[1], ARGV[3])
     return tonumber(redis.call('HGET', KEYS[1], 'f'))
 end
@@ -264,7 +269,9 @@ return take()
 )
 
 # Take the caller out of the key's line. A caller a release handed the lock to (it gave up
-# as the grant came) passes it on; a free lock goes to whoever is now first (HAND_ON).
+# as the grant came) passes it on, unless it took the grant up meanwhile (a multi-key waiter
+# takes a key of its line with ACQUIRE_MANY, then leaves the line); a free lock goes to
+# whoever is now first (HAND_ON).
 #   KEYS[1] the lock's hash  KEYS[2] the key's fence counter  KEYS[3] line  KEYS[4] places
 #   ARGV[1] owner  ARGV[2] the key's release channel  ARGV[3] the wake channels' prefix
 #   ARGV[4] the key  ARGV[5] the longest grant (ms)
@@ -273,7 +280,8 @@ LEAVE_QUEUE = _script(
     _HAND_ON
     + """
 local placed = leave_line(ARGV[1])
-if redis.call('HGET', KEYS[1], 'o') == ARGV[1] then
+local held = redis.call('HMGET', KEYS[1], 'o', 'g')
+if held[1] == ARGV[1] and held[2] then
     redis.call('DEL', KEYS[1])
     hand_on()
     return 1
@@ -442,6 +450,8 @@ for i = 1, #KEYS, 2 do
     if not fence then
         fence = draw_fence(KEYS[i + 1], ttl, now)
         redis.call('HSET', KEYS[i], 'o', owner, 'h', ARGV[2], 'f', fence, 't', acquired)
+    else
+        redis.call('HDEL', KEYS[i], 'g')  -- a grant it stood for: taken up
     end
     redis.call('PEXPIRE', KEYS[i], ttl)
     table.insert(fences, fence)
@@ -567,6 +577,7 @@ if kind == '' then
             redis.call('DEL', KEYS[5])
         end
         if gate then
+            redis.call('HDEL', KEYS[1], 'g')
             redis.call('PEXPIRE', KEYS[1], ttl)
             return tonumber(redis.call('HGET', KEYS[1], 'f'))
         end
