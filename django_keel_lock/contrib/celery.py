@@ -124,14 +124,7 @@ def locked_task(
     message. With `limit=N`, at most N are queued (or running) at once.
     """
     # Fail where the task is defined, not in the worker on its first run.
-    keyed.check_templates(key)
-    keyed.name_templates(options, key)
-    parsed = TaskOptions.parse(**options)
-    if parsed.dedupe is not None and isinstance(key, list | tuple):
-        raise TypeError(
-            "dedupe= takes one key template (the claim of a queued task is one key), got a "
-            "list: drop dedupe=, or dedupe on one key that stands for the group"
-        )
+    parsed = TaskOptions.for_templates(key, options)
 
     def decorate(fn: Callable[P, R]) -> Callable[P, R | None]:
         wrapper = _wrap(fn, key, parsed)

@@ -17,6 +17,7 @@ import math
 from collections.abc import Callable
 from typing import Final, Literal, TypeVar, Unpack
 
+from .. import keyed
 from ..core import Lock
 from ..durations import Duration, to_seconds
 from ..exceptions import AlreadyQueued, LockError, LockStoreUnavailable
@@ -133,6 +134,20 @@ class TaskOptions:
             on_duplicate=on_duplicate,
             dedupe_ttl=None if dedupe_ttl is None else to_seconds("dedupe_ttl", dedupe_ttl),
         )
+
+    @classmethod
+    def for_templates(cls, key: keyed.KeyTemplates, options: TaskArgs) -> TaskOptions:
+        """`parse` for a task locked on `key` (one template or a list of them), checked where
+        the task is defined rather than in the worker on its first run."""
+        keyed.check_templates(key)
+        keyed.name_templates(options, key)
+        parsed = cls.parse(**options)
+        if parsed.dedupe is not None and isinstance(key, list | tuple):
+            raise TypeError(
+                "dedupe= takes one key template (the claim of a queued task is one key), got a "
+                "list: drop dedupe=, or dedupe on one key that stands for the group"
+            )
+        return parsed
 
     def countdown_for(self, handle: Lock) -> float:
         """Seconds before retrying a run refused `handle`: `countdown`, else the holder's

@@ -134,14 +134,7 @@ def locked_task(
     enqueue, each retry and the start of an "until_done" run. A task retried by
     `on_locked="retry"` stays the queued one: a duplicate gets the retry's TaskResult.
     """
-    keyed.check_templates(key)
-    keyed.name_templates(options, key)
-    parsed = TaskOptions.parse(**options)
-    if parsed.dedupe is not None and isinstance(key, list | tuple):
-        raise TypeError(
-            "dedupe= takes one key template (the claim of a queued task is one key), got a "
-            "list: drop dedupe=, or dedupe on one key that stands for the group"
-        )
+    parsed = TaskOptions.for_templates(key, options)
     if max_retries is not None and (
         not isinstance(max_retries, int) or isinstance(max_retries, bool) or max_retries < 0
     ):

@@ -35,6 +35,13 @@ PAGE_SIZE = 500
 
 _SQLITE_NOW = "strftime('%Y-%m-%d %H:%M:%f', 'now')"
 _COLUMNS = "(key, fingerprint, fence, status, data, size, created_at, expires_at)"
+#: PostgreSQL: what an upsert of a result does with a row of the key already there: replaced
+#: by a newer acquisition's (a greater fence), or when it has expired; else kept.
+_PG_KEEP_NEWER = """ON CONFLICT (key) DO UPDATE SET
+            fingerprint = EXCLUDED.fingerprint, fence = EXCLUDED.fence,
+            status = EXCLUDED.status, data = EXCLUDED.data, size = EXCLUDED.size,
+            created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at
+        WHERE r.fence < EXCLUDED.fence OR r.expires_at <= clock_timestamp()"""
 # Per vendor: the fenced upsert, and the ttl as its parameter. The lock row's own expiry is
 # read by the clock the lock store writes it with. Run on the lock store's raw driver cursor:
 # %s placeholders for psycopg and MySQLdb, ? for sqlite3.
@@ -46,11 +53,7 @@ _SAVE: Mapping[str, str] = {
         FROM django_keel_lock_lock l
         WHERE l.key = %s AND l.owner = %s AND l.expires_at > clock_timestamp()
         FOR SHARE
-        ON CONFLICT (key) DO UPDATE SET
-            fingerprint = EXCLUDED.fingerprint, fence = EXCLUDED.fence,
-            status = EXCLUDED.status, data = EXCLUDED.data, size = EXCLUDED.size,
-            created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at
-        WHERE r.fence < EXCLUDED.fence OR r.expires_at <= clock_timestamp()
+        {_PG_KEEP_NEWER}
     """,
     # On the lock store's own (raw sqlite3) cursor: ? placeholders.
     "sqlite": f"""
@@ -100,11 +103,7 @@ _PG_KEEP_RELEASING = f"""
         SELECT %s, %s, %s, %s, %s, %s, clock_timestamp(),
                clock_timestamp() + make_interval(secs => %s)
         FROM released
-        ON CONFLICT (key) DO UPDATE SET
-            fingerprint = EXCLUDED.fingerprint, fence = EXCLUDED.fence,
-            status = EXCLUDED.status, data = EXCLUDED.data, size = EXCLUDED.size,
-            created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at
-        WHERE r.fence < EXCLUDED.fence OR r.expires_at <= clock_timestamp()
+        {_PG_KEEP_NEWER}
         RETURNING 1
     )
     SELECT (SELECT count(*) FROM released), (SELECT count(*) FROM kept)
