@@ -387,7 +387,10 @@ def _try(
     waiter refused on a store with lines stands in one (`_stand`)."""
     result = yield from _attempt(target, owner, policy, deadline)
     if result.fence is not None:
-        if not target.many:  # a multi-key take leaves no line: the waiter leaves its own
+        # A multi-key take leaves no line: the waiter leaves its own, but on a store that
+        # hands off, where leaving would hand on the key it now holds: there `release_many`
+        # takes it out of the lines of its keys.
+        if not target.many or target.store.hands_off:
             place[0] = None
     elif policy is MANY and result.blocked and target.store.queues:
         result = yield from _stand(target, owner, result, place)

@@ -208,7 +208,9 @@ class LockStore(ABC):
                 pass
 
     def release_many(self, keys: tuple[str, ...], owner: str) -> bool:
-        """Free each of `keys` that `owner` still holds; True if it held every one."""
+        """Free each of `keys` that `owner` still holds; True if it held every one. With
+        `hands_off` and `queues`, `owner` also leaves the line of each key it frees: a
+        multi-key waiter that took its keys kept its place (leaving would hand them on)."""
         released = [self.release(key, owner) for key in keys]
         return all(released)
 

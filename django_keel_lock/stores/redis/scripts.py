@@ -450,7 +450,9 @@ return fences
 """
 )
 
-# RELEASE for several keys: each the owner still holds is freed and announced as RELEASE does.
+# RELEASE for several keys: each the owner still holds is freed and announced as RELEASE does,
+# and the owner leaves its line (where it stood as a multi-key waiter: leaving the line once it
+# held the key would have handed the key on).
 #   KEYS[3i - 2] key i's lock hash   KEYS[3i - 1] its line   KEYS[3i] its places
 #   ARGV[1] owner  ARGV[2] the wake channels' prefix  ARGV[2i + 1] key i's release channel
 #   ARGV[2i + 2] key i
@@ -463,6 +465,9 @@ for i = 1, #KEYS / 3 do
     released[i] = 0
     if redis.call('HGET', KEYS[3 * i - 2], 'o') == ARGV[1] then
         redis.call('DEL', KEYS[3 * i - 2])
+        if redis.call('HDEL', KEYS[3 * i], ARGV[1]) == 1 then
+            redis.call('LREM', KEYS[3 * i - 1], 1, ARGV[1])
+        end
         wake_first(KEYS[3 * i - 1], KEYS[3 * i], ARGV[2], ARGV[2 * i + 2], ARGV[2 * i + 1])
         released[i] = 1
     end
