@@ -526,6 +526,8 @@ class RedisLockStore(ListeningStore, LockStore):
         def run(part: tuple[str, ...]) -> bool:
             return self._released_many(part, self._run(*self._release_many_call(part, owner)))
 
+        if not self.cluster:  # one slot: no coroutine to run the slots
+            return run(keys)
         return run_ready(self._each_slot(self._slots(keys), ready(run)))
 
     async def arelease_many(self, keys: tuple[str, ...], owner: str) -> bool:
