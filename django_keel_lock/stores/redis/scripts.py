@@ -411,7 +411,8 @@ return 0
 # share one slot (always, but on Cluster where the store groups them by slot).
 #   KEYS[2i - 1] key i's lock hash   KEYS[2i] key i's fence counter
 #   ARGV[1] owner  ARGV[2] holder  ARGV[3] ttl (ms)
-#   -> {each key's fence} when taken; else {-(the soonest expiry among the holders, ms, + 1)
+#   -> each key's fence, in a string ("fence1 fence2 ...": one reply to read, not one a key)
+#      when taken; else {-(the soonest expiry among the holders, ms, + 1)
 #      (0 when none has one), the first blocked key's gate owner ('' for a lock), then the
 #      index (1-based) of each key held by another}
 ACQUIRE_MANY = _script(
@@ -454,30 +455,35 @@ for i = 1, #KEYS, 2 do
         redis.call('HDEL', KEYS[i], 'g')  -- a grant it stood for: taken up
     end
     redis.call('PEXPIRE', KEYS[i], ttl)
-    table.insert(fences, fence)
+    table.insert(fences, string.format('%d', fence))
 end
-return fences
+return table.concat(fences, ' ')
 """
 )
 
-# RELEASE for several keys: each the owner still holds is freed and announced as RELEASE does.
+# RELEASE for several keys: each the owner still holds is freed and announced as RELEASE does,
+# and the owner leaves that key's line if it still stands in it (a multi-key waiter leaves the
+# line it stood in once it has taken its keys; this covers one whose leaving failed).
 #   KEYS[3i - 2] key i's lock hash   KEYS[3i - 1] its line   KEYS[3i] its places
 #   ARGV[1] owner  ARGV[2] the wake channels' prefix  ARGV[2i + 1] key i's release channel
 #   ARGV[2i + 2] key i
-#   -> {1 if key i was released (and announced), else 0, for each key}
+#   -> a string of a character a key: "1" if key i was released (and announced), else "0"
 RELEASE_MANY = _script(
     _LINE
     + """
 local released = {}
 for i = 1, #KEYS / 3 do
-    released[i] = 0
+    released[i] = '0'
     if redis.call('HGET', KEYS[3 * i - 2], 'o') == ARGV[1] then
         redis.call('DEL', KEYS[3 * i - 2])
+        if redis.call('HDEL', KEYS[3 * i], ARGV[1]) == 1 then
+            redis.call('LREM', KEYS[3 * i - 1], 1, ARGV[1])
+        end
         wake_first(KEYS[3 * i - 1], KEYS[3 * i], ARGV[2], ARGV[2 * i + 2], ARGV[2 * i + 1])
-        released[i] = 1
+        released[i] = '1'
     end
 end
-return released
+return table.concat(released)
 """
 )
 

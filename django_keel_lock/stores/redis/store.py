@@ -18,7 +18,7 @@ import threading
 import weakref
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from django.conf import settings
 from django.core.cache import InvalidCacheBackendError
@@ -100,6 +100,47 @@ Call = tuple[Script, tuple[str, ...], tuple[Any, ...]]
 Granted = str | tuple[str, ...]
 
 logger = logging.getLogger("django_keel_lock")
+
+
+#: How many key sets a store keeps the names of (`RedisLockStore._many_names`).
+MANY_NAMES_KEPT = 512
+
+
+class ManyNames(NamedTuple):
+    """The KEYS of ACQUIRE_MANY, RELEASE_MANY and EXTEND_MANY for one set of keys, and the
+    ARGV of RELEASE_MANY after its owner and wake prefix (`scripts` shows the layouts)."""
+
+    acquire: tuple[str, ...]
+    release: tuple[str, ...]
+    release_args: tuple[str, ...]
+    extend: tuple[str, ...]
+
+    @classmethod
+    def of(
+        cls,
+        keys: tuple[str, ...],
+        names: Callable[[str], tuple[str, str]],
+        channel: Callable[[str], str],
+    ) -> ManyNames:
+        """`keys`' names, from each key's lock and fence counter (`names`) and its release
+        channel (`channel`)."""
+        pairs = [names(key) for key in keys]
+        locks = tuple(lock for lock, _ in pairs)
+        return cls(
+            acquire=tuple(name for pair in pairs for name in pair),
+            release=tuple(n for lock in locks for n in (lock, lock + ":line", lock + ":places")),
+            release_args=tuple(a for key in keys for a in (channel(key), key)),
+            extend=locks,
+        )
+
+
+def _granted(reply: Any) -> bool:
+    """Did a script that may grant grant? A fence, an extend's 1 (or count), a list whose
+    first item is one of these: > 0 when granted; ACQUIRE_MANY's fences (a string) only
+    when granted."""
+    if isinstance(reply, list):
+        return int(reply[0]) > 0
+    return isinstance(reply, (bytes, str)) or int(reply) > 0
 
 
 def _ms(seconds: float) -> int:
@@ -200,6 +241,7 @@ class RedisLockStore(ListeningStore, LockStore):
         self._loop_clients: weakref.WeakSet[LoopClient] = weakref.WeakSet()
         self._async_factory: Callable[[], Any] | None = None
         self._async_checked = False
+        self._many_names_kept: dict[tuple[str, ...], ManyNames] = {}
         self._threads: PerThread[ScriptConnection] = PerThread(ScriptConnection.close)
         # Whether threads may have a ScriptConnection of their own: decided on first use, per
         # client.
@@ -484,6 +526,8 @@ class RedisLockStore(ListeningStore, LockStore):
         def run(part: tuple[str, ...]) -> bool:
             return self._released_many(part, self._run(*self._release_many_call(part, owner)))
 
+        if not self.cluster:  # one slot: no coroutine to run the slots
+            return run(keys)
         return run_ready(self._each_slot(self._slots(keys), ready(run)))
 
     async def arelease_many(self, keys: tuple[str, ...], owner: str) -> bool:
@@ -590,28 +634,35 @@ class RedisLockStore(ListeningStore, LockStore):
     def _acquire_many_call(
         self, keys: tuple[str, ...], owner: str, holder: str, ttl: float
     ) -> Call:
-        names = tuple(name for key in keys for name in self._names(key))
-        return ACQUIRE_MANY, names, (owner, holder, _ms(ttl))
+        return ACQUIRE_MANY, self._many_names(keys).acquire, (owner, holder, _ms(ttl))
 
     def _release_many_call(self, keys: tuple[str, ...], owner: str) -> Call:
-        names: list[str] = []
-        args: list[str] = [owner, self.wake_prefix]
-        for key in keys:
-            lock_name = self._names(key)[0]
-            names += (lock_name, lock_name + ":line", lock_name + ":places")
-            args += (self.release_channel(key), key)
-        return RELEASE_MANY, tuple(names), tuple(args)
+        names = self._many_names(keys)
+        return RELEASE_MANY, names.release, (owner, self.wake_prefix, *names.release_args)
 
     def _extend_many_call(self, keys: tuple[str, ...], owner: str, ttl: float) -> Call:
-        return EXTEND_MANY, tuple(self._names(key)[0] for key in keys), (owner, _ms(ttl))
+        return EXTEND_MANY, self._many_names(keys).extend, (owner, _ms(ttl))
+
+    def _many_names(self, keys: tuple[str, ...]) -> ManyNames:
+        """The names the scripts of several keys take for `keys`, made once per key set: a
+        handle acquires, extends and releases the same set, and a caller takes the same sets
+        again (a few a request). Kept for the last MANY_NAMES_KEPT sets."""
+        names = self._many_names_kept.get(keys)
+        if names is None:
+            if len(self._many_names_kept) >= MANY_NAMES_KEPT:
+                self._many_names_kept.clear()
+            names = self._many_names_kept[keys] = ManyNames.of(
+                keys, self._names, self.release_channel
+            )
+        return names
 
     @staticmethod
     def _acquired_many(keys: tuple[str, ...], reply: Any) -> AcquireResult:
         """ACQUIRE_MANY's reply as an AcquireResult."""
-        first = int(reply[0])
-        if first > 0:
-            fences = tuple(map(int, reply))
+        if not isinstance(reply, list):  # the fences, in one string
+            fences = tuple(map(int, reply.split()))
             return AcquireResult(max(fences), fences=fences)
+        first = int(reply[0])
         gate_owner = as_text(reply[1])
         return AcquireResult(
             None,
@@ -623,9 +674,11 @@ class RedisLockStore(ListeningStore, LockStore):
     def _released_many(self, keys: tuple[str, ...], reply: Any) -> bool:
         """RELEASE_MANY's reply: True if every key was released; this process's waiters of
         each released key are woken at once."""
-        for key, released in zip(keys, reply, strict=True):
-            self._released(key, int(released))
-        return all(int(released) for released in reply)
+        flags = as_text(reply)
+        for key, flag in zip(keys, flags, strict=True):
+            if flag == "1":
+                self.wake_board.wake(key)
+        return "0" not in flags
 
     @staticmethod
     def _extended_many(keys: tuple[str, ...], reply: Any) -> bool:
@@ -681,8 +734,7 @@ class RedisLockStore(ListeningStore, LockStore):
         a grant short of acknowledgements raises, an acquire's given back first (`run` of
         `give_back`; an extend has none)."""
         reply, acks = await waiting(*call)
-        # A fence, an extend's 1 (or count), or ACQUIRE_MANY's first fence: > 0 when granted.
-        granted = int(reply[0] if isinstance(reply, list) else reply) > 0
+        granted = _granted(reply)
         if granted and acks < self.min_replicas:
             if give_back is not None:
                 with contextlib.suppress(LockStoreUnavailable):  # else it expires at its ttl
