@@ -23,6 +23,7 @@ from django_keel_lock.stores.base import QUEUE_LEASE, LockStore
 from django_keel_lock.stores.redis import RedisLockStore
 
 from .conftest import store_params
+from .support.holders import held_before_children
 
 ALIASES = store_params(["redis"])
 #: Polls are 5 s apart: whatever a waiter gets within a lease came by a push or a grant.
@@ -71,13 +72,6 @@ def _start(alias: str, key: str, name: str, ahead: int = 0) -> tuple[Any, Connec
     assert parent.poll(30) and parent.recv() == "asking"
     _in_line(alias, key, ahead + 1)
     return proc, parent
-
-
-def _holding(alias: str, key: str) -> Any:
-    handle = lock(key, ttl=30, store=alias)
-    assert handle.acquire()
-    get_lock_store(alias).close()  # the children must not share this process's connections
-    return handle
 
 
 def _stand(store: LockStore, key: str, owner: str, ttl: float = 30) -> None:
@@ -153,7 +147,7 @@ def test_a_waiter_that_asks_after_its_grant_lapsed_keeps_its_turn(alias: str, ke
 def test_waiting_processes_are_handed_the_lock_in_the_order_they_joined(
     alias: str, key: str
 ) -> None:
-    holder = _holding(alias, key)
+    holder = held_before_children(alias, key)
     names = [f"waiter-{i}" for i in range(5)]
     waiters = [_start(alias, key, name, ahead=i) for i, name in enumerate(names)]
     store = get_lock_store(alias)
@@ -173,7 +167,7 @@ def test_waiting_processes_are_handed_the_lock_in_the_order_they_joined(
 def test_a_granted_waiter_killed_before_it_wakes_costs_the_next_at_most_its_grant_ttl(
     alias: str, key: str
 ) -> None:
-    holder = _holding(alias, key)
+    holder = held_before_children(alias, key)
     doomed, _ = _start(alias, key, "doomed")
     stayer = _start(alias, key, "stayer", ahead=1)
     os.kill(doomed.pid, signal.SIGKILL)
@@ -223,6 +217,16 @@ def test_an_async_waiter_cancelled_while_granted_passes_the_grant_on(alias: str,
         other.close()
 
 
+def _place_by_hand(store: RedisLockStore, key: str, owner: str, fields: dict[str, str]) -> None:
+    """Put `owner` last in `key`'s line with the place `fields`, as a given version of the
+    scripts writes one; the line lapses in 2 s."""
+    client, name = store.client(), store.lock_name(key)
+    client.hset(name + ":places", mapping=fields)
+    client.rpush(name + ":line", owner)
+    client.pexpire(name + ":places", 2000)
+    client.pexpire(name + ":line", 2000)
+
+
 def test_a_place_written_before_hand_offs_gets_a_wake_up_and_no_grant(alias: str, key: str) -> None:
     # During a rolling upgrade a waiter of the previous version keeps its place as
     # "expiry:address", with no ttl and holder beside it: a release cannot know them, so it
@@ -230,10 +234,8 @@ def test_a_place_written_before_hand_offs_gets_a_wake_up_and_no_grant(alias: str
     store = get_lock_store(alias)
     assert isinstance(store, RedisLockStore)
     assert store.acquire(key, "a" * 32, "holder", 30).acquired
-    client, name = store.client(), store.lock_name(key)
-    until = int(client.time()[0]) * 1000 + int(QUEUE_LEASE * 1000)
-    client.hset(name + ":places", "b" * 32, f"{until}:")
-    client.rpush(name + ":line", "b" * 32)
+    until = int(store.client().time()[0]) * 1000 + int(QUEUE_LEASE * 1000)
+    _place_by_hand(store, key, "b" * 32, {"b" * 32: f"{until}:"})
     assert store.release(key, "a" * 32)
     assert store.get(key) is None
     assert not store.acquire_queued(key, "c" * 32, "later", 30).acquired  # not its turn
@@ -285,14 +287,10 @@ def test_a_grant_lives_no_longer_than_the_place_of_its_waiter(alias: str, key: s
     store = get_lock_store(alias)
     assert isinstance(store, RedisLockStore)
     assert store.acquire(key, "a" * 32, "holder", 30).acquired
-    client, name = store.client(), store.lock_name(key)
-    seconds, micros = client.time()
+    seconds, micros = store.client().time()
     until = int(seconds) * 1000 + int(micros) // 1000 + 300
     place = {"b" * 32: f"{until}:", "b" * 32 + ":": "30000:dead"}  # ttl 30 s, holder "dead"
-    client.hset(name + ":places", mapping=place)
-    client.rpush(name + ":line", "b" * 32)
-    client.pexpire(name + ":places", 2000)
-    client.pexpire(name + ":line", 2000)
+    _place_by_hand(store, key, "b" * 32, place)
     assert store.release(key, "a" * 32)
     granted = store.get(key)
     assert granted is not None and granted.holder == "dead"

@@ -20,6 +20,7 @@ from django_keel_lock.registry import get_lock_store
 from django_keel_lock.stores.base import QUEUE_LEASE
 
 from .conftest import TimeLimit, store_params
+from .support.holders import held_before_children
 
 QUEUE_STORES = ["redis", "postgres", "mariadb"]
 #: Polls are 5 s apart: whatever a waiter gets within the bounds below came by a push.
@@ -80,13 +81,6 @@ def _start(
     return proc, parent
 
 
-def _holding(alias: str, key: str) -> Any:
-    handle = lock(key, ttl=30, store=alias)
-    assert handle.acquire()
-    get_lock_store(alias).close()  # the children must not share this process's connections
-    return handle
-
-
 def _quitter(alias: str, key: str, use_async: bool, pipe: Connection) -> None:
     """Wait for `key` until the parent says "give up": then, sync, an exception raised by a
     signal handler (as a task's time limit is) lands in the wait 50 ms after the next
@@ -141,7 +135,7 @@ def line_alias(request: pytest.FixtureRequest) -> str:
 def test_waiting_processes_get_the_lock_in_the_order_they_asked_each_woken_once(
     line_alias: str, key: str
 ) -> None:
-    holder = _holding(line_alias, key)
+    holder = held_before_children(line_alias, key)
     waiters = [_start(line_alias, key, use_async=i % 2 == 1) for i in range(6)]
     released = time.monotonic()
     assert holder.release()
@@ -163,7 +157,7 @@ def test_waiting_processes_get_the_lock_in_the_order_they_asked_each_woken_once(
 
 
 def test_a_waiter_that_gives_up_passes_its_turn_to_the_next(line_alias: str, key: str) -> None:
-    holder = _holding(line_alias, key)
+    holder = held_before_children(line_alias, key)
     quitter = _start(line_alias, key, timeout=0.3)
     stayer = _start(line_alias, key, timeout=30)
     assert quitter[1].poll(5) and quitter[1].recv()[0] is False  # gave up, left the line
@@ -177,7 +171,7 @@ def test_a_waiter_that_gives_up_passes_its_turn_to_the_next(line_alias: str, key
 def test_a_waiter_killed_first_in_line_holds_the_next_up_at_most_its_lease(
     line_alias: str, key: str
 ) -> None:
-    holder = _holding(line_alias, key)
+    holder = held_before_children(line_alias, key)
     doomed, _ = _start(line_alias, key)
     stayer = _start(line_alias, key)
     os.kill(doomed.pid, signal.SIGKILL)
@@ -239,7 +233,7 @@ def test_a_reader_behind_a_line_whose_first_died_gets_the_freed_lock_within_a_le
 def test_a_waiter_interrupted_or_cancelled_in_line_passes_its_turn_to_the_next(
     line_alias: str, key: str, use_async: bool
 ) -> None:
-    holder = _holding(line_alias, key)
+    holder = held_before_children(line_alias, key)
     parent, child = CONTEXT.Pipe()
     quitter = CONTEXT.Process(
         target=_quitter, args=(line_alias, key, use_async, child), daemon=True

@@ -21,6 +21,15 @@ from . import ROOT
 PER_PROCESS_STORES = {"memory"}
 
 
+def held_before_children(alias: str, key: str) -> Any:
+    """A handle holding `key` in `alias`, with this process's connections to the store
+    closed, so that child processes started next do not share them."""
+    handle = lock(key, ttl=30, store=alias)
+    assert handle.acquire()
+    get_lock_store(alias).close()
+    return handle
+
+
 def child_env() -> dict[str, str]:
     return {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", "PYTHONPATH": str(ROOT)}
 
