@@ -25,7 +25,7 @@ from django_keel_lock import LockStoreUnavailable
 from django_keel_lock.stores import RedisLockStore
 from django_keel_lock.stores.base import semaphore_mode
 
-from .conftest import needs, needs_store
+from .conftest import needs, needs_store, skip_or_fail
 from .support.multi_worker import counter_name, take_turns
 from .support.redis_servers import (
     REDIS_SERVER,
@@ -419,7 +419,7 @@ async def test_min_replicas_short_gives_an_acquire_many_back_and_keeps_an_extend
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[list[RedisServer]]:
     if not os.path.exists(REDIS_SERVER):
-        pytest.skip("needs the redis-server binary")
+        skip_or_fail("needs the redis-server binary")
     with redis_cluster(3) as nodes:
         yield nodes
 
