@@ -49,7 +49,7 @@ from .registry import get_lock_store
 from .stores.base import PERMIT_OWNERS, LockInfo, LockStore
 from .stores.database.dialects import DIALECTS
 from .stores.database.results import store_now
-from .together import held_with, keys_with
+from .together import held_with, keys_with, release_others
 
 logger = logging.getLogger("django_keel_lock")
 
@@ -623,15 +623,10 @@ class LockAdmin(ReadOnlyAdmin):
             if info is None:
                 continue
             self._log_release(request, alias, info)
-            others = []
-            for other in together.get(each.owner, []):
-                if other.key == each.key:
-                    continue
-                also = force_release(other.key, store=alias, user=request.user, fence=other.fence)
-                if also is not None:
-                    self._log_release(request, alias, also)
-                    others.append(also.key)
-            freed.append((info, others))
+            others = release_others(alias, each, together, user=request.user)
+            for also in others:
+                self._log_release(request, alias, also)
+            freed.append((info, [also.key for also in others]))
         return freed
 
     def _log_release(self, request: HttpRequest, alias: str, info: LockInfo) -> None:

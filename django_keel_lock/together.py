@@ -13,6 +13,7 @@ import itertools
 from array import array
 from collections.abc import Iterable, Iterator
 
+from .core import force_release
 from .stores.base import LockInfo, LockStore
 
 __all__ = ["OwnerDigests", "held_together", "held_with", "keys_with"]
@@ -45,6 +46,24 @@ def held_with(
 def keys_with(info: LockInfo, together: dict[str, list[LockInfo]]) -> tuple[str, ...]:
     """The other keys `info`'s holder holds with it (`together`: from `held_with`)."""
     return tuple(each.key for each in together.get(info.owner, []) if each.key != info.key)
+
+
+def release_others(
+    alias: str,
+    info: LockInfo,
+    together: dict[str, list[LockInfo]],
+    user: object | None = None,
+) -> list[LockInfo]:
+    """Force-release the other keys `info`'s holder holds with it (`together`: from
+    `held_with`), each by its fence, in the store `alias`, as `user`; those freed (a key
+    released or taken again meanwhile is left alone)."""
+    freed = []
+    for other in together.get(info.owner, []):
+        if other.key != info.key:
+            also = force_release(other.key, store=alias, user=user, fence=other.fence)
+            if also is not None:
+                freed.append(also)
+    return freed
 
 
 class OwnerDigests:

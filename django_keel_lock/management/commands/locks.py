@@ -50,7 +50,7 @@ from ...exceptions import LockStoreUnavailable
 from ...options import printable, validate_key
 from ...registry import get_lock_store
 from ...stores.base import LockInfo, LockStore
-from ...together import OwnerDigests, held_together, held_with, keys_with
+from ...together import OwnerDigests, held_together, held_with, keys_with, release_others
 from .. import results, running
 
 EXIT_NOT_HELD = 1
@@ -338,14 +338,11 @@ class Command(BaseCommand):
                 f"Released {key!r} in store {store.alias!r} (was held by "
                 f"{printable(info.holder)}, {info.mode}, fence {info.fence})."
             )
-            for other in together.get(info.owner, []):
-                if other.key != key and force_release(
-                    other.key, store=store.alias, fence=other.fence
-                ):
-                    self.stdout.write(
-                        f"Released {other.key!r} in store {store.alias!r} (held together "
-                        f"with {key!r}, fence {other.fence})."
-                    )
+            for other in release_others(store.alias, info, together):
+                self.stdout.write(
+                    f"Released {other.key!r} in store {store.alias!r} (held together "
+                    f"with {key!r}, fence {other.fence})."
+                )
 
     @staticmethod
     def confirm_release(
