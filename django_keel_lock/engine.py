@@ -287,10 +287,13 @@ def give_back(target: Target, owner: str) -> Call:
     return release_call(target, owner, quiet=True)
 
 
-def giving_back(target: Target, owner: str, why: str = "granted too late") -> Steps:
-    """Give back `owner`'s grant, which came too late (`why`): an error is logged, not
-    raised (the caller is refusing, or raising already); the lock then lives out its ttl."""
-    undone = yield give_back(target, owner)
+def giving_back(
+    target: Target, owner: str, why: str = "granted too late", step: Call | None = None
+) -> Steps:
+    """Give back `owner`'s grant, which came too late (`why`), by `step` (default: releasing
+    what the target acquired): an error is logged, not raised (the caller is refusing, or
+    raising already); the lock then lives out its ttl."""
+    undone = yield give_back(target, owner) if step is None else step
     if isinstance(undone, BaseException):
         logger.warning(
             "lock %r was %s and could not be given back (%s); it expires in %gs",
@@ -431,11 +434,10 @@ def _stand(
     return result
 
 
-def _give_back_key(target: Target, owner: str, key: str) -> Generator[Step, Any, None]:
+def _give_back_key(target: Target, owner: str, key: str) -> Steps:
     """Release the one `key` a multi-key waiter took from its line; an error is logged."""
-    undone = yield Call("release", (key, owner), quiet=True)
-    if isinstance(undone, BaseException):
-        logger.warning("lock %r: could not give back key %r (%r)", target.key, key, undone)
+    step = Call("release", (key, owner), quiet=True)
+    yield from giving_back(target, owner, f"given {key!r} by its line", step)
 
 
 def _taking(target: Target, owner: str, step: Call) -> Generator[Step, Any, AcquireResult]:

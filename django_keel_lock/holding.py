@@ -250,8 +250,7 @@ class Holding:
         on_lost="raise", raise LockNotHeldError if the lock was lost meanwhile. The body's
         own error wins; the loss is added to it as a note."""
         self.release()
-        if self.lost:
-            self._check_kept(error)
+        self._check_kept(error)
 
     def _check_kept(self, error: BaseException | None) -> None:
         if not self.lost or self.on_lost != RAISE:
