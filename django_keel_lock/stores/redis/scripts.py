@@ -476,7 +476,7 @@ for i = 1, #KEYS / 3 do
     released[i] = '0'
     if redis.call('HGET', KEYS[3 * i - 2], 'o') == ARGV[1] then
         redis.call('DEL', KEYS[3 * i - 2])
-        if redis.call('HDEL', KEYS[3 * i], ARGV[1]) == 1 then
+        if redis.call('HDEL', KEYS[3 * i], ARGV[1], ARGV[1] .. ':') > 0 then
             redis.call('LREM', KEYS[3 * i - 1], 1, ARGV[1])
         end
         wake_first(KEYS[3 * i - 1], KEYS[3 * i], ARGV[2], ARGV[2 * i + 2], ARGV[2 * i + 1])
