@@ -3,7 +3,7 @@ and a short run per store with a fixed seed (marked `chaos`).
 
 The runs take KEEL_CHAOS_SECONDS per store (default 60; 0 skips them) with
 KEEL_CHAOS_WORKERS workers (default 8); KEEL_CHAOS_SHARD=i/n runs only every n-th store's,
-starting at the i-th (CI's two passes take 1/2 and 2/2: each store once). A broken rule
+starting at the i-th (CI's two passes take 1/2 and 2/2: each store once; tests/support/shard.py). A broken rule
 fails with the seed and the history excerpt that shows it: `python -m bench.chaos --store S
 --seed N` replays the same faults.
 """
@@ -26,6 +26,7 @@ from .conftest import needs
 from .support import ROOT
 from .support.etcd import etcd_installed
 from .support.redis_servers import REDIS_SERVER
+from .support.shard import in_shard
 
 CONFIG: dict[str, Any] = {
     "ttl": 2.0,
@@ -303,7 +304,6 @@ def test_checker_allows_store_faults_the_time_they_kept_the_key_from_being_taken
 SECONDS = float(os.environ.get("KEEL_CHAOS_SECONDS", "60"))
 WORKERS = int(os.environ.get("KEEL_CHAOS_WORKERS", "8"))
 SEED = 1
-SHARD = os.environ.get("KEEL_CHAOS_SHARD", "1/1")
 HAS_REDIS = needs(os.path.exists(REDIS_SERVER), "the redis-server binary")
 HAS_POSTGRES = needs(settings.SERVERS["postgres"], "PostgreSQL (the fenced resource)")
 HAS_MARIADB = needs(settings.SERVERS["mariadb"], "MariaDB")
@@ -319,15 +319,6 @@ STORES = [
     pytest.param("redis-sentinel", marks=[HAS_POSTGRES, HAS_REDIS]),
     pytest.param("etcd", marks=[HAS_POSTGRES, HAS_ETCD]),
 ]
-
-
-def in_shard(stores: list[Any]) -> list[Any]:
-    """The runs of `stores` in this run's KEEL_CHAOS_SHARD (i/n: every n-th, starting at the
-    i-th); the others run in another pass, so they are not collected here at all."""
-    number, _, count = SHARD.partition("/")
-    if not (number.isdigit() and count.isdigit() and 1 <= int(number) <= int(count)):
-        raise pytest.UsageError(f"KEEL_CHAOS_SHARD must be i/n with 1 <= i <= n, not {SHARD!r}")
-    return stores[int(number) - 1 :: int(count)]
 
 
 @pytest.mark.chaos
