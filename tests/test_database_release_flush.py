@@ -115,3 +115,25 @@ def test_an_acquire_and_an_extend_still_wait_for_the_flush(
     info = store.get(key)
     assert info is not None and info.owner == a and info.expires_in > 30, info
     assert store.release(key, a)
+
+
+def test_not_durable_acquire_and_extend_do_not_wait_for_the_flush(
+    server: PgServer, store: DatabaseLockStore
+) -> None:
+    """DURABLE: False, what it trades: with the WAL writer paused, an acquire and an extend that
+    returned are lost to the crash (neither waited for the flush). The durable `store` takes
+    the lock the extend is of, flushed."""
+    fast = DatabaseLockStore("crashing", {"DATABASE": "crashing", "DURABLE": False})
+    try:
+        extended, taken, a = f"flush:{uuid.uuid4().hex}", f"flush:{uuid.uuid4().hex}", _owner()
+        assert store.acquire(extended, a, "a", 5).acquired
+        server.pause_wal_writer()
+        assert fast.extend(extended, a, 60)
+        assert fast.acquire(taken, a, "a", 30).acquired
+        fast.close()
+        _crash(server, store)
+        assert store.get(taken) is None
+        info = store.get(extended)
+        assert info is not None and info.owner == a and info.expires_in <= 5, info
+    finally:
+        fast.close()

@@ -527,6 +527,49 @@ def test_durable_false_store_locks_the_same_way(key: str) -> None:
     durable.release()
 
 
+def _on_store_connection(store: DatabaseLockStore, sql: str) -> list[Any]:
+    """`sql`'s first column, run on the calling thread's lock connection."""
+    wrapper = store._connection()[0].wrapper
+    with wrapper.connection.cursor() as cursor:
+        cursor.execute(sql)
+        return [row[0] for row in cursor.fetchall()]
+
+
+@needs_store("postgres")
+@pytest.mark.parametrize("durable", [True, False], ids=["durable", "not-durable"])
+def test_not_durable_says_synchronous_commit_once_on_its_own_session(
+    key: str, durable: bool
+) -> None:
+    """Reached directly (no transaction pooler), DURABLE: False turns synchronous_commit off on
+    the store's session, once per connection, and its lock statements carry no set_config of
+    their own (each statement's cost; behind a transaction pooler they do: see
+    test_database_pooler). A durable store's session keeps the server's setting: its acquire
+    waits for the flush, its release says otherwise for its own transaction. (The store's
+    first connection tells whether a pooler is in front: a statement chosen before it says
+    the setting itself, as behind one.)"""
+    store = DatabaseLockStore("session-flush", {"DATABASE": "postgres", "DURABLE": durable})
+    try:
+        assert store.get(key) is None  # the first connection
+        for _ in range(3):
+            assert store.acquire(key, "owner", "holder", 30).acquired
+            assert store.extend(key, "owner", 30)
+            assert store.release(key, "owner")
+        (setting,) = _on_store_connection(store, "SHOW synchronous_commit")
+        statements = _on_store_connection(
+            store, "SELECT statement FROM pg_prepared_statements WHERE name LIKE 'keel_lock_%'"
+        )
+        assert len(statements) == 3, statements
+        carrying = [sql for sql in statements if "synchronous_commit" in sql]
+        if durable:
+            assert setting == "on"
+            assert len(carrying) == 1 and carrying[0].lstrip().startswith("UPDATE"), carrying
+        else:
+            assert setting == "off"
+            assert carrying == [], carrying
+    finally:
+        store.close()
+
+
 def test_unknown_database_alias_is_a_clear_error(key: str) -> None:
     stores = {
         "bad": {

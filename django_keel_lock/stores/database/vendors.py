@@ -329,7 +329,13 @@ class Postgres(ServerVendor):
 
     def __init__(self, store: DatabaseLockStore) -> None:
         super().__init__(store)
-        self.pooled: bool | None = store.transaction_pooler
+        # The SQL for sessions that may not be the store's (a transaction pooler in front, or
+        # none known yet) and for sessions of its own (see `PostgresDialect`: DURABLE: False
+        # set once per session); `pooled` picks.
+        self._shared = self.dialect
+        durable = store.durable
+        self._own = self._shared if durable else PostgresDialect(durable=False, own_session=True)
+        self.pooled = store.transaction_pooler
         # What may keep statements on a session (the store's psycopg 3 connections, their
         # libpq paths): told to stop when a pooler is found late (`lost_session`), open
         # as they may be in other threads.
@@ -339,6 +345,18 @@ class Postgres(ServerVendor):
 
     def new_dialect(self) -> PostgresDialect:
         return PostgresDialect(durable=self.store.durable)
+
+    @property
+    def pooled(self) -> bool | None:
+        """Whether a transaction pooler is in front (None: no connection has told yet)."""
+        return self._pooled
+
+    @pooled.setter
+    def pooled(self, pooled: bool | None) -> None:
+        # Before the dialect: a connection set up once `pooled` is False gets its session
+        # settings from the dialect of sessions of the store's own.
+        self.dialect = self._own if pooled is False else self._shared
+        self._pooled = pooled
 
     def session_statements(self, connection: Any, durable: bool) -> Sequence[str]:
         if self.pooled is None:

@@ -251,30 +251,34 @@ class PostgresDialect(ServerDialect):
         "WHERE expires_at <= clock_timestamp() LIMIT %s) AND expires_at <= clock_timestamp()",
     )
 
-    def __init__(self, *, durable: bool = True) -> None:
+    def __init__(self, *, durable: bool = True, own_session: bool = False) -> None:
         # A release never waits for the flush (NO_FLUSH), durable or not: one lost to a crash
         # leaves its lock held, by nobody, until its ttl (a delay, never a second holder), and
         # any later commit that waits for its flush (the next acquire) flushes it first. So
         # a durable cycle waits for one flush, the acquire's. Not `durable` (DURABLE: False):
-        # acquires and extends do not wait either. Each statement says it for its own
-        # transaction, so nothing is set on the connection.
-        hot = "" if durable else NO_FLUSH
+        # acquires and extends do not wait either. Behind a transaction pooler each statement
+        # says it for its own transaction, so nothing is set on a session; on a session of
+        # the store's `own_session` (no such pooler), DURABLE: False says it once, on the
+        # session (`session_sql`), and no statement evaluates a set_config of its own.
+        self.durable, self.own_session = durable, own_session
+        hot = "" if durable or own_session else NO_FLUSH
+        released = "" if own_session and not durable else NO_FLUSH
         self.acquire_sql = (self._acquire_template.format(flush=hot),)
         self.acquire_queued_sql = (self._acquire_queued_template.format(flush=hot),)
-        self.release_sql = self._release_template.format(flush=NO_FLUSH, when="")
-        self.release_line_sql = self._release_line_template.format(flush=NO_FLUSH, when="")
-        self._hot = hot
+        self.release_sql = self._release_template.format(flush=released, when="")
+        self.release_line_sql = self._release_line_template.format(flush=released, when="")
+        self._hot, self._released = hot, released
         self.take_first_sql = self._take_first_template.format(flush=hot)
         self.extend_sql = self._extend_template.format(flush=hot)
         self.acquire_permit_sql = self._acquire_permit_template.format(flush=hot)
         self.acquire_many_sql = self._acquire_many_template.format(flush=hot)
-        self._release_many_sql = self._release_many_template.format(flush=NO_FLUSH, keys="{keys}")
+        self._release_many_sql = self._release_many_template.format(flush=released, keys="{keys}")
         self._release_many_line_sql = self._release_many_line_template.format(
-            flush=NO_FLUSH, keys="{keys}"
+            flush=released, keys="{keys}"
         )
         self._extend_many_sql = self._extend_many_template.format(flush=hot, keys="{keys}")
         self._of_count: dict[tuple[str, int], str] = {}
-        self.release_permit_sql = self._release_permit_template.format(flush=NO_FLUSH)
+        self.release_permit_sql = self._release_permit_template.format(flush=released)
         self.extend_permit_sql = self._extend_permit_template.format(flush=hot)
 
     def release_many_sql(self, count: int, line: bool) -> str:
@@ -302,7 +306,7 @@ class PostgresDialect(ServerDialect):
         release does not (a result lost to a crash would let a retry run again)."""
         template = self._release_line_template if line else self._release_template
         return template.format(
-            flush=self._hot if keeps else NO_FLUSH, when=f" AND {when}" if when else ""
+            flush=self._hot if keeps else self._released, when=f" AND {when}" if when else ""
         )
 
     def sweep_names(self, delete: str, names: Sequence[Any]) -> tuple[str, Sequence[Any]]:
@@ -327,7 +331,10 @@ class PostgresDialect(ServerDialect):
         # version). Autocommit statements run at the session default, which a server or role
         # may set to SERIALIZABLE: contention would then fail. (Not behind a transaction
         # pooler, where a session is not ours: see `vendors.Postgres`.)
-        return ("SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL READ COMMITTED",)
+        isolation = "SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL READ COMMITTED"
+        if self.own_session and not self.durable:
+            return (isolation, "SET synchronous_commit = off")
+        return (isolation,)
 
 
 def is_psycopg3(wrapper: Any) -> bool:
