@@ -30,6 +30,7 @@ class RedisListener(ReleaseListener):
         conn = self._conn = borrow_connection(self._pool)
         self._prefix = self.store.channel + ":"
         self._wake_channel = self.store.wake_prefix + self.address
+        self._grant_channel = self._wake_channel + ":grant"
         # RESP3 delivers messages as pushes, which read_response() returns only when asked to
         # (older redis-py's Sentinel connections do not even take the argument).
         resp3 = str(getattr(conn, "protocol", 2)) == "3"
@@ -37,9 +38,9 @@ class RedisListener(ReleaseListener):
         return True
 
     def prepare(self) -> bool:
-        # The base channel last: once Redis confirms it, this process's wake channel is
-        # subscribed too (Redis answers a connection's commands in order).
-        channels = (self._wake_channel, self.store.channel)
+        # The base channel last: once Redis confirms it, this process's wake and grant
+        # channels are subscribed too (Redis answers a connection's commands in order).
+        channels = (self._wake_channel, self._grant_channel, self.store.channel)
         self._conn.send_packed_command([pack_command(b"SUBSCRIBE", *channels)])
         return False  # ready once Redis confirms the base channel (see _handle)
 
@@ -65,12 +66,8 @@ class RedisListener(ReleaseListener):
     def dispatch(self, data: bool) -> None:
         if not data:
             return
-        # Waiting for a single key, whatever arrived is almost surely its release: wake its
-        # waiters before parsing (they re-check the lock either way; a PONG costs one needless
-        # attempt every `ping_after` seconds).
-        single = self.subscribed if len(self.subscribed) == 1 else ()
-        for key in single:
-            self.store.wake_board.wake(key)
+        # Parsed before any waiter is woken: what arrived may be a grant carried to it, which
+        # it must find when it wakes.
         conn = self._conn
         while True:
             self._handle(conn.read_response(**self._read))
@@ -93,10 +90,13 @@ class RedisListener(ReleaseListener):
         kind, channel = as_text(reply[0]), as_text(reply[1])
         if kind == "message" and channel.startswith(prefix):
             board.wake(channel[len(prefix) :])
+        elif kind == "message" and channel == self._grant_channel and len(reply) > 2:
+            fence, owner, key = as_text(reply[2]).split(" ", 2)  # handed `key` (HAND_ON)
+            board.grant(key, owner, int(fence))
         elif kind == "message" and channel == self._wake_channel and len(reply) > 2:
             board.wake(as_text(reply[2]))  # first in line for this key
         elif kind == "subscribe":
-            if channel == self._wake_channel:
+            if channel in (self._wake_channel, self._grant_channel):
                 pass
             elif channel.startswith(prefix):
                 # Redis confirms: from now on the key's releases reach us. One may have come
