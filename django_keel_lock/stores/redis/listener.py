@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..wakeups import ReleaseListener
+from ..wakeups import ReleaseListener, WakeBoard
 from .clients import as_text, borrow_connection, pack_command, pubsub_pool
 
 if TYPE_CHECKING:
@@ -91,8 +91,7 @@ class RedisListener(ReleaseListener):
         if kind == "message" and channel.startswith(prefix):
             board.wake(channel[len(prefix) :])
         elif kind == "message" and channel == self._grant_channel and len(reply) > 2:
-            fence, owner, key = as_text(reply[2]).split(" ", 2)  # handed `key` (HAND_ON)
-            board.grant(key, owner, int(fence))
+            _grant(board, as_text(reply[2]))
         elif kind == "message" and channel == self._wake_channel and len(reply) > 2:
             board.wake(as_text(reply[2]))  # first in line for this key
         elif kind == "subscribe":
@@ -104,3 +103,12 @@ class RedisListener(ReleaseListener):
                 board.wake(channel[len(prefix) :])
             else:
                 self.connected()
+
+
+def _grant(board: WakeBoard, message: str) -> None:
+    """A grant carried on this process's grant channel, "fence owner key" (`scripts.HAND_ON`):
+    on to the board; anything else is no grant (a message published there by hand)."""
+    fence, _, rest = message.partition(" ")
+    owner, _, key = rest.partition(" ")
+    if fence.isdigit() and owner and key:
+        board.grant(key, owner, int(fence))
