@@ -21,15 +21,23 @@ class Waiter:
     """A registration for release wake-ups of one key, taken *before* an acquire attempt so that
     a release between the attempt and the wait is not missed."""
 
-    __slots__ = ("_seen", "_slot")
+    __slots__ = ("_board", "_seen", "_slot")
 
-    def __init__(self, slot: _Slot) -> None:
+    def __init__(self, slot: _Slot, board: WakeBoard) -> None:
         self._slot = slot
+        self._board = board
         self._seen = slot.generation
 
     def wait(self, timeout: float) -> bool:
-        """Block up to `timeout` seconds; True if a release of the key was announced meanwhile."""
-        slot = self._slot
+        """Block up to `timeout` seconds; True if a release of the key was announced meanwhile.
+        Where the board has a `reader`, this thread reads the wake-up itself."""
+        slot, seen, reader = self._slot, self._seen, self._board.reader
+        if (
+            reader is not None
+            and slot.generation == seen
+            and reader(lambda: slot.generation != seen, timeout)
+        ):
+            timeout = 0.0
         with slot.cond:
             if slot.generation == self._seen:
                 slot.cond.wait(timeout)
@@ -106,6 +114,11 @@ class WakeBoard:
         #: when its last one leaves (under the board's mutex: keep it short, never block).
         #: A listener uses it to hear only about the keys this process waits for.
         self.watched_hook: Callable[[str, bool], None] | None = None
+        #: reader(done, timeout): a `Waiter` reads its wake-up itself, until done() or
+        #: `timeout` seconds, instead of sleeping until the listener's thread wakes it; False
+        #: when it cannot now (it then sleeps). Set by a store whose listener allows it
+        #: (`ReleaseListener.read_here`).
+        self.reader: Callable[[Callable[[], bool], float], bool] | None = None
 
     def _join(self, key: str, callback: Any = None) -> _Slot:
         with self._mutex:
@@ -133,7 +146,7 @@ class WakeBoard:
     def watch(self, key: str) -> Iterator[Waiter]:
         slot = self._join(key)
         try:
-            yield Waiter(slot)
+            yield Waiter(slot, self)
         finally:
             self._leave(key, slot)
 
@@ -230,10 +243,13 @@ class ReleaseListener:
 
     It listens only to the keys some thread or task of this process waits for: waiters ask
     through `want()`, which pokes its thread through a pipe so it (un)subscribes at once. Only
-    that thread touches its connection. The loop (reconnect with backoff, wait on the socket
-    and the pipe, settle subscriptions, keep the connection proven alive, the `ready` flag) is
-    here; a store's listener fills in the hooks: `connect`, `prepare`, `socket`, `subscribe`,
-    `unsubscribe`, `ping`, `dispatch` and `disconnect`.
+    that thread writes to its connection, and (re)connects it; where the store allows it
+    (`reads_here`), a thread that waits for a key may read it meanwhile (`read_here`), so
+    that the wake-up it waits for wakes it directly; whoever reads holds `_reading`. The loop
+    (reconnect with backoff, wait on the socket and the pipe, settle subscriptions, keep the
+    connection proven alive, the `ready` flag) is here; a store's listener fills in the
+    hooks: `connect`, `prepare`, `socket`, `subscribe`, `unsubscribe`, `ping`, `dispatch`,
+    `pending` and `disconnect`.
 
     It has a thread rather than being one: `threading.Thread` keeps private attributes whose
     names change between Python versions (3.13's `_handle` hid a subclass's method).
@@ -246,6 +262,11 @@ class ReleaseListener:
     #: True when `subscribe`, `unsubscribe` and `ping` return only once the server answered:
     #: then a poke or a ping that went through proves the connection alive, as data does.
     replies_inline = False
+    #: True when a thread waiting for a key may read the connection itself (`read_here`).
+    reads_here = False
+    #: Seconds within which this thread reads the connection again once a waiting thread
+    #: stopped reading it (what arrives meanwhile waits that long at most).
+    handed_back_within = 0.05
     #: Seconds a key stays subscribed after its last waiter left. A process that takes a key
     #: over and over waits for it again within moments: kept subscribed, it neither
     #: resubscribes each time nor has its waiters woken by each new subscription for a
@@ -267,6 +288,8 @@ class ReleaseListener:
         self.address = secrets.token_hex(8)
         self._mutex = threading.Lock()
         self._changed: set[str] = set()
+        self._reading = threading.Lock()  # held by the thread reading the connection
+        self._read_at = 0.0  # when a waiting thread last read something (monotonic)
         self._lingering: dict[str, float] = {}  # subscribed, unwatched: key -> since (monotonic)
         self._closed = False
         self._poke_r, self._poke_w = os.pipe()
@@ -306,12 +329,18 @@ class ReleaseListener:
     def disconnect(self) -> None:
         raise NotImplementedError
 
+    def pending(self) -> bool:
+        """Whether something arrived that nobody has read yet (a waiting thread may have read
+        what woke this one: `read_here`). Only asked when `reads_here`."""
+        return True
+
     # -- asked from other threads ---------------------------------------------------------
     def want(self, key: str, watched: bool) -> None:
         """`key` got its first waiter (or lost its last): (un)subscribe shortly."""
         with self._mutex:
             self._changed.add(key)
-        self.interrupt()
+        if watched:  # a key left lingers anyway: no need to wake this thread for it now
+            self.interrupt()
 
     def interrupt(self) -> None:
         """Wake the thread from `wait()`."""
@@ -322,6 +351,34 @@ class ReleaseListener:
                 os.write(self._poke_w, b"x")
             except OSError:
                 pass  # the pipe is full of pokes already
+
+    def read_here(self, done: Callable[[], bool], timeout: float) -> bool:
+        """Read the connection from a waiting thread until `done()` or `timeout` seconds: the
+        wake-up it waits for then wakes it, not this listener's thread, which would have to
+        wake it in turn (a second thread to schedule on a busy machine, the hand-off's
+        last leg). False, at once, when it cannot: the store does not allow it, the
+        listener is not connected, or another thread reads."""
+        if not (self.reads_here and self.ready.is_set() and self.pid == os.getpid()):
+            return False
+        if not self._reading.acquire(blocking=False):
+            return False
+        self.interrupt()  # so that this listener's thread stops reading the connection
+        try:
+            poller = select.poll()
+            poller.register(self.socket(), select.POLLIN)
+            deadline = time.monotonic() + timeout
+            while not done():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                if poller.poll(left * 1000) and self.pending():
+                    self._read_at = time.monotonic()
+                    self.dispatch(True)
+        except Exception:  # the connection broke: the listener's thread reconnects
+            return False
+        finally:
+            self._reading.release()
+        return True
 
     def start(self) -> None:
         self.thread.start()
@@ -350,7 +407,13 @@ class ReleaseListener:
         (data, poked)."""
         # poll(), not select(): select() fails for descriptors above 1024.
         poller = select.poll()
-        poller.register(fileno, select.POLLIN)
+        if self._reading.locked():
+            # A waiting thread reads the connection (`read_here`): this one, woken by what it
+            # reads, would only compete with it. It looks again shortly: that thread stops
+            # reading once it is woken.
+            timeout = min(timeout, self.handed_back_within)
+        else:
+            poller.register(fileno, select.POLLIN)
         poller.register(self._poke_r, select.POLLIN)
         ready = {fd for fd, _ in poller.poll(timeout * 1000)}
         return fileno in ready, self._poke_r in ready
@@ -414,11 +477,12 @@ class ReleaseListener:
         heard = pinged = time.monotonic()
         while not self.stopping.is_set():
             data, poked = self.wait(self.socket(), 1.0)
-            if poked:
+            if poked or self._changed:
                 self.settle(self.take_changes())
             elif self._lingering:
                 self.settle(set())  # drop the keys that have lingered long enough
             now = time.monotonic()
+            heard = max(heard, self._read_at)  # what a waiting thread read counts too
             if data or (poked and self.replies_inline):
                 heard = now
             elif self.dead_after is not None and now - heard > self.dead_after:
@@ -429,7 +493,17 @@ class ReleaseListener:
                 pinged = now
                 if self.replies_inline:
                     heard = time.monotonic()
+            self._dispatch(data)
+
+    def _dispatch(self, data: bool) -> None:
+        """`dispatch` what arrived, unless a waiting thread reads it (`read_here`)."""
+        if not data or not self.reads_here:
             self.dispatch(data)
+        elif self._reading.acquire(blocking=False):
+            try:
+                self.dispatch(self.pending())
+            finally:
+                self._reading.release()
 
     def run(self) -> None:
         backoff = 0.05
@@ -494,12 +568,17 @@ class ListeningStore:
             listener = self._listener
             if listener is None or not listener.usable_here:
                 self.wake_board.watched_hook = self._watched
+                self.wake_board.reader = self._read_here
                 self._listener = self.new_listener()
                 self._listener.start()
 
     def new_listener(self) -> ReleaseListener:
         """A listener for this process: the store's `listener_class` unless it chooses."""
         return self.listener_class(self)
+
+    def _read_here(self, done: Callable[[], bool], timeout: float) -> bool:
+        listener = self._listener
+        return listener is not None and listener.read_here(done, timeout)
 
     def _watched(self, key: str, watched: bool) -> None:
         listener = self._listener

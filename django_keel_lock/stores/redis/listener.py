@@ -24,6 +24,7 @@ class RedisListener(ReleaseListener):
     store: RedisLockStore
     ping_after = 5.0
     dead_after = 15.0
+    reads_here = True
 
     def connect(self) -> bool:
         self._pool = pubsub_pool(self.store._client())
@@ -73,6 +74,9 @@ class RedisListener(ReleaseListener):
             self._handle(conn.read_response(**self._read))
             if not conn.can_read(timeout=0):
                 break
+
+    def pending(self) -> bool:
+        return bool(self._conn.can_read(timeout=0))
 
     def disconnect(self) -> None:
         try:
