@@ -1,8 +1,10 @@
 """Direct hand-off (Redis): a release that finds a live waiter first in the key's line grants
-the lock to it in the same script (owner, holder, a greater fence, a short grant ttl) and wakes
-it; the waiter's next `acquire_queued` takes the grant up at its own ttl. A granted waiter that
-died or gave up costs the others at most the grant ttl, and one that leaves the line passes the
-grant on."""
+the lock to it in the same script (owner, holder, a greater fence) and wakes it. When the wake-up
+reaches the waiter's process (its listener is subscribed), the grant is for the waiter's own
+ttl and the message carries it: the waiter becomes the holder with no call. Otherwise the grant
+is short and the waiter's next `acquire_queued` takes it up at its own ttl. A granted waiter
+that died or gave up costs the others at most its grant ttl, and one that leaves the line
+passes the grant on."""
 
 from __future__ import annotations
 
@@ -12,18 +14,23 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from multiprocessing.connection import Connection
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
+from django.conf import settings
 
 from django_keel_lock import lock
 from django_keel_lock.registry import get_lock_store
 from django_keel_lock.stores.base import QUEUE_LEASE, LockStore
 from django_keel_lock.stores.redis import RedisLockStore
 
-from .conftest import store_params
+from .conftest import serving, store_params
 from .support.holders import held_before_children
+from .support.round_trips import RoundTrips, round_trips
 
 ALIASES = store_params(["redis"])
 #: Polls are 5 s apart: whatever a waiter gets within a lease came by a push or a grant.
@@ -36,10 +43,41 @@ def alias(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-def _waiter(alias: str, key: str, name: str, pipe: Connection) -> None:
+@pytest.fixture
+def unheard(alias: str) -> Iterator[RedisLockStore]:
+    """A store of `alias`'s settings with no listener: its waiters have no wake address, so
+    a release grants them the short grant a call takes up, never a carried one."""
+    store = get_lock_store(alias)
+    assert isinstance(store, RedisLockStore)
+    quiet = RedisLockStore(f"{alias}-unheard", store.options)
+    try:
+        yield quiet
+    finally:
+        quiet.close()
+
+
+@pytest.fixture
+def heard(alias: str) -> Iterator[RedisLockStore]:
+    """A store of `alias`'s settings whose listener is connected: a release reaches its
+    waiters' process, and so carries their grants."""
+    store = get_lock_store(alias)
+    assert isinstance(store, RedisLockStore)
+    listening = RedisLockStore(f"{alias}-heard", store.options)
+    try:
+        listening.ensure_listener()
+        deadline = time.monotonic() + 10
+        while not listening.listener_ready():
+            assert time.monotonic() < deadline, "the listener never connected"
+            time.sleep(0.01)
+        yield listening
+    finally:
+        listening.close()
+
+
+def _waiter(alias: str, key: str, name: str, pipe: Connection, ttl: float = 30) -> None:
     """Wait for `key` as holder `name` (telling the parent just before); hold it a moment,
     release; send back (acquired, its fence)."""
-    handle = lock(key, ttl=30, holder=name, store=alias)
+    handle = lock(key, ttl=ttl, holder=name, store=alias)
     handle.is_locked()  # connected before it asks
     pipe.send("asking")
     got = handle.acquire(timeout=30, retry_delay=RETRY_DELAY)
@@ -55,19 +93,29 @@ def _in_line(alias: str, key: str, count: int, close: bool = True) -> None:
     then close the store, so children started next do not share its connections."""
     store = get_lock_store(alias)
     assert isinstance(store, RedisLockStore)
-    line = store.lock_name(key) + ":line"
     deadline = time.monotonic() + 20
-    while store.client().llen(line) < count:
+    while len(_heard_in_line(store, key)) < count:
         assert time.monotonic() < deadline, f"never {count} in line"
         time.sleep(0.02)
     if close:
         store.close()
 
 
-def _start(alias: str, key: str, name: str, ahead: int = 0) -> tuple[Any, Connection]:
+def _heard_in_line(store: RedisLockStore, key: str) -> list[str]:
+    """The owners in `key`'s line whose places have a wake address: their process's listener
+    was connected when they last asked (a waiter's first attempt may come before it is)."""
+    name = store.lock_name(key)
+    line = store.client().lrange(name + ":line", 0, -1)
+    places = store.client().hmget(name + ":places", line) if line else []
+    return [o.decode() for o, p in zip(line, places, strict=True) if p and not p.endswith(b":")]
+
+
+def _start(
+    alias: str, key: str, name: str, ahead: int = 0, ttl: float = 30
+) -> tuple[Any, Connection]:
     """A waiter process for `key`, once it stands in line behind `ahead` others."""
     parent, child = CONTEXT.Pipe()
-    proc = CONTEXT.Process(target=_waiter, args=(alias, key, name, child), daemon=True)
+    proc = CONTEXT.Process(target=_waiter, args=(alias, key, name, child, ttl), daemon=True)
     proc.start()
     assert parent.poll(30) and parent.recv() == "asking"
     _in_line(alias, key, ahead + 1)
@@ -80,9 +128,9 @@ def _stand(store: LockStore, key: str, owner: str, ttl: float = 30) -> None:
 
 
 def test_a_release_grants_the_lock_to_the_first_in_line_in_the_same_script(
-    alias: str, key: str
+    unheard: RedisLockStore, key: str
 ) -> None:
-    store = get_lock_store(alias)
+    store = unheard
     assert store.acquire(key, "a" * 32, "holder", 30).acquired
     first, second = "b" * 32, "c" * 32
     _stand(store, key, first)
@@ -106,8 +154,10 @@ def test_a_release_grants_the_lock_to_the_first_in_line_in_the_same_script(
     assert store.get(key) is None
 
 
-def test_a_waiter_leaving_the_line_once_granted_passes_the_grant_on(alias: str, key: str) -> None:
-    store = get_lock_store(alias)
+def test_a_waiter_leaving_the_line_once_granted_passes_the_grant_on(
+    unheard: RedisLockStore, key: str
+) -> None:
+    store = unheard
     assert store.acquire(key, "a" * 32, "holder", 30).acquired
     first, second = "b" * 32, "c" * 32
     _stand(store, key, first)
@@ -122,10 +172,12 @@ def test_a_waiter_leaving_the_line_once_granted_passes_the_grant_on(alias: str, 
     assert store.get(key) is None
 
 
-def test_a_waiter_that_asks_after_its_grant_lapsed_keeps_its_turn(alias: str, key: str) -> None:
+def test_a_waiter_that_asks_after_its_grant_lapsed_keeps_its_turn(
+    unheard: RedisLockStore, key: str
+) -> None:
     # It missed the wake-up (its listener was reconnecting, say) and its ttl is short: its
     # grant lapses before it asks again, but its place is still first.
-    store = get_lock_store(alias)
+    store = unheard
     assert store.acquire(key, "a" * 32, "holder", 30).acquired
     slow, other = "b" * 32, "c" * 32
     _stand(store, key, slow, ttl=0.2)
@@ -154,6 +206,7 @@ def test_waiting_processes_are_handed_the_lock_in_the_order_they_joined(
     assert holder.release()
     info = store.get(key)
     assert info is not None and info.holder == names[0]  # handed over by the release itself
+    assert info.expires_in > QUEUE_LEASE  # for its ttl: the wake-up carried the grant
     results = [pipe.recv() if pipe.poll(20) else None for _, pipe in waiters]
     for proc, _ in waiters:
         proc.join(10)
@@ -297,6 +350,28 @@ def test_a_grant_lives_no_longer_than_the_place_of_its_waiter(alias: str, key: s
     assert granted.expires_in <= 0.3
 
 
+@pytest.fixture
+def at_abcd(alias: str, monkeypatch: pytest.MonkeyPatch) -> RedisLockStore:
+    """`alias`'s store, whose waiters say their process listens at the wake address "abcd"
+    (a test subscribes to its channels by hand)."""
+    store = get_lock_store(alias)
+    assert isinstance(store, RedisLockStore)
+    monkeypatch.setattr(RedisLockStore, "wake_address", property(lambda self: "abcd"))
+    return store
+
+
+@contextmanager
+def _subscribed(store: RedisLockStore, channel: str) -> Iterator[Any]:
+    """A pub/sub connection subscribed to `channel` (Redis has confirmed it)."""
+    subscriber = store.client().pubsub()
+    try:
+        subscriber.subscribe(channel)
+        assert subscriber.get_message(timeout=5)["type"] == "subscribe"
+        yield subscriber
+    finally:
+        subscriber.close()
+
+
 #: RELEASE as the version before hand-offs has it: during a rolling upgrade its processes
 #: still release, and must still wake a waiter of this version first in line.
 PREVIOUS_RELEASE = """
@@ -333,24 +408,208 @@ return 0
 
 
 def test_a_release_of_the_previous_version_still_wakes_a_waiter_of_this_one(
-    alias: str, key: str, monkeypatch: pytest.MonkeyPatch
+    at_abcd: RedisLockStore, key: str
 ) -> None:
-    store = get_lock_store(alias)
-    assert isinstance(store, RedisLockStore)
-    monkeypatch.setattr(RedisLockStore, "wake_address", property(lambda self: "abcd"))
+    store = at_abcd
     assert store.acquire(key, "a" * 32, "holder", 30).acquired
     _stand(store, key, "b" * 32)  # a waiter of this version, its process at "abcd"
     client, name = store.client(), store.lock_name(key)
-    subscriber = client.pubsub()
-    try:
-        subscriber.subscribe(store.wake_prefix + "abcd")
-        assert subscriber.get_message(timeout=5)["type"] == "subscribe"
+    with _subscribed(store, store.wake_prefix + "abcd") as subscriber:
         names = (name, name + ":line", name + ":places")
         args = ("a" * 32, store.release_channel(key), store.wake_prefix, key)
         assert client.eval(PREVIOUS_RELEASE, 3, *names, *args) == 1
         woken = subscriber.get_message(timeout=5)
         assert woken is not None and woken["data"] == key.encode()
-    finally:
-        subscriber.close()
     assert store.acquire_queued(key, "b" * 32, "holder-bbbb", 30).acquired
     assert store.release(key, "b" * 32)
+
+
+# -- grants carried by the wake-up --------------------------------------------------------
+def _line_of(store: RedisLockStore, key: str) -> list[str]:
+    return [each.decode() for each in store.client().lrange(store.lock_name(key) + ":line", 0, -1)]
+
+
+def test_a_release_heard_by_the_waiters_process_grants_its_whole_ttl_and_carries_the_grant(
+    heard: RedisLockStore, unheard: RedisLockStore, key: str
+) -> None:
+    assert unheard.acquire(key, "a" * 32, "holder", 30).acquired
+    with heard.watch(key) as waiter:
+        refused = heard.acquire_queued(key, "b" * 32, "holder-bbbb", 30)
+        assert not refused.acquired and refused.last_fence is not None
+        _stand(unheard, key, "c" * 32)
+        assert unheard.release(key, "a" * 32)
+        info = unheard.get(key)
+        assert info is not None and info.owner == "b" * 32 and info.holder == "holder-bbbb"
+        assert info.fence > refused.last_fence
+        assert info.expires_in > QUEUE_LEASE  # its own ttl: it makes no call to keep it
+        assert _line_of(unheard, key) == ["c" * 32]  # out of the line: the holder now
+        deadline = time.monotonic() + 10
+        while (fence := heard.wake_board.take_grant(key, "b" * 32)) is None:
+            assert time.monotonic() < deadline, "the grant never came"
+            waiter.wait(1)
+        assert fence == info.fence
+    assert unheard.release(key, "b" * 32)
+    after = unheard.get(key)
+    assert after is not None and after.owner == "c" * 32 and after.fence > info.fence
+    unheard.leave_queue(key, "c" * 32)
+
+
+def test_a_carried_grant_its_waiter_never_took_is_passed_on_when_it_leaves(
+    heard: RedisLockStore, unheard: RedisLockStore, key: str
+) -> None:
+    # It gave up (timed out, was cancelled) as the grant came: the engine leaves the line.
+    assert unheard.acquire(key, "a" * 32, "holder", 30).acquired
+    with heard.watch(key):
+        _stand(heard, key, "b" * 32)
+        _stand(unheard, key, "c" * 32)
+        assert unheard.release(key, "a" * 32)
+        granted = unheard.get(key)
+        assert granted is not None and granted.owner == "b" * 32
+        assert granted.expires_in > QUEUE_LEASE
+        heard.leave_queue(key, "b" * 32)
+    passed = unheard.get(key)
+    assert passed is not None and passed.owner == "c" * 32 and passed.fence > granted.fence
+    unheard.leave_queue(key, "c" * 32)
+    assert unheard.get(key) is None
+
+
+@pytest.fixture
+def counted(alias: str) -> Iterator[tuple[str, RoundTrips]]:
+    """(alias, proxy): a store of `alias`'s settings whose connections (its listener's too)
+    go through a proxy that counts their round trips, under an alias of its own."""
+    url = urlsplit(settings.REDIS_URL)
+    with round_trips(url.hostname or "127.0.0.1", url.port or 6379) as proxy:
+        proxied = f"redis://127.0.0.1:{proxy.port}{url.path}"
+        with serving(RedisLockStore(f"{alias}-counted", {"URL": proxied})) as name:
+            yield name, proxy
+
+
+def test_a_waiter_handed_a_carried_grant_makes_no_call_to_become_the_holder(
+    counted: tuple[str, RoundTrips], unheard: RedisLockStore, key: str
+) -> None:
+    proxied, proxy = counted
+    store = get_lock_store(proxied)
+    assert isinstance(store, RedisLockStore)
+    assert unheard.acquire(key, "a" * 32, "holder", 30).acquired
+    with store.watch(key):  # its release channel subscribed before the waiter comes
+        channel = store.release_channel(key)
+        deadline = time.monotonic() + 10
+        while not unheard.client().pubsub_numsub(channel)[0][1]:
+            assert time.monotonic() < deadline, "never subscribed"
+            time.sleep(0.01)
+        handle = lock(key, ttl=30, holder="waiter", store=proxied)
+        trips: list[int] = []
+
+        def wait() -> None:
+            if handle.acquire(timeout=20, retry_delay=RETRY_DELAY):
+                trips.append(proxy.count)
+
+        thread = threading.Thread(target=wait)
+        thread.start()
+        _in_line(proxied, key, 1, close=False)  # its refused attempt has been sent
+        before = proxy.count
+        assert unheard.release(key, "a" * 32)
+        thread.join(20)
+    assert trips == [before]  # acquired, and not one round trip since it was refused
+    info = unheard.get(key)
+    assert info is not None and info.holder == "waiter" and info.fence == handle.fence
+    assert handle.release()
+
+
+def test_a_stale_grant_message_is_ignored(
+    heard: RedisLockStore, unheard: RedisLockStore, key: str
+) -> None:
+    # A grant message that arrives after a later refusal (pub/sub and commands are not
+    # ordered with each other) names a fence the refusal had already seen: not a grant.
+    with serving(heard) as alias:
+        assert unheard.acquire(key, "a" * 32, "holder", 30).acquired
+        handle = lock(key, ttl=30, holder="waiter", store=alias)
+        got: list[bool] = []
+        thread = threading.Thread(
+            target=lambda: got.append(handle.acquire(timeout=20, retry_delay=RETRY_DELAY))
+        )
+        thread.start()
+        _in_line(alias, key, 1, close=False)
+        owner = _line_of(unheard, key)[0]
+        places = unheard.lock_name(key) + ":places"
+        place = unheard.client().hget(places, owner)
+        held = unheard.get(key)
+        assert held is not None
+        message = f"{held.fence} {owner} {key}"  # the holder's own fence: drawn before
+        assert unheard.client().publish(
+            unheard.wake_prefix + heard.wake_address + ":grant", message
+        )
+        deadline = time.monotonic() + 10
+        while unheard.client().hget(places, owner) == place:  # it asked again: refused
+            assert time.monotonic() < deadline, "the waiter never asked again"
+            time.sleep(0.01)
+        assert got == [] and thread.is_alive()
+        assert unheard.release(key, "a" * 32)
+        thread.join(20)
+        assert got == [True] and handle.fence > held.fence
+        info = unheard.get(key)
+        assert info is not None and info.owner == handle.owner
+        assert handle.release()
+
+
+def test_a_waiter_whose_process_is_not_subscribed_for_grants_gets_the_short_grant_and_a_wake_up(
+    at_abcd: RedisLockStore, key: str
+) -> None:
+    # A waiter process of the previous version listens on its wake channel only: the
+    # carried grant reaches nobody, so the release grants the short grant a call takes up
+    # and wakes it the way it knows.
+    store = at_abcd
+    assert store.acquire(key, "a" * 32, "holder", 30).acquired
+    _stand(store, key, "b" * 32)
+    with _subscribed(store, store.wake_prefix + "abcd") as subscriber:
+        assert store.release(key, "a" * 32)
+        woken = subscriber.get_message(timeout=5)
+        assert woken is not None and woken["data"] == key.encode()
+    granted = store.get(key)
+    assert granted is not None and granted.owner == "b" * 32
+    assert granted.expires_in <= QUEUE_LEASE
+    assert store.acquire_queued(key, "b" * 32, "holder-bbbb", 30).fence == granted.fence
+    assert store.release(key, "b" * 32)
+
+
+def test_a_carried_grant_names_fence_owner_and_key(at_abcd: RedisLockStore, key: str) -> None:
+    store = at_abcd
+    spaced = key + " with spaces:and colons"
+    assert store.acquire(spaced, "a" * 32, "holder", 30).acquired
+    _stand(store, spaced, "b" * 32)
+    with _subscribed(store, store.wake_prefix + "abcd:grant") as subscriber:
+        assert store.release(spaced, "a" * 32)
+        carried = subscriber.get_message(timeout=5)
+    granted = store.get(spaced)
+    assert granted is not None and granted.owner == "b" * 32
+    assert carried is not None
+    assert carried["data"] == f"{granted.fence} {'b' * 32} {spaced}".encode()
+    assert granted.expires_in > QUEUE_LEASE
+    assert store.release(spaced, "b" * 32)
+
+
+def test_a_waiter_stopped_and_killed_after_a_carried_grant_costs_the_next_at_most_its_ttl(
+    alias: str, key: str
+) -> None:
+    # Its process is frozen, so Redis still counts its listener: the release carries it a
+    # grant for its ttl (short here), which it never takes; killed, it costs the next in
+    # line that grant, and no more.
+    holder = held_before_children(alias, key)
+    doomed, _ = _start(alias, key, "doomed", ttl=1.0)
+    stayer = _start(alias, key, "stayer", ahead=1)
+    os.kill(doomed.pid, signal.SIGSTOP)
+    try:
+        released = time.monotonic()
+        assert holder.release()
+        store = get_lock_store(alias)
+        grant = store.get(key)
+        assert grant is not None and grant.holder == "doomed"
+        assert grant.expires_in <= 1.0
+    finally:
+        os.kill(doomed.pid, signal.SIGKILL)
+        doomed.join(5)
+    assert stayer[1].poll(10)
+    got, fence = stayer[1].recv()
+    waited = time.monotonic() - released
+    assert got and fence > grant.fence
+    assert waited < 1.0 + QUEUE_LEASE, waited  # its grant, then the next look of the stayer

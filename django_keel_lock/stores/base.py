@@ -101,6 +101,10 @@ class AcquireResult(NamedTuple):
     #: A refused multi-key acquire: the keys someone else holds, as far as the store looked
     #: (at least one); a waiter listens for their releases.
     blocked: tuple[str, ...] = ()
+    #: A refusal of `acquire_queued` by a store that carries grants in its wake-ups
+    #: (`WakeBoard.grant`): the key's last fence drawn as it refused. A carried grant of a
+    #: fence no greater was made before that refusal and is stale.
+    last_fence: int | None = None
 
     @property
     def acquired(self) -> bool:
@@ -133,7 +137,9 @@ class LockStore(ABC):
     #: True (with `queues`) when a release that finds a live waiter first in line hands the
     #: lock over to it in the same atomic step (its owner, holder and a new fence, for
     #: min(its ttl, QUEUE_LEASE)) before waking it; its next `acquire_queued` takes the grant
-    #: up at its own ttl. Nobody else, in line or not, can take the lock in between.
+    #: up at its own ttl. Nobody else, in line or not, can take the lock in between. A store
+    #: whose wake-up can carry the grant instead (for the waiter's own ttl) passes it to
+    #: `WakeBoard.grant`, and the waiter takes it with no call (see `engine`).
     hands_off: bool = False
 
     def __init__(self, alias: str = "default", options: Mapping[str, Any] | None = None) -> None:

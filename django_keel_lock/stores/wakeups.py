@@ -21,15 +21,23 @@ class Waiter:
     """A registration for release wake-ups of one key, taken *before* an acquire attempt so that
     a release between the attempt and the wait is not missed."""
 
-    __slots__ = ("_seen", "_slot")
+    __slots__ = ("_board", "_seen", "_slot")
 
-    def __init__(self, slot: _Slot) -> None:
+    def __init__(self, slot: _Slot, board: WakeBoard) -> None:
         self._slot = slot
+        self._board = board
         self._seen = slot.generation
 
     def wait(self, timeout: float) -> bool:
-        """Block up to `timeout` seconds; True if a release of the key was announced meanwhile."""
-        slot = self._slot
+        """Block up to `timeout` seconds; True if a release of the key was announced meanwhile.
+        Where the board has a `reader`, this thread reads the wake-up itself."""
+        slot, seen, reader = self._slot, self._seen, self._board.reader
+        if (
+            reader is not None
+            and slot.generation == seen
+            and reader(lambda: slot.generation != seen, timeout)
+        ):
+            timeout = 0.0
         with slot.cond:
             if slot.generation == self._seen:
                 slot.cond.wait(timeout)
@@ -74,19 +82,27 @@ class AnyWaiter:
             return woken
 
 
+#: The most carried grants a key's slot keeps for owners that have not taken theirs (a
+#: waiter that stopped waiting as its grant came never takes it; its store passes it on).
+GRANTS_KEPT = 16
+
+
 class _Slot:
-    __slots__ = ("callbacks", "cond", "generation", "watchers")
+    __slots__ = ("callbacks", "cond", "generation", "grants", "watchers")
 
     def __init__(self) -> None:
         self.cond = threading.Condition(threading.Lock())
         self.generation = 0
         self.watchers = 0
         self.callbacks: list[Any] = []
+        self.grants: dict[str, int] = {}  # owner -> fence of the grant carried to it
 
 
 class WakeBoard:
     """In-process release announcements, per key. A store calls `wake(key)` after its own
-    releases and whenever its listener hears of a release by another process."""
+    releases and whenever its listener hears of a release by another process; `grant(key,
+    owner, fence)` when what it heard is a release that handed the key over to `owner`, a
+    waiter of this process, and carried the grant (see `grant`)."""
 
     def __init__(self) -> None:
         self._mutex = threading.Lock()
@@ -98,6 +114,11 @@ class WakeBoard:
         #: when its last one leaves (under the board's mutex: keep it short, never block).
         #: A listener uses it to hear only about the keys this process waits for.
         self.watched_hook: Callable[[str, bool], None] | None = None
+        #: reader(done, timeout): a `Waiter` reads its wake-up itself, until done() or
+        #: `timeout` seconds, instead of sleeping until the listener's thread wakes it; False
+        #: when it cannot now (it then sleeps). Set by a store whose listener allows it
+        #: (`ReleaseListener.read_here`).
+        self.reader: Callable[[Callable[[], bool], float], bool] | None = None
 
     def _join(self, key: str, callback: Any = None) -> _Slot:
         with self._mutex:
@@ -125,7 +146,7 @@ class WakeBoard:
     def watch(self, key: str) -> Iterator[Waiter]:
         slot = self._join(key)
         try:
-            yield Waiter(slot)
+            yield Waiter(slot, self)
         finally:
             self._leave(key, slot)
 
@@ -165,6 +186,42 @@ class WakeBoard:
         if slot is not None:
             self._wake_slot(slot)
 
+    def grant(self, key: str, owner: str, fence: int) -> None:
+        """A release handed `key` over to `owner` with `fence`, at the owner's own ttl (its
+        full ttl: what an `acquire_queued` of its would have given), and the store's wake-up
+        carried the grant here: the waiter may become the holder without a store call.
+        Kept for the owner's waiter (`take_grant`), which is woken; dropped when nobody in
+        this process watches `key`.
+
+        A store may call this only when (1) the grant lives at least the owner's ttl from
+        the moment it was made, and (2) it was made after the owner's last refused
+        `acquire_queued` was answered, which reported the key's last fence
+        (`AcquireResult.last_fence`) below `fence`: the waiter counts its lock from that
+        attempt's send time, so it never believes in it longer than the store keeps it, and
+        a grant message that arrives after a later refusal is recognised as stale. A waiter
+        that does not take the grant (it stopped waiting meanwhile) leaves the line, which
+        passes the lock on (`LockStore.leave_queue`)."""
+        slot = self._slots.get(key)
+        if slot is None:
+            return
+        with slot.cond:
+            grants = slot.grants
+            if fence > grants.get(owner, 0):
+                grants.pop(owner, None)  # last in: the one dropped first is the oldest
+                grants[owner] = fence
+                while len(grants) > GRANTS_KEPT:
+                    del grants[next(iter(grants))]
+        self._wake_slot(slot)
+
+    def take_grant(self, key: str, owner: str) -> int | None:
+        """The fence of the grant of `key` carried to `owner` (`grant`), once; None if none
+        came (the waiter then asks the store)."""
+        slot = self._slots.get(key)
+        if slot is None or not slot.grants:
+            return None
+        with slot.cond:
+            return slot.grants.pop(owner, None)
+
     def wake_all(self) -> None:
         """Wake every waiter: used when a listener reconnects and may have missed releases."""
         for slot in list(self._slots.values()):
@@ -186,10 +243,13 @@ class ReleaseListener:
 
     It listens only to the keys some thread or task of this process waits for: waiters ask
     through `want()`, which pokes its thread through a pipe so it (un)subscribes at once. Only
-    that thread touches its connection. The loop (reconnect with backoff, wait on the socket
-    and the pipe, settle subscriptions, keep the connection proven alive, the `ready` flag) is
-    here; a store's listener fills in the hooks: `connect`, `prepare`, `socket`, `subscribe`,
-    `unsubscribe`, `ping`, `dispatch` and `disconnect`.
+    that thread writes to its connection, and (re)connects it; where the store allows it
+    (`reads_here`), a thread that waits for a key may read it meanwhile (`read_here`), so
+    that the wake-up it waits for wakes it directly; whoever reads holds `_reading`. The loop
+    (reconnect with backoff, wait on the socket and the pipe, settle subscriptions, keep the
+    connection proven alive, the `ready` flag) is here; a store's listener fills in the
+    hooks: `connect`, `prepare`, `socket`, `subscribe`, `unsubscribe`, `ping`, `dispatch`,
+    `pending` and `disconnect`.
 
     It has a thread rather than being one: `threading.Thread` keeps private attributes whose
     names change between Python versions (3.13's `_handle` hid a subclass's method).
@@ -202,6 +262,11 @@ class ReleaseListener:
     #: True when `subscribe`, `unsubscribe` and `ping` return only once the server answered:
     #: then a poke or a ping that went through proves the connection alive, as data does.
     replies_inline = False
+    #: True when a thread waiting for a key may read the connection itself (`read_here`).
+    reads_here = False
+    #: Seconds within which this thread reads the connection again once a waiting thread
+    #: stopped reading it (what arrives meanwhile waits that long at most).
+    handed_back_within = 0.05
     #: Seconds a key stays subscribed after its last waiter left. A process that takes a key
     #: over and over waits for it again within moments: kept subscribed, it neither
     #: resubscribes each time nor has its waiters woken by each new subscription for a
@@ -223,6 +288,8 @@ class ReleaseListener:
         self.address = secrets.token_hex(8)
         self._mutex = threading.Lock()
         self._changed: set[str] = set()
+        self._reading = threading.Lock()  # held by the thread reading the connection
+        self._read_at = 0.0  # when a waiting thread last read something (monotonic)
         self._lingering: dict[str, float] = {}  # subscribed, unwatched: key -> since (monotonic)
         self._closed = False
         self._poke_r, self._poke_w = os.pipe()
@@ -262,12 +329,18 @@ class ReleaseListener:
     def disconnect(self) -> None:
         raise NotImplementedError
 
+    def pending(self) -> bool:
+        """Whether something arrived that nobody has read yet (a waiting thread may have read
+        what woke this one: `read_here`). Only asked when `reads_here`."""
+        return True
+
     # -- asked from other threads ---------------------------------------------------------
     def want(self, key: str, watched: bool) -> None:
         """`key` got its first waiter (or lost its last): (un)subscribe shortly."""
         with self._mutex:
             self._changed.add(key)
-        self.interrupt()
+        if watched:  # a key left lingers anyway: no need to wake this thread for it now
+            self.interrupt()
 
     def interrupt(self) -> None:
         """Wake the thread from `wait()`."""
@@ -278,6 +351,34 @@ class ReleaseListener:
                 os.write(self._poke_w, b"x")
             except OSError:
                 pass  # the pipe is full of pokes already
+
+    def read_here(self, done: Callable[[], bool], timeout: float) -> bool:
+        """Read the connection from a waiting thread until `done()` or `timeout` seconds: the
+        wake-up it waits for then wakes it, not this listener's thread, which would have to
+        wake it in turn (a second thread to schedule on a busy machine, the hand-off's
+        last leg). False, at once, when it cannot: the store does not allow it, the
+        listener is not connected, or another thread reads."""
+        if not (self.reads_here and self.ready.is_set() and self.pid == os.getpid()):
+            return False
+        if not self._reading.acquire(blocking=False):
+            return False
+        self.interrupt()  # so that this listener's thread stops reading the connection
+        try:
+            poller = select.poll()
+            poller.register(self.socket(), select.POLLIN)
+            deadline = time.monotonic() + timeout
+            while not done():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                if poller.poll(left * 1000) and self.pending():
+                    self._read_at = time.monotonic()
+                    self.dispatch(True)
+        except Exception:  # the connection broke: the listener's thread reconnects
+            return False
+        finally:
+            self._reading.release()
+        return True
 
     def start(self) -> None:
         self.thread.start()
@@ -306,7 +407,13 @@ class ReleaseListener:
         (data, poked)."""
         # poll(), not select(): select() fails for descriptors above 1024.
         poller = select.poll()
-        poller.register(fileno, select.POLLIN)
+        if self._reading.locked():
+            # A waiting thread reads the connection (`read_here`): this one, woken by what it
+            # reads, would only compete with it. It looks again shortly: that thread stops
+            # reading once it is woken.
+            timeout = min(timeout, self.handed_back_within)
+        else:
+            poller.register(fileno, select.POLLIN)
         poller.register(self._poke_r, select.POLLIN)
         ready = {fd for fd, _ in poller.poll(timeout * 1000)}
         return fileno in ready, self._poke_r in ready
@@ -370,11 +477,12 @@ class ReleaseListener:
         heard = pinged = time.monotonic()
         while not self.stopping.is_set():
             data, poked = self.wait(self.socket(), 1.0)
-            if poked:
+            if poked or self._changed:
                 self.settle(self.take_changes())
             elif self._lingering:
                 self.settle(set())  # drop the keys that have lingered long enough
             now = time.monotonic()
+            heard = max(heard, self._read_at)  # what a waiting thread read counts too
             if data or (poked and self.replies_inline):
                 heard = now
             elif self.dead_after is not None and now - heard > self.dead_after:
@@ -385,7 +493,17 @@ class ReleaseListener:
                 pinged = now
                 if self.replies_inline:
                     heard = time.monotonic()
+            self._dispatch(data)
+
+    def _dispatch(self, data: bool) -> None:
+        """`dispatch` what arrived, unless a waiting thread reads it (`read_here`)."""
+        if not data or not self.reads_here:
             self.dispatch(data)
+        elif self._reading.acquire(blocking=False):
+            try:
+                self.dispatch(self.pending())
+            finally:
+                self._reading.release()
 
     def run(self) -> None:
         backoff = 0.05
@@ -450,12 +568,17 @@ class ListeningStore:
             listener = self._listener
             if listener is None or not listener.usable_here:
                 self.wake_board.watched_hook = self._watched
+                self.wake_board.reader = self._read_here
                 self._listener = self.new_listener()
                 self._listener.start()
 
     def new_listener(self) -> ReleaseListener:
         """A listener for this process: the store's `listener_class` unless it chooses."""
         return self.listener_class(self)
+
+    def _read_here(self, done: Callable[[], bool], timeout: float) -> bool:
+        listener = self._listener
+        return listener is not None and listener.read_here(done, timeout)
 
     def _watched(self, key: str, watched: bool) -> None:
         listener = self._listener

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..wakeups import ReleaseListener
+from ..wakeups import ReleaseListener, WakeBoard
 from .clients import as_text, borrow_connection, pack_command, pubsub_pool
 
 if TYPE_CHECKING:
@@ -24,12 +24,14 @@ class RedisListener(ReleaseListener):
     store: RedisLockStore
     ping_after = 5.0
     dead_after = 15.0
+    reads_here = True
 
     def connect(self) -> bool:
         self._pool = pubsub_pool(self.store._client())
         conn = self._conn = borrow_connection(self._pool)
         self._prefix = self.store.channel + ":"
         self._wake_channel = self.store.wake_prefix + self.address
+        self._grant_channel = self._wake_channel + ":grant"
         # RESP3 delivers messages as pushes, which read_response() returns only when asked to
         # (older redis-py's Sentinel connections do not even take the argument).
         resp3 = str(getattr(conn, "protocol", 2)) == "3"
@@ -37,9 +39,9 @@ class RedisListener(ReleaseListener):
         return True
 
     def prepare(self) -> bool:
-        # The base channel last: once Redis confirms it, this process's wake channel is
-        # subscribed too (Redis answers a connection's commands in order).
-        channels = (self._wake_channel, self.store.channel)
+        # The base channel last: once Redis confirms it, this process's wake and grant
+        # channels are subscribed too (Redis answers a connection's commands in order).
+        channels = (self._wake_channel, self._grant_channel, self.store.channel)
         self._conn.send_packed_command([pack_command(b"SUBSCRIBE", *channels)])
         return False  # ready once Redis confirms the base channel (see _handle)
 
@@ -65,17 +67,16 @@ class RedisListener(ReleaseListener):
     def dispatch(self, data: bool) -> None:
         if not data:
             return
-        # Waiting for a single key, whatever arrived is almost surely its release: wake its
-        # waiters before parsing (they re-check the lock either way; a PONG costs one needless
-        # attempt every `ping_after` seconds).
-        single = self.subscribed if len(self.subscribed) == 1 else ()
-        for key in single:
-            self.store.wake_board.wake(key)
+        # Parsed before any waiter is woken: what arrived may be a grant carried to it, which
+        # it must find when it wakes.
         conn = self._conn
         while True:
             self._handle(conn.read_response(**self._read))
             if not conn.can_read(timeout=0):
                 break
+
+    def pending(self) -> bool:
+        return bool(self._conn.can_read(timeout=0))
 
     def disconnect(self) -> None:
         try:
@@ -93,10 +94,12 @@ class RedisListener(ReleaseListener):
         kind, channel = as_text(reply[0]), as_text(reply[1])
         if kind == "message" and channel.startswith(prefix):
             board.wake(channel[len(prefix) :])
+        elif kind == "message" and channel == self._grant_channel and len(reply) > 2:
+            _grant(board, as_text(reply[2]))
         elif kind == "message" and channel == self._wake_channel and len(reply) > 2:
             board.wake(as_text(reply[2]))  # first in line for this key
         elif kind == "subscribe":
-            if channel == self._wake_channel:
+            if channel in (self._wake_channel, self._grant_channel):
                 pass
             elif channel.startswith(prefix):
                 # Redis confirms: from now on the key's releases reach us. One may have come
@@ -104,3 +107,12 @@ class RedisListener(ReleaseListener):
                 board.wake(channel[len(prefix) :])
             else:
                 self.connected()
+
+
+def _grant(board: WakeBoard, message: str) -> None:
+    """A grant carried on this process's grant channel, "fence owner key" (`scripts.HAND_ON`):
+    on to the board; anything else is no grant (a message published there by hand)."""
+    fence, _, rest = message.partition(" ")
+    owner, _, key = rest.partition(" ")
+    if fence.isdigit() and owner and key:
+        board.grant(key, owner, int(fence))

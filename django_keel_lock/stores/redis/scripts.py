@@ -28,6 +28,11 @@ The callers waiting for an exclusive lock stand in its line (see LockStore.acqui
                              what is left of its place)) and publishes the key there, for that
                              waiter only, instead of on the key's release channel; the
                              waiter's next ACQUIRE_QUEUED takes the grant up at its own ttl
+    keel-lock:wake:address:grant  the same listener's grant channel, tried first: a release
+                             publishes "fence owner key" there, and when the listener hears
+                             it (PUBLISH counts it) the grant is for the waiter's own ttl and
+                             the waiter is its holder with no call (HAND_ON); a listener of a
+                             version before carried grants does not subscribe to it
 A key held by permits (a shared lock's readers, a semaphore's holders) also has:
     keel-lock:{key}          the gate: o = the kind's GATE_OWNER ("*shared", "*semaphore"), h
                              empty, f = the latest permit's fence, t = the first permit's time,
@@ -128,13 +133,19 @@ end
 """
 
 # HAND_ON: the lock (KEYS[1], fence counter KEYS[2], line KEYS[3], places KEYS[4]) is free:
-# hand it over to the first live waiter in line, for min(its ttl, ARGV[5] ms, what is left of
-# its place: a waiter that died does not hold the others up past its place), with a fence
-# from the key's counter, and wake it on its process's wake channel (ARGV[3] its prefix,
-# ARGV[4] the key); with nobody in line, announce the release on the key's channel ARGV[2].
-# The waiter keeps its place until it takes the grant up: one that missed the wake-up and
-# asks after the grant lapsed still finds itself first. A waiter of a version before
-# hand-offs (a place without its owner + ":" field) gets a wake-up only.
+# hand it over to the first live waiter in line with a fence from the key's counter, and
+# wake it; with nobody in line, announce the release on the key's channel ARGV[2].
+# With ARGV[6] = '1' (not under MIN_REPLICAS nor on Cluster: `RedisLockStore.carries_grants`)
+# the grant is first carried (`carry`) on its process's grant channel (ARGV[3], the wake
+# channels' prefix, .. address .. ':grant'), as "fence owner key" (ARGV[4] the key): when
+# that process's listener hears it (PUBLISH counts it), the grant is for the waiter's own
+# ttl, and it is the holder without a call; it leaves the line (it holds the lock, or passes
+# it on as it leaves: LEAVE_QUEUE). Otherwise the grant is for min(its ttl, ARGV[5] ms, what
+# is left of its place: a waiter that died does not hold the others up past its place) and
+# the key is published on its wake channel (ARGV[3] .. address: what every version's
+# listener hears); the waiter keeps its place until it takes the grant up, so one that missed
+# the wake-up and asks after the grant lapsed still finds itself first. A waiter of a
+# version before hand-offs (a place without its owner + ":" field) gets a wake-up only.
 _HAND_ON = (
     _FENCE
     + _LINE
@@ -144,6 +155,15 @@ local function leave_line(owner)
         return false
     end
     redis.call('LREM', KEYS[3], 1, owner)
+    return true
+end
+local function carry(first, address, fence, ttl)
+    local grant = string.format('%d', fence) .. ' ' .. first .. ' ' .. ARGV[4]
+    if redis.call('PUBLISH', ARGV[3] .. address .. ':grant', grant) == 0 then
+        return false
+    end
+    redis.call('PEXPIRE', KEYS[1], ttl)
+    leave_line(first)
     return true
 end
 local function hand_on()
@@ -160,6 +180,9 @@ local function hand_on()
         local fence = draw_fence(KEYS[2], tonumber(ttl), now)
         redis.call('HSET', KEYS[1], 'o', first, 'h', holder, 'f', fence, 't', tostring(now_ms),
                    'g', '1')
+        if ARGV[6] == '1' and address ~= '' and carry(first, address, fence, ttl) then
+            return
+        end
         redis.call('PEXPIRE', KEYS[1],
                    math.min(tonumber(ttl), tonumber(ARGV[5]), until_ms - now_ms))
     end
@@ -219,8 +242,10 @@ return tonumber(redis.call('HGET', KEYS[1], 'f'))
 #   KEYS[1] the lock's hash  KEYS[2] the key's fence counter  KEYS[3] line  KEYS[4] places
 #   ARGV[1] owner  ARGV[2] holder  ARGV[3] ttl (ms)  ARGV[4] the lease (ms)  ARGV[5] this
 #   process's wake address ('' for none)
-#   -> as ACQUIRE; a refusal's ms is at most the lease. A caller a release handed the lock
-#      to finds itself its owner: it gets its fence, at its own ttl from now on.
+#   -> as ACQUIRE, but a refusal that keeps the caller in line is {the refusal, '', the key's
+#      last fence} (a grant carried to it later with a fence no greater is stale); a
+#      refusal's ms is at most the lease. A caller a release handed the lock to finds itself
+#      its owner: it gets its fence, at its own ttl from now on.
 ACQUIRE_QUEUED = _script(
     _TAKE
     + _LINE
@@ -241,7 +266,7 @@ local function stand(ms)
     redis.call('HSET', KEYS[4], owner .. ':', ARGV[3] .. ':' .. ARGV[2])
     redis.call('PEXPIRE', KEYS[3], lease)
     redis.call('PEXPIRE', KEYS[4], lease)
-    return refuse(math.min(ms, lease), nil)
+    return {refuse(math.min(ms, lease), nil), '', tonumber(redis.call('GET', KEYS[2]) or '0')}
 end
 local current = redis.call('HGET', KEYS[1], 'o')
 if current == owner then
@@ -269,12 +294,13 @@ return take()
 )
 
 # Take the caller out of the key's line. A caller a release handed the lock to (it gave up
-# as the grant came) passes it on, unless it took the grant up meanwhile (a multi-key waiter
-# takes a key of its line with ACQUIRE_MANY, then leaves the line); a free lock goes to
-# whoever is now first (HAND_ON).
+# as the grant came, carried or not: a waiter that took a carried grant never leaves the
+# line) passes it on, unless it took the grant up meanwhile (a multi-key waiter takes a key
+# of its line with ACQUIRE_MANY, then leaves the line); a free lock goes to whoever is now
+# first (HAND_ON).
 #   KEYS[1] the lock's hash  KEYS[2] the key's fence counter  KEYS[3] line  KEYS[4] places
 #   ARGV[1] owner  ARGV[2] the key's release channel  ARGV[3] the wake channels' prefix
-#   ARGV[4] the key  ARGV[5] the longest grant (ms)
+#   ARGV[4] the key  ARGV[5] the longest grant not carried (ms)  ARGV[6] '1': carry grants
 #   -> 1 if it was in the line or held the lock, else 0
 LEAVE_QUEUE = _script(
     _HAND_ON

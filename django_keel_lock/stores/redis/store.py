@@ -232,6 +232,12 @@ class RedisLockStore(ListeningStore, LockStore):
         self.wake_prefix = f"{prefix}wake:"  # + a listener's address: its wake channel
         self.socket_timeout = socket_timeout_option(alias, self.options)
         self.min_replicas = checks.min_replicas_option(alias, self.options)
+        #: Whether a release's wake-up carries the grant to a waiter whose process hears it
+        #: (`scripts.HAND_ON`), which then holds the lock without a call. Not under
+        #: MIN_REPLICAS: an acquisition counts only once replicas acknowledged it, which the
+        #: waiter's own call (with WAIT) checks. Not on Cluster: PUBLISH there counts only
+        #: the subscribers of the node it ran on, no proof the waiter's process heard it.
+        self.carries_grants = not self.cluster and not self.min_replicas
         self._mutex = threading.Lock()
         self._client_obj: Any = None
         self._client_pid = 0
@@ -479,11 +485,14 @@ class RedisLockStore(ListeningStore, LockStore):
 
     def _line_call(self, script: Script, key: str, owner: str) -> Call:
         """RELEASE's or LEAVE_QUEUE's call: both may hand the lock over to the first in line,
-        for QUEUE_LEASE at most until it takes the grant up (so a waiter that died first in
-        line holds the others up no longer than its place would have)."""
+        for its ttl when the wake-up carries the grant (`carries_grants`, and its process's
+        listener hears it), else for QUEUE_LEASE at most until it takes the grant up (so a
+        waiter that died first in line holds the others up no longer than its place would
+        have)."""
         lock_name, fence_name = self._names(key)
         keys = (lock_name, fence_name, lock_name + ":line", lock_name + ":places")
-        args = (owner, self.release_channel(key), self.wake_prefix, key, _ms(QUEUE_LEASE))
+        carry = "1" if self.carries_grants else "0"
+        args = (owner, self.release_channel(key), self.wake_prefix, key, _ms(QUEUE_LEASE), carry)
         return script, keys, args
 
     def _extend_call(self, key: str, owner: str, ttl: float) -> Call:
@@ -965,13 +974,18 @@ class RedisLockStore(ListeningStore, LockStore):
     @staticmethod
     def _acquired(reply: Any) -> AcquireResult:
         held_as: Kind = "exclusive"
-        if isinstance(reply, list):  # refused by permits: [-(ms + 1), the gate's owner]
-            reply, gate_owner = reply
-            held_as = PERMIT_OWNERS[as_text(gate_owner)]
+        last_fence = None
+        if isinstance(reply, list):
+            if len(reply) == 3:  # refused in line: [-(ms + 1), '', the key's last fence]
+                reply, _, last_fence = reply
+            else:  # refused by permits: [-(ms + 1), the gate's owner]
+                reply, gate_owner = reply
+                held_as = PERMIT_OWNERS[as_text(gate_owner)]
         value = int(reply)
         if value > 0:
             return AcquireResult(value)
-        return AcquireResult(None, None if value == 0 else (-value - 1) / 1000.0, held_as)
+        retry_in = None if value == 0 else (-value - 1) / 1000.0
+        return AcquireResult(None, retry_in, held_as, last_fence=last_fence)
 
     @staticmethod
     def _info(
