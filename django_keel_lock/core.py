@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from datetime import UTC, datetime
 from types import TracebackType
 from typing import (
@@ -94,7 +95,6 @@ class Lock(Holding, KeyQueries):
     # cycle, 11 %). __weakref__: the watchdog refers to its handle weakly.
     __slots__ = (
         "__weakref__",
-        "_acquiring",
         "_attempts",
         "_meter",
         "_mutex",
@@ -159,10 +159,12 @@ class Lock(Holding, KeyQueries):
         # (on_lost="raise" with auto_extend).
         self._body: drivers.Body | None = None
         self._held = False
-        self._acquiring: object | None = None  # the mark of the acquire under way (`_begin`)
         self._valid_until = math.inf  # monotonic, the last expiry the store confirmed
         self._renewal: watchdog.Renewal | None = None
-        self._mutex = threading.Lock()  # state shared with the watchdog
+        # The state the watchdog shares with the handle's thread; without a watchdog no
+        # other thread touches it (one acquire at a time: `_begin`), and a lock made per
+        # handle would cost a tenth of a memory-store cycle.
+        self._mutex = threading.Lock() if spec.auto_extend else _UNSHARED
         # What the core tells metrics: the name (None: the key, normalised when first asked
         # for), whether a refusal raises, the last acquire's store calls, and the meter of
         # the recorder that saw the last acquire (None: not measured).
@@ -170,6 +172,11 @@ class Lock(Holding, KeyQueries):
         self._raises = raises
         self._attempts = 0
         self._meter: metrics.Meter | None = None
+
+    @property
+    def _acquiring(self) -> object | None:
+        """The mark of the acquire of this handle under way (`_begin`); None when none is."""
+        return _acquires.get(self)
 
     @property
     def name(self) -> str:
@@ -189,14 +196,16 @@ class Lock(Holding, KeyQueries):
             wait, delay = self.timeout, self.retry_delay
         else:
             wait, delay = self._wait_args(timeout, retry_delay)
-        mine = object()  # this acquire's mark on the handle (`_begin`)
+        # This acquire's mark on the handle (`_begin`): any new object (a list is made
+        # without a call).
+        mine: object = []
         try:
             owner, meter = self._begin(mine, wait)
             outcome = drivers.acquire(self, self._store, owner, wait, delay)
             return self._settle(owner, outcome, meter, wait > 0, True)
         finally:
-            if self._acquiring is mine:  # not another acquire's, refused by _begin
-                self._acquiring = None
+            if _acquires.get(self) is mine:  # not another acquire's, refused by _begin
+                del _acquires[self]
 
     async def aacquire(
         self, timeout: Duration | None = None, retry_delay: Duration | None = None
@@ -206,14 +215,14 @@ class Lock(Holding, KeyQueries):
         Cancelled while waiting or while an attempt is in flight, it leaves no lock behind,
         nor a place in the key's line of waiters."""
         wait, delay = self._wait_args(timeout, retry_delay)
-        mine = object()
+        mine: object = []
         try:
             owner, meter = self._begin(mine, wait)
             outcome = await drivers.aacquire(self, owner, wait, delay)
             return self._settle(owner, outcome, meter, wait > 0, False)
         finally:
-            if self._acquiring is mine:
-                self._acquiring = None
+            if _acquires.get(self) is mine:
+                del _acquires[self]
 
     def _settle(
         self,
@@ -281,21 +290,22 @@ class Lock(Holding, KeyQueries):
         if self._held and time.monotonic() >= self._valid_until:
             # By its own clock the lock ran out: the handle holds nothing and may try again.
             self._lost("its ttl ran out without a confirmed extend", owner=self.owner)
-        with self._mutex:
-            if self._held or self._acquiring is not None:
-                raise LockError(self._busy_message())
-            # The owner stays the same for every attempt until one succeeds: an attempt whose
-            # reply was lost (timeout, dropped connection) may still have taken the lock, and a
-            # retry with the same owner gets it back instead of stranding it until its ttl.
-            if self._next_owner is None:
-                try:
-                    self._next_owner = _owners.pop()
-                except IndexError:
-                    self._next_owner = _draw_owners()
-            # Until this acquire ends, another acquire of the handle is refused:
-            # it would ask with the same pending owner, and the store grants one owner twice.
-            self._acquiring = mine
-            owner = self._next_owner
+        # Until this acquire ends, another acquire of the handle is refused: it would ask
+        # with the same pending owner, and the store grants one owner twice. The mark is
+        # claimed first (in one step, whatever thread or task asks), then `_held` read: an
+        # acquire that took the lock set it before it gave the mark up.
+        if _acquires.setdefault(self, mine) is not mine or self._held:
+            raise LockError(self._busy_message())
+        # The owner stays the same for every attempt until one succeeds: an attempt whose
+        # reply was lost (timeout, dropped connection) may still have taken the lock, and a
+        # retry with the same owner gets it back instead of stranding it until its ttl.
+        owner = self._next_owner
+        if owner is None:
+            try:
+                owner = _owners.pop()
+            except IndexError:
+                owner = _draw_owners()
+            self._next_owner = owner
         if metrics.recorder is None:  # metrics are off: their only cost
             return owner, None
         self._meter = meter = metrics.begin(self, self._meter, wait)
@@ -496,6 +506,14 @@ def _draw_owners() -> str:
 
 
 os.register_at_fork(after_in_child=_owners.clear)
+
+#: The mark of each acquire under way, by its handle's id (`Lock._begin`): `dict.setdefault`
+#: claims a handle in one step, which a mutex per handle did at a lock made per handle and
+#: two calls more. A forked child has none under way (and its handles' ids are its parent's).
+_acquires: dict[int, object] = {}
+os.register_at_fork(after_in_child=_acquires.clear)
+#: A handle's `_mutex` when it has no watchdog: nothing to guard.
+_UNSHARED: AbstractContextManager[object] = nullcontext()
 
 #: What a handle of a spec starts from (`_prepare`), by the spec's id: the spec, its store,
 #: its ttl, the holder of a handle without a label, the longest key the store takes.
