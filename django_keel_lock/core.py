@@ -49,6 +49,7 @@ from .options import (
     HandleOptions,
     LockOptions,
     LockSpec,
+    OnLost,
     check_store,
     lock_name,
     make_handles_with,
@@ -136,19 +137,29 @@ class Lock(Holding, KeyQueries):
         ready = _ready.get(id(spec))
         if ready is None or ready[0] is not spec:
             ready = _prepare(spec)
-        _, store, self.ttl, holder, longest = ready
-        self._store = store
+        # The spec's options, as the handle keeps them: one unpacking.
+        (
+            _,
+            self._store,
+            longest,
+            self.ttl,
+            self.holder,
+            self.timeout,
+            self.retry_delay,
+            self.auto_extend,
+            self.max_hold,
+            self.on_lost,
+            self.store_alias,
+            self.mode,
+            self._name,
+        ) = ready
+        if label is not None and spec.holder is None:
+            self.holder = spec.holder_for(label)
         # `validate_key`'s tests, in short for the usual key: a printable ASCII str.
         if type(key) is str and key.isascii() and key.isprintable() and 0 < len(key) <= longest:
             self.key = key
         else:
-            self.key = validate_key(key, store)
-        self.timeout, self.retry_delay = spec.timeout, spec.retry_delay
-        self.holder = holder if label is None or spec.holder is not None else spec.holder_for(label)
-        self.auto_extend, self.max_hold = spec.auto_extend, spec.max_hold
-        self.on_lost = spec.on_lost
-        self.store_alias = spec.store
-        self.mode: Mode = spec.mode
+            self.key = validate_key(key, self._store)
         self.owner: str | None = None
         self._next_owner: str | None = None
         self.fence: int | None = None
@@ -168,7 +179,6 @@ class Lock(Holding, KeyQueries):
         # What the core tells metrics: the name (None: the key, normalised when first asked
         # for), whether a refusal raises, the last acquire's store calls, and the meter of
         # the recorder that saw the last acquire (None: not measured).
-        self._name = spec.name
         self._raises = raises
         self._attempts = 0
         self._meter: metrics.Meter | None = None
@@ -507,17 +517,33 @@ def _draw_owners() -> str:
 
 os.register_at_fork(after_in_child=_owners.clear)
 
-#: The mark of each acquire under way, by its handle's id (`Lock._begin`): `dict.setdefault`
+#: The mark of each acquire under way, by its handle (`Lock._begin`): `dict.setdefault`
 #: claims a handle in one step, which a mutex per handle did at a lock made per handle and
-#: two calls more. A forked child has none under way (and its handles' ids are its parent's).
-_acquires: dict[int, object] = {}
+#: two calls more. (A handle hashes and compares as itself, in C: nothing runs meanwhile.)
+#: A forked child has no acquire under way.
+_acquires: dict[Lock, object] = {}
 os.register_at_fork(after_in_child=_acquires.clear)
 #: A handle's `_mutex` when it has no watchdog: nothing to guard.
 _UNSHARED: AbstractContextManager[object] = nullcontext()
 
 #: What a handle of a spec starts from (`_prepare`), by the spec's id: the spec, its store,
-#: its ttl, the holder of a handle without a label, the longest key the store takes.
-_Ready = tuple[LockSpec, LockStore, float, str, int]
+#: the longest key the store takes, its ttl, the holder of a handle without a label, and the
+#: spec's timeout, retry_delay, auto_extend, max_hold, on_lost, store alias, mode and name.
+_Ready = tuple[
+    LockSpec,
+    LockStore,
+    int,
+    float,
+    str,
+    float,
+    float,
+    bool,
+    float | None,
+    OnLost,
+    str,
+    Mode,
+    str | None,
+]
 _ready: dict[int, _Ready] = {}
 #: The most specs `_ready` keeps (a program makes a few kinds of handle: a rare reset).
 READY_KEPT = 256
@@ -536,7 +562,21 @@ def _prepare(spec: LockSpec) -> _Ready:
             f"({type(store).__name__}) has none"
         )
     longest = sys.maxsize if store.max_key_length is None else store.max_key_length
-    ready = (spec, store, spec.resolved_ttl(), spec.holder_for(None), longest)
+    ready = (
+        spec,
+        store,
+        longest,
+        spec.resolved_ttl(),
+        spec.holder_for(None),
+        spec.timeout,
+        spec.retry_delay,
+        spec.auto_extend,
+        spec.max_hold,
+        spec.on_lost,
+        spec.store,
+        spec.mode,
+        spec.name,
+    )
     if len(kept) >= READY_KEPT:
         kept.clear()
     kept[id(spec)] = ready
@@ -622,9 +662,13 @@ def lock(
         raise refuse_option("lock", "limit", "for at most N holders use semaphore(key, limit=N)")
     # The options as given (a new handle per `with lock(key):` is the usual way: no copy).
     given: Mapping[str, object] = options if shared is False else {**options, "shared": shared}
-    handle = Lock.__new__(Lock)  # `Lock.from_spec` written out: a call less per handle
-    handle._setup(key, LockSpec.of("lock", given), label=None)  # type: ignore[arg-type]
+    handle = _new_handle(Lock)  # `Lock.from_spec` written out: a call less per handle
+    handle._setup(key, _spec_of("lock", given), label=None)  # type: ignore[arg-type]
     return handle
+
+
+#: Looked up once, for `lock()`: each lookup of a class's method makes a bound one.
+_new_handle, _spec_of = Lock.__new__, LockSpec.of
 
 
 def semaphore(key: str, *, limit: int, **options: Unpack[HandleOptions]) -> Lock:
