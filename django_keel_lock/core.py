@@ -59,7 +59,7 @@ from .options import (
 )
 from .queries import KeyQueries
 from .registry import get_lock_store, on_stores_changed
-from .stores.base import EXCLUSIVE, LockInfo, LockStore, Mode
+from .stores.base import EXCLUSIVE, AcquireResult, LockInfo, LockStore, Mode
 from .waiting import to_the_end
 
 if TYPE_CHECKING:
@@ -133,7 +133,9 @@ class Lock(Holding, KeyQueries):
         handle._setup(key, spec, label=label, raises=raises)
         return handle
 
-    def _setup(self, key: str, spec: LockSpec, *, label: str | None, raises: bool = False) -> None:
+    def _setup(
+        self, key: str, spec: LockSpec, label: str | None = None, raises: bool = False
+    ) -> None:
         ready = _ready.get(id(spec))
         if ready is None or ready[0] is not spec:
             ready = _prepare(spec)
@@ -151,7 +153,7 @@ class Lock(Holding, KeyQueries):
             self.on_lost,
             self.store_alias,
             self.mode,
-            self._name,
+            self._name,  # None: the key, normalised when first asked for (`name`)
         ) = ready
         if label is not None and spec.holder is None:
             self.holder = spec.holder_for(label)
@@ -176,9 +178,9 @@ class Lock(Holding, KeyQueries):
         # other thread touches it (one acquire at a time: `_begin`), and a lock made per
         # handle would cost a tenth of a memory-store cycle.
         self._mutex = threading.Lock() if spec.auto_extend else _UNSHARED
-        # What the core tells metrics: the name (None: the key, normalised when first asked
-        # for), whether a refusal raises, the last acquire's store calls, and the meter of
-        # the recorder that saw the last acquire (None: not measured).
+        # What the core tells metrics (with `_name`): whether a refusal raises, the last
+        # acquire's store calls, and the meter of the recorder that saw the last acquire
+        # (None: not measured).
         self._raises = raises
         self._attempts = 0
         self._meter: metrics.Meter | None = None
@@ -246,22 +248,28 @@ class Lock(Holding, KeyQueries):
         taken (the handle holds it, `lock_acquired`, its watchdog started in a `thread` or a
         task), refused, or the error that ended it, raised again here."""
         result, sent, self._attempts = outcome
-        if isinstance(result, BaseException):
+        # An answer, or the error that ended the acquire (`type` first: a test cheaper than
+        # isinstance passes the usual answer).
+        if type(result) is not AcquireResult and isinstance(result, BaseException):
             if meter is not None:
                 meter.failed(self, result, self._attempts)
             raise result
-        if result.fence is None:
+        fence = result.fence
+        if fence is None:
             logger.debug("lock %r is held by someone else", self.key)
             if meter is not None:
                 meter.refused(self, waited, self._attempts, self._raises)
             return False
         if not self.auto_extend:  # no other thread touches the handle: `_took` written out
-            self.owner, self.fence, self._held, self.lost = owner, result.fence, True, False
+            self.owner = owner
+            self.fence = fence
+            self._held = True
+            self.lost = False
             self._next_owner = None
             self._valid_until = sent + self.ttl
         else:
             with self._mutex:  # the state the watchdog shares
-                self._took(owner, result.fence, sent)
+                self._took(owner, fence, sent)
         if signals.lock_acquired.receivers:  # `_announce`'s test first: a call less
             _announce(signals.lock_acquired, lock=self)
         if meter is not None:
@@ -510,9 +518,12 @@ OWNERS_DRAWN = 64
 
 def _draw_owners() -> str:
     """A new owner token, and OWNERS_DRAWN - 1 more kept for the next acquires."""
-    drawn = os.urandom(16 * OWNERS_DRAWN).hex()
-    _owners.extend(drawn[start : start + 32] for start in range(32, len(drawn), 32))
-    return drawn[:32]
+    # Split in C at the spaces hex() puts between each 16 bytes: slicing them out one by one
+    # in Python cost as much again as drawing them.
+    drawn = os.urandom(16 * OWNERS_DRAWN).hex(" ", 16).split()
+    owner = drawn.pop()
+    _owners.extend(drawn)
+    return owner
 
 
 os.register_at_fork(after_in_child=_owners.clear)
@@ -663,7 +674,7 @@ def lock(
     # The options as given (a new handle per `with lock(key):` is the usual way: no copy).
     given: Mapping[str, object] = options if shared is False else {**options, "shared": shared}
     handle = _new_handle(Lock)  # `Lock.from_spec` written out: a call less per handle
-    handle._setup(key, _spec_of("lock", given), label=None)  # type: ignore[arg-type]
+    handle._setup(key, _spec_of("lock", given))  # type: ignore[arg-type]
     return handle
 
 
