@@ -34,6 +34,7 @@ from typing import (
     Self,
     TypeVar,
     Unpack,
+    cast,
     overload,
 )
 
@@ -136,9 +137,12 @@ class Lock(Holding, KeyQueries):
     def _setup(
         self, key: str, spec: LockSpec, label: str | None = None, raises: bool = False
     ) -> None:
-        ready = _ready.get(id(spec))
-        if ready is None or ready[0] is not spec:
-            ready = _prepare(spec)
+        last = _last  # a change meanwhile replaces it: what is found then is not kept
+        ready = last[0]
+        if ready[0] is not spec:
+            found = _ready.get(id(spec))
+            ready = _prepare(spec) if found is None or found[0] is not spec else found
+            last[0] = ready
         # The spec's options, as the handle keeps them: one unpacking.
         (
             _,
@@ -556,6 +560,10 @@ _Ready = tuple[
     str | None,
 ]
 _ready: dict[int, _Ready] = {}
+#: The one of them the last handle started from, looked at first: the usual program makes
+#: handle after handle of one spec, and `_ready.get(id(spec))` costs a fiftieth of a cycle.
+#: A change replaces the list (at first: no spec's).
+_last: list[_Ready] = [cast(_Ready, (None,))]
 #: The most specs `_ready` keeps (a program makes a few kinds of handle: a rare reset).
 READY_KEPT = 256
 
@@ -595,8 +603,9 @@ def _prepare(spec: LockSpec) -> _Ready:
 
 
 def _forget_ready(**kwargs: object) -> None:
-    global _ready
+    global _ready, _last
     _ready = {}
+    _last = [cast(_Ready, (None,))]
 
 
 on_stores_changed(_forget_ready)
