@@ -218,7 +218,7 @@ class Lock(Holding, KeyQueries):
         try:
             owner, meter = self._begin(mine, wait)
             outcome = drivers.acquire(self, self._store, owner, wait, delay)
-            return self._settle(owner, outcome, meter, wait > 0, True)
+            return self._settle(owner, outcome, meter, wait > 0.0, True)
         finally:
             if _acquires.get(self) is mine:  # not another acquire's, refused by _begin
                 del _acquires[self]
