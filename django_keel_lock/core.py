@@ -137,7 +137,7 @@ class Lock(Holding, KeyQueries):
     def _setup(
         self, key: str, spec: LockSpec, label: str | None = None, raises: bool = False
     ) -> None:
-        last = _last  # a change meanwhile replaces it: what is found then is not kept
+        last = _last_ready  # a change meanwhile replaces it: what is found then is not kept
         ready = last[0]
         if ready[0] is not spec:
             found = _ready.get(id(spec))
@@ -235,7 +235,7 @@ class Lock(Holding, KeyQueries):
         try:
             owner, meter = self._begin(mine, wait)
             outcome = await drivers.aacquire(self, owner, wait, delay)
-            return self._settle(owner, outcome, meter, wait > 0, False)
+            return self._settle(owner, outcome, meter, wait > 0.0, False)
         finally:
             if _acquires.get(self) is mine:
                 del _acquires[self]
@@ -563,7 +563,7 @@ _ready: dict[int, _Ready] = {}
 #: The one of them the last handle started from, looked at first: the usual program makes
 #: handle after handle of one spec, and `_ready.get(id(spec))` costs a fiftieth of a cycle.
 #: A change replaces the list (at first: no spec's).
-_last: list[_Ready] = [cast(_Ready, (None,))]
+_last_ready: list[_Ready] = [cast(_Ready, (None,))]
 #: The most specs `_ready` keeps (a program makes a few kinds of handle: a rare reset).
 READY_KEPT = 256
 
@@ -603,9 +603,9 @@ def _prepare(spec: LockSpec) -> _Ready:
 
 
 def _forget_ready(**kwargs: object) -> None:
-    global _ready, _last
+    global _ready, _last_ready
     _ready = {}
-    _last = [cast(_Ready, (None,))]
+    _last_ready = [cast(_Ready, (None,))]
 
 
 on_stores_changed(_forget_ready)

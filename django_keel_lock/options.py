@@ -468,8 +468,9 @@ class LockSpec:
         if cls is not LockSpec:
             return cls._parse(surface, options)
         # The options of the last spec found of strings and None alone, the usual run of
-        # `with lock(key, store="memory"):`, compared as they are: a third of building the
-        # key below. (One thread's snapshot: another may replace it meanwhile.)
+        # `with lock(key, store="memory"):`, compared as they are: a third of the cost of
+        # building the key below. (A value equal to a string is one, as below; one thread's
+        # snapshot: another may replace it meanwhile.)
         last = _last_plain
         if options == last[0]:
             return last[1]
