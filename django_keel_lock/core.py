@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from datetime import UTC, datetime
 from types import TracebackType
 from typing import (
@@ -33,6 +34,7 @@ from typing import (
     Self,
     TypeVar,
     Unpack,
+    cast,
     overload,
 )
 
@@ -48,6 +50,7 @@ from .options import (
     HandleOptions,
     LockOptions,
     LockSpec,
+    OnLost,
     check_store,
     lock_name,
     make_handles_with,
@@ -57,7 +60,7 @@ from .options import (
 )
 from .queries import KeyQueries
 from .registry import get_lock_store, on_stores_changed
-from .stores.base import EXCLUSIVE, LockInfo, LockStore, Mode
+from .stores.base import EXCLUSIVE, AcquireResult, LockInfo, LockStore, Mode
 from .waiting import to_the_end
 
 if TYPE_CHECKING:
@@ -94,7 +97,6 @@ class Lock(Holding, KeyQueries):
     # cycle, 11 %). __weakref__: the watchdog refers to its handle weakly.
     __slots__ = (
         "__weakref__",
-        "_acquiring",
         "_attempts",
         "_meter",
         "_mutex",
@@ -132,23 +134,38 @@ class Lock(Holding, KeyQueries):
         handle._setup(key, spec, label=label, raises=raises)
         return handle
 
-    def _setup(self, key: str, spec: LockSpec, *, label: str | None, raises: bool = False) -> None:
-        ready = _ready.get(id(spec))
-        if ready is None or ready[0] is not spec:
-            ready = _prepare(spec)
-        _, store, self.ttl, holder, longest = ready
-        self._store = store
+    def _setup(
+        self, key: str, spec: LockSpec, label: str | None = None, raises: bool = False
+    ) -> None:
+        last = _last_ready  # a change meanwhile replaces it: what is found then is not kept
+        ready = last[0]
+        if ready[0] is not spec:
+            found = _ready.get(id(spec))
+            ready = _prepare(spec) if found is None or found[0] is not spec else found
+            last[0] = ready
+        # The spec's options, as the handle keeps them: one unpacking.
+        (
+            _,
+            self._store,
+            longest,
+            self.ttl,
+            self.holder,
+            self.timeout,
+            self.retry_delay,
+            self.auto_extend,
+            self.max_hold,
+            self.on_lost,
+            self.store_alias,
+            self.mode,
+            self._name,  # None: the key, normalised when first asked for (`name`)
+        ) = ready
+        if label is not None and spec.holder is None:
+            self.holder = spec.holder_for(label)
         # `validate_key`'s tests, in short for the usual key: a printable ASCII str.
         if type(key) is str and key.isascii() and key.isprintable() and 0 < len(key) <= longest:
             self.key = key
         else:
-            self.key = validate_key(key, store)
-        self.timeout, self.retry_delay = spec.timeout, spec.retry_delay
-        self.holder = holder if label is None or spec.holder is not None else spec.holder_for(label)
-        self.auto_extend, self.max_hold = spec.auto_extend, spec.max_hold
-        self.on_lost = spec.on_lost
-        self.store_alias = spec.store
-        self.mode: Mode = spec.mode
+            self.key = validate_key(key, self._store)
         self.owner: str | None = None
         self._next_owner: str | None = None
         self.fence: int | None = None
@@ -159,17 +176,23 @@ class Lock(Holding, KeyQueries):
         # (on_lost="raise" with auto_extend).
         self._body: drivers.Body | None = None
         self._held = False
-        self._acquiring: object | None = None  # the mark of the acquire under way (`_begin`)
         self._valid_until = math.inf  # monotonic, the last expiry the store confirmed
         self._renewal: watchdog.Renewal | None = None
-        self._mutex = threading.Lock()  # state shared with the watchdog
-        # What the core tells metrics: the name (None: the key, normalised when first asked
-        # for), whether a refusal raises, the last acquire's store calls, and the meter of
-        # the recorder that saw the last acquire (None: not measured).
-        self._name = spec.name
+        # The state the watchdog shares with the handle's thread; without a watchdog no
+        # other thread touches it (one acquire at a time: `_begin`), and a lock made per
+        # handle would cost a tenth of a memory-store cycle.
+        self._mutex = threading.Lock() if spec.auto_extend else _UNSHARED
+        # What the core tells metrics (with `_name`): whether a refusal raises, the last
+        # acquire's store calls, and the meter of the recorder that saw the last acquire
+        # (None: not measured).
         self._raises = raises
         self._attempts = 0
         self._meter: metrics.Meter | None = None
+
+    @property
+    def _acquiring(self) -> object | None:
+        """The mark of the acquire of this handle under way (`_begin`); None when none is."""
+        return _acquires.get(self)
 
     @property
     def name(self) -> str:
@@ -189,14 +212,16 @@ class Lock(Holding, KeyQueries):
             wait, delay = self.timeout, self.retry_delay
         else:
             wait, delay = self._wait_args(timeout, retry_delay)
-        mine = object()  # this acquire's mark on the handle (`_begin`)
+        # This acquire's mark on the handle (`_begin`): any new object (a list is made
+        # without a call).
+        mine: object = []
         try:
             owner, meter = self._begin(mine, wait)
             outcome = drivers.acquire(self, self._store, owner, wait, delay)
-            return self._settle(owner, outcome, meter, wait > 0, True)
+            return self._settle(owner, outcome, meter, wait > 0.0, True)
         finally:
-            if self._acquiring is mine:  # not another acquire's, refused by _begin
-                self._acquiring = None
+            if _acquires.get(self) is mine:  # not another acquire's, refused by _begin
+                del _acquires[self]
 
     async def aacquire(
         self, timeout: Duration | None = None, retry_delay: Duration | None = None
@@ -206,14 +231,14 @@ class Lock(Holding, KeyQueries):
         Cancelled while waiting or while an attempt is in flight, it leaves no lock behind,
         nor a place in the key's line of waiters."""
         wait, delay = self._wait_args(timeout, retry_delay)
-        mine = object()
+        mine: object = []
         try:
             owner, meter = self._begin(mine, wait)
             outcome = await drivers.aacquire(self, owner, wait, delay)
-            return self._settle(owner, outcome, meter, wait > 0, False)
+            return self._settle(owner, outcome, meter, wait > 0.0, False)
         finally:
-            if self._acquiring is mine:
-                self._acquiring = None
+            if _acquires.get(self) is mine:
+                del _acquires[self]
 
     def _settle(
         self,
@@ -227,22 +252,28 @@ class Lock(Holding, KeyQueries):
         taken (the handle holds it, `lock_acquired`, its watchdog started in a `thread` or a
         task), refused, or the error that ended it, raised again here."""
         result, sent, self._attempts = outcome
-        if isinstance(result, BaseException):
+        # An answer, or the error that ended the acquire (`type` first: a test cheaper than
+        # isinstance passes the usual answer).
+        if type(result) is not AcquireResult and isinstance(result, BaseException):
             if meter is not None:
                 meter.failed(self, result, self._attempts)
             raise result
-        if result.fence is None:
+        fence = result.fence
+        if fence is None:
             logger.debug("lock %r is held by someone else", self.key)
             if meter is not None:
                 meter.refused(self, waited, self._attempts, self._raises)
             return False
         if not self.auto_extend:  # no other thread touches the handle: `_took` written out
-            self.owner, self.fence, self._held, self.lost = owner, result.fence, True, False
+            self.owner = owner
+            self.fence = fence
+            self._held = True
+            self.lost = False
             self._next_owner = None
             self._valid_until = sent + self.ttl
         else:
             with self._mutex:  # the state the watchdog shares
-                self._took(owner, result.fence, sent)
+                self._took(owner, fence, sent)
         if signals.lock_acquired.receivers:  # `_announce`'s test first: a call less
             _announce(signals.lock_acquired, lock=self)
         if meter is not None:
@@ -281,21 +312,22 @@ class Lock(Holding, KeyQueries):
         if self._held and time.monotonic() >= self._valid_until:
             # By its own clock the lock ran out: the handle holds nothing and may try again.
             self._lost("its ttl ran out without a confirmed extend", owner=self.owner)
-        with self._mutex:
-            if self._held or self._acquiring is not None:
-                raise LockError(self._busy_message())
-            # The owner stays the same for every attempt until one succeeds: an attempt whose
-            # reply was lost (timeout, dropped connection) may still have taken the lock, and a
-            # retry with the same owner gets it back instead of stranding it until its ttl.
-            if self._next_owner is None:
-                try:
-                    self._next_owner = _owners.pop()
-                except IndexError:
-                    self._next_owner = _draw_owners()
-            # Until this acquire ends, another acquire of the handle is refused:
-            # it would ask with the same pending owner, and the store grants one owner twice.
-            self._acquiring = mine
-            owner = self._next_owner
+        # Until this acquire ends, another acquire of the handle is refused: it would ask
+        # with the same pending owner, and the store grants one owner twice. The mark is
+        # claimed first (in one step, whatever thread or task asks), then `_held` read: an
+        # acquire that took the lock set it before it gave the mark up.
+        if _acquires.setdefault(self, mine) is not mine or self._held:
+            raise LockError(self._busy_message())
+        # The owner stays the same for every attempt until one succeeds: an attempt whose
+        # reply was lost (timeout, dropped connection) may still have taken the lock, and a
+        # retry with the same owner gets it back instead of stranding it until its ttl.
+        owner = self._next_owner
+        if owner is None:
+            try:
+                owner = _owners.pop()
+            except IndexError:
+                owner = _draw_owners()
+            self._next_owner = owner
         if metrics.recorder is None:  # metrics are off: their only cost
             return owner, None
         self._meter = meter = metrics.begin(self, self._meter, wait)
@@ -490,17 +522,48 @@ OWNERS_DRAWN = 64
 
 def _draw_owners() -> str:
     """A new owner token, and OWNERS_DRAWN - 1 more kept for the next acquires."""
-    drawn = os.urandom(16 * OWNERS_DRAWN).hex()
-    _owners.extend(drawn[start : start + 32] for start in range(32, len(drawn), 32))
-    return drawn[:32]
+    # Split in C at the spaces hex() puts between each 16 bytes: slicing them out one by one
+    # in Python cost as much again as drawing them.
+    drawn = os.urandom(16 * OWNERS_DRAWN).hex(" ", 16).split()
+    owner = drawn.pop()
+    _owners.extend(drawn)
+    return owner
 
 
 os.register_at_fork(after_in_child=_owners.clear)
 
+#: The mark of each acquire under way, by its handle (`Lock._begin`): `dict.setdefault`
+#: claims a handle in one step, which a mutex per handle did at a lock made per handle and
+#: two calls more. (A handle hashes and compares as itself, in C: nothing runs meanwhile.)
+#: A forked child has no acquire under way.
+_acquires: dict[Lock, object] = {}
+os.register_at_fork(after_in_child=_acquires.clear)
+#: A handle's `_mutex` when it has no watchdog: nothing to guard.
+_UNSHARED: AbstractContextManager[object] = nullcontext()
+
 #: What a handle of a spec starts from (`_prepare`), by the spec's id: the spec, its store,
-#: its ttl, the holder of a handle without a label, the longest key the store takes.
-_Ready = tuple[LockSpec, LockStore, float, str, int]
+#: the longest key the store takes, its ttl, the holder of a handle without a label, and the
+#: spec's timeout, retry_delay, auto_extend, max_hold, on_lost, store alias, mode and name.
+_Ready = tuple[
+    LockSpec,
+    LockStore,
+    int,
+    float,
+    str,
+    float,
+    float,
+    bool,
+    float | None,
+    OnLost,
+    str,
+    Mode,
+    str | None,
+]
 _ready: dict[int, _Ready] = {}
+#: The one of them the last handle started from, looked at first: the usual program makes
+#: handle after handle of one spec, and `_ready.get(id(spec))` costs a fiftieth of a cycle.
+#: A change replaces the list (at first: no spec's).
+_last_ready: list[_Ready] = [cast(_Ready, (None,))]
 #: The most specs `_ready` keeps (a program makes a few kinds of handle: a rare reset).
 READY_KEPT = 256
 
@@ -518,7 +581,21 @@ def _prepare(spec: LockSpec) -> _Ready:
             f"({type(store).__name__}) has none"
         )
     longest = sys.maxsize if store.max_key_length is None else store.max_key_length
-    ready = (spec, store, spec.resolved_ttl(), spec.holder_for(None), longest)
+    ready = (
+        spec,
+        store,
+        longest,
+        spec.resolved_ttl(),
+        spec.holder_for(None),
+        spec.timeout,
+        spec.retry_delay,
+        spec.auto_extend,
+        spec.max_hold,
+        spec.on_lost,
+        spec.store,
+        spec.mode,
+        spec.name,
+    )
     if len(kept) >= READY_KEPT:
         kept.clear()
     kept[id(spec)] = ready
@@ -526,8 +603,9 @@ def _prepare(spec: LockSpec) -> _Ready:
 
 
 def _forget_ready(**kwargs: object) -> None:
-    global _ready
+    global _ready, _last_ready
     _ready = {}
+    _last_ready = [cast(_Ready, (None,))]
 
 
 on_stores_changed(_forget_ready)
@@ -604,9 +682,13 @@ def lock(
         raise refuse_option("lock", "limit", "for at most N holders use semaphore(key, limit=N)")
     # The options as given (a new handle per `with lock(key):` is the usual way: no copy).
     given: Mapping[str, object] = options if shared is False else {**options, "shared": shared}
-    handle = Lock.__new__(Lock)  # `Lock.from_spec` written out: a call less per handle
-    handle._setup(key, LockSpec.of("lock", given), label=None)  # type: ignore[arg-type]
+    handle = _new_handle(Lock)  # `Lock.from_spec` written out: a call less per handle
+    handle._setup(key, _spec_of("lock", given))  # type: ignore[arg-type]
     return handle
+
+
+#: Looked up once, for `lock()`: each lookup of a class's method makes a bound one.
+_new_handle, _spec_of = Lock.__new__, LockSpec.of
 
 
 def semaphore(key: str, *, limit: int, **options: Unpack[HandleOptions]) -> Lock:

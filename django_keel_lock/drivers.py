@@ -135,7 +135,7 @@ def acquire(
     """Acquire for `owner` in the target's `store`, waiting up to `wait` seconds
     (`engine.acquisition`): the last attempt's result, or the error that ended the acquire
     (for the caller to record and raise), when it was sent and the attempts made."""
-    if wait <= 0:  # one attempt, the hot path: `engine.acquisition` without a generator
+    if wait <= 0.0:  # one attempt, the hot path: `engine.acquisition` without a generator
         try:
             if target.mode is EXCLUSIVE and not target.many:  # `engine.first_request`
                 sent = time.monotonic()

@@ -9,9 +9,9 @@ last confirmed expiry the acquire left on the handle); the acquire itself is the
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AbstractContextManager
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
@@ -50,7 +50,8 @@ class Holding:
     auto_extend: bool
     max_hold: float | None
     _store: LockStore
-    _mutex: threading.Lock
+    #: Guards the state the watchdog shares (a no-op without one: `core.Lock._setup`).
+    _mutex: AbstractContextManager[object]
     _meter: metrics.Meter | None
     _held: bool
     _valid_until: float

@@ -18,8 +18,8 @@ owner or holder: a label's values must stay few.
 from __future__ import annotations
 
 import logging
-import threading
 import time
+from contextlib import AbstractContextManager
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
@@ -144,7 +144,11 @@ class Meter:
             self.recorder.renewal(handle, self.kept, outcome)
 
     def ended(
-        self, handle: Lock, end: str, reason: str | None, mutex: threading.Lock | None
+        self,
+        handle: Lock,
+        end: str,
+        reason: str | None,
+        mutex: AbstractContextManager[object] | None,
     ) -> None:
         """The hold ended as `end`: told once (`mutex`: the handle's, when another thread may
         end it too)."""

@@ -86,7 +86,7 @@ class MultiLock(Lock):
         return cls.from_spec(keys, LockSpec.of("lock", options))  # type: ignore[arg-type]
 
     def _setup(
-        self, keys: Sequence[str], spec: LockSpec, *, label: str | None, raises: bool = False
+        self, keys: Sequence[str], spec: LockSpec, label: str | None = None, raises: bool = False
     ) -> None:
         if spec.mode is not EXCLUSIVE:
             what = "limit=" if spec.mode.kind == "semaphore" else "shared=True"

@@ -72,3 +72,14 @@ def test_a_forked_child_draws_owners_of_its_own() -> None:
         theirs, _ = in_forked_child(child_owner)
         with lock("k", store="memory") as parent:
             assert len(theirs) == 32 and theirs != parent.owner
+
+
+def test_a_spec_is_of_the_options_as_they_are_now_not_as_last_seen() -> None:
+    """`LockSpec.of` keeps the options it found a spec for last: the same dict changed since
+    (a caller that reuses one) gets the spec of what it says now."""
+    options: dict[str, object] = {"store": "memory", "name": "before"}
+    assert LockSpec.of("test", options).name == "before"
+    options["name"] = "after"
+    assert LockSpec.of("test", options).name == "after"
+    assert lock("k", store="memory", name="before").name == "before"
+    assert lock("k", store="memory").name == "k"
