@@ -383,8 +383,9 @@ def test_postgres_release_notifies_the_first_waiters_process_alone_while_the_lin
     key: str, postgres_notifications: Callable[[str], Callable[[], int]]
 ) -> None:
     """The key's channel (every process waiting for it) hears nothing while the line has a
-    first waiter with an address; that address's channel hears the key. With the line empty
-    again, releases NOTIFY the key's channel as before lines (permit waiters listen there)."""
+    first waiter with an address; that address's channel hears the key (the lock handed over
+    to that waiter). With the line empty again, releases NOTIFY the key's channel as before
+    lines (permit waiters listen there)."""
     store = database_store_of("postgres")
     on_key = postgres_notifications(key)
     with listening_at("feedface") as raw:
@@ -394,15 +395,20 @@ def test_postgres_release_notifies_the_first_waiters_process_alone_while_the_lin
         assert postgres_statements_of(store, lambda: store.release(key, "a")) == 1
         assert [n.payload for n in raw.notifies(timeout=0.3)] == [key]
         assert on_key() == 0
+        handed = store.get(key)
+        assert handed is not None and handed.owner == "w"
+        store.leave_queue(key, "w")  # passed on: to nobody, so the key's channel hears it
+        assert on_key() == 1
         assert store.acquire(key, "a", "a", 30).acquired
-        store.leave_queue(key, "w")
         assert not store.acquire(key, "b", "b", 30).acquired  # raises the flag
         assert store.release(key, "a")
         assert on_key() == 1
         assert list(raw.notifies(timeout=0.3)) == []
 
 
-def test_postgres_leaving_the_line_of_a_free_lock_wakes_the_next_in_it(key: str) -> None:
+def test_postgres_leaving_the_line_with_a_grant_passes_it_to_the_next_and_wakes_it(
+    key: str,
+) -> None:
     store = database_store_of("postgres")
     with listening_at("beef") as raw:
         assert store.acquire(key, "holder", "h", 30).acquired
@@ -410,7 +416,29 @@ def test_postgres_leaving_the_line_of_a_free_lock_wakes_the_next_in_it(key: str)
             assert not store.acquire_queued(key, owner, owner, 30).acquired
             places = Waiter.objects.using("postgres").filter(key=key, owner=owner)
             assert places.update(address=address)
+        assert store.release(key, "holder")  # hands over to "first" (at a deaf address)
+        assert list(raw.notifies(timeout=0.3)) == []
+        store.leave_queue(key, "first")  # its grant goes on: "next" is first now
+        assert [n.payload for n in raw.notifies(timeout=0.3)] == [key]
+        handed = store.get(key)
+        assert handed is not None and handed.owner == "next"
+        store.leave_queue(key, "next")
+        assert list(raw.notifies(timeout=0.3)) == []
+        assert store.get(key) is None
+
+
+def test_postgres_leaving_the_line_of_a_free_lock_wakes_the_next_in_it(key: str) -> None:
+    # A place without a ttl (written before hand-offs) is woken, not handed the lock: the
+    # lock stays free, and when it leaves, the next is woken to take it.
+    store = database_store_of("postgres")
+    with listening_at("beef") as raw:
+        assert store.acquire(key, "holder", "h", 30).acquired
+        for owner, address in (("first", "dead"), ("next", "beef")):
+            assert not store.acquire_queued(key, owner, owner, 30).acquired
+            places = Waiter.objects.using("postgres").filter(key=key, owner=owner)
+            assert places.update(address=address, ttl=None)
         assert store.release(key, "holder")  # wakes "first" (at an address nobody hears)
+        assert store.get(key) is None
         assert list(raw.notifies(timeout=0.3)) == []
         store.leave_queue(key, "first")  # the lock is free: "next" is first now
         assert [n.payload for n in raw.notifies(timeout=0.3)] == [key]

@@ -1,8 +1,9 @@
-"""Direct hand-off (Redis): a release that finds a live waiter first in the key's line grants
-the lock to it in the same script (owner, holder, a greater fence, a short grant ttl) and wakes
-it; the waiter's next `acquire_queued` takes the grant up at its own ttl. A granted waiter that
-died or gave up costs the others at most the grant ttl, and one that leaves the line passes the
-grant on."""
+"""Direct hand-off (Redis, PostgreSQL): a release that finds a live waiter first in the key's
+line grants the lock to it in the same script or statement (owner, holder, a greater fence, a
+short grant ttl) and wakes it; the waiter's next `acquire_queued` takes the grant up at its own
+ttl. A granted waiter that died or gave up costs the others at most the grant ttl, and one that
+leaves the line passes the grant on. (The durability of a PostgreSQL release that hands over is
+tests/test_database_release_flush.py's.)"""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import pytest
+from django.db import connections
 
 from django_keel_lock import lock
 from django_keel_lock.registry import get_lock_store
@@ -24,8 +26,9 @@ from django_keel_lock.stores.redis import RedisLockStore
 
 from .conftest import store_params
 from .support.holders import held_before_children
+from .test_database_line import in_line
 
-ALIASES = store_params(["redis"])
+ALIASES = store_params(["redis", "postgres"])
 #: Polls are 5 s apart: whatever a waiter gets within a lease came by a push or a grant.
 RETRY_DELAY = 5.0
 CONTEXT = multiprocessing.get_context("fork")
@@ -33,6 +36,12 @@ CONTEXT = multiprocessing.get_context("fork")
 
 @pytest.fixture(params=ALIASES)
 def alias(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(params=store_params(["redis"]))
+def redis_alias(request: pytest.FixtureRequest) -> str:
+    """The tests of how Redis keeps a line across versions of its scripts."""
     return str(request.param)
 
 
@@ -51,17 +60,26 @@ def _waiter(alias: str, key: str, name: str, pipe: Connection) -> None:
 
 
 def _in_line(alias: str, key: str, count: int, close: bool = True) -> None:
-    """Wait until `count` waiters stand in `key`'s line (read from Redis itself); `close`:
-    then close the store, so children started next do not share its connections."""
+    """Wait until `count` waiters stand in `key`'s line (read from the server itself);
+    `close`: then close the store, so children started next do not share its connections."""
     store = get_lock_store(alias)
-    assert isinstance(store, RedisLockStore)
-    line = store.lock_name(key) + ":line"
     deadline = time.monotonic() + 20
-    while store.client().llen(line) < count:
+    while _standing(store, alias, key) < count:
         assert time.monotonic() < deadline, f"never {count} in line"
         time.sleep(0.02)
     if close:
         store.close()
+
+
+def _standing(store: LockStore, alias: str, key: str) -> int:
+    """How many places `key`'s line has (live ones, in a database)."""
+    if isinstance(store, RedisLockStore):
+        return int(store.client().llen(store.lock_name(key) + ":line"))
+    try:
+        return in_line(alias, key)
+    finally:
+        if threading.current_thread() is not threading.main_thread():
+            connections.close_all()  # this thread's: none is left open at the end
 
 
 def _start(alias: str, key: str, name: str, ahead: int = 0) -> tuple[Any, Connection]:
@@ -217,6 +235,64 @@ def test_an_async_waiter_cancelled_while_granted_passes_the_grant_on(alias: str,
         other.close()
 
 
+def test_the_store_hands_off(alias: str) -> None:
+    assert get_lock_store(alias).hands_off
+
+
+def test_a_release_nobody_waits_for_frees_the_lock(alias: str, key: str) -> None:
+    store = get_lock_store(alias)
+    assert store.acquire(key, "a" * 32, "holder", 30).acquired
+    assert store.release(key, "a" * 32)
+    assert store.get(key) is None
+    assert not store.release(key, "a" * 32)
+
+
+def test_a_waiter_that_took_its_grant_up_and_leaves_keeps_the_lock(alias: str, key: str) -> None:
+    # A multi-key waiter takes a key of its line with acquire_many (a fence of its own),
+    # then leaves the line: the lock stays its own.
+    store = get_lock_store(alias)
+    assert store.acquire(key, "a" * 32, "holder", 30).acquired
+    first, second = "b" * 32, "c" * 32
+    _stand(store, key, first)
+    _stand(store, key, second)
+    assert store.release(key, "a" * 32)
+    taken = store.acquire_many((key, f"{key}:other"), first, "holder-bbbb", 30)
+    assert taken.acquired
+    store.leave_queue(key, first)
+    kept = store.get(key)
+    assert kept is not None and kept.owner == first
+    assert store.release_many((key, f"{key}:other"), first)
+    store.leave_queue(key, second)
+
+
+def test_a_waiter_timing_out_as_it_is_granted_passes_the_lock_on(alias: str, key: str) -> None:
+    # A thread of this process waits with a timeout that ends about when the release (by a
+    # store of its own, as another process's) hands it the lock; whichever comes first, the
+    # next in line gets the lock at once: taken up and released, or passed on.
+    store = get_lock_store(alias)
+    other = type(store)(f"{alias}-holder", store.options)
+    try:
+        assert other.acquire(key, "a" * 32, "holder", 30).acquired
+        handle = lock(key, ttl=30, holder="leaving", store=alias)
+        got: list[bool] = []
+        thread = threading.Thread(
+            target=lambda: got.append(handle.acquire(timeout=1.0, retry_delay=RETRY_DELAY))
+        )
+        thread.start()
+        _in_line(alias, key, 1, close=False)
+        _stand(other, key, "c" * 32)
+        time.sleep(max(0.0, 0.95 - 0.1))
+        assert other.release(key, "a" * 32)
+        thread.join(10)
+        if got == [True]:
+            assert handle.release()
+        passed = other.get(key)
+        assert passed is not None and passed.owner == "c" * 32
+        assert other.release(key, "c" * 32)
+    finally:
+        other.close()
+
+
 def _place_by_hand(store: RedisLockStore, key: str, owner: str, fields: dict[str, str]) -> None:
     """Put `owner` last in `key`'s line with the place `fields`, as a given version of the
     scripts writes one; the line lapses in 2 s."""
@@ -227,11 +303,13 @@ def _place_by_hand(store: RedisLockStore, key: str, owner: str, fields: dict[str
     client.pexpire(name + ":line", 2000)
 
 
-def test_a_place_written_before_hand_offs_gets_a_wake_up_and_no_grant(alias: str, key: str) -> None:
+def test_a_place_written_before_hand_offs_gets_a_wake_up_and_no_grant(
+    redis_alias: str, key: str
+) -> None:
     # During a rolling upgrade a waiter of the previous version keeps its place as
     # "expiry:address", with no ttl and holder beside it: a release cannot know them, so it
     # only wakes it, and the waiter takes the free lock itself as before.
-    store = get_lock_store(alias)
+    store = get_lock_store(redis_alias)
     assert isinstance(store, RedisLockStore)
     assert store.acquire(key, "a" * 32, "holder", 30).acquired
     until = int(store.client().time()[0]) * 1000 + int(QUEUE_LEASE * 1000)
@@ -280,11 +358,11 @@ def test_a_multi_key_waiter_handed_a_key_keeps_it_once_it_takes_them_all(
         other.close()
 
 
-def test_a_grant_lives_no_longer_than_the_place_of_its_waiter(alias: str, key: str) -> None:
+def test_a_grant_lives_no_longer_than_the_place_of_its_waiter(redis_alias: str, key: str) -> None:
     # The first in line last asked 1.7 s ago (it was killed then): its place lapses in 0.3 s,
     # and so must the lock handed to it, or a dead waiter holds the others up for up to twice
     # QUEUE_LEASE from its death instead of QUEUE_LEASE.
-    store = get_lock_store(alias)
+    store = get_lock_store(redis_alias)
     assert isinstance(store, RedisLockStore)
     assert store.acquire(key, "a" * 32, "holder", 30).acquired
     seconds, micros = store.client().time()
@@ -333,9 +411,9 @@ return 0
 
 
 def test_a_release_of_the_previous_version_still_wakes_a_waiter_of_this_one(
-    alias: str, key: str, monkeypatch: pytest.MonkeyPatch
+    redis_alias: str, key: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    store = get_lock_store(alias)
+    store = get_lock_store(redis_alias)
     assert isinstance(store, RedisLockStore)
     monkeypatch.setattr(RedisLockStore, "wake_address", property(lambda self: "abcd"))
     assert store.acquire(key, "a" * 32, "holder", 30).acquired

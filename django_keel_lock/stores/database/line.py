@@ -52,7 +52,7 @@ class Line(InTransaction):
         first = live[0] if live else None
         if _takes(owner, held, lock_owner, first):
             return self._take(key, owner, holder, ttl, live, mine), False
-        self._keep_place(key, owner, address, mine)
+        self._keep_place(key, owner, address, mine, holder, ttl)
         if not waiting:
             self.run(self.sql.raise_waiting, key)
         # Held: ask again when it expires (a release wakes us sooner if we are first). Free,
@@ -91,17 +91,20 @@ class Line(InTransaction):
             self.run(sql.leave, key, owner)
         return AcquireResult(int(fence))
 
-    def _keep_place(self, key: str, owner: str, address: str, mine: float | None) -> None:
+    def _keep_place(
+        self, key: str, owner: str, address: str, mine: float | None, holder: str, ttl: float
+    ) -> None:
         """`owner` keeps its live place for another lease, or (new, or its place lapsed) goes
-        to the end of the line."""
+        to the end of the line; with `holder` and `ttl`, what a release that hands the lock
+        over to it writes."""
         sql = self.sql
         lease = self.interval(QUEUE_LEASE)
         if mine is not None and mine > 0:
-            self.run(sql.stay, address, lease, key, owner)
+            self.run(sql.stay, address, lease, holder, ttl, key, owner)
             return
         if mine is not None:
             self.run(sql.leave, key, owner)
-        self.run(sql.join, key, owner, address, lease)
+        self.run(sql.join, key, owner, address, lease, holder, ttl)
 
 
 def _takes(owner: str, held: bool, lock_owner: str, first: tuple[str, float] | None) -> bool:

@@ -142,6 +142,13 @@ class DatabaseLockStore(ListeningStore, LockStore):
         vendor = self.vendor
         return isinstance(vendor, ServerVendor) and vendor.line_table is not False
 
+    @property
+    def hands_off(self) -> bool:  # type: ignore[override]
+        # A release hands the lock over to the first in line (PostgreSQL: see
+        # `PostgresDialect.release_line_sql`); its next `acquire_queued` takes the grant up.
+        vendor = self.vendor
+        return isinstance(vendor, ServerVendor) and vendor.hands_off and self.queues
+
     def _line(self) -> ServerVendor | None:
         """The vendor where this store keeps lines: the vendor has them and the database
         the table. Opens this thread's connection if need be (the first one finds out)."""
@@ -490,9 +497,7 @@ class DatabaseLockStore(ListeningStore, LockStore):
         if (key, owner) not in self._in_line:
             return  # never joined (or its place was given up already)
         self._in_line.discard((key, owner))
-        _, count = self.execute([(vendor.dialect.line.leave, (key, owner))], key=key)
-        if count > 0:
-            vendor.wake_first(key)
+        vendor.leave_line(key, owner)
 
     def release(self, key: str, owner: str) -> bool:
         released = self.vendor.release(key, owner, line=self._has_line())

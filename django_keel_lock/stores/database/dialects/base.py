@@ -337,8 +337,11 @@ class LineStatements(NamedTuple):
     next_fence: str  # () -> (fence,)
     take: str  # (owner, holder, fence, interval, waiting, key): the lock is owner's
     raise_waiting: str  # (key)
-    join: str  # (key, owner, address, interval): a new place at the end of the line
-    stay: str  # (address, interval, key, owner): the place lasts interval more
+    # (key, owner, address, interval, holder, ttl): a new place at the end of the line
+    join: str
+    # (address, interval, holder, ttl, key, owner): the place lasts interval more (and is
+    # handed nothing: it was refused)
+    stay: str
     leave: str  # (key, owner)
     drop_lapsed: str  # (key, owner): deletes the lapsed places of key but owner's
     sweep_select: str  # (limit) -> rows of (id,) of expired places
@@ -373,10 +376,13 @@ def line_statements(
         ),
         raise_waiting=f"UPDATE {TABLE} SET waiting = TRUE {where}",
         join=(
-            f"INSERT INTO {WAITER_TABLE} ({key}, owner, address, expires_at) "
-            f"VALUES ({p}, {p}, {p}, {until})"
+            f"INSERT INTO {WAITER_TABLE} ({key}, owner, address, expires_at, holder, ttl) "
+            f"VALUES ({p}, {p}, {p}, {until}, {p}, {p})"
         ),
-        stay=f"UPDATE {WAITER_TABLE} SET address = {p}, expires_at = {until} {place}",
+        stay=(
+            f"UPDATE {WAITER_TABLE} SET address = {p}, expires_at = {until}, holder = {p}, "
+            f"ttl = {p}, fence = NULL {place}"
+        ),
         leave=f"DELETE FROM {WAITER_TABLE} {place}",
         drop_lapsed=f"DELETE FROM {WAITER_TABLE} {where} AND owner <> {p} AND expires_at <= {now}",
         sweep_select=f"SELECT id FROM {WAITER_TABLE} WHERE expires_at <= {now} LIMIT {p}",

@@ -95,24 +95,79 @@ class PostgresDialect(ServerDialect):
         RETURNING CASE WHEN waiting IS TRUE THEN pg_notify({{channel}}, l.key) END{{flush}}
     """
     _release_template = _release.format(channel=_KEY_CHANNEL, flush="{flush}", when="{when}")
-    _release_line_template = _release.format(channel=_FIRST_CHANNEL, flush="{flush}", when="{when}")
-    # A waiter in the line that is first in it takes the free lock in one statement, as the
-    # release that woke it expects (the line's transaction is for joining and keeping a
-    # place): the UPDATE draws its fence once it holds the row; its place goes with the
-    # take. The line is read as of the statement's start: a take it lets through is still
-    # one of a free row, by its owner condition; but a waiter that joined while the take
-    # waited for the row is not in it, so the flag stays raised whoever is left (lowered by
-    # the next take through the line's transaction, which reads the line after the row's
-    # lock): lowered here, that waiter's turn would be lost to plain takes.
+    # Inside another statement's WITH (idempotent results, `release_text`), where a second
+    # data-modifying CTE cannot nest: the release wakes the first of the line, no hand-off.
+    _release_waking_template = _release.format(
+        channel=_FIRST_CHANNEL, flush="{flush}", when="{when}"
+    )
+    # Direct hand-off (`release_line_sql`): where the flag is raised, the release writes the
+    # row for the first live waiter of the key's line other than the releaser (its owner, the
+    # holder and ttl its place keeps, a new fence) instead of freeing it, marks that place
+    # with the fence handed over (so `leave_queue` can tell a grant not taken up), and
+    # NOTIFYs that waiter's process. The grant lives min(its ttl, what is left of its place):
+    # a waiter that died costs the others what is left of its lease (QUEUE_LEASE at most)
+    # and no more. A first place without a ttl (written before hand-offs) gets a wake-up only,
+    # as does a line that is empty (the key's channel). The line is read as of the
+    # statement's start: a waiter that joined while the release waited for the row is not in
+    # it, but listens to the key's channel already. The LATERAL read runs only with the flag
+    # raised (its WHERE is false before it scans otherwise), so a release nobody waits for
+    # writes one row, as before. A release that hands over is an acquire for the waiter: it
+    # waits for its WAL flush when the store is DURABLE (`{granting}`); one that frees the
+    # lock does not (NO_FLUSH's reasoning).
+    # Parameters: owner, key, owner (then those of `{when}`).
+    _hand_off = f"""
+        WITH rel AS (
+            UPDATE {TABLE} AS l SET (owner, holder, fence, acquired_at, expires_at) = (
+                SELECT COALESCE(g.owner, {RELEASED}), COALESCE(g.holder, l.holder),
+                       CASE WHEN g.owner IS NULL THEN l.fence ELSE nextval('{SEQUENCE}') END,
+                       CASE WHEN g.owner IS NULL THEN l.acquired_at ELSE clock_timestamp() END,
+                       CASE WHEN g.owner IS NULL THEN clock_timestamp()
+                            ELSE LEAST(clock_timestamp() + make_interval(secs => g.ttl),
+                                       g.expires_at) END
+                FROM (SELECT) AS one LEFT JOIN LATERAL (
+                    SELECT w.owner, w.holder, w.ttl, w.expires_at FROM {WAITER_TABLE} w
+                    WHERE l.waiting IS TRUE AND w.key = l.key AND w.owner <> %s
+                      AND w.expires_at > clock_timestamp()
+                    ORDER BY w.id LIMIT 1
+                ) AS g ON g.ttl IS NOT NULL
+            )
+            WHERE l.key = %s AND l.owner = %s AND l.expires_at > clock_timestamp(){{when}}
+            RETURNING l.key, l.owner, l.fence, l.waiting
+        ), handed AS (
+            UPDATE {WAITER_TABLE} w SET fence = rel.fence FROM rel
+            WHERE rel.owner <> {RELEASED} AND w.key = rel.key AND w.owner = rel.owner
+            RETURNING w.address
+        )
+        SELECT CASE WHEN l.waiting IS TRUE THEN pg_notify(COALESCE(
+                   (SELECT '{ADDRESS_PREFIX}' || NULLIF(h.address, '') FROM handed h),
+                   {_FIRST_CHANNEL}), l.key) END,
+               set_config('synchronous_commit', {{granting}}, true)
+        FROM rel AS l
+    """
+    # A waiter in the line takes the lock in one statement (the line's transaction is for
+    # joining and keeping a place): the lock a release handed it (its owner already: the
+    # grant taken up, its fence kept, live `ttl` from now on), or the free lock when it is
+    # first in the line, as the release that woke it expects (the UPDATE draws its fence
+    # once it holds the row). Its place goes with the take. The line is read as of the
+    # statement's start: a take it lets through is still one of a free row, by its owner
+    # condition; but a waiter that joined while the take waited for the row is not in it, so
+    # the flag stays raised whoever is left (lowered by the next take through the line's
+    # transaction, which reads the line after the row's lock): lowered here, that waiter's
+    # turn would be lost to plain takes.
+    _GRANTED = "(l.owner = %(owner)s AND l.expires_at > clock_timestamp())"
     _take_first_template = f"""
         WITH took AS (
             UPDATE {TABLE} AS l SET owner = %(owner)s, holder = %(holder)s,
-                fence = nextval('{SEQUENCE}'), acquired_at = clock_timestamp(),
+                fence = CASE WHEN {_GRANTED} THEN l.fence ELSE nextval('{SEQUENCE}') END,
+                acquired_at = CASE WHEN {_GRANTED} THEN l.acquired_at
+                                   ELSE clock_timestamp() END,
                 expires_at = clock_timestamp() + make_interval(secs => %(ttl)s),
                 waiting = TRUE
-            WHERE l.key = %(key)s AND l.expires_at <= clock_timestamp()
-              AND (SELECT w.owner FROM {WAITER_TABLE} w WHERE w.key = l.key
-                   AND w.expires_at > clock_timestamp() ORDER BY w.id LIMIT 1) = %(owner)s
+            WHERE l.key = %(key)s AND ({_GRANTED}
+                OR (l.expires_at <= clock_timestamp()
+                    AND (SELECT w.owner FROM {WAITER_TABLE} w WHERE w.key = l.key
+                         AND w.expires_at > clock_timestamp() ORDER BY w.id LIMIT 1)
+                        = %(owner)s))
             RETURNING l.fence
         ), gone AS (
             DELETE FROM {WAITER_TABLE} w WHERE w.key = %(key)s AND w.owner = %(owner)s
@@ -120,6 +175,10 @@ class PostgresDialect(ServerDialect):
         )
         SELECT fence{{flush}} FROM took
     """
+    # (key, owner) -> (the fence it was handed, NULL if none,): `owner` leaves key's line.
+    leave_returning_sql = (
+        f"DELETE FROM {WAITER_TABLE} WHERE key = %s AND owner = %s RETURNING fence"
+    )
     # Taking one's place out of the line wakes the next if the lock is free (`leave_queue`).
     wake_first_sql = (
         f"SELECT pg_notify({_FIRST_CHANNEL}, l.key) FROM {TABLE} l "
@@ -262,7 +321,17 @@ class PostgresDialect(ServerDialect):
         self.acquire_sql = (self._acquire_template.format(flush=hot),)
         self.acquire_queued_sql = (self._acquire_queued_template.format(flush=hot),)
         self.release_sql = self._release_template.format(flush=NO_FLUSH, when="")
-        self.release_line_sql = self._release_line_template.format(flush=NO_FLUSH, when="")
+        # A release that hands the lock over waits for its flush as an acquire does, where
+        # acquires do (DURABLE): lost to a crash, it would leave the waiter holding a lock
+        # the database forgot, which another could then take.
+        granting = (
+            f"CASE WHEN l.owner <> {RELEASED} THEN current_setting('synchronous_commit') "
+            "ELSE 'off' END"
+            if durable
+            else "'off'"
+        )
+        self.release_line_sql = self._hand_off.format(when="", granting=granting)
+        self.pass_on_sql = self._hand_off.format(when=" AND l.fence = %s", granting=granting)
         self._hot = hot
         self.take_first_sql = self._take_first_template.format(flush=hot)
         self.extend_sql = self._extend_template.format(flush=hot)
@@ -296,11 +365,12 @@ class PostgresDialect(ServerDialect):
         return sql
 
     def release_text(self, line: bool, when: str = "", keeps: bool = False) -> str:
-        """The release's UPDATE (`line`: waking the first of the key's line), for a statement
-        of idempotent results to put in a WITH: only `when` (an SQL condition) holds too;
-        one that `keeps` a result waits for its flush as an acquire does, where a plain
-        release does not (a result lost to a crash would let a retry run again)."""
-        template = self._release_line_template if line else self._release_template
+        """The release's UPDATE (`line`: waking the first of the key's line, who then takes
+        the free lock itself: a hand-off needs a WITH of its own), for a statement of
+        idempotent results to put in a WITH: only `when` (an SQL condition) holds too; one
+        that `keeps` a result waits for its flush as an acquire does, where a plain release
+        does not (a result lost to a crash would let a retry run again)."""
+        template = self._release_waking_template if line else self._release_template
         return template.format(
             flush=self._hot if keeps else NO_FLUSH, when=f" AND {when}" if when else ""
         )
