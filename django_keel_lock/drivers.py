@@ -65,6 +65,14 @@ def call(store: LockStore, step: Call) -> Any:
 Watched = str | tuple[str, ...]
 
 
+def carried(store: LockStore, key: Watched, step: Pause) -> int | None:
+    """A `Pause`'s reply: the fence of a grant of `key` a wake-up carried to the step's
+    owner (`WakeBoard.take_grant`), or None."""
+    if not step.owner or type(key) is not str:
+        return None
+    return store.wake_board.take_grant(key, step.owner)
+
+
 class _Sync:
     """What `run` holds while the engine runs: the turn and the watch (`held`), the waiter."""
 
@@ -82,11 +90,11 @@ class _Sync:
                     self.waiter.wait(step.seconds, step.keys)
                 else:
                     self.waiter.wait(step.seconds)
-            elif type(step) is TakeTurn:
+                return carried(self.store, self.key, step)
+            if type(step) is TakeTurn:
                 assert type(self.key) is str
                 return self.held.enter_context(Turn.wait_for(self.store, self.key, step.deadline))
-            else:
-                self.waiter = self.watch()
+            self.waiter = self.watch()
         except BaseException as error:
             return Failed(error)
         return None
@@ -198,12 +206,12 @@ class _Async:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(step.seconds):
                         await self.wake_up(step.keys)
-            elif type(step) is TakeTurn:
+                return carried(self.store, self.key, step)
+            if type(step) is TakeTurn:
                 assert type(self.key) is str
                 turn = Turn.await_for(self.store, self.key, step.deadline)
                 return await self.held.enter_async_context(turn)
-            else:
-                self.watch()
+            self.watch()
         except BaseException as error:
             return Failed(error)
         return None

@@ -11,8 +11,9 @@ calls, `waiting.to_the_end` and an `asyncio.Event`):
 - `TakeTurn(deadline)`: wait for this process's turn at the key (`waiting.Turn`); reply: True
   if it came (held until the generator ends);
 - `WATCH`: listen for releases of the key until the generator ends;
-- `Pause(seconds, keys)`: sleep, ending early when a release of the key is heard (of one of
-  `keys`, for a multi-key waiter: those that refused it, not those it gave back itself).
+- `Pause(seconds, keys, owner)`: sleep, ending early when a release of the key is heard (of
+  one of `keys`, for a multi-key waiter: those that refused it, not those it gave back
+  itself); with `owner`, reply: the fence of a grant a wake-up carried to it, or None.
 
 How a waiter asks and pauses is a `Policy` (plain, in the store's line, a writer that keeps new
 readers out, a permit): the one branch between the ways of waiting. A new way of waiting
@@ -21,6 +22,16 @@ drivers then run unchanged. A direct hand-off (a store that `hands_off`) needs n
 release grants the lock to the first in line, whose next IN_LINE attempt takes the grant up;
 a wait that ends without it leaves the line, which passes the grant on (where it cannot, the
 grant lapses within QUEUE_LEASE).
+
+A store's wake-up may carry the grant (`WakeBoard.grant(key, owner, fence)`, at the owner's
+whole ttl, made after its last refusal): the driver hands it to the paused IN_LINE waiter as
+the `Pause`'s reply, and the waiter becomes the holder with no store call, counting its lock
+from its last refused attempt's send time (the grant came after that attempt was answered,
+so the store keeps the lock at least that long). A grant of a fence no greater than the
+refusal's `last_fence` is stale (pub/sub and commands are not ordered with each other) and
+ignored; one that comes when too much of the ttl has gone since that attempt (`CARRIED_AGE`)
+is taken up by the next attempt instead. A waiter that stops before taking it leaves the line
+as any other, which passes the lock on: it never took it.
 
 The sync driver runs an acquire that does not wait from `ask`, `check` and `late` directly,
 without the generator, which costs about 0.9 us a run: 15 % of a memory-store cycle.
@@ -86,10 +97,13 @@ class TakeTurn(NamedTuple):
 class Pause(NamedTuple):
     """Step: sleep `seconds`, or less when a release of the key is heard: of one of `keys`
     when given (a multi-key waiter's, which gave back others itself: their wakes are its
-    own), whenever it came since the attempt began."""
+    own), whenever it came since the attempt began. With `owner` (a waiter in the key's
+    line), the reply is the fence of a grant of the key carried to it by a wake-up
+    (`WakeBoard.take_grant`), None when none came."""
 
     seconds: float
     keys: tuple[str, ...] = ()
+    owner: str = ""
 
 
 class _Watch(NamedTuple):
@@ -372,15 +386,37 @@ def waiting(
             if result.fence is not None or left <= 0:
                 return result, sent
             pause = _pause(target, policy, result, retry_delay, left)
+            claim = owner if policy is IN_LINE and result.last_fence is not None else ""
             policy = _next_policy(policy, result)
             if pause > 0:
-                yield Pause(pause, result.blocked)
+                carried = yield Pause(pause, result.blocked, claim)
+                if carried is not None and _carried(target, carried, result, sent):
+                    place[0] = None  # the release took it out of the line
+                    return AcquireResult(carried), sent
     except (LockStoreUnavailable, GeneratorExit):
         place[0] = None
         raise
     finally:
         if place[0] is not None:
             yield from _leave_line(target, owner, place[0])
+
+
+#: The share of its ttl a waiter may have spent since its last refused attempt and still
+#: take a grant carried to it: it counts the lock from that attempt, so taking the grant up
+#: with a store call instead (at its whole ttl from then) is worth a round trip past this.
+CARRIED_AGE = 0.25
+
+
+def _carried(target: Target, fence: int, refused: AcquireResult, sent: float) -> bool:
+    """Whether a waiter refused (`refused`) by the attempt sent at `sent` takes the grant of
+    `fence` a wake-up carried to it (`Pause.owner`), holding the lock from `sent` for its
+    ttl: the grant was made after that refusal (a fence above the refusal's `last_fence`:
+    else a stale message), so the store keeps it at least that long. Not when `sent` is too
+    long ago (`CARRIED_AGE`): its next attempt takes the grant up at its whole ttl."""
+    if refused.last_fence is None or fence <= refused.last_fence:
+        logger.debug("lock %r: a stale grant (fence %d) was ignored", target.key, fence)
+        return False
+    return time.monotonic() - sent < target.ttl * CARRIED_AGE
 
 
 def _try(

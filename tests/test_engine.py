@@ -7,6 +7,8 @@ test_semaphores...).
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -197,3 +199,104 @@ def lock_or_semaphore(key: str, options: dict[str, Any]) -> Lock:
     if "limit" in options:
         return semaphore(key, **options)
     return lock(key, **options)
+
+
+# -- grants carried by wake-ups (`WakeBoard.grant`) ---------------------------------------
+IN_LINE_REFUSED = AcquireResult(None, retry_in=5.0, held_as="exclusive", last_fence=41)
+
+
+def _paused_in_line(ttl: float = 30.0) -> tuple[Any, engine.Pause, float]:
+    """A wait in a key's line, refused once and paused: (its steps, the pause, a moment
+    before its attempt was sent)."""
+    steps = engine.waiting(
+        Target(LineKeepingStore(), ttl=ttl), "o", time.monotonic() + 10, 0.1, [1]
+    )
+    next(steps)
+    steps.send(True)
+    before = time.monotonic()
+    assert steps.send(None).op == "acquire_queued"
+    pause = steps.send(IN_LINE_REFUSED)
+    assert isinstance(pause, engine.Pause)
+    return steps, pause, before
+
+
+def test_a_waiter_in_line_pauses_for_a_grant_to_its_owner() -> None:
+    _, pause, _ = _paused_in_line()
+    assert pause.owner == "o"
+
+
+def test_a_waiter_refused_without_the_keys_last_fence_claims_no_carried_grant() -> None:
+    steps = engine.waiting(Target(LineKeepingStore()), "o", time.monotonic() + 10, 0.1, [1])
+    next(steps)
+    steps.send(True)
+    steps.send(None)
+    assert steps.send(REFUSED).owner == ""
+
+
+def test_a_carried_grant_makes_the_waiter_the_holder_from_its_refused_attempt_without_a_call() -> (
+    None
+):
+    steps, _, before = _paused_in_line()
+    with pytest.raises(StopIteration) as done:
+        steps.send(42)  # the grant of fence 42 came: no store call, no leaving the line
+    result, sent = done.value.value
+    assert result == AcquireResult(42) and before <= sent <= time.monotonic()
+
+
+def test_a_stale_carried_grant_is_ignored_and_the_waiter_asks_again() -> None:
+    steps, _, _ = _paused_in_line()
+    assert steps.send(41).op == "acquire_queued"  # fence 41 was drawn before the refusal
+
+
+def test_a_carried_grant_after_most_of_the_ttl_went_by_is_taken_up_by_a_call() -> None:
+    steps, _, _ = _paused_in_line(ttl=0.04)
+    time.sleep(engine.CARRIED_AGE * 0.04 + 0.005)
+    assert steps.send(42).op == "acquire_queued"
+
+
+def test_a_wait_that_ends_with_a_carried_grant_untaken_leaves_the_line() -> None:
+    steps, _, _ = _paused_in_line()
+    assert steps.throw(KeyboardInterrupt()) == engine.Call(
+        "leave_queue", ("invoice:42", "o"), quiet=True
+    )
+    with pytest.raises(KeyboardInterrupt):
+        steps.send(None)
+
+
+def _pause_for_a_grant() -> engine.Steps:
+    yield engine.WATCH
+    return (yield engine.Pause(10.0, (), "o"))
+
+
+def test_the_sync_driver_answers_a_pause_with_the_grant_carried_to_its_owner() -> None:
+    store = MemoryLockStore()
+
+    def grants() -> None:
+        store.wake_board.grant("k", "someone", 8)
+        store.wake_board.grant("k", "o", 9)
+
+    threading.Timer(0.05, grants).start()
+    assert drivers.run(_pause_for_a_grant(), store, "k") == 9
+    with store.watch("k"):
+        store.wake_board.grant("k", "someone", 8)
+        assert store.wake_board.take_grant("k", "o") is None  # taken once, the owner's only
+
+
+def test_the_async_driver_answers_a_pause_with_the_grant_carried_to_its_owner() -> None:
+    store = MemoryLockStore()
+
+    async def main() -> Any:
+        asyncio.get_running_loop().call_later(0.05, store.wake_board.grant, "k", "o", 9)
+        return await drivers.arun(_pause_for_a_grant(), store, "k")
+
+    assert asyncio.run(main()) == 9
+
+
+def test_a_grant_for_a_key_nobody_here_watches_is_dropped() -> None:
+    store = MemoryLockStore()
+    store.wake_board.grant("k", "o", 9)
+    with store.watch("k"):
+        assert store.wake_board.take_grant("k", "o") is None
+        store.wake_board.grant("k", "o", 9)
+        store.wake_board.grant("k", "o", 8)  # an older one never replaces it
+        assert store.wake_board.take_grant("k", "o") == 9

@@ -101,6 +101,10 @@ class AcquireResult(NamedTuple):
     #: A refused multi-key acquire: the keys someone else holds, as far as the store looked
     #: (at least one); a waiter listens for their releases.
     blocked: tuple[str, ...] = ()
+    #: A refusal of `acquire_queued` by a store that carries grants in its wake-ups
+    #: (`WakeBoard.grant`): the key's last fence drawn as it refused. A carried grant of a
+    #: fence no greater was made before that refusal and is stale.
+    last_fence: int | None = None
 
     @property
     def acquired(self) -> bool:

@@ -74,19 +74,27 @@ class AnyWaiter:
             return woken
 
 
+#: The most carried grants a key's slot keeps for owners that have not taken theirs (a
+#: waiter that stopped waiting as its grant came never takes it; its store passes it on).
+GRANTS_KEPT = 16
+
+
 class _Slot:
-    __slots__ = ("callbacks", "cond", "generation", "watchers")
+    __slots__ = ("callbacks", "cond", "generation", "grants", "watchers")
 
     def __init__(self) -> None:
         self.cond = threading.Condition(threading.Lock())
         self.generation = 0
         self.watchers = 0
         self.callbacks: list[Any] = []
+        self.grants: dict[str, int] = {}  # owner -> fence of the grant carried to it
 
 
 class WakeBoard:
     """In-process release announcements, per key. A store calls `wake(key)` after its own
-    releases and whenever its listener hears of a release by another process."""
+    releases and whenever its listener hears of a release by another process; `grant(key,
+    owner, fence)` when what it heard is a release that handed the key over to `owner`, a
+    waiter of this process, and carried the grant (see `grant`)."""
 
     def __init__(self) -> None:
         self._mutex = threading.Lock()
@@ -164,6 +172,42 @@ class WakeBoard:
         slot = self._slots.get(key)
         if slot is not None:
             self._wake_slot(slot)
+
+    def grant(self, key: str, owner: str, fence: int) -> None:
+        """A release handed `key` over to `owner` with `fence`, at the owner's own ttl (its
+        full ttl: what an `acquire_queued` of its would have given), and the store's wake-up
+        carried the grant here: the waiter may become the holder without a store call.
+        Kept for the owner's waiter (`take_grant`), which is woken; dropped when nobody in
+        this process watches `key`.
+
+        A store may call this only when (1) the grant lives at least the owner's ttl from
+        the moment it was made, and (2) it was made after the owner's last refused
+        `acquire_queued` was answered, which reported the key's last fence
+        (`AcquireResult.last_fence`) below `fence`: the waiter counts its lock from that
+        attempt's send time, so it never believes in it longer than the store keeps it, and
+        a grant message that arrives after a later refusal is recognised as stale. A waiter
+        that does not take the grant (it stopped waiting meanwhile) leaves the line, which
+        passes the lock on (`LockStore.leave_queue`)."""
+        slot = self._slots.get(key)
+        if slot is None:
+            return
+        with slot.cond:
+            grants = slot.grants
+            if fence > grants.get(owner, 0):
+                grants.pop(owner, None)  # last in: the one dropped first is the oldest
+                grants[owner] = fence
+                while len(grants) > GRANTS_KEPT:
+                    del grants[next(iter(grants))]
+        self._wake_slot(slot)
+
+    def take_grant(self, key: str, owner: str) -> int | None:
+        """The fence of the grant of `key` carried to `owner` (`grant`), once; None if none
+        came (the waiter then asks the store)."""
+        slot = self._slots.get(key)
+        if slot is None or not slot.grants:
+            return None
+        with slot.cond:
+            return slot.grants.pop(owner, None)
 
     def wake_all(self) -> None:
         """Wake every waiter: used when a listener reconnects and may have missed releases."""
