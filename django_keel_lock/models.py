@@ -93,7 +93,10 @@ class Waiter(models.Model):
 
     `holder` and `ttl` are what a release that hands the lock over to this waiter writes for
     it (PostgreSQL), and `fence` the fence it was handed, while it has not taken the grant up
-    (NULL: none; all NULL in places written before hand-offs, which get a wake-up only)."""
+    (NULL: none; all NULL in places written before hand-offs, which get a wake-up only).
+    `listener` is the server's id of the connection its process listens on (PostgreSQL: the
+    backend's pid), as of its last attempt: a release carries a grant (at its whole ttl) in
+    the wake-up only while that connection is there."""
 
     id = models.BigAutoField(primary_key=True)
     key = models.CharField(max_length=255)
@@ -103,6 +106,7 @@ class Waiter(models.Model):
     holder = models.CharField(max_length=MAX_HOLDER_LENGTH, null=True)  # noqa: DJ001
     ttl = models.FloatField(null=True)
     fence = models.BigIntegerField(null=True)
+    listener = models.BigIntegerField(null=True)
 
     class Meta:
         db_table = "django_keel_lock_waiter"

@@ -20,12 +20,14 @@ import pytest
 from django.db import connections
 
 from django_keel_lock import lock
+from django_keel_lock.models import Waiter
 from django_keel_lock.registry import get_lock_store
 from django_keel_lock.stores.base import QUEUE_LEASE, LockStore
 from django_keel_lock.stores.redis import RedisLockStore
 
-from .conftest import store_params
+from .conftest import database_of, store_params
 from .support.holders import held_before_children
+from .test_database_faults import wait_until
 from .test_database_line import in_line
 
 ALIASES = store_params(["redis", "postgres"])
@@ -90,6 +92,23 @@ def _start(alias: str, key: str, name: str, ahead: int = 0) -> tuple[Any, Connec
     assert parent.poll(30) and parent.recv() == "asking"
     _in_line(alias, key, ahead + 1)
     return proc, parent
+
+
+def _listener_gone(alias: str, key: str, holder: str) -> None:
+    """In a database, wait until the server saw the connection that the process of
+    `holder`'s place in `key`'s line listened on end (a killed process's, at once as a rule):
+    a release then hands that place the lock for what is left of it, not its whole ttl."""
+    if isinstance(get_lock_store(alias), RedisLockStore):
+        return
+    database = database_of(alias)
+    place = Waiter.objects.using(database).get(key=key, holder=holder)
+
+    def gone() -> bool:
+        with connections[database].cursor() as cursor:
+            cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", [place.listener])
+            return cursor.fetchone()[0] == 0
+
+    assert place.listener is not None and wait_until(gone, 10)
 
 
 def _stand(store: LockStore, key: str, owner: str, ttl: float = 30) -> None:
@@ -190,6 +209,7 @@ def test_a_granted_waiter_killed_before_it_wakes_costs_the_next_at_most_its_gran
     stayer = _start(alias, key, "stayer", ahead=1)
     os.kill(doomed.pid, signal.SIGKILL)
     doomed.join(5)
+    _listener_gone(alias, key, "doomed")
     released = time.monotonic()
     assert holder.release()  # its place is still live: the grant goes to the dead one
     store = get_lock_store(alias)
@@ -291,6 +311,56 @@ def test_a_waiter_timing_out_as_it_is_granted_passes_the_lock_on(alias: str, key
         assert other.release(key, "c" * 32)
     finally:
         other.close()
+
+
+def _counted_waiter(alias: str, key: str, pipe: Connection) -> None:
+    """`_waiter`, sending back too the monotonic times of its store calls for `key`."""
+    store = get_lock_store(alias)
+    calls: list[float] = []
+    for name in ("acquire", "acquire_queued", "leave_queue"):
+        call = getattr(store, name)
+
+        def counted(*args: Any, _call: Any = call) -> Any:
+            calls.append(time.monotonic())
+            return _call(*args)
+
+        setattr(store, name, counted)
+    handle = lock(key, ttl=30, holder="carried", store=alias)
+    handle.is_locked()
+    pipe.send("asking")
+    got = handle.acquire(timeout=30, retry_delay=RETRY_DELAY)
+    pipe.send((got, handle.fence, calls[:]))
+    pipe.recv()  # hold it until told
+    handle.release()
+
+
+@pytest.mark.parametrize("carrying", store_params(["postgres"]))
+def test_a_live_waiter_is_handed_the_lock_at_its_ttl_and_holds_it_with_no_call(
+    carrying: str, key: str
+) -> None:
+    holder = held_before_children(carrying, key)
+    parent, child = CONTEXT.Pipe()
+    proc = CONTEXT.Process(target=_counted_waiter, args=(carrying, key, child), daemon=True)
+    proc.start()
+    try:
+        assert parent.poll(30) and parent.recv() == "asking"
+        _in_line(carrying, key, 1)
+        released = time.monotonic()
+        assert holder.release()
+        assert parent.poll(20)
+        got, fence, calls = parent.recv()
+        grant = get_lock_store(carrying).get(key)
+        assert got and grant is not None and grant.holder == "carried"
+        assert fence == grant.fence > holder.fence
+        assert grant.expires_in > QUEUE_LEASE  # its whole ttl, from the release
+        assert calls and max(calls) < released  # the wake-up carried it: no call after
+        parent.send("release")
+        proc.join(10)
+        assert get_lock_store(carrying).get(key) is None
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(5)
 
 
 def _place_by_hand(store: RedisLockStore, key: str, owner: str, fields: dict[str, str]) -> None:

@@ -479,8 +479,13 @@ class DatabaseLockStore(ListeningStore, LockStore):
                 self._in_line.discard((key, owner))
                 return AcquireResult(fence)
         address = self.wake_address
+        # Where it listens (PostgreSQL: its backend's pid), so that a release carries a
+        # grant to this process only while that connection is there.
+        listener = getattr(self._listener, "backend_pid", None) if address else None
         result, queued = self.transaction(
-            lambda cursor: Line(dialect, cursor).acquire(key, owner, holder, ttl, address),
+            lambda cursor: Line(dialect, cursor).acquire(
+                key, owner, holder, ttl, address, listener
+            ),
             key=key,
             holder=holder,
         )

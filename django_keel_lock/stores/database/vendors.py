@@ -462,13 +462,23 @@ class Postgres(ServerVendor):
         dialect = self.dialect
         statement: Statement
         if line:
-            statement = (dialect.release_line_sql, (owner, key, owner))
+            statement = (dialect.release_line_sql, (owner, key, owner, owner))
         else:
             statement = (dialect.release_sql, (key, owner))
-        _, count = self.store.execute([statement], hot=True, idempotent=False, key=key)
+        rows, count = self.store.execute([statement], hot=True, idempotent=False, key=key)
         released = count > 0
-        self.released(key, released, False)
+        self._handed(key, released, rows if line else [])
         return released
+
+    def _handed(self, key: str, released: bool, rows: list[Row]) -> None:
+        """A release (or a pass-on) of `key` ran, with `release_line_sql`'s `rows`: a grant
+        it carried to a waiter of this process is that waiter's at once, with no call (it
+        went to its listener too; whichever comes first counts); else wake as any release."""
+        if released and rows and _text(rows[0][3]) in ("t", True):
+            owner, fence = _text(rows[0][1]) or "", int(rows[0][2])
+            self.store.wake_board.grant(key, owner, fence)
+            return
+        self.released(key, released, False)
 
     def leave_line(self, key: str, owner: str) -> None:
         # A place marked with a fence is a grant not taken up: the lock goes on to the next
@@ -482,13 +492,13 @@ class Postgres(ServerVendor):
         if fence is None:
             self.wake_first(key)
             return
-        _, count = store.execute(
-            [(dialect.pass_on_sql, (owner, key, owner, int(fence)))],
+        rows, count = store.execute(
+            [(dialect.pass_on_sql, (owner, key, owner, int(fence), owner))],
             hot=True,
             idempotent=False,
             key=key,
         )
-        self.released(key, count > 0, False)
+        self._handed(key, count > 0, rows)
 
     def acquire_many(
         self, keys: tuple[str, ...], owner: str, holder: str, ttl: float

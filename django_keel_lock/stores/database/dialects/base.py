@@ -121,6 +121,10 @@ class ServerDialect(Dialect):
     #: `acquire_sql` for a waiter that waits its turn: a free row is taken only while its
     #: `waiting` flag is down (nobody was refused since the last take), or by its own owner.
     acquire_queued_sql: Sequence[str]
+    #: () -> (the last fence drawn,): what a refusal of a waiter in line reports
+    #: (`AcquireResult.last_fence`) where a release carries grants in its wake-ups; None
+    #: where none does.
+    line_last_fence_sql: str | None = None
     #: (owner, holder, ttl, key: named) -> a waiter already in the line takes the free lock
     #: in one statement if it is first in it, its fence read by `taken_fence` (None: it goes
     #: on to the line's transaction).
@@ -337,10 +341,10 @@ class LineStatements(NamedTuple):
     next_fence: str  # () -> (fence,)
     take: str  # (owner, holder, fence, interval, waiting, key): the lock is owner's
     raise_waiting: str  # (key)
-    # (key, owner, address, interval, holder, ttl): a new place at the end of the line
+    # (key, owner, address, interval, holder, ttl, listener): a new place at the end
     join: str
-    # (address, interval, holder, ttl, key, owner): the place lasts interval more (and is
-    # handed nothing: it was refused)
+    # (address, interval, holder, ttl, listener, key, owner): the place lasts interval more
+    # (and is handed nothing: it was refused)
     stay: str
     leave: str  # (key, owner)
     drop_lapsed: str  # (key, owner): deletes the lapsed places of key but owner's
@@ -376,12 +380,12 @@ def line_statements(
         ),
         raise_waiting=f"UPDATE {TABLE} SET waiting = TRUE {where}",
         join=(
-            f"INSERT INTO {WAITER_TABLE} ({key}, owner, address, expires_at, holder, ttl) "
-            f"VALUES ({p}, {p}, {p}, {until}, {p}, {p})"
+            f"INSERT INTO {WAITER_TABLE} ({key}, owner, address, expires_at, holder, ttl, "
+            f"listener) VALUES ({p}, {p}, {p}, {until}, {p}, {p}, {p})"
         ),
         stay=(
             f"UPDATE {WAITER_TABLE} SET address = {p}, expires_at = {until}, holder = {p}, "
-            f"ttl = {p}, fence = NULL {place}"
+            f"ttl = {p}, listener = {p}, fence = NULL {place}"
         ),
         leave=f"DELETE FROM {WAITER_TABLE} {place}",
         drop_lapsed=f"DELETE FROM {WAITER_TABLE} {where} AND owner <> {p} AND expires_at <= {now}",

@@ -15,6 +15,9 @@ from .schema import PERMIT_TABLE, RELEASED, SEQUENCE, TABLE, WAITER_TABLE
 # address (hex), with the key as the payload.
 CHANNEL_PREFIX = "keel_lock_"
 ADDRESS_PREFIX = "keel_lock_at_"
+# A release that hands the lock over at the waiter's whole ttl carries the grant (key, owner,
+# fence) to that waiter's process on GRANT_PREFIX + its wake address (`read_grant`).
+GRANT_PREFIX = "keel_lock_gr_"
 _KEY_CHANNEL = f"'{CHANNEL_PREFIX}' || md5(convert_to(l.key, 'UTF8'))"
 # The channel of `l.key`'s first live waiter, or the key's own channel when the line is empty
 # or its first has no address (it polls, and so may others: wake them all, as before lines).
@@ -103,46 +106,68 @@ class PostgresDialect(ServerDialect):
     # Direct hand-off (`release_line_sql`): where the flag is raised, the release writes the
     # row for the first live waiter of the key's line other than the releaser (its owner, the
     # holder and ttl its place keeps, a new fence) instead of freeing it, marks that place
-    # with the fence handed over (so `leave_queue` can tell a grant not taken up), and
-    # NOTIFYs that waiter's process. The grant lives min(its ttl, what is left of its place):
-    # a waiter that died costs the others what is left of its lease (QUEUE_LEASE at most)
-    # and no more. A first place without a ttl (written before hand-offs) gets a wake-up only,
-    # as does a line that is empty (the key's channel). The line is read as of the
-    # statement's start: a waiter that joined while the release waited for the row is not in
-    # it, but listens to the key's channel already. The LATERAL read runs only with the flag
-    # raised (its WHERE is false before it scans otherwise), so a release nobody waits for
-    # writes one row, as before. A release that hands over is an acquire for the waiter: it
-    # waits for its WAL flush when the store is DURABLE (`{granting}`); one that frees the
-    # lock does not (NO_FLUSH's reasoning).
-    # Parameters: owner, key, owner (then those of `{when}`).
+    # with the fence handed over (so `leave_queue` can tell a grant not taken up), takes the
+    # releaser's own place out of the line (one a grant it took with no call left), and
+    # NOTIFYs the waiter's process:
+    # - while the connection its process listens on (`Waiter.listener`, as of its last
+    #   attempt) is there, at its whole ttl, carrying the grant on its grant channel ("fence:
+    #   length of the owner:owner key", `read_grant`): the waiter holds the lock from its
+    #   last refused attempt's send time with no call (see `WakeBoard.grant`);
+    # - else for min(its ttl, what is left of its place), with a wake-up naming the key: its
+    #   next `acquire_queued` takes the grant up. A waiter whose process died before the
+    #   release costs the others what is left of its place (QUEUE_LEASE at most); one that
+    #   died after the release at most its ttl.
+    # The grant's time is read once, so "carried" (expiry = time + ttl) is exact. A first
+    # place without a ttl (written before hand-offs) gets a wake-up only, as does a line that
+    # is empty (the key's channel). The line is read as of the statement's start: a waiter
+    # that joined while the release waited for the row is not in it, but listens to the
+    # key's channel already; the first place is locked (FOR UPDATE: one deleted meanwhile
+    # is stepped over), so a waiter leaving as it is handed the lock finds its mark. The
+    # LATERAL read runs only with the flag raised (its WHERE is false before it scans
+    # otherwise), so a release nobody waits for writes one row, as before. A release that
+    # hands over is an acquire for the waiter: it waits for its WAL flush when the store is
+    # DURABLE (`{granting}`); one that frees the lock does not (NO_FLUSH's reasoning).
+    # Parameters: owner, key, owner, (those of `{when}`,) owner. Row: the NOTIFY, the owner,
+    # the fence, whether the grant was carried, the flush setting.
     _hand_off = f"""
         WITH rel AS (
             UPDATE {TABLE} AS l SET (owner, holder, fence, acquired_at, expires_at) = (
                 SELECT COALESCE(g.owner, {RELEASED}), COALESCE(g.holder, l.holder),
                        CASE WHEN g.owner IS NULL THEN l.fence ELSE nextval('{SEQUENCE}') END,
-                       CASE WHEN g.owner IS NULL THEN l.acquired_at ELSE clock_timestamp() END,
+                       COALESCE(g.at, l.acquired_at),
                        CASE WHEN g.owner IS NULL THEN clock_timestamp()
-                            ELSE LEAST(clock_timestamp() + make_interval(secs => g.ttl),
-                                       g.expires_at) END
+                            WHEN g.listener IS NOT NULL AND EXISTS (
+                                SELECT FROM pg_stat_get_activity(g.listener::integer))
+                            THEN g.at + make_interval(secs => g.ttl)
+                            ELSE LEAST(g.at + make_interval(secs => g.ttl), g.expires_at) END
                 FROM (SELECT) AS one LEFT JOIN LATERAL (
-                    SELECT w.owner, w.holder, w.ttl, w.expires_at FROM {WAITER_TABLE} w
+                    SELECT w.owner, w.holder, w.ttl, w.expires_at, w.listener,
+                           clock_timestamp() AS at
+                    FROM {WAITER_TABLE} w
                     WHERE l.waiting IS TRUE AND w.key = l.key AND w.owner <> %s
                       AND w.expires_at > clock_timestamp()
-                    ORDER BY w.id LIMIT 1
+                    ORDER BY w.id LIMIT 1 FOR UPDATE
                 ) AS g ON g.ttl IS NOT NULL
             )
             WHERE l.key = %s AND l.owner = %s AND l.expires_at > clock_timestamp(){{when}}
-            RETURNING l.key, l.owner, l.fence, l.waiting
+            RETURNING l.key, l.owner, l.fence, l.waiting, l.acquired_at, l.expires_at
         ), handed AS (
             UPDATE {WAITER_TABLE} w SET fence = rel.fence FROM rel
             WHERE rel.owner <> {RELEASED} AND w.key = rel.key AND w.owner = rel.owner
-            RETURNING w.address
+            RETURNING w.address, w.address <> ''
+                AND rel.expires_at >= rel.acquired_at + make_interval(secs => w.ttl) AS carried
+        ), mine AS (
+            DELETE FROM {WAITER_TABLE} w USING rel
+            WHERE rel.waiting IS TRUE AND w.key = rel.key AND w.owner = %s
         )
-        SELECT CASE WHEN l.waiting IS TRUE THEN pg_notify(COALESCE(
-                   (SELECT '{ADDRESS_PREFIX}' || NULLIF(h.address, '') FROM handed h),
-                   {_FIRST_CHANNEL}), l.key) END,
+        SELECT CASE WHEN l.waiting IS NOT TRUE THEN NULL
+                    WHEN h.carried THEN pg_notify('{GRANT_PREFIX}' || h.address,
+                        l.fence || ':' || length(l.owner) || ':' || l.owner || l.key)
+                    ELSE pg_notify(COALESCE('{ADDRESS_PREFIX}' || NULLIF(h.address, ''),
+                                            {_FIRST_CHANNEL}), l.key) END,
+               l.owner, l.fence, h.carried,
                set_config('synchronous_commit', {{granting}}, true)
-        FROM rel AS l
+        FROM rel AS l LEFT JOIN handed AS h ON TRUE
     """
     # A waiter in the line takes the lock in one statement (the line's transaction is for
     # joining and keeping a place): the lock a release handed it (its owner already: the
@@ -298,6 +323,8 @@ class PostgresDialect(ServerDialect):
     )
 
     line_table_sql = f"SELECT to_regclass('{WAITER_TABLE}') IS NOT NULL"
+    # The sequence's last value, whoever drew it (CACHE 1: every value drawn is counted).
+    line_last_fence_sql = f"SELECT last_value FROM {SEQUENCE}"
     line = line_statements(
         p="%s",
         key="key",
@@ -408,6 +435,20 @@ def address_channel(address: str) -> str:
     """The channel a release NOTIFYs the first waiter of a line on, when it waits in the
     process whose wake address is `address`."""
     return ADDRESS_PREFIX + address
+
+
+def grant_channel(address: str) -> str:
+    """The channel a release that hands a lock over to a waiter of the process whose wake
+    address is `address` carries the grant on (see `read_grant`)."""
+    return GRANT_PREFIX + address
+
+
+def read_grant(payload: str) -> tuple[str, str, int]:
+    """(key, owner, fence) of a grant carried on a `grant_channel`: its payload is the
+    fence, the owner's length, the owner and the key ("7:3:abckey")."""
+    fence, length, rest = payload.split(":", 2)
+    size = int(length)
+    return rest[size:], rest[:size], int(fence)
 
 
 def notify_channel(key: str) -> str:
