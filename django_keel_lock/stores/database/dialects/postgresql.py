@@ -323,8 +323,9 @@ class PostgresDialect(ServerDialect):
     )
 
     line_table_sql = f"SELECT to_regclass('{WAITER_TABLE}') IS NOT NULL"
-    # The sequence's last value, whoever drew it (CACHE 1: every value drawn is counted).
-    line_last_fence_sql = f"SELECT last_value FROM {SEQUENCE}"
+    # The sequence's last value, whoever drew it (CACHE 1: every value drawn is counted;
+    # 0 before the first). The function needs what nextval needs (USAGE), not SELECT.
+    line_last_fence_sql = f"SELECT COALESCE(pg_sequence_last_value('{SEQUENCE}'), 0)"
     line = line_statements(
         p="%s",
         key="key",
