@@ -126,6 +126,17 @@ def _stand(store: LockStore, key: str, owner: str, ttl: float = 30) -> None:
 _NO_LISTENER = "UPDATE django_keel_lock_waiter SET listener = NULL WHERE key = %s AND owner = %s"
 
 
+def _handed_over(store: LockStore, key: str) -> tuple[str, str]:
+    """`key` held by "a"*32, then released with two waiters in line: (the first, to whom it
+    was handed over, and the second)."""
+    assert store.acquire(key, "a" * 32, "holder", 30).acquired
+    first, second = "b" * 32, "c" * 32
+    _stand(store, key, first)
+    _stand(store, key, second)
+    assert store.release(key, "a" * 32)
+    return first, second
+
+
 def test_a_release_grants_the_lock_to_the_first_in_line_in_the_same_script(
     alias: str, key: str
 ) -> None:
@@ -155,11 +166,7 @@ def test_a_release_grants_the_lock_to_the_first_in_line_in_the_same_script(
 
 def test_a_waiter_leaving_the_line_once_granted_passes_the_grant_on(alias: str, key: str) -> None:
     store = get_lock_store(alias)
-    assert store.acquire(key, "a" * 32, "holder", 30).acquired
-    first, second = "b" * 32, "c" * 32
-    _stand(store, key, first)
-    _stand(store, key, second)
-    assert store.release(key, "a" * 32)  # granted to `first`, which gives up as it comes
+    first, second = _handed_over(store, key)  # to `first`, which gives up as it comes
     granted = store.get(key)
     assert granted is not None and granted.owner == first
     store.leave_queue(key, first)
@@ -167,6 +174,18 @@ def test_a_waiter_leaving_the_line_once_granted_passes_the_grant_on(alias: str, 
     assert passed is not None and passed.owner == second and passed.fence > granted.fence
     store.leave_queue(key, second)
     assert store.get(key) is None
+
+
+def test_a_waiter_handed_the_lock_that_releases_it_with_several_keys_holds_nobody_up(
+    alias: str, key: str
+) -> None:
+    # It never asked again (the grant came carried in its wake-up), and a multi-key release
+    # (or an idempotent result's) only wakes: its place must not stay first in line.
+    store = get_lock_store(alias)
+    first, second = _handed_over(store, key)
+    assert store.release_many((key,), first)
+    assert store.acquire_queued(key, second, "holder-cccc", 30).acquired
+    assert store.release(key, second)
 
 
 def test_a_waiter_that_asks_after_its_grant_lapsed_keeps_its_turn(alias: str, key: str) -> None:

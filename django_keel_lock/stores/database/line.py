@@ -45,7 +45,7 @@ class Line(InTransaction):
         """The attempt's result, and whether `owner` is in the line after it (its process
         reached at `address`, listening on the server's connection `listener`)."""
         lock_owner, lock_left, waiting = self._lock_row(key)
-        line = self._line(key, owner)
+        line = self._line(key, owner, lock_owner)
         live = [place for place in line if place[1] > 0]
         mine = next((left for waiter, left in line if waiter == owner), None)
         held = lock_left > 0
@@ -71,10 +71,15 @@ class Line(InTransaction):
             return None
         return int(self.run(self.last_fence_sql)[0][0])
 
-    def _line(self, key: str, owner: str) -> list[tuple[str, float]]:
+    def _line(self, key: str, owner: str, lock_owner: str) -> list[tuple[str, float]]:
         """Key's line as read, (waiter, seconds left) in the order of arrival; the places of
-        others that lapsed are deleted from the table."""
-        line = [(row[0], float(row[1] or 0.0)) for row in self.run(self.sql.line, key)]
+        others that lapsed are deleted from the table. A place marked with the fence a
+        release handed it whose waiter no longer owns the lock (it took the grant with no
+        call and released it, or it was passed on) is over: 0 left, not deleted here."""
+        line = [
+            (row[0], 0.0 if row[2] is not None and row[0] != lock_owner else float(row[1] or 0))
+            for row in self.run(self.sql.line, key)
+        ]
         if any(left <= 0 and waiter != owner for waiter, left in line):
             # Places that lapsed (a waiter that gave up or died, or one a MariaDB take
             # lapsed): gone now, so that the line's reads do not step over them until the

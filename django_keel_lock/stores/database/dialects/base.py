@@ -337,7 +337,9 @@ class LineStatements(NamedTuple):
 
     lock: str  # (key) -> (owner, seconds left, waiting) of key's lock row, locked
     ensure_row: str  # (key): a free lock row for key unless it has one
-    line: str  # (key) -> rows of (owner, seconds left), in the order of arrival
+    # (key) -> rows of (owner, seconds left, the fence it was handed or NULL), in the order
+    # of arrival
+    line: str
     next_fence: str  # () -> (fence,)
     take: str  # (owner, holder, fence, interval, waiting, key): the lock is owner's
     raise_waiting: str  # (key)
@@ -370,7 +372,7 @@ def line_statements(
         ),
         ensure_row=_ensure_row(p=p, key=key, now=now, keep_existing=keep_existing),
         line=(
-            f"SELECT owner, {remaining.format(column='expires_at')} FROM {WAITER_TABLE} "
+            f"SELECT owner, {remaining.format(column='expires_at')}, fence FROM {WAITER_TABLE} "
             f"{where} ORDER BY id"
         ),
         next_fence=f"SELECT {next_fence}",

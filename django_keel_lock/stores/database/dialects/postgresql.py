@@ -121,7 +121,9 @@ class PostgresDialect(ServerDialect):
     # place without a ttl (written before hand-offs) gets a wake-up only, as does a line that
     # is empty (the key's channel). The line is read as of the statement's start: a waiter
     # that joined while the release waited for the row is not in it, but listens to the
-    # key's channel already; the first place is locked (FOR UPDATE: one deleted meanwhile
+    # key's channel already. A place marked with a grant is over (its waiter asking again
+    # clears the mark): its waiter holds the lock (this release's, with no call) or its grant
+    # went on. The first place is locked (FOR UPDATE: one deleted meanwhile
     # is stepped over), so a waiter leaving as it is handed the lock finds its mark. The
     # LATERAL read runs only with the flag raised (its WHERE is false before it scans
     # otherwise), so a release nobody waits for writes one row, as before. A release that
@@ -145,7 +147,7 @@ class PostgresDialect(ServerDialect):
                            clock_timestamp() AS at
                     FROM {WAITER_TABLE} w
                     WHERE l.waiting IS TRUE AND w.key = l.key AND w.owner <> %s
-                      AND w.expires_at > clock_timestamp()
+                      AND w.expires_at > clock_timestamp() AND w.fence IS NULL
                     ORDER BY w.id LIMIT 1 FOR UPDATE
                 ) AS g ON g.ttl IS NOT NULL
             )
@@ -178,7 +180,9 @@ class PostgresDialect(ServerDialect):
     # condition; but a waiter that joined while the take waited for the row is not in it, so
     # the flag stays raised whoever is left (lowered by the next take through the line's
     # transaction, which reads the line after the row's lock): lowered here, that waiter's
-    # turn would be lost to plain takes.
+    # turn would be lost to plain takes. A place marked with a grant whose waiter no longer
+    # owns the lock (it took the grant with no call, then released it by a statement that
+    # left its place: an idempotent result's or a multi-key release) is not first.
     _GRANTED = "(l.owner = %(owner)s AND l.expires_at > clock_timestamp())"
     _take_first_template = f"""
         WITH took AS (
@@ -191,8 +195,9 @@ class PostgresDialect(ServerDialect):
             WHERE l.key = %(key)s AND ({_GRANTED}
                 OR (l.expires_at <= clock_timestamp()
                     AND (SELECT w.owner FROM {WAITER_TABLE} w WHERE w.key = l.key
-                         AND w.expires_at > clock_timestamp() ORDER BY w.id LIMIT 1)
-                        = %(owner)s))
+                         AND w.expires_at > clock_timestamp()
+                         AND (w.fence IS NULL OR w.owner = l.owner)
+                         ORDER BY w.id LIMIT 1) = %(owner)s))
             RETURNING l.fence
         ), gone AS (
             DELETE FROM {WAITER_TABLE} w WHERE w.key = %(key)s AND w.owner = %(owner)s
