@@ -137,7 +137,9 @@ class LockStore(ABC):
     #: True (with `queues`) when a release that finds a live waiter first in line hands the
     #: lock over to it in the same atomic step (its owner, holder and a new fence, for
     #: min(its ttl, QUEUE_LEASE)) before waking it; its next `acquire_queued` takes the grant
-    #: up at its own ttl. Nobody else, in line or not, can take the lock in between.
+    #: up at its own ttl. Nobody else, in line or not, can take the lock in between. A store
+    #: may instead grant it at the waiter's whole ttl and carry the grant in the wake-up
+    #: (`WakeBoard.grant`; PostgreSQL, while the waiter's process listens).
     hands_off: bool = False
 
     def __init__(self, alias: str = "default", options: Mapping[str, Any] | None = None) -> None:

@@ -15,7 +15,9 @@
 - Other processes' waiters hear of releases through PostgreSQL's LISTEN/NOTIFY (`listener`)
   or, on SQLite, the doorbells beside the database file (`doorbells`).
 - Waiters for an exclusive lock stand in a line (PostgreSQL, MariaDB: the `Waiter` table, see
-  `database.line`), and a release that someone waited for wakes only the first of them.
+  `database.line`), and a release that someone waited for wakes only the first of them; on
+  PostgreSQL it hands the lock over to that one in the same statement, and its wake-up
+  carries the grant while that waiter's process listens (`PostgresDialect.release_line_sql`).
 - What differs by database (its SQL, its wake-ups, its permits, its checks) is its vendor's
   (`vendors`); this class runs statements and keeps what all share.
 """
