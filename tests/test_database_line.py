@@ -499,11 +499,13 @@ def test_waiter_rows_exist_on_every_database(db_alias: str) -> None:
         assert "django_keel_lock_waiter" in connections[database].introspection.table_names(cursor)
 
 
+@pytest.mark.parametrize("migrated_to", ["0004", "0008"])
 def test_a_database_without_the_line_table_keeps_no_line_and_its_locks_work(
-    server_alias: str,
+    server_alias: str, migrated_to: str
 ) -> None:
-    """Code newer than the database's migrations (0005 not applied yet, as in a deploy that
-    migrates after it starts the new code): waits and releases go on as before lines."""
+    """Code newer than the database's migrations (0005, or 0009 with the hand-off's columns,
+    not applied yet, as in a deploy that migrates after it starts the new code): waits and
+    releases go on as before lines."""
     with (
         empty_database(database_of(server_alias), "before-lines"),
         override_settings(
@@ -515,7 +517,9 @@ def test_a_database_without_the_line_table_keeps_no_line_and_its_locks_work(
             }
         ),
     ):
-        call_command("migrate", "django_keel_lock", "0004", database="before-lines", verbosity=0)
+        call_command(
+            "migrate", "django_keel_lock", migrated_to, database="before-lines", verbosity=0
+        )
         store = database_store_of("before-lines")
         try:
             holder = lock("line:old", ttl=30, store="before-lines")

@@ -33,7 +33,7 @@ from .dialects.mysql import MySQLDialect
 from .dialects.postgresql import PostgresDialect, is_psycopg3
 from .dialects.sqlite import SQLiteDialect
 from .doorbells import DoorbellListener, Doorbells
-from .libpq import PreparedStatements, Row, Statement
+from .libpq import PreparedStatements, Row
 from .listener import MariaDBListener, PostgresListener
 from .many import Many, array_literal, int_array
 from .many import seconds as _seconds
@@ -460,25 +460,26 @@ class Postgres(ServerVendor):
         # The statement NOTIFYs the key's waiters itself, or hands the lock over to the
         # first of its line and NOTIFYs that one.
         dialect = self.dialect
-        statement: Statement
         if line:
-            statement = (dialect.release_line_sql, (owner, key, owner, owner))
-        else:
-            statement = (dialect.release_sql, (key, owner))
-        rows, count = self.store.execute([statement], hot=True, idempotent=False, key=key)
-        released = count > 0
-        self._handed(key, released, rows if line else [])
-        return released
+            return self._handed(key, dialect.release_line_sql, (key, owner))
+        _, count = self.store.execute(
+            [(dialect.release_sql, (key, owner))], hot=True, idempotent=False, key=key
+        )
+        self.released(key, count > 0, False)
+        return count > 0
 
-    def _handed(self, key: str, released: bool, rows: list[Row]) -> None:
-        """A release (or a pass-on) of `key` ran, with `release_line_sql`'s `rows`: a grant
-        it carried to a waiter of this process is that waiter's at once, with no call (it
-        went to its listener too; whichever comes first counts); else wake as any release."""
-        if released and rows and _text(rows[0][3]) in ("t", True):
-            owner, fence = _text(rows[0][1]) or "", int(rows[0][2])
-            self.store.wake_board.grant(key, owner, fence)
-            return
-        self.released(key, released, False)
+    def _handed(self, key: str, sql: str, params: Sequence[Any]) -> bool:
+        """Run `sql`, a call of the release function (`release_line_sql`, `pass_on_sql`):
+        whether it released. A grant it carried to a waiter of this process is that waiter's
+        at once, with no call (it went to its listener too: whichever comes first counts);
+        else this process's waiters are woken as by any release."""
+        rows, _ = self.store.execute([(sql, params)], hot=True, idempotent=False, key=key)
+        released, owner, fence, carried = rows[0][:4]
+        if _true(released) and _true(carried):
+            self.store.wake_board.grant(key, _text(owner) or "", int(fence))
+            return True
+        self.released(key, _true(released), False)
+        return _true(released)
 
     def leave_line(self, key: str, owner: str) -> None:
         # A place marked with a fence is a grant not taken up: the lock goes on to the next
@@ -492,13 +493,7 @@ class Postgres(ServerVendor):
         if fence is None:
             self.wake_first(key)
             return
-        rows, count = store.execute(
-            [(dialect.pass_on_sql, (owner, key, owner, int(fence), owner))],
-            hot=True,
-            idempotent=False,
-            key=key,
-        )
-        self._handed(key, count > 0, rows)
+        self._handed(key, dialect.pass_on_sql, (key, owner, int(fence)))
 
     def acquire_many(
         self, keys: tuple[str, ...], owner: str, holder: str, ttl: float
@@ -776,6 +771,11 @@ class SQLite(PermitsInPython):
 VENDORS: dict[str, type[Vendor]] = {
     vendor.dialect_class.vendor: vendor for vendor in (Postgres, MariaDB, SQLite)
 }
+
+
+def _true(value: Any) -> bool:
+    """A boolean column's value (the libpq path gives b"t" or b"f")."""
+    return value in (True, b"t", "t")
 
 
 def _unprepared(preparing: Any) -> None:

@@ -111,8 +111,8 @@ class ServerDialect(Dialect):
 
     # -- the line of waiters (exclusive locks; see `LockStore.acquire_queued`) -------------
     line: LineStatements
-    #: () -> (whether the database has the line's table, migration 0005: where it has not,
-    #: the store keeps no line, and releases do not look for one),
+    #: () -> (whether the database has the line's table as migration 0009 leaves it: where
+    #: it has not, the store keeps no line, and releases do not look for one),
     line_table_sql: str
     #: `release_sql` where the database has the line's table: it also reaches the first
     #: waiter of the key's line (PostgreSQL: NOTIFYs it; MariaDB: its reply names that

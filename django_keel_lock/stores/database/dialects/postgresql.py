@@ -103,74 +103,16 @@ class PostgresDialect(ServerDialect):
     _release_waking_template = _release.format(
         channel=_FIRST_CHANNEL, flush="{flush}", when="{when}"
     )
-    # Direct hand-off (`release_line_sql`): where the flag is raised, the release writes the
-    # row for the first live waiter of the key's line other than the releaser (its owner, the
-    # holder and ttl its place keeps, a new fence) instead of freeing it, marks that place
-    # with the fence handed over (so `leave_queue` can tell a grant not taken up), takes the
-    # releaser's own place out of the line (one a grant it took with no call left), and
-    # NOTIFYs the waiter's process:
-    # - while the connection its process listens on (`Waiter.listener`, as of its last
-    #   attempt) is there, at its whole ttl, carrying the grant on its grant channel ("fence:
-    #   length of the owner:owner key", `read_grant`): the waiter holds the lock from its
-    #   last refused attempt's send time with no call (see `WakeBoard.grant`);
-    # - else for min(its ttl, what is left of its place), with a wake-up naming the key: its
-    #   next `acquire_queued` takes the grant up. A waiter whose process died before the
-    #   release costs the others what is left of its place (QUEUE_LEASE at most); one that
-    #   died after the release at most its ttl.
-    # The grant's time is read once, so "carried" (expiry = time + ttl) is exact. A first
-    # place without a ttl (written before hand-offs) gets a wake-up only, as does a line that
-    # is empty (the key's channel). The line is read as of the statement's start: a waiter
-    # that joined while the release waited for the row is not in it, but listens to the
-    # key's channel already. A place marked with a grant is over (its waiter asking again
-    # clears the mark): its waiter holds the lock (this release's, with no call) or its grant
-    # went on. The first place is locked (FOR UPDATE: one deleted meanwhile
-    # is stepped over), so a waiter leaving as it is handed the lock finds its mark. The
-    # LATERAL read runs only with the flag raised (its WHERE is false before it scans
-    # otherwise), so a release nobody waits for writes one row, as before. A release that
-    # hands over is an acquire for the waiter: it waits for its WAL flush when the store is
-    # DURABLE (`{granting}`); one that frees the lock does not (NO_FLUSH's reasoning).
-    # Parameters: owner, key, owner, (those of `{when}`,) owner. Row: the NOTIFY, the owner,
-    # the fence, whether the grant was carried, the flush setting.
-    _hand_off = f"""
-        WITH rel AS (
-            UPDATE {TABLE} AS l SET (owner, holder, fence, acquired_at, expires_at) = (
-                SELECT COALESCE(g.owner, {RELEASED}), COALESCE(g.holder, l.holder),
-                       CASE WHEN g.owner IS NULL THEN l.fence ELSE nextval('{SEQUENCE}') END,
-                       COALESCE(g.at, l.acquired_at),
-                       CASE WHEN g.owner IS NULL THEN clock_timestamp()
-                            WHEN g.listener IS NOT NULL AND EXISTS (
-                                SELECT FROM pg_stat_get_activity(g.listener::integer))
-                            THEN g.at + make_interval(secs => g.ttl)
-                            ELSE LEAST(g.at + make_interval(secs => g.ttl), g.expires_at) END
-                FROM (SELECT) AS one LEFT JOIN LATERAL (
-                    SELECT w.owner, w.holder, w.ttl, w.expires_at, w.listener,
-                           clock_timestamp() AS at
-                    FROM {WAITER_TABLE} w
-                    WHERE l.waiting IS TRUE AND w.key = l.key AND w.owner <> %s
-                      AND w.expires_at > clock_timestamp() AND w.fence IS NULL
-                    ORDER BY w.id LIMIT 1 FOR UPDATE
-                ) AS g ON g.ttl IS NOT NULL
-            )
-            WHERE l.key = %s AND l.owner = %s AND l.expires_at > clock_timestamp(){{when}}
-            RETURNING l.key, l.owner, l.fence, l.waiting, l.acquired_at, l.expires_at
-        ), handed AS (
-            UPDATE {WAITER_TABLE} w SET fence = rel.fence FROM rel
-            WHERE rel.owner <> {RELEASED} AND w.key = rel.key AND w.owner = rel.owner
-            RETURNING w.address, w.address <> ''
-                AND rel.expires_at >= rel.acquired_at + make_interval(secs => w.ttl) AS carried
-        ), mine AS (
-            DELETE FROM {WAITER_TABLE} w USING rel
-            WHERE rel.waiting IS TRUE AND w.key = rel.key AND w.owner = %s
-        )
-        SELECT CASE WHEN l.waiting IS NOT TRUE THEN NULL
-                    WHEN h.carried THEN pg_notify('{GRANT_PREFIX}' || h.address,
-                        l.fence || ':' || length(l.owner) || ':' || l.owner || l.key)
-                    ELSE pg_notify(COALESCE('{ADDRESS_PREFIX}' || NULLIF(h.address, ''),
-                                            {_FIRST_CHANNEL}), l.key) END,
-               l.owner, l.fence, h.carried,
-               set_config('synchronous_commit', {{granting}}, true)
-        FROM rel AS l LEFT JOIN handed AS h ON TRUE
-    """
+    # Direct hand-off (`release_line_sql`): one call of migration 0009's function, which
+    # frees the lock where nobody waits (one UPDATE, no flush waited for) and otherwise hands
+    # it over to the first live waiter in line, carrying the grant at the waiter's whole ttl
+    # to its process while that listens, else for min(its ttl, what is left of its place)
+    # with a wake-up (see the migration). Parameters: key, owner (and, `pass_on_sql`, the
+    # fence the lock was handed to owner at). Row: released, handed to, its fence, carried.
+    _hand_off = (
+        "SELECT released, handed_to, fence, carried "
+        "FROM django_keel_lock_release(%s, %s, {fence}, {durable})"
+    )
     # A waiter in the line takes the lock in one statement (the line's transaction is for
     # joining and keeping a place): the lock a release handed it (its owner already: the
     # grant taken up, its fence kept, live `ttl` from now on), or the free lock when it is
@@ -327,7 +269,12 @@ class PostgresDialect(ServerDialect):
         "WHERE expires_at <= clock_timestamp() LIMIT %s) AND expires_at <= clock_timestamp()",
     )
 
-    line_table_sql = f"SELECT to_regclass('{WAITER_TABLE}') IS NOT NULL"
+    # The table as migration 0009 leaves it (its last column): a database migrated only to
+    # 0005-0008 keeps no line for this code, which writes the hand-off's columns.
+    line_table_sql = (
+        f"SELECT EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass('{WAITER_TABLE}') "
+        "AND attname = 'listener' AND NOT attisdropped)"
+    )
     # The sequence's last value, whoever drew it (CACHE 1: every value drawn is counted;
     # 0 before the first). The function needs what nextval needs (USAGE), not SELECT.
     line_last_fence_sql = f"SELECT COALESCE(pg_sequence_last_value('{SEQUENCE}'), 0)"
@@ -356,15 +303,10 @@ class PostgresDialect(ServerDialect):
         self.release_sql = self._release_template.format(flush=NO_FLUSH, when="")
         # A release that hands the lock over waits for its flush as an acquire does, where
         # acquires do (DURABLE): lost to a crash, it would leave the waiter holding a lock
-        # the database forgot, which another could then take.
-        granting = (
-            f"CASE WHEN l.owner <> {RELEASED} THEN current_setting('synchronous_commit') "
-            "ELSE 'off' END"
-            if durable
-            else "'off'"
-        )
-        self.release_line_sql = self._hand_off.format(when="", granting=granting)
-        self.pass_on_sql = self._hand_off.format(when=" AND l.fence = %s", granting=granting)
+        # the database forgot, which another could then take. The function decides.
+        flag = "true" if durable else "false"
+        self.release_line_sql = self._hand_off.format(fence="NULL", durable=flag)
+        self.pass_on_sql = self._hand_off.format(fence="%s::bigint", durable=flag)
         self._hot = hot
         self.take_first_sql = self._take_first_template.format(flush=hot)
         self.extend_sql = self._extend_template.format(flush=hot)
