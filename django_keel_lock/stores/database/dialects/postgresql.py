@@ -86,10 +86,11 @@ class PostgresDialect(ServerDialect):
     # the next acquirer goes through the UPDATE branch and draws its fence after it holds the
     # row lock. The channel is md5 of the key's UTF-8 bytes, as `notify_channel` computes it
     # for LISTEN: md5(key) would hash the bytes of the database's encoding (LATIN1: another
-    # channel for any non-ASCII key). Where the database has the line's table (migration
-    # 0005), the first live waiter of the key's line is NOTIFYed instead, if it has one
-    # (`release_line_sql`, `_FIRST_CHANNEL`): a scalar subquery that CASE evaluates only with
-    # the flag raised, so a release nobody waits for stays one plain UPDATE. The subquery
+    # channel for any non-ASCII key). Inside an idempotent result's statement (`release_text`)
+    # where the database has the line's table, the first live waiter of the key's line is
+    # NOTIFYed instead, if it has one (`_FIRST_CHANNEL`): a scalar subquery that CASE
+    # evaluates only with the flag raised, so a release nobody waits for stays one plain
+    # UPDATE (a plain release there is `release_line_sql`, which hands over). The subquery
     # reads the line as of the statement's start: a waiter that joined while the release
     # waited for the row is not in it, but then it listens to the key's channel already.
     _release = f"""
@@ -291,10 +292,11 @@ class PostgresDialect(ServerDialect):
     )
 
     def __init__(self, *, durable: bool = True) -> None:
-        # A release never waits for the flush (NO_FLUSH), durable or not: one lost to a crash
-        # leaves its lock held, by nobody, until its ttl (a delay, never a second holder), and
-        # any later commit that waits for its flush (the next acquire) flushes it first. So
-        # a durable cycle waits for one flush, the acquire's. Not `durable` (DURABLE: False):
+        # A release that frees the lock never waits for the flush (NO_FLUSH), durable or not:
+        # one lost to a crash leaves its lock held, by nobody, until its ttl (a delay, never a
+        # second holder), and any later commit that waits for its flush (the next acquire)
+        # flushes it first. So a durable cycle waits for one flush, the acquire's (one that
+        # hands the lock over is an acquire: below). Not `durable` (DURABLE: False):
         # acquires and extends do not wait either. Each statement says it for its own
         # transaction, so nothing is set on the connection.
         hot = "" if durable else NO_FLUSH
