@@ -89,13 +89,24 @@ class Waiter(models.Model):
     place lasts until `expires_at` (QUEUE_LEASE after its waiter's last attempt, by the
     database's clock), and `address` is where a release wakes that waiter's process ("": it
     polls). A waiter leaves when it takes the lock or gives up; the store's clean-up deletes
-    the places of those that died."""
+    the places of those that died.
+
+    `holder` and `ttl` are what a release that hands the lock over to this waiter writes for
+    it (PostgreSQL), and `fence` the fence it was handed, while it has not taken the grant up
+    (NULL: none; all NULL in places written before hand-offs, which get a wake-up only).
+    `listener` is the server's id of the connection its process listens on (PostgreSQL: the
+    backend's pid), as of its last attempt: a release carries a grant (at its whole ttl) in
+    the wake-up only while that connection is there."""
 
     id = models.BigAutoField(primary_key=True)
     key = models.CharField(max_length=255)
     owner = models.CharField(max_length=64)
     address = models.CharField(max_length=64, blank=True)
     expires_at = models.DateTimeField()
+    holder = models.CharField(max_length=MAX_HOLDER_LENGTH, null=True)  # noqa: DJ001
+    ttl = models.FloatField(null=True)
+    fence = models.BigIntegerField(null=True)
+    listener = models.BigIntegerField(null=True)
 
     class Meta:
         db_table = "django_keel_lock_waiter"

@@ -3,9 +3,9 @@ and a short run per store with a fixed seed (marked `chaos`).
 
 The runs take KEEL_CHAOS_SECONDS per store (default 60; 0 skips them) with
 KEEL_CHAOS_WORKERS workers (default 8); KEEL_CHAOS_SHARD=i/n runs only every n-th store's,
-starting at the i-th (CI's two passes take 1/2 and 2/2: each store once; tests/support/shard.py). A broken rule
-fails with the seed and the history excerpt that shows it: `python -m bench.chaos --store S
---seed N` replays the same faults.
+starting at the i-th (CI's two passes take 1/2 and 2/2: each store once; tests/support/shard.py).
+A broken rule fails with the seed and the history excerpt that shows it:
+`python -m bench.chaos --store S --seed N` replays the same faults.
 """
 
 from __future__ import annotations

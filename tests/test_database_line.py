@@ -26,6 +26,7 @@ from django_keel_lock.models import Lock, Waiter
 from django_keel_lock.stores import DatabaseLockStore
 from django_keel_lock.stores.base import QUEUE_LEASE, AcquireResult
 from django_keel_lock.stores.database import store as database_store
+from django_keel_lock.stores.database.dialects.postgresql import grant_channel, read_grant
 
 from .conftest import database_of, empty_database
 from .test_database_edges import waiting_flag
@@ -267,6 +268,7 @@ def listening_at(address: str) -> Iterator[Any]:
         dbname=settings["NAME"], autocommit=True,
     ) as raw:  # fmt: skip
         raw.execute(f"LISTEN {address_channel(address)}")
+        raw.execute(f"LISTEN {grant_channel(address)}")
         yield raw
 
 
@@ -383,34 +385,100 @@ def test_postgres_release_notifies_the_first_waiters_process_alone_while_the_lin
     key: str, postgres_notifications: Callable[[str], Callable[[], int]]
 ) -> None:
     """The key's channel (every process waiting for it) hears nothing while the line has a
-    first waiter with an address; that address's channel hears the key. With the line empty
-    again, releases NOTIFY the key's channel as before lines (permit waiters listen there)."""
+    first waiter with an address; that address's channel hears the key (the lock handed over
+    to that waiter). With the line empty again, releases NOTIFY the key's channel as before
+    lines (permit waiters listen there)."""
     store = database_store_of("postgres")
     on_key = postgres_notifications(key)
     with listening_at("feedface") as raw:
         assert store.acquire(key, "a", "a", 30).acquired
         assert not store.acquire_queued(key, "w", "w", 30).acquired
-        Waiter.objects.using("postgres").filter(key=key).update(address="feedface")
+        place = Waiter.objects.using("postgres").filter(key=key)
+        assert place.update(address="feedface", listener=None)  # it listens nowhere known
         assert postgres_statements_of(store, lambda: store.release(key, "a")) == 1
         assert [n.payload for n in raw.notifies(timeout=0.3)] == [key]
         assert on_key() == 0
+        handed = store.get(key)
+        assert handed is not None and handed.owner == "w"
+        store.leave_queue(key, "w")  # passed on: to nobody, so the key's channel hears it
+        assert on_key() == 1
         assert store.acquire(key, "a", "a", 30).acquired
-        store.leave_queue(key, "w")
         assert not store.acquire(key, "b", "b", 30).acquired  # raises the flag
         assert store.release(key, "a")
         assert on_key() == 1
         assert list(raw.notifies(timeout=0.3)) == []
 
 
-def test_postgres_leaving_the_line_of_a_free_lock_wakes_the_next_in_it(key: str) -> None:
+def test_postgres_leaving_the_line_with_a_grant_passes_it_to_the_next_and_wakes_it(
+    key: str,
+) -> None:
     store = database_store_of("postgres")
     with listening_at("beef") as raw:
         assert store.acquire(key, "holder", "h", 30).acquired
         for owner, address in (("first", "dead"), ("next", "beef")):
             assert not store.acquire_queued(key, owner, owner, 30).acquired
             places = Waiter.objects.using("postgres").filter(key=key, owner=owner)
-            assert places.update(address=address)
+            assert places.update(address=address, listener=None)
+        assert store.release(key, "holder")  # hands over to "first" (at a deaf address)
+        assert list(raw.notifies(timeout=0.3)) == []
+        store.leave_queue(key, "first")  # its grant goes on: "next" is first now
+        assert [n.payload for n in raw.notifies(timeout=0.3)] == [key]
+        handed = store.get(key)
+        assert handed is not None and handed.owner == "next"
+        store.leave_queue(key, "next")
+        assert list(raw.notifies(timeout=0.3)) == []
+        assert store.get(key) is None
+
+
+def _backend_there(pid: int) -> bool:
+    with connections["postgres"].cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", [pid])
+        return bool(cursor.fetchone()[0])
+
+
+def test_postgres_release_carries_the_grant_at_the_whole_ttl_while_the_listener_is_there(
+    key: str,
+) -> None:
+    store = database_store_of("postgres")
+    with listening_at("feedface") as raw:
+        (pid,) = raw.execute("SELECT pg_backend_pid()").fetchone()
+        assert store.acquire(key, "a", "a", 30).acquired
+        refused = store.acquire_queued(key, "w" * 32, "w", 30)
+        assert refused.last_fence is not None
+        place = Waiter.objects.using("postgres").filter(key=key)
+        assert place.update(address="feedface", listener=pid)
+        assert store.release(key, "a")
+        granted = store.get(key)
+        assert granted is not None and granted.owner == "w" * 32
+        assert granted.fence > refused.last_fence
+        assert granted.expires_in > QUEUE_LEASE  # its whole ttl: it makes no call
+        notes = list(raw.notifies(timeout=0.3))
+        assert [n.channel for n in notes] == [grant_channel("feedface")]
+        assert read_grant(notes[0].payload) == (key, "w" * 32, granted.fence)
+    # Its listener gone, the next grant is for what is left of the place, and a wake-up.
+    assert wait_until(lambda: not _backend_there(pid), 10)
+    assert not store.acquire_queued(key, "v" * 32, "v", 30).acquired
+    assert Waiter.objects.using("postgres").filter(key=key, owner="v" * 32).update(listener=pid)
+    assert store.release(key, "w" * 32)
+    handed = store.get(key)
+    assert handed is not None and handed.owner == "v" * 32
+    assert handed.expires_in <= QUEUE_LEASE
+    store.leave_queue(key, "v" * 32)
+    assert store.get(key) is None
+
+
+def test_postgres_leaving_the_line_of_a_free_lock_wakes_the_next_in_it(key: str) -> None:
+    # A place without a ttl (written before hand-offs) is woken, not handed the lock: the
+    # lock stays free, and when it leaves, the next is woken to take it.
+    store = database_store_of("postgres")
+    with listening_at("beef") as raw:
+        assert store.acquire(key, "holder", "h", 30).acquired
+        for owner, address in (("first", "dead"), ("next", "beef")):
+            assert not store.acquire_queued(key, owner, owner, 30).acquired
+            places = Waiter.objects.using("postgres").filter(key=key, owner=owner)
+            assert places.update(address=address, ttl=None, listener=None)
         assert store.release(key, "holder")  # wakes "first" (at an address nobody hears)
+        assert store.get(key) is None
         assert list(raw.notifies(timeout=0.3)) == []
         store.leave_queue(key, "first")  # the lock is free: "next" is first now
         assert [n.payload for n in raw.notifies(timeout=0.3)] == [key]
@@ -431,11 +499,13 @@ def test_waiter_rows_exist_on_every_database(db_alias: str) -> None:
         assert "django_keel_lock_waiter" in connections[database].introspection.table_names(cursor)
 
 
+@pytest.mark.parametrize("migrated_to", ["0004", "0008"])
 def test_a_database_without_the_line_table_keeps_no_line_and_its_locks_work(
-    server_alias: str,
+    server_alias: str, migrated_to: str
 ) -> None:
-    """Code newer than the database's migrations (0005 not applied yet, as in a deploy that
-    migrates after it starts the new code): waits and releases go on as before lines."""
+    """Code newer than the database's migrations (0005, or 0009 with the hand-off's columns,
+    not applied yet, as in a deploy that migrates after it starts the new code): waits and
+    releases go on as before lines."""
     with (
         empty_database(database_of(server_alias), "before-lines"),
         override_settings(
@@ -447,7 +517,9 @@ def test_a_database_without_the_line_table_keeps_no_line_and_its_locks_work(
             }
         ),
     ):
-        call_command("migrate", "django_keel_lock", "0004", database="before-lines", verbosity=0)
+        call_command(
+            "migrate", "django_keel_lock", migrated_to, database="before-lines", verbosity=0
+        )
         store = database_store_of("before-lines")
         try:
             holder = lock("line:old", ttl=30, store="before-lines")

@@ -137,3 +137,25 @@ def test_not_durable_acquire_and_extend_do_not_wait_for_the_flush(
         assert info is not None and info.owner == a and info.expires_in <= 5, info
     finally:
         fast.close()
+
+
+def test_a_release_that_hands_the_lock_over_waits_for_the_flush(
+    server: PgServer, store: DatabaseLockStore
+) -> None:
+    """A release that grants the lock to the first in line is an acquire for that waiter:
+    lost to a crash, the waiter would go on holding a lock the database gave back to its
+    releaser (and then, at its ttl, to anyone). It survives the crash, as an acquire does."""
+    key, a, b, c = f"flush:{uuid.uuid4().hex}", _owner(), _owner(), _owner()
+    assert store.acquire(key, a, "a", TTL).acquired
+    assert not store.acquire_queued(key, b, "b", 30).acquired  # b stands in the line
+    server.pause_wal_writer()
+    assert store.release(key, a)
+    granted = store.get(key)
+    assert granted is not None and granted.owner == b, granted
+    _crash(server, store)
+    info = store.get(key)
+    assert info is not None and (info.owner, info.fence) == (b, granted.fence), info
+    assert not store.acquire(key, c, "c", 30).acquired
+    assert not store.release(key, a)
+    assert store.acquire_queued(key, b, "b", 30).fence == granted.fence  # taken up
+    assert store.release(key, b)

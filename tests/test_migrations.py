@@ -162,7 +162,9 @@ def test_sqlmigrate_output_applied_by_hand_builds_and_removes_what_migrate_does(
     else:
         assert built["sequences"] == ["django_keel_lock_fence"]
     if vendor == "postgresql":
-        assert built["functions"] == sorted([*PERMIT_FUNCTIONS, "django_keel_lock_acquire_many"])
+        assert built["functions"] == sorted(
+            [*PERMIT_FUNCTIONS, "django_keel_lock_acquire_many", "django_keel_lock_release"]
+        )
     if vendor == "mysql":
         for name in ("django_keel_lock_lock", "django_keel_lock_permit"):
             collations = {column: collation for column, _, collation in built[name]["columns"]}

@@ -138,8 +138,9 @@ class LockStore(ABC):
     #: lock over to it in the same atomic step (its owner, holder and a new fence, for
     #: min(its ttl, QUEUE_LEASE)) before waking it; its next `acquire_queued` takes the grant
     #: up at its own ttl. Nobody else, in line or not, can take the lock in between. A store
-    #: whose wake-up can carry the grant instead (for the waiter's own ttl) passes it to
-    #: `WakeBoard.grant`, and the waiter takes it with no call (see `engine`).
+    #: whose wake-up can carry the grant instead grants it at the waiter's whole ttl and
+    #: passes it to `WakeBoard.grant`, and the waiter takes it with no call (see `engine`;
+    #: Redis and PostgreSQL, while the waiter's process listens).
     hands_off: bool = False
 
     def __init__(self, alias: str = "default", options: Mapping[str, Any] | None = None) -> None:

@@ -24,6 +24,7 @@ class Line(InTransaction):
 
     def __init__(self, dialect: ServerDialect, cursor: Any) -> None:
         self.sql: LineStatements = dialect.line
+        self.last_fence_sql = dialect.line_last_fence_sql
         super().__init__(dialect, cursor)
 
     def _lock_row(self, key: str) -> tuple[str, float, bool]:
@@ -39,11 +40,12 @@ class Line(InTransaction):
             self.run(sql.ensure_row, key)
 
     def acquire(
-        self, key: str, owner: str, holder: str, ttl: float, address: str
+        self, key: str, owner: str, holder: str, ttl: float, address: str, listener: int | None
     ) -> tuple[AcquireResult, bool]:
-        """The attempt's result, and whether `owner` is in the line after it."""
+        """The attempt's result, and whether `owner` is in the line after it (its process
+        reached at `address`, listening on the server's connection `listener`)."""
         lock_owner, lock_left, waiting = self._lock_row(key)
-        line = self._line(key, owner)
+        line = self._line(key, owner, lock_owner)
         live = [place for place in line if place[1] > 0]
         mine = next((left for waiter, left in line if waiter == owner), None)
         held = lock_left > 0
@@ -52,18 +54,32 @@ class Line(InTransaction):
         first = live[0] if live else None
         if _takes(owner, held, lock_owner, first):
             return self._take(key, owner, holder, ttl, live, mine), False
-        self._keep_place(key, owner, address, mine)
+        self._keep_place(key, owner, address, mine, (holder, ttl, listener))
         if not waiting:
             self.run(self.sql.raise_waiting, key)
         # Held: ask again when it expires (a release wakes us sooner if we are first). Free,
         # someone else first: when that one's place lapses, if it does not take the lock.
         left = lock_left if held else first[1] if first is not None else 0.0
-        return AcquireResult(None, min(left, QUEUE_LEASE), "exclusive"), True
+        refused = AcquireResult(None, min(left, QUEUE_LEASE), "exclusive", last_fence=self._last())
+        return refused, True
 
-    def _line(self, key: str, owner: str) -> list[tuple[str, float]]:
+    def _last(self) -> int | None:
+        """The last fence drawn, read while the key's row is locked (a release that hands
+        the lock over to this waiter locks it after this transaction: its fence is greater);
+        None where releases carry no grants."""
+        if self.last_fence_sql is None:
+            return None
+        return int(self.run(self.last_fence_sql)[0][0])
+
+    def _line(self, key: str, owner: str, lock_owner: str) -> list[tuple[str, float]]:
         """Key's line as read, (waiter, seconds left) in the order of arrival; the places of
-        others that lapsed are deleted from the table."""
-        line = [(row[0], float(row[1] or 0.0)) for row in self.run(self.sql.line, key)]
+        others that lapsed are deleted from the table. A place marked with the fence a
+        release handed it whose waiter no longer owns the lock (it took the grant with no
+        call and released it, or it was passed on) is over: 0 left, not deleted here."""
+        line = [
+            (row[0], 0.0 if row[2] is not None and row[0] != lock_owner else float(row[1] or 0))
+            for row in self.run(self.sql.line, key)
+        ]
         if any(left <= 0 and waiter != owner for waiter, left in line):
             # Places that lapsed (a waiter that gave up or died, or one a MariaDB take
             # lapsed): gone now, so that the line's reads do not step over them until the
@@ -91,17 +107,20 @@ class Line(InTransaction):
             self.run(sql.leave, key, owner)
         return AcquireResult(int(fence))
 
-    def _keep_place(self, key: str, owner: str, address: str, mine: float | None) -> None:
+    def _keep_place(
+        self, key: str, owner: str, address: str, mine: float | None, grant: tuple[Any, ...]
+    ) -> None:
         """`owner` keeps its live place for another lease, or (new, or its place lapsed) goes
-        to the end of the line."""
+        to the end of the line; with `grant` (holder, ttl, listener), what a release that
+        hands the lock over to it reads."""
         sql = self.sql
         lease = self.interval(QUEUE_LEASE)
         if mine is not None and mine > 0:
-            self.run(sql.stay, address, lease, key, owner)
+            self.run(sql.stay, address, lease, *grant, key, owner)
             return
         if mine is not None:
             self.run(sql.leave, key, owner)
-        self.run(sql.join, key, owner, address, lease)
+        self.run(sql.join, key, owner, address, lease, *grant)
 
 
 def _takes(owner: str, held: bool, lock_owner: str, first: tuple[str, float] | None) -> bool:

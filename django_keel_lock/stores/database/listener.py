@@ -17,7 +17,7 @@ from django.db import connections
 from ..connections import Deadline
 from ..wakeups import ReleaseListener
 from .dialects.mysql import MySQLDialect
-from .dialects.postgresql import address_channel, notify_channel
+from .dialects.postgresql import address_channel, grant_channel, notify_channel, read_grant
 
 if TYPE_CHECKING:
     from .store import DatabaseLockStore
@@ -50,6 +50,9 @@ class PostgresListener(ReleaseListener):
     store: DatabaseLockStore
     replies_inline = True
     fileno: int | None = None  # for inspection: the connection is this thread's alone
+    #: The server's pid of the connection while it listens: the places of this process's
+    #: waiters name it, and a release carries them grants only while it is there.
+    backend_pid: int | None = None
     _raw: Any = None
     _deadline: Deadline | None = None
 
@@ -78,13 +81,13 @@ class PostgresListener(ReleaseListener):
         self._keys_by_channel: dict[str, str] = {}
         return True
 
-    def _execute(self, sql: str) -> None:
-        """Run `sql` and wait for its reply, SOCKET_TIMEOUT at most."""
+    def _execute(self, sql: str) -> Any:
+        """Run `sql` and wait for its reply, SOCKET_TIMEOUT at most; its cursor."""
         deadline = self._deadline
         assert deadline is not None
         deadline.arm()
         try:
-            self._raw.execute(sql)
+            return self._raw.execute(sql)
         finally:
             if deadline.disarm():
                 raise ConnectionError(
@@ -95,7 +98,11 @@ class PostgresListener(ReleaseListener):
     def prepare(self) -> bool:
         self._raw.autocommit = True
         self._address_channel = address_channel(self.address)
+        self._grant_channel = grant_channel(self.address)
         self._execute(f"LISTEN {self._address_channel}")
+        self._execute(f"LISTEN {self._grant_channel}")
+        # Asked, not libpq's: through a session pooler that is the pooler's own number.
+        self.backend_pid = int(self._execute("SELECT pg_backend_pid()").fetchone()[0])
         return True
 
     def socket(self) -> int:
@@ -123,11 +130,15 @@ class PostgresListener(ReleaseListener):
             if notify.channel == self._address_channel:  # our waiter is first: its key
                 board.wake(notify.payload)
                 continue
+            if notify.channel == self._grant_channel:  # handed over, at its whole ttl
+                board.grant(*read_grant(notify.payload))
+                continue
             key = keys_by_channel.get(notify.channel)
             if key is not None:
                 board.wake(key)
 
     def disconnect(self) -> None:
+        self.backend_pid = None
         if self._deadline is not None:
             self._deadline.detach()  # first: the descriptor may be reused once closed
         self._raw.close()

@@ -15,7 +15,9 @@
 - Other processes' waiters hear of releases through PostgreSQL's LISTEN/NOTIFY (`listener`)
   or, on SQLite, the doorbells beside the database file (`doorbells`).
 - Waiters for an exclusive lock stand in a line (PostgreSQL, MariaDB: the `Waiter` table, see
-  `database.line`), and a release that someone waited for wakes only the first of them.
+  `database.line`), and a release that someone waited for wakes only the first of them; on
+  PostgreSQL it hands the lock over to that one in the same statement, and its wake-up
+  carries the grant while that waiter's process listens (`PostgresDialect.release_line_sql`).
 - What differs by database (its SQL, its wake-ups, its permits, its checks) is its vendor's
   (`vendors`); this class runs statements and keeps what all share.
 """
@@ -141,6 +143,13 @@ class DatabaseLockStore(ListeningStore, LockStore):
         # attempts find out, and go on as plain acquires where the table is missing.
         vendor = self.vendor
         return isinstance(vendor, ServerVendor) and vendor.line_table is not False
+
+    @property
+    def hands_off(self) -> bool:  # type: ignore[override]
+        # A release hands the lock over to the first in line (PostgreSQL: see
+        # `PostgresDialect.release_line_sql`); its next `acquire_queued` takes the grant up.
+        vendor = self.vendor
+        return isinstance(vendor, ServerVendor) and vendor.hands_off and self.queues
 
     def _line(self) -> ServerVendor | None:
         """The vendor where this store keeps lines: the vendor has them and the database
@@ -472,8 +481,13 @@ class DatabaseLockStore(ListeningStore, LockStore):
                 self._in_line.discard((key, owner))
                 return AcquireResult(fence)
         address = self.wake_address
+        # Where it listens (PostgreSQL: its backend's pid), so that a release carries a
+        # grant to this process only while that connection is there.
+        listener = getattr(self._listener, "backend_pid", None) if address else None
         result, queued = self.transaction(
-            lambda cursor: Line(dialect, cursor).acquire(key, owner, holder, ttl, address),
+            lambda cursor: Line(dialect, cursor).acquire(
+                key, owner, holder, ttl, address, listener
+            ),
             key=key,
             holder=holder,
         )
@@ -490,9 +504,7 @@ class DatabaseLockStore(ListeningStore, LockStore):
         if (key, owner) not in self._in_line:
             return  # never joined (or its place was given up already)
         self._in_line.discard((key, owner))
-        _, count = self.execute([(vendor.dialect.line.leave, (key, owner))], key=key)
-        if count > 0:
-            vendor.wake_first(key)
+        vendor.leave_line(key, owner)
 
     def release(self, key: str, owner: str) -> bool:
         released = self.vendor.release(key, owner, line=self._has_line())

@@ -273,6 +273,9 @@ class ServerVendor(Vendor):
 
     dialect: ServerDialect
     pushes_releases = True
+    #: Whether a release hands the lock over to the first live waiter in line (see
+    #: `LockStore.hands_off`), where the database has the line's table.
+    hands_off: ClassVar[bool] = False
 
     def __init__(self, store: DatabaseLockStore) -> None:
         super().__init__(store)
@@ -307,6 +310,13 @@ class ServerVendor(Vendor):
         statement NOTIFYs it)."""
         self.store.execute([(self.dialect.wake_first_sql, (key, key))], key=key)
 
+    def leave_line(self, key: str, owner: str) -> None:
+        """Take `owner`'s place out of `key`'s line (`LockStore.leave_queue`); wake the next
+        in line if the lock is free."""
+        _, count = self.store.execute([(self.dialect.line.leave, (key, owner))], key=key)
+        if count > 0:
+            self.wake_first(key)
+
 
 class Postgres(ServerVendor):
     """PostgreSQL: releases NOTIFY; permits are functions of migration 0003, one statement
@@ -326,6 +336,7 @@ class Postgres(ServerVendor):
     dialect_class = PostgresDialect
     dialect: PostgresDialect
     listener = PostgresListener
+    hands_off = True
 
     def __init__(self, store: DatabaseLockStore) -> None:
         super().__init__(store)
@@ -464,13 +475,43 @@ class Postgres(ServerVendor):
         return not self.pooled
 
     def release(self, key: str, owner: str, line: bool) -> bool:
-        # The statement NOTIFYs the key's waiters itself, or the first of its line.
+        # The statement NOTIFYs the key's waiters itself, or hands the lock over to the
+        # first of its line and NOTIFYs that one.
         dialect = self.dialect
-        sql = dialect.release_line_sql if line else dialect.release_sql
-        _, count = self.store.execute([(sql, (key, owner))], hot=True, idempotent=False, key=key)
-        released = count > 0
-        self.released(key, released, False)
-        return released
+        if line:
+            return self._handed(key, dialect.release_line_sql, (key, owner))
+        _, count = self.store.execute(
+            [(dialect.release_sql, (key, owner))], hot=True, idempotent=False, key=key
+        )
+        self.released(key, count > 0, False)
+        return count > 0
+
+    def _handed(self, key: str, sql: str, params: Sequence[Any]) -> bool:
+        """Run `sql`, a call of the release function (`release_line_sql`, `pass_on_sql`):
+        whether it released. A grant it carried to a waiter of this process is that waiter's
+        at once, with no call (it went to its listener too: whichever comes first counts);
+        else this process's waiters are woken as by any release."""
+        rows, _ = self.store.execute([(sql, params)], hot=True, idempotent=False, key=key)
+        released, owner, fence, carried = rows[0][:4]
+        if _true(released) and _true(carried):
+            self.store.wake_board.grant(key, _text(owner) or "", int(fence))
+            return True
+        self.released(key, _true(released), False)
+        return _true(released)
+
+    def leave_line(self, key: str, owner: str) -> None:
+        # A place marked with a fence is a grant not taken up: the lock goes on to the next
+        # in line, if `owner` still holds it at that fence (any acquire of its own drew
+        # another).
+        store, dialect = self.store, self.dialect
+        rows, _ = store.execute([(dialect.leave_returning_sql, (key, owner))], key=key)
+        if not rows:
+            return
+        fence = rows[0][0]
+        if fence is None:
+            self.wake_first(key)
+            return
+        self._handed(key, dialect.pass_on_sql, (key, owner, int(fence)))
 
     def acquire_many(
         self, keys: tuple[str, ...], owner: str, holder: str, ttl: float
@@ -748,6 +789,11 @@ class SQLite(PermitsInPython):
 VENDORS: dict[str, type[Vendor]] = {
     vendor.dialect_class.vendor: vendor for vendor in (Postgres, MariaDB, SQLite)
 }
+
+
+def _true(value: Any) -> bool:
+    """A boolean column's value (the libpq path gives b"t" or b"f")."""
+    return value in (True, b"t", "t")
 
 
 def _unprepared(preparing: Any) -> None:

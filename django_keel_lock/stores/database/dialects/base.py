@@ -111,8 +111,8 @@ class ServerDialect(Dialect):
 
     # -- the line of waiters (exclusive locks; see `LockStore.acquire_queued`) -------------
     line: LineStatements
-    #: () -> (whether the database has the line's table, migration 0005: where it has not,
-    #: the store keeps no line, and releases do not look for one),
+    #: () -> (whether the database has the line's table as migration 0009 leaves it: where
+    #: it has not, the store keeps no line, and releases do not look for one),
     line_table_sql: str
     #: `release_sql` where the database has the line's table: it also reaches the first
     #: waiter of the key's line (PostgreSQL: NOTIFYs it; MariaDB: its reply names that
@@ -121,6 +121,10 @@ class ServerDialect(Dialect):
     #: `acquire_sql` for a waiter that waits its turn: a free row is taken only while its
     #: `waiting` flag is down (nobody was refused since the last take), or by its own owner.
     acquire_queued_sql: Sequence[str]
+    #: () -> (the last fence drawn,): what a refusal of a waiter in line reports
+    #: (`AcquireResult.last_fence`) where a release carries grants in its wake-ups; None
+    #: where none does.
+    line_last_fence_sql: str | None = None
     #: (owner, holder, ttl, key: named) -> a waiter already in the line takes the free lock
     #: in one statement if it is first in it, its fence read by `taken_fence` (None: it goes
     #: on to the line's transaction).
@@ -333,12 +337,17 @@ class LineStatements(NamedTuple):
 
     lock: str  # (key) -> (owner, seconds left, waiting) of key's lock row, locked
     ensure_row: str  # (key): a free lock row for key unless it has one
-    line: str  # (key) -> rows of (owner, seconds left), in the order of arrival
+    # (key) -> rows of (owner, seconds left, the fence it was handed or NULL), in the order
+    # of arrival
+    line: str
     next_fence: str  # () -> (fence,)
     take: str  # (owner, holder, fence, interval, waiting, key): the lock is owner's
     raise_waiting: str  # (key)
-    join: str  # (key, owner, address, interval): a new place at the end of the line
-    stay: str  # (address, interval, key, owner): the place lasts interval more
+    # (key, owner, address, interval, holder, ttl, listener): a new place at the end
+    join: str
+    # (address, interval, holder, ttl, listener, key, owner): the place lasts interval more
+    # (and is handed nothing: it was refused)
+    stay: str
     leave: str  # (key, owner)
     drop_lapsed: str  # (key, owner): deletes the lapsed places of key but owner's
     sweep_select: str  # (limit) -> rows of (id,) of expired places
@@ -363,7 +372,7 @@ def line_statements(
         ),
         ensure_row=_ensure_row(p=p, key=key, now=now, keep_existing=keep_existing),
         line=(
-            f"SELECT owner, {remaining.format(column='expires_at')} FROM {WAITER_TABLE} "
+            f"SELECT owner, {remaining.format(column='expires_at')}, fence FROM {WAITER_TABLE} "
             f"{where} ORDER BY id"
         ),
         next_fence=f"SELECT {next_fence}",
@@ -373,10 +382,13 @@ def line_statements(
         ),
         raise_waiting=f"UPDATE {TABLE} SET waiting = TRUE {where}",
         join=(
-            f"INSERT INTO {WAITER_TABLE} ({key}, owner, address, expires_at) "
-            f"VALUES ({p}, {p}, {p}, {until})"
+            f"INSERT INTO {WAITER_TABLE} ({key}, owner, address, expires_at, holder, ttl, "
+            f"listener) VALUES ({p}, {p}, {p}, {until}, {p}, {p}, {p})"
         ),
-        stay=f"UPDATE {WAITER_TABLE} SET address = {p}, expires_at = {until} {place}",
+        stay=(
+            f"UPDATE {WAITER_TABLE} SET address = {p}, expires_at = {until}, holder = {p}, "
+            f"ttl = {p}, listener = {p}, fence = NULL {place}"
+        ),
         leave=f"DELETE FROM {WAITER_TABLE} {place}",
         drop_lapsed=f"DELETE FROM {WAITER_TABLE} {where} AND owner <> {p} AND expires_at <= {now}",
         sweep_select=f"SELECT id FROM {WAITER_TABLE} WHERE expires_at <= {now} LIMIT {p}",

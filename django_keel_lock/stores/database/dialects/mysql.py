@@ -225,9 +225,10 @@ class MySQLDialect(ServerDialect):
         raise_waiting=True,
     )
 
+    # The table as migration 0009 leaves it (its last column): see PostgresDialect's.
     line_table_sql = (
-        "SELECT COUNT(*) FROM information_schema.TABLES "
-        f"WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = '{WAITER_TABLE}'"
+        "SELECT COUNT(*) FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() "
+        f"AND TABLE_NAME = '{WAITER_TABLE}' AND COLUMN_NAME = 'listener'"
     )
     line = line_statements(
         p="%s",

@@ -15,6 +15,9 @@ from .schema import PERMIT_TABLE, RELEASED, SEQUENCE, TABLE, WAITER_TABLE
 # address (hex), with the key as the payload.
 CHANNEL_PREFIX = "keel_lock_"
 ADDRESS_PREFIX = "keel_lock_at_"
+# A release that hands the lock over at the waiter's whole ttl carries the grant (key, owner,
+# fence) to that waiter's process on GRANT_PREFIX + its wake address (`read_grant`).
+GRANT_PREFIX = "keel_lock_gr_"
 _KEY_CHANNEL = f"'{CHANNEL_PREFIX}' || md5(convert_to(l.key, 'UTF8'))"
 # The channel of `l.key`'s first live waiter, or the key's own channel when the line is empty
 # or its first has no address (it polls, and so may others: wake them all, as before lines).
@@ -83,10 +86,11 @@ class PostgresDialect(ServerDialect):
     # the next acquirer goes through the UPDATE branch and draws its fence after it holds the
     # row lock. The channel is md5 of the key's UTF-8 bytes, as `notify_channel` computes it
     # for LISTEN: md5(key) would hash the bytes of the database's encoding (LATIN1: another
-    # channel for any non-ASCII key). Where the database has the line's table (migration
-    # 0005), the first live waiter of the key's line is NOTIFYed instead, if it has one
-    # (`release_line_sql`, `_FIRST_CHANNEL`): a scalar subquery that CASE evaluates only with
-    # the flag raised, so a release nobody waits for stays one plain UPDATE. The subquery
+    # channel for any non-ASCII key). Inside an idempotent result's statement (`release_text`)
+    # where the database has the line's table, the first live waiter of the key's line is
+    # NOTIFYed instead, if it has one (`_FIRST_CHANNEL`): a scalar subquery that CASE
+    # evaluates only with the flag raised, so a release nobody waits for stays one plain
+    # UPDATE (a plain release there is `release_line_sql`, which hands over). The subquery
     # reads the line as of the statement's start: a waiter that joined while the release
     # waited for the row is not in it, but then it listens to the key's channel already.
     _release = f"""
@@ -95,24 +99,48 @@ class PostgresDialect(ServerDialect):
         RETURNING CASE WHEN waiting IS TRUE THEN pg_notify({{channel}}, l.key) END{{flush}}
     """
     _release_template = _release.format(channel=_KEY_CHANNEL, flush="{flush}", when="{when}")
-    _release_line_template = _release.format(channel=_FIRST_CHANNEL, flush="{flush}", when="{when}")
-    # A waiter in the line that is first in it takes the free lock in one statement, as the
-    # release that woke it expects (the line's transaction is for joining and keeping a
-    # place): the UPDATE draws its fence once it holds the row; its place goes with the
-    # take. The line is read as of the statement's start: a take it lets through is still
-    # one of a free row, by its owner condition; but a waiter that joined while the take
-    # waited for the row is not in it, so the flag stays raised whoever is left (lowered by
-    # the next take through the line's transaction, which reads the line after the row's
-    # lock): lowered here, that waiter's turn would be lost to plain takes.
+    # Inside another statement's WITH (idempotent results, `release_text`), where a second
+    # data-modifying CTE cannot nest: the release wakes the first of the line, no hand-off.
+    _release_waking_template = _release.format(
+        channel=_FIRST_CHANNEL, flush="{flush}", when="{when}"
+    )
+    # Direct hand-off (`release_line_sql`): one call of migration 0009's function, which
+    # frees the lock where nobody waits (one UPDATE, no flush waited for) and otherwise hands
+    # it over to the first live waiter in line, carrying the grant at the waiter's whole ttl
+    # to its process while that listens, else for min(its ttl, what is left of its place)
+    # with a wake-up (see the migration). Parameters: key, owner (and, `pass_on_sql`, the
+    # fence the lock was handed to owner at). Row: released, handed to, its fence, carried.
+    _hand_off = (
+        "SELECT released, handed_to, fence, carried "
+        "FROM django_keel_lock_release(%s, %s, {fence}, {durable})"
+    )
+    # A waiter in the line takes the lock in one statement (the line's transaction is for
+    # joining and keeping a place): the lock a release handed it (its owner already: the
+    # grant taken up, its fence kept, live `ttl` from now on), or the free lock when it is
+    # first in the line, as the release that woke it expects (the UPDATE draws its fence
+    # once it holds the row). Its place goes with the take. The line is read as of the
+    # statement's start: a take it lets through is still one of a free row, by its owner
+    # condition; but a waiter that joined while the take waited for the row is not in it, so
+    # the flag stays raised whoever is left (lowered by the next take through the line's
+    # transaction, which reads the line after the row's lock): lowered here, that waiter's
+    # turn would be lost to plain takes. A place marked with a grant whose waiter no longer
+    # owns the lock (it took the grant with no call, then released it by a statement that
+    # left its place: an idempotent result's or a multi-key release) is not first.
+    _GRANTED = "(l.owner = %(owner)s AND l.expires_at > clock_timestamp())"
     _take_first_template = f"""
         WITH took AS (
             UPDATE {TABLE} AS l SET owner = %(owner)s, holder = %(holder)s,
-                fence = nextval('{SEQUENCE}'), acquired_at = clock_timestamp(),
+                fence = CASE WHEN {_GRANTED} THEN l.fence ELSE nextval('{SEQUENCE}') END,
+                acquired_at = CASE WHEN {_GRANTED} THEN l.acquired_at
+                                   ELSE clock_timestamp() END,
                 expires_at = clock_timestamp() + make_interval(secs => %(ttl)s),
                 waiting = TRUE
-            WHERE l.key = %(key)s AND l.expires_at <= clock_timestamp()
-              AND (SELECT w.owner FROM {WAITER_TABLE} w WHERE w.key = l.key
-                   AND w.expires_at > clock_timestamp() ORDER BY w.id LIMIT 1) = %(owner)s
+            WHERE l.key = %(key)s AND ({_GRANTED}
+                OR (l.expires_at <= clock_timestamp()
+                    AND (SELECT w.owner FROM {WAITER_TABLE} w WHERE w.key = l.key
+                         AND w.expires_at > clock_timestamp()
+                         AND (w.fence IS NULL OR w.owner = l.owner)
+                         ORDER BY w.id LIMIT 1) = %(owner)s))
             RETURNING l.fence
         ), gone AS (
             DELETE FROM {WAITER_TABLE} w WHERE w.key = %(key)s AND w.owner = %(owner)s
@@ -120,6 +148,10 @@ class PostgresDialect(ServerDialect):
         )
         SELECT fence{{flush}} FROM took
     """
+    # (key, owner) -> (the fence it was handed, NULL if none,): `owner` leaves key's line.
+    leave_returning_sql = (
+        f"DELETE FROM {WAITER_TABLE} WHERE key = %s AND owner = %s RETURNING fence"
+    )
     # Taking one's place out of the line wakes the next if the lock is free (`leave_queue`).
     wake_first_sql = (
         f"SELECT pg_notify({_FIRST_CHANNEL}, l.key) FROM {TABLE} l "
@@ -238,7 +270,15 @@ class PostgresDialect(ServerDialect):
         "WHERE expires_at <= clock_timestamp() LIMIT %s) AND expires_at <= clock_timestamp()",
     )
 
-    line_table_sql = f"SELECT to_regclass('{WAITER_TABLE}') IS NOT NULL"
+    # The table as migration 0009 leaves it (its last column): a database migrated only to
+    # 0005-0008 keeps no line for this code, which writes the hand-off's columns.
+    line_table_sql = (
+        f"SELECT EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass('{WAITER_TABLE}') "
+        "AND attname = 'listener' AND NOT attisdropped)"
+    )
+    # The sequence's last value, whoever drew it (CACHE 1: every value drawn is counted;
+    # 0 before the first). The function needs what nextval needs (USAGE), not SELECT.
+    line_last_fence_sql = f"SELECT COALESCE(pg_sequence_last_value('{SEQUENCE}'), 0)"
     line = line_statements(
         p="%s",
         key="key",
@@ -252,10 +292,11 @@ class PostgresDialect(ServerDialect):
     )
 
     def __init__(self, *, durable: bool = True, own_session: bool = False) -> None:
-        # A release never waits for the flush (NO_FLUSH), durable or not: one lost to a crash
-        # leaves its lock held, by nobody, until its ttl (a delay, never a second holder), and
-        # any later commit that waits for its flush (the next acquire) flushes it first. So
-        # a durable cycle waits for one flush, the acquire's. Not `durable` (DURABLE: False):
+        # A release that frees the lock never waits for the flush (NO_FLUSH), durable or not:
+        # one lost to a crash leaves its lock held, by nobody, until its ttl (a delay, never a
+        # second holder), and any later commit that waits for its flush (the next acquire)
+        # flushes it first. So a durable cycle waits for one flush, the acquire's (one that
+        # hands the lock over is an acquire: below). Not `durable` (DURABLE: False):
         # acquires and extends do not wait either. Behind a transaction pooler each statement
         # says it for its own transaction, so nothing is set on a session; on a session of
         # the store's `own_session` (no such pooler), DURABLE: False says it once, on the
@@ -266,7 +307,12 @@ class PostgresDialect(ServerDialect):
         self.acquire_sql = (self._acquire_template.format(flush=hot),)
         self.acquire_queued_sql = (self._acquire_queued_template.format(flush=hot),)
         self.release_sql = self._release_template.format(flush=released, when="")
-        self.release_line_sql = self._release_line_template.format(flush=released, when="")
+        # A release that hands the lock over waits for its flush as an acquire does, where
+        # acquires do (DURABLE): lost to a crash, it would leave the waiter holding a lock
+        # the database forgot, which another could then take. The function decides.
+        flag = "true" if durable else "false"
+        self.release_line_sql = self._hand_off.format(fence="NULL", durable=flag)
+        self.pass_on_sql = self._hand_off.format(fence="%s::bigint", durable=flag)
         self._hot, self._released = hot, released
         self.take_first_sql = self._take_first_template.format(flush=hot)
         self.extend_sql = self._extend_template.format(flush=hot)
@@ -300,11 +346,12 @@ class PostgresDialect(ServerDialect):
         return sql
 
     def release_text(self, line: bool, when: str = "", keeps: bool = False) -> str:
-        """The release's UPDATE (`line`: waking the first of the key's line), for a statement
-        of idempotent results to put in a WITH: only `when` (an SQL condition) holds too;
-        one that `keeps` a result waits for its flush as an acquire does, where a plain
-        release does not (a result lost to a crash would let a retry run again)."""
-        template = self._release_line_template if line else self._release_template
+        """The release's UPDATE (`line`: waking the first of the key's line, who then takes
+        the free lock itself: a hand-off needs a WITH of its own), for a statement of
+        idempotent results to put in a WITH: only `when` (an SQL condition) holds too; one
+        that `keeps` a result waits for its flush as an acquire does, where a plain release
+        does not (a result lost to a crash would let a retry run again)."""
+        template = self._release_waking_template if line else self._release_template
         return template.format(
             flush=self._hot if keeps else self._released, when=f" AND {when}" if when else ""
         )
@@ -345,6 +392,20 @@ def address_channel(address: str) -> str:
     """The channel a release NOTIFYs the first waiter of a line on, when it waits in the
     process whose wake address is `address`."""
     return ADDRESS_PREFIX + address
+
+
+def grant_channel(address: str) -> str:
+    """The channel a release that hands a lock over to a waiter of the process whose wake
+    address is `address` carries the grant on (see `read_grant`)."""
+    return GRANT_PREFIX + address
+
+
+def read_grant(payload: str) -> tuple[str, str, int]:
+    """(key, owner, fence) of a grant carried on a `grant_channel`: its payload is the
+    fence, the owner's length, the owner and the key ("7:3:abckey")."""
+    fence, length, rest = payload.split(":", 2)
+    size = int(length)
+    return rest[size:], rest[:size], int(fence)
 
 
 def notify_channel(key: str) -> str:
