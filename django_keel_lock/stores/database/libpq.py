@@ -8,6 +8,7 @@ import hashlib
 import itertools
 import re
 from collections.abc import Sequence
+from itertools import repeat
 from typing import Any
 
 Row = Sequence[Any]
@@ -50,31 +51,43 @@ class PreparedStatements:
         self.names[sql] = name
         return name
 
-    def _run(self, sql: str, values: list[bytes | None], error: type[Exception]) -> Any:
-        if self.named:
-            name = self.names.get(sql) or self._prepare(sql, error)
-            return self.pgconn.exec_prepared(name, values)
-        return self.pgconn.exec_params(self.texts.get(sql) or self._text(sql), values)
-
     def execute(
         self, statements: Sequence[Statement], error: type[Exception]
     ) -> tuple[list[Row], int]:
-        result: Any = None
+        """(rows, rowcount) of the last of `statements` (see `one`)."""
+        rows: list[Row] = []
+        count = 0
         for sql, params in statements:
+            rows, count = self.one(sql, params, error)
+        return rows, count
+
+    def one(self, sql: str, params: Sequence[Any], error: type[Exception]) -> tuple[list[Row], int]:
+        """Run `sql` with `params`: (its rows, as bytes or None, and how many), or for a
+        statement that returns none (UPDATE and the like) ([], how many rows it changed). A
+        failure is `error` (or psycopg's own class: see `_failure`). A lock statement runs
+        this once or twice per call, so it is one frame: no helper calls on the happy path."""
+        # No comprehension: in Python < 3.12 each is a function object and a frame more.
+        if None in params:
             values = [None if p is None else str(p).encode() for p in params]
-            result = self._run(sql, values, error)
-            if result.status not in _RESULT_OK:
-                raise _failure(result, error)
-        if result is None:
-            return [], 0
+        else:
+            values = [*map(str.encode, map(str, params))]
+        if self.named:
+            name = self.names.get(sql) or self._prepare(sql, error)
+            result = self.pgconn.exec_prepared(name, values)
+        else:
+            result = self.pgconn.exec_params(self.texts.get(sql) or self._text(sql), values)
+        if result.status not in _RESULT_OK:
+            raise _failure(result, error)
         fields = result.nfields
-        if fields == 0:  # UPDATE and the like: no rows, a count
+        if not fields:
             return [], result.command_tuples or 0
-        get, columns = result.get_value, range(fields)
+        get, count = result.get_value, result.ntuples
+        if count == 1:  # a lock statement's one row
+            return [tuple(map(get, repeat(0, fields), range(fields)))], 1
         rows: list[Row] = [
-            tuple([get(row, col) for col in columns]) for row in range(result.ntuples)
+            tuple(map(get, repeat(row, fields), range(fields))) for row in range(count)
         ]
-        return rows, len(rows)
+        return rows, count
 
 
 def _failure(result: Any, error: type[Exception]) -> Exception:
