@@ -8,7 +8,6 @@ import hashlib
 import itertools
 import re
 from collections.abc import Sequence
-from itertools import repeat
 from typing import Any
 
 Row = Sequence[Any]
@@ -64,13 +63,9 @@ class PreparedStatements:
     def one(self, sql: str, params: Sequence[Any], error: type[Exception]) -> tuple[list[Row], int]:
         """Run `sql` with `params`: (its rows, as bytes or None, and how many), or for a
         statement that returns none (UPDATE and the like) ([], how many rows it changed). A
-        failure is `error` (or psycopg's own class: see `_failure`). A lock statement runs
-        this once or twice per call, so it is one frame: no helper calls on the happy path."""
-        # No comprehension: in Python < 3.12 each is a function object and a frame more.
-        if None in params:
-            values = [None if p is None else str(p).encode() for p in params]
-        else:
-            values = [*map(str.encode, map(str, params))]
+        failure is `error` (or psycopg's own class: see `_failure`). Every lock statement runs
+        through here: no helper of ours is called on the way to a reply."""
+        values = [None if p is None else str(p).encode() for p in params]
         if self.named:
             name = self.names.get(sql) or self._prepare(sql, error)
             result = self.pgconn.exec_prepared(name, values)
@@ -82,11 +77,12 @@ class PreparedStatements:
         if not fields:
             return [], result.command_tuples or 0
         get, count = result.get_value, result.ntuples
+        # Comprehensions, not tuple(map(...)): that asks the map for a length hint, which
+        # costs an AttributeError raised and cleared each time.
+        columns = _COLUMNS[fields] if fields < len(_COLUMNS) else range(fields)
         if count == 1:  # a lock statement's one row
-            return [tuple(map(get, repeat(0, fields), range(fields)))], 1
-        rows: list[Row] = [
-            tuple(map(get, repeat(row, fields), range(fields))) for row in range(count)
-        ]
+            return [tuple([get(0, column) for column in columns])], 1
+        rows: list[Row] = [tuple([get(row, column) for column in columns]) for row in range(count)]
         return rows, count
 
 
@@ -112,6 +108,9 @@ def _failure(result: Any, error: type[Exception]) -> Exception:
 
 
 _OWN_CLASS = frozenset({b"42P01", b"42883", b"26000", b"42P05"})
+
+#: The column numbers of a row of n columns, for the few n a lock statement returns.
+_COLUMNS = tuple(tuple(range(n)) for n in range(8))
 
 # libpq's PG_DIAG_SQLSTATE (fixed by libpq's ABI).
 _SQLSTATE = 67
