@@ -281,7 +281,9 @@ class DatabaseLockStore(ListeningStore, LockStore):
         conn = self._threads.get() if hot else None
         if conn is not None and conn.libpq is not None and (idempotent or not conn.stale()):
             # `run`'s first attempt inline, by its rules (`_failed`): the few calls of a lock
-            # statement on this thread's open connection are a good part of its time.
+            # statement on this thread's open connection are a good part of its time. Only
+            # PostgreSQL's connections have a libpq path, and they never join the caller's
+            # transaction (`Vendor.callers_transaction`).
             libpq, database = conn.libpq, conn.database
             result: _Result = ([], 0)
             conn.deadline.arm()
