@@ -8,6 +8,12 @@ each run. A cycle's figure is (count of the longer run - count of the shorter) /
 start-up, the first calls' warm-up and the markers' own cost cancel out.
 
     .venv/bin/python -m bench.callgrind [--base 1000] [--extra 5000]
+
+With `--database ALIAS` (a store of bench/settings.py: postgres, postgres-fast, mariadb,
+sqlite), the cycles are that database store's instead, on the bench databases (KEEL_BENCH_DB):
+its own acquire and release (`store.acquire` + `store.release`) and a handle's
+(`with lock(key)`). The count is this process's only: the client's Python and driver, not
+the server's work.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -79,10 +86,15 @@ def available() -> bool:
 
 
 def instructions(
-    names: Sequence[str], base: int = 1000, extra: int = 5000, tree: str | None = None
+    names: Sequence[str],
+    base: int = 1000,
+    extra: int = 5000,
+    tree: str | None = None,
+    database: str | None = None,
 ) -> dict[str, float]:
-    """Instructions per cycle of each named cycle (CYCLES), the package imported from the
-    checkout `tree` (by default the one this process imported it from)."""
+    """Instructions per cycle of each named cycle (CYCLES; DB_CYCLES of the store `database`),
+    the package imported from the checkout `tree` (by default the one this process imported
+    it from)."""
     if tree is None:
         import django_keel_lock
 
@@ -90,7 +102,8 @@ def instructions(
     with tempfile.TemporaryDirectory(prefix="keel-callgrind-") as out:
         command = ["valgrind", "--tool=callgrind", f"--dump-before={MARKER}"]
         command += [f"--callgrind-out-file={out}/cg", sys.executable, "-c", BOOT, tree, REPO]
-        command += ["bench.callgrind", "--child", str(base), str(extra), *names]
+        child = ["--child"] if database is None else ["--child-db", database]
+        command += ["bench.callgrind", *child, str(base), str(extra), *names]
         env = {**os.environ, "PYTHONHASHSEED": "0"}
         subprocess.run(command, check=True, env=env, cwd=out, capture_output=True)
         parts = read_dumps(out, "cg")
@@ -108,7 +121,43 @@ def _child(base: int, extra: int, names: Sequence[str]) -> None:
         USE_TZ=True,
     )
     django.setup()
-    cycles = core_cycles("bench:callgrind")
+    _markers(core_cycles("bench:callgrind"), base, extra, names)
+
+
+def _child_db(alias: str, base: int, extra: int, names: Sequence[str]) -> None:
+    """Under callgrind: set Django up with the bench settings, then run the store's cycles."""
+    from .common import setup_django
+
+    setup_django()
+    _markers(db_cycles(alias, f"bench:callgrind:{uuid.uuid4().hex}"), base, extra, names)
+
+
+#: The database store cycles `--database` counts (see `db_cycles`).
+DB_CYCLES = ["store.acquire + store.release", "with lock(key)"]
+
+
+def db_cycles(alias: str, key: str) -> dict[str, Callable[[], object]]:
+    """One acquire+release of `key` on the store `alias`, each way of DB_CYCLES."""
+    from django_keel_lock import lock
+    from django_keel_lock.registry import get_lock_store
+
+    store = get_lock_store(alias)
+
+    def store_cycle() -> None:
+        assert store.acquire(key, "callgrind", "callgrind", 30).acquired
+        assert store.release(key, "callgrind")
+
+    def handle_cycle() -> None:
+        with lock(key, ttl=30, store=alias):
+            pass
+
+    return dict(zip(DB_CYCLES, [store_cycle, handle_cycle], strict=True))
+
+
+def _markers(
+    cycles: dict[str, Callable[[], object]], base: int, extra: int, names: Sequence[str]
+) -> None:
+    """Run each named cycle `base` times, then `base + extra` times, a marker around each."""
     os.getppid()
     for name in names:
         _repeat(cycles[name], base)
@@ -126,12 +175,19 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--base", type=int, default=1000, help="cycles of the shorter run")
     parser.add_argument("--extra", type=int, default=5000, help="more cycles in the longer run")
+    parser.add_argument("--database", help="a database store's alias: its cycles, not the core's")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument("--child-db", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         _child(int(args.child[0]), int(args.child[1]), args.child[2:])
         return
-    counts = instructions(CYCLES, args.base, args.extra)
+    if args.child_db:
+        alias, base, extra, *names = args.child_db
+        _child_db(alias, int(base), int(extra), names)
+        return
+    names = CYCLES if args.database is None else DB_CYCLES
+    counts = instructions(names, args.base, args.extra, database=args.database)
     for name, count in counts.items():
         print(f"{name}: {count:,.0f} instructions per cycle")
 

@@ -216,24 +216,24 @@ def postgres_statements_of(store: DatabaseLockStore, call: Callable[[], object])
     libpq, cursor = conn.libpq, conn.cursor
 
     class Counting:
-        def __init__(self, inner: Any, method: str) -> None:
-            self.inner, self.method = inner, method
+        def __init__(self, inner: Any, *methods: str) -> None:
+            self.inner, self.methods = inner, methods
 
         def __getattr__(self, name: str) -> Any:
             attribute = getattr(self.inner, name)
-            if name != self.method:
+            if name not in self.methods:
                 return attribute
 
             def counted(statements: Any, *args: Any, **kwargs: Any) -> Any:
-                if self.method == "execute" and self.inner is libpq:
+                if name == "execute" and self.inner is libpq:
                     sent.extend(sql for sql, _ in statements)
-                else:
+                else:  # the cursor's execute, libpq's `one`: a statement's text
                     sent.append(statements)
                 return attribute(statements, *args, **kwargs)
 
             return counted
 
-    conn.libpq, conn.cursor = Counting(libpq, "execute"), Counting(cursor, "execute")  # type: ignore[assignment]
+    conn.libpq, conn.cursor = Counting(libpq, "execute", "one"), Counting(cursor, "execute")  # type: ignore[assignment]
     try:
         call()
     finally:

@@ -18,7 +18,7 @@ import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -106,7 +106,8 @@ class PgServer:
         stop them: what only their memory held is gone."""
         pids = self._pids()
         for pid in pids:
-            os.kill(pid, signal.SIGKILL)
+            with suppress(ProcessLookupError):  # a backend that was ending (a client closed)
+                os.kill(pid, signal.SIGKILL)
         for pid in pids:
             while _state(pid) not in ("", "Z"):  # gone, or a zombie nobody reaps here
                 os.sched_yield()

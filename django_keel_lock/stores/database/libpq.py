@@ -50,31 +50,40 @@ class PreparedStatements:
         self.names[sql] = name
         return name
 
-    def _run(self, sql: str, values: list[bytes | None], error: type[Exception]) -> Any:
-        if self.named:
-            name = self.names.get(sql) or self._prepare(sql, error)
-            return self.pgconn.exec_prepared(name, values)
-        return self.pgconn.exec_params(self.texts.get(sql) or self._text(sql), values)
-
     def execute(
         self, statements: Sequence[Statement], error: type[Exception]
     ) -> tuple[list[Row], int]:
-        result: Any = None
+        """(rows, rowcount) of the last of `statements` (see `one`)."""
+        rows: list[Row] = []
+        count = 0
         for sql, params in statements:
-            values = [None if p is None else str(p).encode() for p in params]
-            result = self._run(sql, values, error)
-            if result.status not in _RESULT_OK:
-                raise _failure(result, error)
-        if result is None:
-            return [], 0
+            rows, count = self.one(sql, params, error)
+        return rows, count
+
+    def one(self, sql: str, params: Sequence[Any], error: type[Exception]) -> tuple[list[Row], int]:
+        """Run `sql` with `params`: (its rows, as bytes or None, and how many), or for a
+        statement that returns none (UPDATE and the like) ([], how many rows it changed). A
+        failure is `error` (or psycopg's own class: see `_failure`). Every lock statement runs
+        through here: no helper of ours is called on the way to a reply."""
+        values = [None if p is None else str(p).encode() for p in params]
+        if self.named:
+            name = self.names.get(sql) or self._prepare(sql, error)
+            result = self.pgconn.exec_prepared(name, values)
+        else:
+            result = self.pgconn.exec_params(self.texts.get(sql) or self._text(sql), values)
+        if result.status not in _RESULT_OK:
+            raise _failure(result, error)
         fields = result.nfields
-        if fields == 0:  # UPDATE and the like: no rows, a count
+        if not fields:
             return [], result.command_tuples or 0
-        get, columns = result.get_value, range(fields)
-        rows: list[Row] = [
-            tuple([get(row, col) for col in columns]) for row in range(result.ntuples)
-        ]
-        return rows, len(rows)
+        get, count = result.get_value, result.ntuples
+        # Comprehensions, not tuple(map(...)): that asks the map for a length hint, which
+        # costs an AttributeError raised and cleared each time.
+        columns = _COLUMNS[fields] if fields < len(_COLUMNS) else range(fields)
+        if count == 1:  # a lock statement's one row
+            return [tuple([get(0, column) for column in columns])], 1
+        rows: list[Row] = [tuple([get(row, column) for column in columns]) for row in range(count)]
+        return rows, count
 
 
 def _failure(result: Any, error: type[Exception]) -> Exception:
@@ -99,6 +108,9 @@ def _failure(result: Any, error: type[Exception]) -> Exception:
 
 
 _OWN_CLASS = frozenset({b"42P01", b"42883", b"26000", b"42P05"})
+
+#: The column numbers of a row of n columns, for the few n a lock statement returns.
+_COLUMNS = tuple(tuple(range(n)) for n in range(8))
 
 # libpq's PG_DIAG_SQLSTATE (fixed by libpq's ABI).
 _SQLSTATE = 67

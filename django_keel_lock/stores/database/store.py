@@ -28,6 +28,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import suppress
+from functools import cached_property
 from typing import Any, TypeVar
 
 from django.core.checks import CheckMessage
@@ -232,19 +233,17 @@ class DatabaseLockStore(ListeningStore, LockStore):
         libpq = self.vendor.fast_path(wrapper)
         return self._threads.put(_ThreadConnection(wrapper, deadline, libpq)), True
 
-    @property
+    @cached_property
     def vendor(self) -> Vendor:
-        """The store's ways on its database's vendor (see `vendors`)."""
-        vendor: Vendor | None = getattr(self, "_vendor", None)
-        if vendor is None:
-            name = connections[self.database].vendor
-            if name not in VENDORS:
-                raise LockStoreUnavailable(
-                    f"DatabaseLockStore supports PostgreSQL, MariaDB and SQLite, "
-                    f"not {name!r} (database {self.database!r})"
-                )
-            vendor = self._vendor = VENDORS[name](self)
-        return vendor
+        """The store's ways on its database's vendor (see `vendors`). Cached in the instance:
+        every call reads it, at the cost of an attribute."""
+        name = connections[self.database].vendor
+        if name not in VENDORS:
+            raise LockStoreUnavailable(
+                f"DatabaseLockStore supports PostgreSQL, MariaDB and SQLite, "
+                f"not {name!r} (database {self.database!r})"
+            )
+        return VENDORS[name](self)
 
     @property
     def dialect(self) -> Dialect:
@@ -288,6 +287,38 @@ class DatabaseLockStore(ListeningStore, LockStore):
         would only make the caller wait as long again.
         """
         assert not (hot and after), "the libpq path runs no closing statements"
+        conn = self._threads.get() if hot else None
+        if conn is not None and conn.libpq is not None and (idempotent or not conn.stale()):
+            # `run`'s first attempt inline, by its rules (`_failed`): the few calls of a lock
+            # statement on this thread's open connection are a good part of its time. Only
+            # PostgreSQL's connections have a libpq path, and they never join the caller's
+            # transaction (`Vendor.callers_transaction`).
+            libpq, database = conn.libpq, conn.database
+            result: _Result = ([], 0)
+            conn.deadline.arm()
+            try:
+                for sql, params in statements:
+                    result = libpq.one(sql, params, database.OperationalError)
+            except database.Error as exc:
+                self._failed(exc, conn, True, idempotent, False, key, holder)
+                return self._execute_by_run(statements, hot, idempotent, after, key, holder)
+            except BaseException:
+                self._abandon(conn)
+                raise
+            self._settled(conn)
+            return result
+        return self._execute_by_run(statements, hot, idempotent, after, key, holder)
+
+    def _execute_by_run(
+        self,
+        statements: Sequence[Statement],
+        hot: bool,
+        idempotent: bool,
+        after: Sequence[Statement],
+        key: Keys,
+        holder: str | None,
+    ) -> _Result:
+        """`execute` through `run`: on a new connection, or any but the libpq path."""
 
         def work(cursor: Any, libpq: PreparedStatements | None, database: Any) -> _Result:
             if hot and libpq is not None:
@@ -336,37 +367,64 @@ class DatabaseLockStore(ListeningStore, LockStore):
             if not idempotent and not fresh and conn.stale():
                 self._threads.drop()
                 conn, fresh = self._open()
-            database, deadline = conn.wrapper.Database, conn.deadline
-            deadline.arm()
+            database = conn.database
+            conn.deadline.arm()
             try:
                 if transaction:
                     result = in_transaction(conn.cursor, self.dialect.begin_sql, work)
                 else:
                     result = work(conn.cursor, conn.libpq, database)
             except database.Error as exc:
-                timed_out = deadline.disarm()
-                if isinstance(exc, database.DataError) and not closing and not timed_out:
-                    raise self._refused(exc, key, holder) from exc
-                self._threads.drop()
-                if timed_out:
-                    raise self._timed_out() from exc
-                if _missing_schema(exc):
-                    raise self._not_migrated(exc) from exc
-                if attempt == 1 and self.vendor.lost_session(exc):
-                    continue  # it did not run: again, on a connection set up for that
-                if fresh or attempt == 2 or not idempotent:
-                    raise LockStoreUnavailable(
-                        f"lock store {self.alias!r} (database {self.database!r}) failed: {exc}"
-                    ) from exc
+                again = attempt == 1 and idempotent and not fresh
+                self._failed(exc, conn, attempt == 1, again, closing, key, holder)
                 continue
             except BaseException:
-                deadline.disarm()
-                self._threads.drop()
+                self._abandon(conn)
                 raise
-            if deadline.disarm():  # the reply made it just as the socket was cut
-                self._threads.drop()
+            self._settled(conn)
             return result
         raise AssertionError("unreachable")
+
+    def _failed(
+        self,
+        exc: Exception,
+        conn: _ThreadConnection,
+        first: bool,
+        again: bool,
+        closing: bool,
+        key: Keys,
+        holder: str | None,
+    ) -> None:
+        """After the driver error `exc` of a call on `conn` (the `first` attempt or not):
+        raise what the caller gets, or return where the call goes again on a new connection
+        (`again`: it may, having failed on a connection that was not new; or the statement
+        did not run, see `Vendor.lost_session`). `closing`: as in `run`."""
+        timed_out = conn.deadline.disarm()
+        if isinstance(exc, conn.database.DataError) and not closing and not timed_out:
+            raise self._refused(exc, key, holder) from exc
+        self._threads.drop()
+        if timed_out:
+            raise self._timed_out() from exc
+        if _missing_schema(exc):
+            raise self._not_migrated(exc) from exc
+        if first and self.vendor.lost_session(exc):
+            return  # it did not run: again, on a connection set up for that
+        if not again:
+            raise LockStoreUnavailable(
+                f"lock store {self.alias!r} (database {self.database!r}) failed: {exc}"
+            ) from exc
+
+    def _settled(self, conn: _ThreadConnection) -> None:
+        """After a call on `conn` returned: drop it if the reply made it just as its deadline
+        cut the socket."""
+        if conn.deadline.disarm():
+            self._threads.drop()
+
+    def _abandon(self, conn: _ThreadConnection) -> None:
+        """Drop `conn` after an exception other than the driver's (a task's time limit,
+        Ctrl-C), and with it whatever it was in the middle of."""
+        conn.deadline.disarm()
+        self._threads.drop()
 
     def _run_joined(
         self,
@@ -430,7 +488,7 @@ class DatabaseLockStore(ListeningStore, LockStore):
 
     # -- the protocol ---------------------------------------------------------------------
     def acquire(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
-        result = self._upsert(self.dialect.acquire_sql, key, owner, holder, ttl)
+        result = self._upsert(self.vendor.dialect.acquire_sql, key, owner, holder, ttl)
         self._tick()
         return result
 
@@ -438,7 +496,7 @@ class DatabaseLockStore(ListeningStore, LockStore):
         self, statements: Sequence[str], key: str, owner: str, holder: str, ttl: float
     ) -> AcquireResult:
         """Run an acquire upsert (`acquire_sql` or `acquire_queued_sql`): its result."""
-        params = self.dialect.acquire_params(key, owner, holder, ttl)
+        params = self.vendor.dialect.acquire_params(key, owner, holder, ttl)
         rows, _ = self.execute(
             list(zip(statements, params, strict=True)), hot=True, key=key, holder=holder
         )
@@ -507,7 +565,10 @@ class DatabaseLockStore(ListeningStore, LockStore):
         vendor.leave_line(key, owner)
 
     def release(self, key: str, owner: str) -> bool:
-        released = self.vendor.release(key, owner, line=self._has_line())
+        vendor = self.vendor
+        # Read straight where the first connection has told (`_line` finds out otherwise).
+        line = getattr(vendor, "line_table", False)
+        released = vendor.release(key, owner, line=self._has_line() if line is None else line)
         self._tick()
         return released
 
@@ -763,24 +824,29 @@ class _ThreadConnection:
     """One thread's connection, the cursor it reuses (not a cursor per call: cheaper), the
     deadline its calls run under and, on PostgreSQL with psycopg 3, its libpq path."""
 
-    __slots__ = ("check", "cursor", "deadline", "libpq", "wrapper")
+    __slots__ = ("check", "cursor", "database", "deadline", "libpq", "wrapper")
 
     def __init__(
         self, wrapper: Any, deadline: Deadline, libpq: PreparedStatements | None = None
     ) -> None:
         self.wrapper, self.cursor, self.libpq = wrapper, wrapper.connection.cursor(), libpq
+        self.database = wrapper.Database  # the driver module: its errors
         self.deadline = deadline
         self.check = SocketCheck()
 
     def stale(self) -> bool:
-        """Whether the server closed this idle connection (see SocketCheck). SQLite has no
-        socket and is never stale."""
-        fileno = getattr(self.wrapper.connection, "fileno", None)
-        if fileno is None:
+        """Whether the server closed this idle connection (see SocketCheck), by the socket
+        its deadline watches (the connection's, for its whole life). SQLite has no socket
+        and is never stale."""
+        fileno = self.deadline.fileno
+        if fileno < 0:
             return False
+        check = self.check
         try:
-            return self.check.readable(fileno())
-        except (OSError, ValueError, self.wrapper.Database.Error):
+            if fileno != check.fileno:
+                return check.readable(fileno)
+            return bool(check.poller.poll(0))  # `readable`, one call less on every release
+        except (OSError, ValueError):
             return True  # closed already
 
 
