@@ -52,6 +52,7 @@ from .options import (
     LockSpec,
     OnLost,
     check_store,
+    last_plain,
     lock_name,
     make_handles_with,
     refuse_option,
@@ -682,8 +683,10 @@ def lock(
         raise refuse_option("lock", "limit", "for at most N holders use semaphore(key, limit=N)")
     # The options as given (a new handle per `with lock(key):` is the usual way: no copy).
     given: Mapping[str, object] = options if shared is False else {**options, "shared": shared}
+    last = last_plain[0]  # `LockSpec.of`'s first test written out: a call less per handle
+    spec = last[1] if given == last[0] else _spec_of("lock", given)
     handle = _new_handle(Lock)  # `Lock.from_spec` written out: a call less per handle
-    handle._setup(key, _spec_of("lock", given))  # type: ignore[arg-type]
+    handle._setup(key, spec)
     return handle
 
 
