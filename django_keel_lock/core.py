@@ -219,7 +219,7 @@ class Lock(Holding, KeyQueries):
         try:
             owner, meter = self._begin(mine, wait)
             outcome = drivers.acquire(self, self._store, owner, wait, delay)
-            return self._settle(owner, outcome, meter, wait > 0.0, True)
+            return self._settle(owner, outcome, meter, wait, True)
         finally:
             if _acquires.get(self) is mine:  # not another acquire's, refused by _begin
                 del _acquires[self]
@@ -236,7 +236,7 @@ class Lock(Holding, KeyQueries):
         try:
             owner, meter = self._begin(mine, wait)
             outcome = await drivers.aacquire(self, owner, wait, delay)
-            return self._settle(owner, outcome, meter, wait > 0.0, False)
+            return self._settle(owner, outcome, meter, wait, False)
         finally:
             if _acquires.get(self) is mine:
                 del _acquires[self]
@@ -246,12 +246,13 @@ class Lock(Holding, KeyQueries):
         owner: str,
         outcome: engine.Outcome,
         meter: metrics.Meter | None,
-        waited: bool,
+        wait: float,
         thread: bool,
     ) -> bool:
-        """Take on what an acquire came to (`drivers.acquire`), and tell its meter: the lock
-        taken (the handle holds it, `lock_acquired`, its watchdog started in a `thread` or a
-        task), refused, or the error that ended it, raised again here."""
+        """Take on what an acquire that could wait up to `wait` seconds came to
+        (`drivers.acquire`), and tell its meter: the lock taken (the handle holds it,
+        `lock_acquired`, its watchdog started in a `thread` or a task), refused (after waiting
+        or not: `wait > 0`, worked out only then), or the error that ended it, raised again."""
         result, sent, self._attempts = outcome
         # An answer, or the error that ended the acquire (`type` first: a test cheaper than
         # isinstance passes the usual answer).
@@ -263,7 +264,7 @@ class Lock(Holding, KeyQueries):
         if fence is None:
             logger.debug("lock %r is held by someone else", self.key)
             if meter is not None:
-                meter.refused(self, waited, self._attempts, self._raises)
+                meter.refused(self, wait > 0.0, self._attempts, self._raises)
             return False
         if not self.auto_extend:  # no other thread touches the handle: `_took` written out
             self.owner = owner
