@@ -52,6 +52,7 @@ from .options import (
     LockSpec,
     OnLost,
     check_store,
+    last_plain,
     lock_name,
     make_handles_with,
     refuse_option,
@@ -218,7 +219,7 @@ class Lock(Holding, KeyQueries):
         try:
             owner, meter = self._begin(mine, wait)
             outcome = drivers.acquire(self, self._store, owner, wait, delay)
-            return self._settle(owner, outcome, meter, wait > 0.0, True)
+            return self._settle(owner, outcome, meter, wait, True)
         finally:
             if _acquires.get(self) is mine:  # not another acquire's, refused by _begin
                 del _acquires[self]
@@ -235,7 +236,7 @@ class Lock(Holding, KeyQueries):
         try:
             owner, meter = self._begin(mine, wait)
             outcome = await drivers.aacquire(self, owner, wait, delay)
-            return self._settle(owner, outcome, meter, wait > 0.0, False)
+            return self._settle(owner, outcome, meter, wait, False)
         finally:
             if _acquires.get(self) is mine:
                 del _acquires[self]
@@ -245,12 +246,13 @@ class Lock(Holding, KeyQueries):
         owner: str,
         outcome: engine.Outcome,
         meter: metrics.Meter | None,
-        waited: bool,
+        wait: float,
         thread: bool,
     ) -> bool:
-        """Take on what an acquire came to (`drivers.acquire`), and tell its meter: the lock
-        taken (the handle holds it, `lock_acquired`, its watchdog started in a `thread` or a
-        task), refused, or the error that ended it, raised again here."""
+        """Take on what an acquire that could wait up to `wait` seconds came to
+        (`drivers.acquire`), and tell its meter: the lock taken (the handle holds it,
+        `lock_acquired`, its watchdog started in a `thread` or a task), refused (after waiting
+        or not: `wait > 0`, worked out only then), or the error that ended it, raised again."""
         result, sent, self._attempts = outcome
         # An answer, or the error that ended the acquire (`type` first: a test cheaper than
         # isinstance passes the usual answer).
@@ -262,7 +264,7 @@ class Lock(Holding, KeyQueries):
         if fence is None:
             logger.debug("lock %r is held by someone else", self.key)
             if meter is not None:
-                meter.refused(self, waited, self._attempts, self._raises)
+                meter.refused(self, wait > 0.0, self._attempts, self._raises)
             return False
         if not self.auto_extend:  # no other thread touches the handle: `_took` written out
             self.owner = owner
@@ -682,8 +684,10 @@ def lock(
         raise refuse_option("lock", "limit", "for at most N holders use semaphore(key, limit=N)")
     # The options as given (a new handle per `with lock(key):` is the usual way: no copy).
     given: Mapping[str, object] = options if shared is False else {**options, "shared": shared}
+    last = last_plain[0]  # `LockSpec.of`'s first test written out: a call less per handle
+    spec = last[1] if given == last[0] else _spec_of("lock", given)
     handle = _new_handle(Lock)  # `Lock.from_spec` written out: a call less per handle
-    handle._setup(key, _spec_of("lock", given))  # type: ignore[arg-type]
+    handle._setup(key, spec)
     return handle
 
 

@@ -110,13 +110,13 @@ class MultiLock(Lock):
         owner: str,
         outcome: Outcome,
         meter: Meter | None,
-        waited: bool,
+        wait: float,
         thread: bool,
     ) -> bool:
         result = outcome[0]
         if not isinstance(result, BaseException) and result.fences is not None:
             self._fences = result.fences  # before `lock_acquired` goes out
-        return super()._settle(owner, outcome, meter, waited, thread)
+        return super()._settle(owner, outcome, meter, wait, thread)
 
     def describe(self) -> str:
         return f"multi-key lock {self.key!r}"

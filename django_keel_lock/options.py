@@ -464,14 +464,13 @@ class LockSpec:
         A handle is often made per call with the same options (`with lock(key):`): the spec
         they give is kept (it is frozen), keyed by the options and their types, so True is
         not taken for 1 nor 0 for False."""
-        global _last_plain
         if cls is not LockSpec:
             return cls._parse(surface, options)
         # The options of the last spec found of strings and None alone, the usual run of
         # `with lock(key, store="memory"):`, compared as they are: a third of the cost of
         # building the key below. (A value equal to a string is one, as below; one thread's
         # snapshot: another may replace it meanwhile.)
-        last = _last_plain
+        last = last_plain[0]
         if options == last[0]:
             return last[1]
         try:
@@ -480,7 +479,7 @@ class LockSpec:
             # other type's value is equal to a string (and hashes as it does) but a str's.
             spec = _parsed_plain.get(given)
             if spec is not None:
-                _last_plain = (dict(given), spec)
+                last_plain[0] = (dict(given), spec)
                 return spec
             known = (given, tuple(map(type, options.values())))
             return _parsed[known]
@@ -495,7 +494,7 @@ class LockSpec:
         _parsed[known] = spec
         if all(kind is str or kind is type(None) for kind in known[1]):
             _parsed_plain[given] = spec
-            _last_plain = (dict(given), spec)
+            last_plain[0] = (dict(given), spec)
         return spec
 
     @classmethod
@@ -575,8 +574,9 @@ PARSED_KEPT = 256
 #: The specs of `_parsed` whose arguments are all strings or None, by the arguments alone.
 _parsed_plain: dict[tuple[tuple[str, Any], ...], LockSpec] = {}
 #: The options (a copy) and spec `LockSpec.of` last found in `_parsed_plain` (at first, an
-#: object no options are equal to).
-_last_plain: tuple[object, LockSpec] = (object(), LockSpec())
+#: object no options are equal to), in a list of one: `core.lock` looks at it first, a call
+#: less per handle.
+last_plain: list[tuple[object, LockSpec]] = [(object(), LockSpec())]
 
 
 #: KEEL_LOCK_DEFAULT_TTL in seconds once read; emptied whenever the setting changes.

@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
+from time import monotonic
 from typing import Any
 
 from django.conf import settings
@@ -67,10 +68,10 @@ class MemoryLockStore(LockStore):
         # One counter for every key: strictly increasing per key, and nothing to forget on prune.
         self._fences = itertools.count(1)
         # Wall-clock anchor so acquired_at can be shown as a datetime.
-        self._wall_offset = time.time() - time.monotonic()
+        self._wall_offset = time.time() - monotonic()
 
     def acquire(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
-        now = time.monotonic()
+        now = monotonic()
         with self._mutex:
             entry = self._locks.get(key)
             if entry is None:  # the usual case: `_take` written out, a call less
@@ -100,7 +101,7 @@ class MemoryLockStore(LockStore):
         return _granted(AcquireResult, (fence, None, None, None, ()))
 
     def release(self, key: str, owner: str) -> bool:
-        now = time.monotonic()
+        now = monotonic()
         with self._mutex:
             entry = self._locks.get(key)
             if entry is None or entry[OWNER] != owner or entry[EXPIRES_AT] <= now:
@@ -111,7 +112,7 @@ class MemoryLockStore(LockStore):
         return True
 
     def extend(self, key: str, owner: str, ttl: float) -> bool:
-        now = time.monotonic()
+        now = monotonic()
         with self._mutex:
             entry = self._locks.get(key)
             if entry is None or entry[OWNER] != owner or entry[EXPIRES_AT] <= now:
@@ -125,7 +126,7 @@ class MemoryLockStore(LockStore):
     def acquire_many(
         self, keys: tuple[str, ...], owner: str, holder: str, ttl: float
     ) -> AcquireResult:
-        now = time.monotonic()
+        now = monotonic()
         with self._mutex:
             locks = self._locks
             held = [(k, e) for k in keys if (e := locks.get(k)) is not None and e[EXPIRES_AT] > now]
@@ -148,7 +149,7 @@ class MemoryLockStore(LockStore):
         return fence
 
     def release_many(self, keys: tuple[str, ...], owner: str) -> bool:
-        now = time.monotonic()
+        now = monotonic()
         with self._mutex:
             mine = [k for k in keys if self._owns(k, owner, now)]
             for key in mine:
@@ -158,7 +159,7 @@ class MemoryLockStore(LockStore):
         return len(mine) == len(keys)
 
     def extend_many(self, keys: tuple[str, ...], owner: str, ttl: float) -> bool:
-        now = time.monotonic()
+        now = monotonic()
         with self._mutex:
             mine = [k for k in keys if self._owns(k, owner, now)]
             for key in mine:
@@ -177,7 +178,7 @@ class MemoryLockStore(LockStore):
     def acquire_permit(
         self, key: str, owner: str, holder: str, ttl: float, mode: Mode, writer_wait: float = 0
     ) -> AcquireResult:
-        now = time.monotonic()
+        now = monotonic()
         with self._mutex:
             entry = self._locks.get(key)
             writer, writer_until = self._writers.get(key, (None, now))
@@ -215,7 +216,7 @@ class MemoryLockStore(LockStore):
             return AcquireResult(permit[FENCE])
 
     def release_permit(self, key: str, owner: str) -> bool:
-        now = time.monotonic()
+        now = monotonic()
         with self._mutex:
             permits = self._live_permits(key, now)
             if owner not in permits:
@@ -231,7 +232,7 @@ class MemoryLockStore(LockStore):
         return True
 
     def extend_permit(self, key: str, owner: str, ttl: float) -> bool:
-        now = time.monotonic()
+        now = monotonic()
         with self._mutex:
             permit = self._live_permits(key, now).get(owner)
             if permit is None:
@@ -242,7 +243,7 @@ class MemoryLockStore(LockStore):
             return True
 
     def holders(self, key: str) -> list[LockInfo]:
-        now = time.monotonic()
+        now = monotonic()
         with self._mutex:
             entry = self._locks.get(key)
             if entry is None or entry[EXPIRES_AT] <= now:
@@ -265,7 +266,7 @@ class MemoryLockStore(LockStore):
         return permits
 
     def get(self, key: str) -> LockInfo | None:
-        now = time.monotonic()
+        now = monotonic()
         with self._mutex:
             entry = self._locks.get(key)
             if entry is None or entry[EXPIRES_AT] <= now:
@@ -273,7 +274,7 @@ class MemoryLockStore(LockStore):
             return self._info(key, entry, now)
 
     def iter_locks(self, prefix: str = "") -> Iterator[LockInfo]:
-        now = time.monotonic()
+        now = monotonic()
         with self._mutex:
             items = [(k, e) for k, e in self._locks.items() if k.startswith(prefix)]
         for key, entry in sorted(items, key=lambda item: item[0]):
@@ -283,7 +284,7 @@ class MemoryLockStore(LockStore):
                 yield self._info(key, entry, now)
 
     def prune(self) -> int:
-        now = time.monotonic()
+        now = monotonic()
         with self._mutex:
             dead = [k for k, e in self._locks.items() if e[EXPIRES_AT] <= now]
             for key in dead:
