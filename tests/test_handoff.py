@@ -232,13 +232,18 @@ def test_a_waiter_leaving_the_line_once_granted_passes_the_grant_on(
     assert store.get(key) is None
 
 
+@pytest.mark.parametrize("listening", ["heard", "unheard"])
 def test_a_waiter_handed_the_lock_that_releases_it_with_several_keys_holds_nobody_up(
-    unheard: ServerStore, key: str
+    alias: str, listening: str, request: pytest.FixtureRequest, key: str
 ) -> None:
-    # It never asked again (the grant came in its wake-up), and a multi-key release (or an
-    # idempotent result's) only wakes: its place must not stay first in line.
-    store = unheard
+    # It never asked again (the grant came carried in its wake-up, or it had not taken its
+    # short grant up), and a multi-key release (or an idempotent result's) only wakes: its
+    # place must not stay first in line.
+    store = request.getfixturevalue(listening)  # built on `alias`
     first, second = _handed_over(store, key)
+    granted = store.get(key)
+    assert granted is not None and granted.owner == first
+    assert (granted.expires_in > QUEUE_LEASE) == (listening == "heard")  # carried or short
     assert store.release_many((key,), first)
     assert store.acquire_queued(key, second, "holder-cccc", 30).acquired
     assert store.release(key, second)
@@ -719,9 +724,9 @@ def test_a_carried_grant_names_fence_owner_and_key(at_abcd: RedisLockStore, key:
 def test_a_waiter_stopped_and_killed_after_a_carried_grant_costs_the_next_at_most_its_ttl(
     alias: str, key: str
 ) -> None:
-    # Its process is frozen, so Redis still counts its listener: the release carries it a
-    # grant for its ttl (short here), which it never takes; killed, it costs the next in
-    # line that grant, and no more.
+    # Its process is frozen, so the server still counts its listener (Redis: subscribed;
+    # PostgreSQL: its connection there): the release carries it a grant for its ttl (short
+    # here), which it never takes; killed, it costs the next in line that grant, and no more.
     holder = held_before_children(alias, key)
     doomed, _ = _start(alias, key, "doomed", ttl=1.0)
     stayer = _start(alias, key, "stayer", ahead=1)
