@@ -1,10 +1,13 @@
-"""Direct hand-off (Redis): a release that finds a live waiter first in the key's line grants
-the lock to it in the same script (owner, holder, a greater fence) and wakes it. When the wake-up
-reaches the waiter's process (its listener is subscribed), the grant is for the waiter's own
+"""Direct hand-off (Redis, PostgreSQL): a release that finds a live waiter first in the key's
+line grants the lock to it in the same script or statement (owner, holder, a greater fence) and
+wakes it. When the wake-up reaches the waiter's process (Redis: its listener is subscribed;
+PostgreSQL: the connection its listener LISTENs on is there), the grant is for the waiter's own
 ttl and the message carries it: the waiter becomes the holder with no call. Otherwise the grant
 is short and the waiter's next `acquire_queued` takes it up at its own ttl. A granted waiter
 that died or gave up costs the others at most its grant ttl, and one that leaves the line
-passes the grant on."""
+passes the grant on. The tests of how Redis keeps a line across versions of its scripts, of
+its `:grant` channel and of its round trips run on Redis only. (The durability of a PostgreSQL
+release that hands over is tests/test_database_release_flush.py's.)"""
 
 from __future__ import annotations
 
@@ -22,20 +25,30 @@ from urllib.parse import urlsplit
 
 import pytest
 from django.conf import settings
+from django.db import connections
+from django.utils import timezone
 
 from django_keel_lock import lock
+from django_keel_lock.models import Waiter
 from django_keel_lock.registry import get_lock_store
 from django_keel_lock.stores.base import QUEUE_LEASE, LockStore
+from django_keel_lock.stores.database import DatabaseLockStore
 from django_keel_lock.stores.redis import RedisLockStore
 
-from .conftest import serving, store_params
+from .conftest import database_of, serving, store_params
 from .support.holders import held_before_children
 from .support.round_trips import RoundTrips, round_trips
+from .test_database_faults import wait_until
 
-ALIASES = store_params(["redis"])
+ALIASES = store_params(["redis", "postgres"])
+#: The tests of what only Redis has (its scripts' versions, place formats, `:grant` channel,
+#: round trips): `alias` (and the fixtures built on it) is the Redis store's alone.
+REDIS_ONLY = pytest.mark.parametrize("alias", store_params(["redis"]))
 #: Polls are 5 s apart: whatever a waiter gets within a lease came by a push or a grant.
 RETRY_DELAY = 5.0
 CONTEXT = multiprocessing.get_context("fork")
+#: The stores that hand off, as `unheard` and `heard` are.
+ServerStore = RedisLockStore | DatabaseLockStore
 
 
 @pytest.fixture(params=ALIASES)
@@ -44,12 +57,14 @@ def alias(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def unheard(alias: str) -> Iterator[RedisLockStore]:
-    """A store of `alias`'s settings with no listener: its waiters have no wake address, so
-    a release grants them the short grant a call takes up, never a carried one."""
+def unheard(alias: str) -> Iterator[ServerStore]:
+    """A store of `alias`'s settings with no listener: its waiters' places have no wake
+    address (in a database, no listener connection), so a release grants them the short
+    grant a call takes up, never a carried one. As a store of its own, it is another
+    process's too: its release wakes none of this process's waiters itself."""
     store = get_lock_store(alias)
-    assert isinstance(store, RedisLockStore)
-    quiet = RedisLockStore(f"{alias}-unheard", store.options)
+    assert isinstance(store, RedisLockStore | DatabaseLockStore)
+    quiet = type(store)(f"{alias}-unheard", store.options)
     try:
         yield quiet
     finally:
@@ -57,18 +72,15 @@ def unheard(alias: str) -> Iterator[RedisLockStore]:
 
 
 @pytest.fixture
-def heard(alias: str) -> Iterator[RedisLockStore]:
+def heard(alias: str) -> Iterator[ServerStore]:
     """A store of `alias`'s settings whose listener is connected: a release reaches its
     waiters' process, and so carries their grants."""
     store = get_lock_store(alias)
-    assert isinstance(store, RedisLockStore)
-    listening = RedisLockStore(f"{alias}-heard", store.options)
+    assert isinstance(store, RedisLockStore | DatabaseLockStore)
+    listening = type(store)(f"{alias}-heard", store.options)
     try:
         listening.ensure_listener()
-        deadline = time.monotonic() + 10
-        while not listening.listener_ready():
-            assert time.monotonic() < deadline, "the listener never connected"
-            time.sleep(0.01)
+        assert wait_until(listening.listener_ready, 10), "the listener never connected"
         yield listening
     finally:
         listening.close()
@@ -89,25 +101,46 @@ def _waiter(alias: str, key: str, name: str, pipe: Connection, ttl: float = 30) 
 
 
 def _in_line(alias: str, key: str, count: int, close: bool = True) -> None:
-    """Wait until `count` waiters stand in `key`'s line (read from Redis itself); `close`:
-    then close the store, so children started next do not share its connections."""
+    """Wait until `count` waiters a release reaches stand in `key`'s line (read from the
+    server itself); `close`: then close the store, so children started next do not share
+    its connections."""
     store = get_lock_store(alias)
-    assert isinstance(store, RedisLockStore)
     deadline = time.monotonic() + 20
-    while len(_heard_in_line(store, key)) < count:
+    while _standing(store, alias, key) < count:
         assert time.monotonic() < deadline, f"never {count} in line"
         time.sleep(0.02)
     if close:
         store.close()
 
 
-def _heard_in_line(store: RedisLockStore, key: str) -> list[str]:
-    """The owners in `key`'s line whose places have a wake address: their process's listener
-    was connected when they last asked (a waiter's first attempt may come before it is)."""
-    name = store.lock_name(key)
-    line = store.client().lrange(name + ":line", 0, -1)
-    places = store.client().hmget(name + ":places", line) if line else []
-    return [o.decode() for o, p in zip(line, places, strict=True) if p and not p.endswith(b":")]
+def _standing(store: LockStore, alias: str, key: str) -> int:
+    """How many live places in `key`'s line say where their process listens (Redis: a wake
+    address; a database: its listener's connection too): that process's listener was
+    connected when its waiter last asked. A waiter's first attempt may come before it is,
+    and a release would then hand it the short grant, not one carried in the wake-up."""
+    if isinstance(store, RedisLockStore):
+        name = store.lock_name(key)
+        line = store.client().lrange(name + ":line", 0, -1)
+        places = store.client().hmget(name + ":places", line) if line else []
+        return sum(1 for place in places if place and not place.endswith(b":"))
+    places = Waiter.objects.using(database_of(alias)).filter(key=key)
+    live = places.filter(expires_at__gt=timezone.now()).exclude(address="")
+    try:
+        return live.filter(listener__isnull=False).count()
+    finally:
+        if threading.current_thread() is not threading.main_thread():
+            connections.close_all()  # this thread's: none is left open at the end
+
+
+def _line_of(store: LockStore, alias: str, key: str) -> list[str]:
+    """The owners still waiting in `key`'s line, in order (a database keeps the place of
+    the waiter handed the lock, marked with its fence, until it takes the lock up)."""
+    if isinstance(store, RedisLockStore):
+        line = store.client().lrange(store.lock_name(key) + ":line", 0, -1)
+        return [each.decode() for each in line]
+    places = Waiter.objects.using(database_of(alias)).filter(key=key, fence__isnull=True)
+    live = places.filter(expires_at__gt=timezone.now()).order_by("id")
+    return list(live.values_list("owner", flat=True))
 
 
 def _start(
@@ -122,13 +155,44 @@ def _start(
     return proc, parent
 
 
+def _listener_gone(alias: str, key: str, holder: str) -> None:
+    """In a database, wait until the server saw the connection that the process of
+    `holder`'s place in `key`'s line listened on end (a killed process's, at once as a rule):
+    a release then hands that place the lock for what is left of it, not its whole ttl."""
+    if isinstance(get_lock_store(alias), RedisLockStore):
+        return
+    database = database_of(alias)
+    place = Waiter.objects.using(database).get(key=key, holder=holder)
+
+    def gone() -> bool:
+        with connections[database].cursor() as cursor:
+            cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", [place.listener])
+            row = cursor.fetchone()
+            return bool(row[0] == 0)
+
+    assert place.listener is not None and wait_until(gone, 10)
+
+
 def _stand(store: LockStore, key: str, owner: str, ttl: float = 30) -> None:
-    """`owner` asks for the held `key` as a waiter and so stands in its line."""
+    """`owner` asks for the held `key` as a waiter and so stands in its line (through
+    `unheard`, with no listener: a release hands it a grant to take up, as to a waiter whose
+    listener is away; one carried in the wake-up, at its whole ttl, is `heard`'s)."""
     assert not store.acquire_queued(key, owner, f"holder-{owner[:4]}", ttl).acquired
 
 
+def _handed_over(store: LockStore, key: str) -> tuple[str, str]:
+    """`key` held by "a"*32, then released with two waiters in line: (the first, to whom it
+    was handed over, and the second)."""
+    assert store.acquire(key, "a" * 32, "holder", 30).acquired
+    first, second = "b" * 32, "c" * 32
+    _stand(store, key, first)
+    _stand(store, key, second)
+    assert store.release(key, "a" * 32)
+    return first, second
+
+
 def test_a_release_grants_the_lock_to_the_first_in_line_in_the_same_script(
-    unheard: RedisLockStore, key: str
+    unheard: ServerStore, key: str
 ) -> None:
     store = unheard
     assert store.acquire(key, "a" * 32, "holder", 30).acquired
@@ -155,14 +219,10 @@ def test_a_release_grants_the_lock_to_the_first_in_line_in_the_same_script(
 
 
 def test_a_waiter_leaving_the_line_once_granted_passes_the_grant_on(
-    unheard: RedisLockStore, key: str
+    unheard: ServerStore, key: str
 ) -> None:
     store = unheard
-    assert store.acquire(key, "a" * 32, "holder", 30).acquired
-    first, second = "b" * 32, "c" * 32
-    _stand(store, key, first)
-    _stand(store, key, second)
-    assert store.release(key, "a" * 32)  # granted to `first`, which gives up as it comes
+    first, second = _handed_over(store, key)  # to `first`, which gives up as it comes
     granted = store.get(key)
     assert granted is not None and granted.owner == first
     store.leave_queue(key, first)
@@ -172,8 +232,25 @@ def test_a_waiter_leaving_the_line_once_granted_passes_the_grant_on(
     assert store.get(key) is None
 
 
+@pytest.mark.parametrize("listening", ["heard", "unheard"])
+def test_a_waiter_handed_the_lock_that_releases_it_with_several_keys_holds_nobody_up(
+    alias: str, listening: str, request: pytest.FixtureRequest, key: str
+) -> None:
+    # It never asked again (the grant came carried in its wake-up, or it had not taken its
+    # short grant up), and a multi-key release (or an idempotent result's) only wakes: its
+    # place must not stay first in line.
+    store = request.getfixturevalue(listening)  # built on `alias`
+    first, second = _handed_over(store, key)
+    granted = store.get(key)
+    assert granted is not None and granted.owner == first
+    assert (granted.expires_in > QUEUE_LEASE) == (listening == "heard")  # carried or short
+    assert store.release_many((key,), first)
+    assert store.acquire_queued(key, second, "holder-cccc", 30).acquired
+    assert store.release(key, second)
+
+
 def test_a_waiter_that_asks_after_its_grant_lapsed_keeps_its_turn(
-    unheard: RedisLockStore, key: str
+    unheard: ServerStore, key: str
 ) -> None:
     # It missed the wake-up (its listener was reconnecting, say) and its ttl is short: its
     # grant lapses before it asks again, but its place is still first.
@@ -211,7 +288,7 @@ def test_waiting_processes_are_handed_the_lock_in_the_order_they_joined(
     for proc, _ in waiters:
         proc.join(10)
     assert all(result is not None and result[0] for result in results), results
-    fences = [result[1] for result in results]
+    fences = [result[1] for result in results if result is not None]
     assert fences[0] == info.fence
     assert fences == sorted(fences) and len(set(fences)) == len(fences)
     assert fences[0] > holder.fence
@@ -225,6 +302,7 @@ def test_a_granted_waiter_killed_before_it_wakes_costs_the_next_at_most_its_gran
     stayer = _start(alias, key, "stayer", ahead=1)
     os.kill(doomed.pid, signal.SIGKILL)
     doomed.join(5)
+    _listener_gone(alias, key, "doomed")
     released = time.monotonic()
     assert holder.release()  # its place is still live: the grant goes to the dead one
     store = get_lock_store(alias)
@@ -239,74 +317,95 @@ def test_a_granted_waiter_killed_before_it_wakes_costs_the_next_at_most_its_gran
     assert waited < QUEUE_LEASE * 1.5, waited
 
 
-def test_an_async_waiter_cancelled_while_granted_passes_the_grant_on(alias: str, key: str) -> None:
+def test_an_async_waiter_cancelled_while_granted_passes_the_grant_on(
+    alias: str, unheard: ServerStore, key: str
+) -> None:
+    # The holder is `unheard`, as in another process: its release wakes none of this
+    # process's waiters itself.
+    other = unheard
+    assert other.acquire(key, "a" * 32, "holder", 30).acquired
+
+    async def scenario() -> None:
+        handle = lock(key, ttl=30, holder="cancelled", store=alias)
+        task = asyncio.ensure_future(handle.aacquire(timeout=30, retry_delay=RETRY_DELAY))
+        await asyncio.to_thread(_in_line, alias, key, 1, False)  # it stands first in line
+        _stand(other, key, "c" * 32)
+        # Released and cancelled with no await between: the task has not woken.
+        assert other.release(key, "a" * 32)
+        granted = other.get(key)
+        assert granted is not None and granted.holder == "cancelled"
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        passed = other.get(key)
+        assert passed is not None and passed.owner == "c" * 32
+        assert passed.fence > granted.fence
+
+    asyncio.run(scenario())
+    other.leave_queue(key, "c" * 32)
+    assert other.get(key) is None
+
+
+def test_the_store_hands_off(alias: str) -> None:
+    assert get_lock_store(alias).hands_off
+
+
+def test_a_release_nobody_waits_for_frees_the_lock(alias: str, key: str) -> None:
     store = get_lock_store(alias)
-    # The holder is a store of its own, as in another process: its release wakes none of
-    # this process's waiters itself.
-    other = type(store)(f"{alias}-holder", store.options)
-    try:
-        assert other.acquire(key, "a" * 32, "holder", 30).acquired
-
-        async def scenario() -> None:
-            handle = lock(key, ttl=30, holder="cancelled", store=alias)
-            task = asyncio.ensure_future(handle.aacquire(timeout=30, retry_delay=RETRY_DELAY))
-            await asyncio.to_thread(_in_line, alias, key, 1, False)  # it stands first in line
-            _stand(other, key, "c" * 32)
-            # Released and cancelled with no await between: the task has not woken.
-            assert other.release(key, "a" * 32)
-            granted = other.get(key)
-            assert granted is not None and granted.holder == "cancelled"
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-            passed = other.get(key)
-            assert passed is not None and passed.owner == "c" * 32
-            assert passed.fence > granted.fence
-
-        asyncio.run(scenario())
-        other.leave_queue(key, "c" * 32)
-        assert other.get(key) is None
-    finally:
-        other.close()
-
-
-def _place_by_hand(store: RedisLockStore, key: str, owner: str, fields: dict[str, str]) -> None:
-    """Put `owner` last in `key`'s line with the place `fields`, as a given version of the
-    scripts writes one; the line lapses in 2 s."""
-    client, name = store.client(), store.lock_name(key)
-    client.hset(name + ":places", mapping=fields)
-    client.rpush(name + ":line", owner)
-    client.pexpire(name + ":places", 2000)
-    client.pexpire(name + ":line", 2000)
-
-
-def test_a_place_written_before_hand_offs_gets_a_wake_up_and_no_grant(alias: str, key: str) -> None:
-    # During a rolling upgrade a waiter of the previous version keeps its place as
-    # "expiry:address", with no ttl and holder beside it: a release cannot know them, so it
-    # only wakes it, and the waiter takes the free lock itself as before.
-    store = get_lock_store(alias)
-    assert isinstance(store, RedisLockStore)
     assert store.acquire(key, "a" * 32, "holder", 30).acquired
-    until = int(store.client().time()[0]) * 1000 + int(QUEUE_LEASE * 1000)
-    _place_by_hand(store, key, "b" * 32, {"b" * 32: f"{until}:"})
     assert store.release(key, "a" * 32)
     assert store.get(key) is None
-    assert not store.acquire_queued(key, "c" * 32, "later", 30).acquired  # not its turn
-    assert store.acquire_queued(key, "b" * 32, "old", 30).acquired
-    assert store.release(key, "b" * 32)  # "later" stood with a new place: handed over
-    info = store.get(key)
-    assert info is not None and info.owner == "c" * 32
-    store.leave_queue(key, "c" * 32)
-    assert store.get(key) is None
+    assert not store.release(key, "a" * 32)
+
+
+def test_a_waiter_that_took_its_grant_up_and_leaves_keeps_the_lock(
+    unheard: ServerStore, key: str
+) -> None:
+    # A multi-key waiter takes a key of its line with acquire_many (a fence of its own),
+    # then leaves the line: the lock stays its own.
+    store = unheard
+    first, second = _handed_over(store, key)
+    taken = store.acquire_many((key, f"{key}:other"), first, "holder-bbbb", 30)
+    assert taken.acquired
+    store.leave_queue(key, first)
+    kept = store.get(key)
+    assert kept is not None and kept.owner == first
+    assert store.release_many((key, f"{key}:other"), first)
+    store.leave_queue(key, second)
+
+
+def test_a_waiter_timing_out_as_it_is_granted_passes_the_lock_on(
+    alias: str, unheard: ServerStore, key: str
+) -> None:
+    # A thread of this process waits with a timeout that ends about when the release (by
+    # `unheard`, as another process's) hands it the lock; whichever comes first, the next
+    # in line gets the lock at once: taken up and released, or passed on.
+    other = unheard
+    assert other.acquire(key, "a" * 32, "holder", 30).acquired
+    handle = lock(key, ttl=30, holder="leaving", store=alias)
+    got: list[bool] = []
+    thread = threading.Thread(
+        target=lambda: got.append(handle.acquire(timeout=1.0, retry_delay=RETRY_DELAY))
+    )
+    thread.start()
+    _in_line(alias, key, 1, close=False)
+    _stand(other, key, "c" * 32)
+    time.sleep(max(0.0, 0.95 - 0.1))
+    assert other.release(key, "a" * 32)
+    thread.join(10)
+    if got == [True]:
+        assert handle.release()
+    passed = other.get(key)
+    assert passed is not None and passed.owner == "c" * 32
+    assert other.release(key, "c" * 32)
 
 
 def test_a_multi_key_waiter_handed_a_key_keeps_it_once_it_takes_them_all(
-    alias: str, key: str
+    alias: str, unheard: ServerStore, key: str
 ) -> None:
     # It stands in the line of `b` (held), is handed `b` by its release and takes `a` and
     # `b` at once: leaving `b`'s line then must not give `b` away to the next in line.
-    store = get_lock_store(alias)
-    other = type(store)(f"{alias}-holder", store.options)
+    store, other = get_lock_store(alias), unheard
     a, b = f"{key}:a", f"{key}:b"
     try:
         assert other.acquire(b, "a" * 32, "holder", 30).acquired
@@ -330,9 +429,40 @@ def test_a_multi_key_waiter_handed_a_key_keeps_it_once_it_takes_them_all(
         assert other.release(b, "c" * 32)
     finally:
         other.leave_queue(b, "c" * 32)
-        other.close()
 
 
+def _place_by_hand(store: RedisLockStore, key: str, owner: str, fields: dict[str, str]) -> None:
+    """Put `owner` last in `key`'s line with the place `fields`, as a given version of the
+    scripts writes one; the line lapses in 2 s."""
+    client, name = store.client(), store.lock_name(key)
+    client.hset(name + ":places", mapping=fields)
+    client.rpush(name + ":line", owner)
+    client.pexpire(name + ":places", 2000)
+    client.pexpire(name + ":line", 2000)
+
+
+@REDIS_ONLY
+def test_a_place_written_before_hand_offs_gets_a_wake_up_and_no_grant(alias: str, key: str) -> None:
+    # During a rolling upgrade a waiter of the previous version keeps its place as
+    # "expiry:address", with no ttl and holder beside it: a release cannot know them, so it
+    # only wakes it, and the waiter takes the free lock itself as before.
+    store = get_lock_store(alias)
+    assert isinstance(store, RedisLockStore)
+    assert store.acquire(key, "a" * 32, "holder", 30).acquired
+    until = int(store.client().time()[0]) * 1000 + int(QUEUE_LEASE * 1000)
+    _place_by_hand(store, key, "b" * 32, {"b" * 32: f"{until}:"})
+    assert store.release(key, "a" * 32)
+    assert store.get(key) is None
+    assert not store.acquire_queued(key, "c" * 32, "later", 30).acquired  # not its turn
+    assert store.acquire_queued(key, "b" * 32, "old", 30).acquired
+    assert store.release(key, "b" * 32)  # "later" stood with a new place: handed over
+    info = store.get(key)
+    assert info is not None and info.owner == "c" * 32
+    store.leave_queue(key, "c" * 32)
+    assert store.get(key) is None
+
+
+@REDIS_ONLY
 def test_a_grant_lives_no_longer_than_the_place_of_its_waiter(alias: str, key: str) -> None:
     # The first in line last asked 1.7 s ago (it was killed then): its place lapses in 0.3 s,
     # and so must the lock handed to it, or a dead waiter holds the others up for up to twice
@@ -407,6 +537,7 @@ return 0
 """
 
 
+@REDIS_ONLY
 def test_a_release_of_the_previous_version_still_wakes_a_waiter_of_this_one(
     at_abcd: RedisLockStore, key: str
 ) -> None:
@@ -425,12 +556,8 @@ def test_a_release_of_the_previous_version_still_wakes_a_waiter_of_this_one(
 
 
 # -- grants carried by the wake-up --------------------------------------------------------
-def _line_of(store: RedisLockStore, key: str) -> list[str]:
-    return [each.decode() for each in store.client().lrange(store.lock_name(key) + ":line", 0, -1)]
-
-
 def test_a_release_heard_by_the_waiters_process_grants_its_whole_ttl_and_carries_the_grant(
-    heard: RedisLockStore, unheard: RedisLockStore, key: str
+    alias: str, heard: ServerStore, unheard: ServerStore, key: str
 ) -> None:
     assert unheard.acquire(key, "a" * 32, "holder", 30).acquired
     with heard.watch(key) as waiter:
@@ -442,7 +569,7 @@ def test_a_release_heard_by_the_waiters_process_grants_its_whole_ttl_and_carries
         assert info is not None and info.owner == "b" * 32 and info.holder == "holder-bbbb"
         assert info.fence > refused.last_fence
         assert info.expires_in > QUEUE_LEASE  # its own ttl: it makes no call to keep it
-        assert _line_of(unheard, key) == ["c" * 32]  # out of the line: the holder now
+        assert _line_of(unheard, alias, key) == ["c" * 32]  # out of the line: the holder now
         deadline = time.monotonic() + 10
         while (fence := heard.wake_board.take_grant(key, "b" * 32)) is None:
             assert time.monotonic() < deadline, "the grant never came"
@@ -455,7 +582,7 @@ def test_a_release_heard_by_the_waiters_process_grants_its_whole_ttl_and_carries
 
 
 def test_a_carried_grant_its_waiter_never_took_is_passed_on_when_it_leaves(
-    heard: RedisLockStore, unheard: RedisLockStore, key: str
+    heard: ServerStore, unheard: ServerStore, key: str
 ) -> None:
     # It gave up (timed out, was cancelled) as the grant came: the engine leaves the line.
     assert unheard.acquire(key, "a" * 32, "holder", 30).acquired
@@ -484,10 +611,12 @@ def counted(alias: str) -> Iterator[tuple[str, RoundTrips]]:
             yield name, proxy
 
 
+@REDIS_ONLY
 def test_a_waiter_handed_a_carried_grant_makes_no_call_to_become_the_holder(
-    counted: tuple[str, RoundTrips], unheard: RedisLockStore, key: str
+    counted: tuple[str, RoundTrips], unheard: ServerStore, key: str
 ) -> None:
     proxied, proxy = counted
+    assert isinstance(unheard, RedisLockStore)
     store = get_lock_store(proxied)
     assert isinstance(store, RedisLockStore)
     assert unheard.acquire(key, "a" * 32, "holder", 30).acquired
@@ -516,11 +645,13 @@ def test_a_waiter_handed_a_carried_grant_makes_no_call_to_become_the_holder(
     assert handle.release()
 
 
+@REDIS_ONLY
 def test_a_stale_grant_message_is_ignored(
-    heard: RedisLockStore, unheard: RedisLockStore, key: str
+    heard: ServerStore, unheard: ServerStore, key: str
 ) -> None:
     # A grant message that arrives after a later refusal (pub/sub and commands are not
     # ordered with each other) names a fence the refusal had already seen: not a grant.
+    assert isinstance(heard, RedisLockStore) and isinstance(unheard, RedisLockStore)
     with serving(heard) as alias:
         assert unheard.acquire(key, "a" * 32, "holder", 30).acquired
         handle = lock(key, ttl=30, holder="waiter", store=alias)
@@ -530,7 +661,7 @@ def test_a_stale_grant_message_is_ignored(
         )
         thread.start()
         _in_line(alias, key, 1, close=False)
-        owner = _line_of(unheard, key)[0]
+        owner = _line_of(unheard, alias, key)[0]
         places = unheard.lock_name(key) + ":places"
         place = unheard.client().hget(places, owner)
         held = unheard.get(key)
@@ -546,12 +677,13 @@ def test_a_stale_grant_message_is_ignored(
         assert got == [] and thread.is_alive()
         assert unheard.release(key, "a" * 32)
         thread.join(20)
-        assert got == [True] and handle.fence > held.fence
+        assert got == [True] and handle.fence is not None and handle.fence > held.fence
         info = unheard.get(key)
         assert info is not None and info.owner == handle.owner
         assert handle.release()
 
 
+@REDIS_ONLY
 def test_a_waiter_whose_process_is_not_subscribed_for_grants_gets_the_short_grant_and_a_wake_up(
     at_abcd: RedisLockStore, key: str
 ) -> None:
@@ -572,6 +704,7 @@ def test_a_waiter_whose_process_is_not_subscribed_for_grants_gets_the_short_gran
     assert store.release(key, "b" * 32)
 
 
+@REDIS_ONLY
 def test_a_carried_grant_names_fence_owner_and_key(at_abcd: RedisLockStore, key: str) -> None:
     store = at_abcd
     spaced = key + " with spaces:and colons"
@@ -591,9 +724,9 @@ def test_a_carried_grant_names_fence_owner_and_key(at_abcd: RedisLockStore, key:
 def test_a_waiter_stopped_and_killed_after_a_carried_grant_costs_the_next_at_most_its_ttl(
     alias: str, key: str
 ) -> None:
-    # Its process is frozen, so Redis still counts its listener: the release carries it a
-    # grant for its ttl (short here), which it never takes; killed, it costs the next in
-    # line that grant, and no more.
+    # Its process is frozen, so the server still counts its listener (Redis: subscribed;
+    # PostgreSQL: its connection there): the release carries it a grant for its ttl (short
+    # here), which it never takes; killed, it costs the next in line that grant, and no more.
     holder = held_before_children(alias, key)
     doomed, _ = _start(alias, key, "doomed", ttl=1.0)
     stayer = _start(alias, key, "stayer", ahead=1)
@@ -613,3 +746,52 @@ def test_a_waiter_stopped_and_killed_after_a_carried_grant_costs_the_next_at_mos
     waited = time.monotonic() - released
     assert got and fence > grant.fence
     assert waited < 1.0 + QUEUE_LEASE, waited  # its grant, then the next look of the stayer
+
+
+def _counted_waiter(alias: str, key: str, pipe: Connection) -> None:
+    """`_waiter`, sending back too the monotonic times of its store calls for `key`."""
+    store = get_lock_store(alias)
+    calls: list[float] = []
+    for name in ("acquire", "acquire_queued", "leave_queue"):
+        call = getattr(store, name)
+
+        def counted(*args: Any, _call: Any = call) -> Any:
+            calls.append(time.monotonic())
+            return _call(*args)
+
+        setattr(store, name, counted)
+    handle = lock(key, ttl=30, holder="carried", store=alias)
+    handle.is_locked()
+    pipe.send("asking")
+    got = handle.acquire(timeout=30, retry_delay=RETRY_DELAY)
+    pipe.send((got, handle.fence, calls[:]))
+    pipe.recv()  # hold it until told
+    handle.release()
+
+
+def test_a_live_waiter_is_handed_the_lock_at_its_ttl_and_holds_it_with_no_call(
+    alias: str, key: str
+) -> None:
+    holder = held_before_children(alias, key)
+    parent, child = CONTEXT.Pipe()
+    proc = CONTEXT.Process(target=_counted_waiter, args=(alias, key, child), daemon=True)
+    proc.start()
+    try:
+        assert parent.poll(30) and parent.recv() == "asking"
+        _in_line(alias, key, 1)
+        released = time.monotonic()
+        assert holder.release()
+        assert parent.poll(20)
+        got, fence, calls = parent.recv()
+        grant = get_lock_store(alias).get(key)
+        assert got and grant is not None and grant.holder == "carried"
+        assert fence == grant.fence > holder.fence
+        assert grant.expires_in > QUEUE_LEASE  # its whole ttl, from the release
+        assert calls and max(calls) < released  # the wake-up carried it: no call after
+        parent.send("release")
+        proc.join(10)
+        assert get_lock_store(alias).get(key) is None
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(5)
