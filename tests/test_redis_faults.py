@@ -324,3 +324,41 @@ async def test_every_waiting_task_gets_unavailable_when_the_store_hangs(
         outcomes = await asyncio.gather(*waiters, return_exceptions=True)
         proxy.mode = "pass"
     assert all(isinstance(outcome, LockStoreUnavailable) for outcome in outcomes), outcomes
+
+
+def test_a_listener_that_stops_while_a_waiting_thread_reads_its_connection_leaves_it_closed(
+    direct: tuple[str, RedisLockStore], key: str
+) -> None:
+    # A thread waiting for a key reads the listener's connection itself (`read_here`). The
+    # listener giving that connection up (stopped here; or a dead link) gives it back to the
+    # client's pool, closed: the waiting thread must not go on reading it, nor reopen it (a
+    # command that got it from the pool would have its reply read by the waiting thread).
+    _, store = direct
+    with store.watch(key):
+        deadline = time.monotonic() + 10
+        while not store.push_wakeups:
+            assert time.monotonic() < deadline, "the listener never connected"
+            time.sleep(0.01)
+    listener = store._listener
+    assert listener is not None
+    conn = listener._conn
+    waited: list[bool] = []
+
+    def wait() -> None:
+        with store.watch(key) as waiter:
+            waited.append(waiter.wait(3.0))
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not listener._reading.locked():  # the waiting thread reads the connection
+        assert time.monotonic() < deadline, "the waiting thread never read the connection"
+        time.sleep(0.001)
+    store.stop_listener()
+    time.sleep(0.3)
+    assert conn._sock is None, "the waiting thread reopened the connection given back"
+    client = store.client()
+    for _ in range(5):
+        assert client.ping()
+    thread.join(10)
+    assert waited

@@ -334,6 +334,10 @@ class ReleaseListener:
         what woke this one: `read_here`). Only asked when `reads_here`."""
         return True
 
+    def hang_up(self) -> None:
+        """End, at once, the read of a waiting thread that reads the connection (`read_here`):
+        the connection is about to be given up. Only asked when `reads_here`."""
+
     # -- asked from other threads ---------------------------------------------------------
     def want(self, key: str, watched: bool) -> None:
         """`key` got its first waiter (or lost its last): (un)subscribe shortly."""
@@ -361,6 +365,9 @@ class ReleaseListener:
         if not (self.reads_here and self.ready.is_set() and self.pid == os.getpid()):
             return False
         if not self._reading.acquire(blocking=False):
+            return False
+        if not self.ready.is_set():  # given up meanwhile (`_give_up`)
+            self._reading.release()
             return False
         self.interrupt()  # so that this listener's thread stops reading the connection
         try:
@@ -471,6 +478,17 @@ class ReleaseListener:
             self._serve()
         finally:
             self.ready.clear()
+            self._give_up()
+
+    def _give_up(self) -> None:
+        """Disconnect, once no waiting thread reads the connection (`read_here`): the store
+        may give it back to a pool, and a thread still reading it would reopen it and read
+        the replies of whoever gets it next. `hang_up` ends that thread's read now."""
+        if not self.reads_here:
+            self.disconnect()
+            return
+        self.hang_up()
+        with self._reading:
             self.disconnect()
 
     def _serve(self) -> None:

@@ -5,6 +5,8 @@ its waiter being woken)."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
 from typing import TYPE_CHECKING, Any
 
 from ..wakeups import ReleaseListener, WakeBoard
@@ -77,6 +79,12 @@ class RedisListener(ReleaseListener):
 
     def pending(self) -> bool:
         return bool(self._conn.can_read(timeout=0))
+
+    def hang_up(self) -> None:
+        sock = getattr(self._conn, "_sock", None)
+        if sock is not None:
+            with contextlib.suppress(OSError):  # the thread reading it hears the end at once
+                sock.shutdown(socket.SHUT_RDWR)
 
     def disconnect(self) -> None:
         try:
