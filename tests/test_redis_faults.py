@@ -362,3 +362,35 @@ def test_a_listener_that_stops_while_a_waiting_thread_reads_its_connection_leave
         assert client.ping()
     thread.join(10)
     assert waited
+
+
+def test_a_listener_whose_connection_a_reading_thread_closed_subscribes_again(
+    direct: tuple[str, RedisLockStore], key: str
+) -> None:
+    # redis-py closes a connection whose read fails (a reset link): a waiting thread that
+    # reads the listener's connection (`read_here`) may do so behind the listener's back.
+    # The listener must not let redis-py reopen it silently on its next command (subscribed
+    # to nothing but that command's channel, while it believes itself subscribed): it
+    # reconnects, subscribed to everything again.
+    _, store = direct
+    client = store.client()
+    channels = [store.wake_prefix, store.wake_prefix, store.release_channel(key)]
+    with store.watch(key):
+        deadline = time.monotonic() + 10
+        while not store.push_wakeups:
+            assert time.monotonic() < deadline, "the listener never connected"
+            time.sleep(0.01)
+        listener = store._listener
+        assert listener is not None
+        channels[0] += listener.address
+        channels[1] += listener.address + ":grant"
+        with listener._reading:  # as a waiting thread reading the connection holds it
+            listener.interrupt()  # as it does: the listener's thread leaves the socket alone
+            time.sleep(0.2)
+            listener._conn.disconnect()  # what redis-py does when that thread's read fails
+            with store.watch(key + ":other"):  # the listener subscribes to a new key
+                time.sleep(0.2)
+        deadline = time.monotonic() + 10
+        while [count for _, count in client.pubsub_numsub(*channels)] != [1, 1, 1]:
+            assert time.monotonic() < deadline, client.pubsub_numsub(*channels)
+            time.sleep(0.01)

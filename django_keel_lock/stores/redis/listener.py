@@ -27,6 +27,7 @@ class RedisListener(ReleaseListener):
     ping_after = 5.0
     dead_after = 15.0
     reads_here = True
+    _sock: Any = None  # the socket of the connection subscribed on (`prepare`)
 
     def connect(self) -> bool:
         self._pool = pubsub_pool(self.store._client())
@@ -45,40 +46,48 @@ class RedisListener(ReleaseListener):
         # channels are subscribed too (Redis answers a connection's commands in order).
         channels = (self._wake_channel, self._grant_channel, self.store.channel)
         self._conn.send_packed_command([pack_command(b"SUBSCRIBE", *channels)])
+        self._sock = getattr(self._conn, "_sock", None)  # the socket subscribed on
         return False  # ready once Redis confirms the base channel (see _handle)
 
-    def socket(self) -> int:
-        sock = getattr(self._conn, "_sock", None)
-        if sock is None:
+    def _live(self) -> Any:
+        """The connection, while its socket is the one subscribed on: redis-py closes a
+        connection whose read fails (in a waiting thread that reads it: `read_here`) and
+        reopens it on its next command or read, subscribed to nothing."""
+        conn = self._conn
+        if getattr(conn, "_sock", None) is None or conn._sock is not self._sock:
             raise ConnectionError("the pub/sub connection is closed")
+        return conn
+
+    def socket(self) -> int:
+        sock = self._live()._sock
         # Everything read so far was handled (dispatch drains redis-py's buffer), so anything
         # new shows up on the socket.
         return int(sock.fileno())
 
     def subscribe(self, keys: list[str]) -> None:
         channels = map(self.store.release_channel, keys)
-        self._conn.send_packed_command([pack_command(b"SUBSCRIBE", *channels)])
+        self._live().send_packed_command([pack_command(b"SUBSCRIBE", *channels)])
 
     def unsubscribe(self, keys: list[str]) -> None:
         channels = map(self.store.release_channel, keys)
-        self._conn.send_packed_command([pack_command(b"UNSUBSCRIBE", *channels)])
+        self._live().send_packed_command([pack_command(b"UNSUBSCRIBE", *channels)])
 
     def ping(self) -> None:
-        self._conn.send_packed_command([pack_command(b"PING")])
+        self._live().send_packed_command([pack_command(b"PING")])
 
     def dispatch(self, data: bool) -> None:
         if not data:
             return
         # Parsed before any waiter is woken: what arrived may be a grant carried to it, which
         # it must find when it wakes.
-        conn = self._conn
+        conn = self._live()
         while True:
             self._handle(conn.read_response(**self._read))
             if not conn.can_read(timeout=0):
                 break
 
     def pending(self) -> bool:
-        return bool(self._conn.can_read(timeout=0))
+        return bool(self._live().can_read(timeout=0))
 
     def hang_up(self) -> None:
         sock = getattr(self._conn, "_sock", None)
