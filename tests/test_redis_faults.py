@@ -394,3 +394,37 @@ def test_a_listener_whose_connection_a_reading_thread_closed_subscribes_again(
         while [count for _, count in client.pubsub_numsub(*channels)] != [1, 1, 1]:
             assert time.monotonic() < deadline, client.pubsub_numsub(*channels)
             time.sleep(0.01)
+
+
+def test_a_waiting_thread_whose_read_of_the_listener_ends_early_waits_no_longer_than_asked(
+    direct: tuple[str, RedisLockStore], key: str
+) -> None:
+    # The waiting thread reads the listener's connection (`read_here`) until the listener
+    # gives it up (stopped here): it then sleeps what is left of its wait, not all of it
+    # again (an acquire's pause would outlast its timeout).
+    _, store = direct
+    with store.watch(key):
+        deadline = time.monotonic() + 10
+        while not store.push_wakeups:
+            assert time.monotonic() < deadline, "the listener never connected"
+            time.sleep(0.01)
+    listener = store._listener
+    assert listener is not None
+    waited: list[float] = []
+
+    def wait() -> None:
+        with store.watch(key) as waiter:
+            began = time.monotonic()
+            waiter.wait(4.0)
+            waited.append(time.monotonic() - began)
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not listener._reading.locked():  # the waiting thread reads the connection
+        assert time.monotonic() < deadline, "the waiting thread never read the connection"
+        time.sleep(0.001)
+    time.sleep(2.0)
+    store.stop_listener()
+    thread.join(10)
+    assert waited and waited[0] < 5.0, waited  # 4 s asked; 6 s when it slept 4 s again

@@ -32,12 +32,12 @@ class Waiter:
         """Block up to `timeout` seconds; True if a release of the key was announced meanwhile.
         Where the board has a `reader`, this thread reads the wake-up itself."""
         slot, seen, reader = self._slot, self._seen, self._board.reader
-        if (
-            reader is not None
-            and slot.generation == seen
-            and reader(lambda: slot.generation != seen, timeout)
-        ):
-            timeout = 0.0
+        if reader is not None and slot.generation == seen:
+            began = time.monotonic()
+            if reader(lambda: slot.generation != seen, timeout):
+                timeout = 0.0
+            else:  # it could not read, or stopped early (the listener gave up): what is left
+                timeout = max(0.0, timeout - (time.monotonic() - began))
         with slot.cond:
             if slot.generation == self._seen:
                 slot.cond.wait(timeout)
@@ -360,8 +360,9 @@ class ReleaseListener:
         """Read the connection from a waiting thread until `done()` or `timeout` seconds: the
         wake-up it waits for then wakes it, not this listener's thread, which would have to
         wake it in turn (a second thread to schedule on a busy machine, the hand-off's
-        last leg). False, at once, when it cannot: the store does not allow it, the
-        listener is not connected, or another thread reads."""
+        last leg). False when it cannot (at once: the store does not allow it, the listener
+        is not connected, or another thread reads) or stopped early (the connection broke,
+        or the listener gave it up): the caller sleeps what is left of `timeout`."""
         if not (self.reads_here and self.ready.is_set() and self.pid == os.getpid()):
             return False
         if not self._reading.acquire(blocking=False):
