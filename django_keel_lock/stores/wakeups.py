@@ -186,12 +186,13 @@ class WakeBoard:
         if slot is not None:
             self._wake_slot(slot)
 
-    def grant(self, key: str, owner: str, fence: int) -> None:
+    def grant(self, key: str, owner: str, fence: int) -> bool:
         """A release handed `key` over to `owner` with `fence`, at the owner's own ttl (its
         full ttl: what an `acquire_queued` of its would have given), and the store's wake-up
         carried the grant here: the waiter may become the holder without a store call.
-        Kept for the owner's waiter (`take_grant`), which is woken; dropped when nobody in
-        this process watches `key`.
+        Kept for the owner's waiter (`take_grant`), which is woken: True. False (dropped)
+        when nobody in this process watches `key`, so nobody here can take it: the store
+        gives it back (its waiter stopped without leaving the line).
 
         A store may call this only when (1) the grant lives at least the owner's ttl from
         the moment it was made, and (2) it was made after the owner's last refused
@@ -203,7 +204,7 @@ class WakeBoard:
         passes the lock on (`LockStore.leave_queue`)."""
         slot = self._slots.get(key)
         if slot is None:
-            return
+            return False
         with slot.cond:
             grants = slot.grants
             if fence > grants.get(owner, 0):
@@ -212,6 +213,7 @@ class WakeBoard:
                 while len(grants) > GRANTS_KEPT:
                     del grants[next(iter(grants))]
         self._wake_slot(slot)
+        return True
 
     def take_grant(self, key: str, owner: str) -> int | None:
         """The fence of the grant of `key` carried to `owner` (`grant`), once; None if none

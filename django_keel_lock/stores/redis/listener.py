@@ -6,11 +6,14 @@ its waiter being woken)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 from typing import TYPE_CHECKING, Any
 
-from ..wakeups import ReleaseListener, WakeBoard
+from ..wakeups import ReleaseListener
 from .clients import as_text, borrow_connection, pack_command, pubsub_pool
+
+logger = logging.getLogger("django_keel_lock")
 
 if TYPE_CHECKING:
     from .store import RedisLockStore
@@ -112,7 +115,7 @@ class RedisListener(ReleaseListener):
         if kind == "message" and channel.startswith(prefix):
             board.wake(channel[len(prefix) :])
         elif kind == "message" and channel == self._grant_channel and len(reply) > 2:
-            _grant(board, as_text(reply[2]))
+            self._grant(as_text(reply[2]))
         elif kind == "message" and channel == self._wake_channel and len(reply) > 2:
             board.wake(as_text(reply[2]))  # first in line for this key
         elif kind == "subscribe":
@@ -125,11 +128,24 @@ class RedisListener(ReleaseListener):
             else:
                 self.connected()
 
-
-def _grant(board: WakeBoard, message: str) -> None:
-    """A grant carried on this process's grant channel, "fence owner key" (`scripts.HAND_ON`):
-    on to the board; anything else is no grant (a message published there by hand)."""
-    fence, _, rest = message.partition(" ")
-    owner, _, key = rest.partition(" ")
-    if fence.isdigit() and owner and key:
-        board.grant(key, owner, int(fence))
+    def _grant(self, message: str) -> None:
+        """A grant carried on this process's grant channel, "fence owner key"
+        (`scripts.HAND_ON`): on to the board; given back when nobody here waits for the key
+        (its waiter stopped without leaving the line: its last attempt failed), or the lock
+        would be nobody's for the waiter's ttl. Anything else is no grant (a message
+        published there by hand)."""
+        fence, _, rest = message.partition(" ")
+        owner, _, key = rest.partition(" ")
+        if not (fence.isdigit() and owner and key):
+            return
+        if self.store.wake_board.grant(key, owner, int(fence)):
+            return
+        try:
+            self.store.give_back_grant(key, owner, int(fence))
+        except Exception as exc:  # it lapses at the waiter's ttl; the listener goes on
+            logger.warning(
+                "lock %r was handed to a waiter that had gone and could not be given back "
+                "(%s); it expires in the waiter's ttl",
+                key,
+                type(exc).__name__,
+            )

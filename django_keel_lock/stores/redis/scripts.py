@@ -322,6 +322,26 @@ return 1
 """
 )
 
+# Give back a grant carried to ARGV[1] (its fence ARGV[7]) that nobody took: its process
+# heard it with nobody there waiting for the key (the waiter stopped without leaving the
+# line, its last attempt failed). Only that grant, still not taken up by a call (the 'g'
+# mark) nor by another wait of the same owner (a later grant has a greater fence); the lock
+# goes to whoever is now first (HAND_ON).
+#   KEYS and ARGV[1..6] as LEAVE_QUEUE's  ARGV[7] the grant's fence
+#   -> 1 if given back, else 0
+GIVE_BACK = _script(
+    _HAND_ON
+    + """
+local held = redis.call('HMGET', KEYS[1], 'o', 'f', 'g')
+if held[1] == ARGV[1] and held[3] and tonumber(held[2]) == tonumber(ARGV[7]) then
+    redis.call('DEL', KEYS[1])
+    hand_on()
+    return 1
+end
+return 0
+"""
+)
+
 # Free the lock if the owner still holds it (and take it out of the line, where a grant it
 # did not take up left it) and hand it over to the first live waiter in line, or announce it
 # on the key's release channel when nobody is in line (HAND_ON).
@@ -746,6 +766,7 @@ SCRIPTS = (
     ACQUIRE,
     ACQUIRE_QUEUED,
     LEAVE_QUEUE,
+    GIVE_BACK,
     RELEASE,
     EXTEND,
     GET,
