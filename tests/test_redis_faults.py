@@ -428,3 +428,49 @@ def test_a_waiting_thread_whose_read_of_the_listener_ends_early_waits_no_longer_
     store.stop_listener()
     thread.join(10)
     assert waited and waited[0] < 5.0, waited  # 4 s asked; 6 s when it slept 4 s again
+
+
+def test_a_grant_message_heard_on_a_replica_is_not_taken_for_a_carried_grant(
+    key: str,
+) -> None:
+    # Redis passes a PUBLISH on to its replicas' subscribers whatever it counted itself. A
+    # listener left on a replica (an old master demoted without its clients cut, behind a
+    # proxy or a DNS name that moved) while the process's commands reach the master must
+    # not hear a grant the master counted nobody for: that grant was written for 2 s at
+    # most, not for the waiter's ttl.
+    master = RedisServer("--repl-diskless-sync-delay", "0").start()
+    replica = RedisServer("--replicaof", "127.0.0.1", str(master.port)).start()
+    proxy = FaultyProxy(replica.port)
+    store = _store(proxy.url + "?socket_timeout=1")
+    direct = _store(master.url + "?socket_timeout=1")
+    try:
+        deadline = time.monotonic() + 20
+        while "master_link_status:up" not in replica.cli("INFO", "replication"):
+            assert time.monotonic() < deadline, "the replica never synced"
+            time.sleep(0.05)
+        with serving(store) as alias:
+            store.ensure_listener()  # on the replica
+            while not store.listener_ready():
+                assert time.monotonic() < deadline, "the listener never connected"
+                time.sleep(0.01)
+            proxy.target_port = master.port  # every command from now on: the master
+            assert direct.acquire(key, "a" * 32, "holder", 30).acquired
+            waiter = lock(key, ttl=30, holder="waiter", store=alias)
+            got: list[bool] = []
+            thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=10)))
+            thread.start()
+            while not direct.client().llen(direct.lock_name(key) + ":line"):
+                assert time.monotonic() < deadline, "the waiter never stood in line"
+                time.sleep(0.01)
+            assert direct.release(key, "a" * 32)
+            thread.join(15)
+            assert got == [True]
+            held = direct.get(key)
+            assert held is not None and held.owner == waiter.owner
+            assert held.expires_in > 5, held  # Redis keeps it as long as the waiter believes
+            assert waiter.release()
+    finally:
+        direct.close()
+        proxy.close()
+        replica.stop()
+        master.stop()
