@@ -371,9 +371,11 @@ def waiting(
     policy = first_policy(target, wait=True)
     # The key in whose line the waiter stands (a multi-key waiter joins one when refused:
     # `_stand`), given up on every way out but taking the lock (the place goes with it) and
-    # the store failing (the place lapses by itself; trying would only make the error come
-    # twice as late): the deadline, a cancellation, an exception from a signal handler (a
-    # task's time limit), SystemExit, KeyboardInterrupt.
+    # the store failing (the place lapses by itself, and a grant a release carries to it
+    # meanwhile is given back by this process's listener, which finds nobody waiting for it;
+    # trying would only make the error come twice as late): the deadline, a cancellation,
+    # an exception from a signal handler (a task's time limit), SystemExit,
+    # KeyboardInterrupt.
     place = [target.key if policy.queued else None]
     try:
         yield WATCH

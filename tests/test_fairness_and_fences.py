@@ -17,7 +17,7 @@ from django.db import connections
 
 from django_keel_lock import get_lock_store, lock, semaphore
 from django_keel_lock.stores import DatabaseLockStore, RedisLockStore
-from django_keel_lock.stores.base import EXCLUSIVE
+from django_keel_lock.stores.base import EXCLUSIVE, LockStore
 from django_keel_lock.stores.database.dialects.mysql import BELL_SLOTS, MySQLDialect
 from django_keel_lock.stores.database.listener import MariaDBListener
 
@@ -139,6 +139,13 @@ def test_writer_takes_a_free_lock_without_looking_at_the_line(alias: str, key: s
     that `hands_off` gives the lock to the first in line in the release itself: never free."""
     store = get_lock_store(alias)
     assert store.acquire(key, "holder", "holder", 30).acquired
+    # The waiters wait in this process, as waiters do (Redis gives back a grant carried to a
+    # process where nobody waits for the key).
+    with store.watch(key):
+        _writer_and_line(store, key)
+
+
+def _writer_and_line(store: LockStore, key: str) -> None:
     assert store.acquire_queued(key, "first", "first", 30).fence is None  # stands in line
     assert store.release(key, "holder")
     assert store.acquire_queued(key, "later", "later", 30).fence is None  # the line's order

@@ -453,12 +453,15 @@ def test_a_place_written_before_hand_offs_gets_a_wake_up_and_no_grant(alias: str
     _place_by_hand(store, key, "b" * 32, {"b" * 32: f"{until}:"})
     assert store.release(key, "a" * 32)
     assert store.get(key) is None
-    assert not store.acquire_queued(key, "c" * 32, "later", 30).acquired  # not its turn
-    assert store.acquire_queued(key, "b" * 32, "old", 30).acquired
-    assert store.release(key, "b" * 32)  # "later" stood with a new place: handed over
-    info = store.get(key)
-    assert info is not None and info.owner == "c" * 32
-    store.leave_queue(key, "c" * 32)
+    # "later" waits in this process, as a waiter does: a grant carried to it stays its own
+    # (one carried to a process where nobody waits for the key is given back).
+    with store.watch(key):
+        assert not store.acquire_queued(key, "c" * 32, "later", 30).acquired  # not its turn
+        assert store.acquire_queued(key, "b" * 32, "old", 30).acquired
+        assert store.release(key, "b" * 32)  # "later" stood with a new place: handed over
+        info = store.get(key)
+        assert info is not None and info.owner == "c" * 32
+        store.leave_queue(key, "c" * 32)
     assert store.get(key) is None
 
 
@@ -795,3 +798,25 @@ def test_a_live_waiter_is_handed_the_lock_at_its_ttl_and_holds_it_with_no_call(
         if proc.is_alive():
             proc.kill()
         proc.join(5)
+
+
+@REDIS_ONLY
+def test_a_grant_carried_to_a_waiter_that_left_without_leaving_the_line_is_given_back(
+    heard: RedisLockStore, unheard: RedisLockStore, key: str
+) -> None:
+    # A waiter whose last attempt failed (LockStoreUnavailable: its reply lost, the attempt
+    # made) stops without leaving the line: its place lapses within QUEUE_LEASE. A release
+    # meanwhile carries it the grant, for its ttl, and its process's listener hears it: with
+    # nobody there waiting for the key, that process gives the grant back (the next in line
+    # gets it), rather than leave the lock to nobody for the waiter's whole ttl.
+    assert unheard.acquire(key, "a" * 32, "holder", 30).acquired
+    assert heard.acquire_queued(key, "b" * 32, "gone", 60).fence is None  # then it failed
+    _stand(unheard, key, "c" * 32)  # the next in line, in a process that does not listen
+    assert unheard.release(key, "a" * 32)
+    deadline = time.monotonic() + 10
+    while (held := unheard.get(key)) is not None and held.owner == "b" * 32:
+        assert time.monotonic() < deadline, f"the grant of the waiter that left was kept: {held}"
+        time.sleep(0.01)
+    assert held is not None and held.owner == "c" * 32
+    assert unheard.acquire_queued(key, "c" * 32, "next", 30).fence == held.fence
+    assert unheard.release(key, "c" * 32)

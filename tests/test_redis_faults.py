@@ -324,3 +324,153 @@ async def test_every_waiting_task_gets_unavailable_when_the_store_hangs(
         outcomes = await asyncio.gather(*waiters, return_exceptions=True)
         proxy.mode = "pass"
     assert all(isinstance(outcome, LockStoreUnavailable) for outcome in outcomes), outcomes
+
+
+def test_a_listener_that_stops_while_a_waiting_thread_reads_its_connection_leaves_it_closed(
+    direct: tuple[str, RedisLockStore], key: str
+) -> None:
+    # A thread waiting for a key reads the listener's connection itself (`read_here`). The
+    # listener giving that connection up (stopped here; or a dead link) gives it back to the
+    # client's pool, closed: the waiting thread must not go on reading it, nor reopen it (a
+    # command that got it from the pool would have its reply read by the waiting thread).
+    _, store = direct
+    with store.watch(key):
+        deadline = time.monotonic() + 10
+        while not store.push_wakeups:
+            assert time.monotonic() < deadline, "the listener never connected"
+            time.sleep(0.01)
+    listener = store._listener
+    assert listener is not None
+    conn = listener._conn
+    waited: list[bool] = []
+
+    def wait() -> None:
+        with store.watch(key) as waiter:
+            waited.append(waiter.wait(3.0))
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not listener._reading.locked():  # the waiting thread reads the connection
+        assert time.monotonic() < deadline, "the waiting thread never read the connection"
+        time.sleep(0.001)
+    store.stop_listener()
+    time.sleep(0.3)
+    assert conn._sock is None, "the waiting thread reopened the connection given back"
+    client = store.client()
+    for _ in range(5):
+        assert client.ping()
+    thread.join(10)
+    assert waited
+
+
+def test_a_listener_whose_connection_a_reading_thread_closed_subscribes_again(
+    direct: tuple[str, RedisLockStore], key: str
+) -> None:
+    # redis-py closes a connection whose read fails (a reset link): a waiting thread that
+    # reads the listener's connection (`read_here`) may do so behind the listener's back.
+    # The listener must not let redis-py reopen it silently on its next command (subscribed
+    # to nothing but that command's channel, while it believes itself subscribed): it
+    # reconnects, subscribed to everything again.
+    _, store = direct
+    client = store.client()
+    channels = [store.wake_prefix, store.wake_prefix, store.release_channel(key)]
+    with store.watch(key):
+        deadline = time.monotonic() + 10
+        while not store.push_wakeups:
+            assert time.monotonic() < deadline, "the listener never connected"
+            time.sleep(0.01)
+        listener = store._listener
+        assert listener is not None
+        channels[0] += listener.address
+        channels[1] += listener.address + ":grant"
+        with listener._reading:  # as a waiting thread reading the connection holds it
+            listener.interrupt()  # as it does: the listener's thread leaves the socket alone
+            time.sleep(0.2)
+            listener._conn.disconnect()  # what redis-py does when that thread's read fails
+            with store.watch(key + ":other"):  # the listener subscribes to a new key
+                time.sleep(0.2)
+        deadline = time.monotonic() + 10
+        while [count for _, count in client.pubsub_numsub(*channels)] != [1, 1, 1]:
+            assert time.monotonic() < deadline, client.pubsub_numsub(*channels)
+            time.sleep(0.01)
+
+
+def test_a_waiting_thread_whose_read_of_the_listener_ends_early_waits_no_longer_than_asked(
+    direct: tuple[str, RedisLockStore], key: str
+) -> None:
+    # The waiting thread reads the listener's connection (`read_here`) until the listener
+    # gives it up (stopped here): it then sleeps what is left of its wait, not all of it
+    # again (an acquire's pause would outlast its timeout).
+    _, store = direct
+    with store.watch(key):
+        deadline = time.monotonic() + 10
+        while not store.push_wakeups:
+            assert time.monotonic() < deadline, "the listener never connected"
+            time.sleep(0.01)
+    listener = store._listener
+    assert listener is not None
+    waited: list[float] = []
+
+    def wait() -> None:
+        with store.watch(key) as waiter:
+            began = time.monotonic()
+            waiter.wait(4.0)
+            waited.append(time.monotonic() - began)
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not listener._reading.locked():  # the waiting thread reads the connection
+        assert time.monotonic() < deadline, "the waiting thread never read the connection"
+        time.sleep(0.001)
+    time.sleep(2.0)
+    store.stop_listener()
+    thread.join(10)
+    assert waited and waited[0] < 5.0, waited  # 4 s asked; 6 s when it slept 4 s again
+
+
+def test_a_grant_message_heard_on_a_replica_is_not_taken_for_a_carried_grant(
+    key: str,
+) -> None:
+    # Redis passes a PUBLISH on to its replicas' subscribers whatever it counted itself. A
+    # listener left on a replica (an old master demoted without its clients cut, behind a
+    # proxy or a DNS name that moved) while the process's commands reach the master must
+    # not hear a grant the master counted nobody for: that grant was written for 2 s at
+    # most, not for the waiter's ttl.
+    master = RedisServer("--repl-diskless-sync-delay", "0").start()
+    replica = RedisServer("--replicaof", "127.0.0.1", str(master.port)).start()
+    proxy = FaultyProxy(replica.port)
+    store = _store(proxy.url + "?socket_timeout=1")
+    direct = _store(master.url + "?socket_timeout=1")
+    try:
+        deadline = time.monotonic() + 20
+        while "master_link_status:up" not in replica.cli("INFO", "replication"):
+            assert time.monotonic() < deadline, "the replica never synced"
+            time.sleep(0.05)
+        with serving(store) as alias:
+            store.ensure_listener()  # on the replica
+            while not store.listener_ready():
+                assert time.monotonic() < deadline, "the listener never connected"
+                time.sleep(0.01)
+            proxy.target_port = master.port  # every command from now on: the master
+            assert direct.acquire(key, "a" * 32, "holder", 30).acquired
+            waiter = lock(key, ttl=30, holder="waiter", store=alias)
+            got: list[bool] = []
+            thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=10)))
+            thread.start()
+            while not direct.client().llen(direct.lock_name(key) + ":line"):
+                assert time.monotonic() < deadline, "the waiter never stood in line"
+                time.sleep(0.01)
+            assert direct.release(key, "a" * 32)
+            thread.join(15)
+            assert got == [True]
+            held = direct.get(key)
+            assert held is not None and held.owner == waiter.owner
+            assert held.expires_in > 5, held  # Redis keeps it as long as the waiter believes
+            assert waiter.release()
+    finally:
+        direct.close()
+        proxy.close()
+        replica.stop()
+        master.stop()

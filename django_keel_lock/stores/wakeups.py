@@ -32,12 +32,12 @@ class Waiter:
         """Block up to `timeout` seconds; True if a release of the key was announced meanwhile.
         Where the board has a `reader`, this thread reads the wake-up itself."""
         slot, seen, reader = self._slot, self._seen, self._board.reader
-        if (
-            reader is not None
-            and slot.generation == seen
-            and reader(lambda: slot.generation != seen, timeout)
-        ):
-            timeout = 0.0
+        if reader is not None and slot.generation == seen:
+            began = time.monotonic()
+            if reader(lambda: slot.generation != seen, timeout):
+                timeout = 0.0
+            else:  # it could not read, or stopped early (the listener gave up): what is left
+                timeout = max(0.0, timeout - (time.monotonic() - began))
         with slot.cond:
             if slot.generation == self._seen:
                 slot.cond.wait(timeout)
@@ -186,12 +186,13 @@ class WakeBoard:
         if slot is not None:
             self._wake_slot(slot)
 
-    def grant(self, key: str, owner: str, fence: int) -> None:
+    def grant(self, key: str, owner: str, fence: int) -> bool:
         """A release handed `key` over to `owner` with `fence`, at the owner's own ttl (its
         full ttl: what an `acquire_queued` of its would have given), and the store's wake-up
         carried the grant here: the waiter may become the holder without a store call.
-        Kept for the owner's waiter (`take_grant`), which is woken; dropped when nobody in
-        this process watches `key`.
+        Kept for the owner's waiter (`take_grant`), which is woken: True. False (dropped)
+        when nobody in this process watches `key`, so nobody here can take it: the store
+        gives it back (its waiter stopped without leaving the line).
 
         A store may call this only when (1) the grant lives at least the owner's ttl from
         the moment it was made, and (2) it was made after the owner's last refused
@@ -203,7 +204,7 @@ class WakeBoard:
         passes the lock on (`LockStore.leave_queue`)."""
         slot = self._slots.get(key)
         if slot is None:
-            return
+            return False
         with slot.cond:
             grants = slot.grants
             if fence > grants.get(owner, 0):
@@ -212,6 +213,7 @@ class WakeBoard:
                 while len(grants) > GRANTS_KEPT:
                     del grants[next(iter(grants))]
         self._wake_slot(slot)
+        return True
 
     def take_grant(self, key: str, owner: str) -> int | None:
         """The fence of the grant of `key` carried to `owner` (`grant`), once; None if none
@@ -334,6 +336,10 @@ class ReleaseListener:
         what woke this one: `read_here`). Only asked when `reads_here`."""
         return True
 
+    def hang_up(self) -> None:
+        """End, at once, the read of a waiting thread that reads the connection (`read_here`):
+        the connection is about to be given up. Only asked when `reads_here`."""
+
     # -- asked from other threads ---------------------------------------------------------
     def want(self, key: str, watched: bool) -> None:
         """`key` got its first waiter (or lost its last): (un)subscribe shortly."""
@@ -356,11 +362,15 @@ class ReleaseListener:
         """Read the connection from a waiting thread until `done()` or `timeout` seconds: the
         wake-up it waits for then wakes it, not this listener's thread, which would have to
         wake it in turn (a second thread to schedule on a busy machine, the hand-off's
-        last leg). False, at once, when it cannot: the store does not allow it, the
-        listener is not connected, or another thread reads."""
+        last leg). False when it cannot (at once: the store does not allow it, the listener
+        is not connected, or another thread reads) or stopped early (the connection broke,
+        or the listener gave it up): the caller sleeps what is left of `timeout`."""
         if not (self.reads_here and self.ready.is_set() and self.pid == os.getpid()):
             return False
         if not self._reading.acquire(blocking=False):
+            return False
+        if not self.ready.is_set():  # given up meanwhile (`_give_up`)
+            self._reading.release()
             return False
         self.interrupt()  # so that this listener's thread stops reading the connection
         try:
@@ -471,6 +481,17 @@ class ReleaseListener:
             self._serve()
         finally:
             self.ready.clear()
+            self._give_up()
+
+    def _give_up(self) -> None:
+        """Disconnect, once no waiting thread reads the connection (`read_here`): the store
+        may give it back to a pool, and a thread still reading it would reopen it and read
+        the replies of whoever gets it next. `hang_up` ends that thread's read now."""
+        if not self.reads_here:
+            self.disconnect()
+            return
+        self.hang_up()
+        with self._reading:
             self.disconnect()
 
     def _serve(self) -> None:

@@ -5,10 +5,15 @@ its waiter being woken)."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import socket
 from typing import TYPE_CHECKING, Any
 
-from ..wakeups import ReleaseListener, WakeBoard
+from ..wakeups import ReleaseListener
 from .clients import as_text, borrow_connection, pack_command, pubsub_pool
+
+logger = logging.getLogger("django_keel_lock")
 
 if TYPE_CHECKING:
     from .store import RedisLockStore
@@ -25,6 +30,7 @@ class RedisListener(ReleaseListener):
     ping_after = 5.0
     dead_after = 15.0
     reads_here = True
+    _sock: Any = None  # the socket of the connection subscribed on (`prepare`)
 
     def connect(self) -> bool:
         self._pool = pubsub_pool(self.store._client())
@@ -43,40 +49,54 @@ class RedisListener(ReleaseListener):
         # channels are subscribed too (Redis answers a connection's commands in order).
         channels = (self._wake_channel, self._grant_channel, self.store.channel)
         self._conn.send_packed_command([pack_command(b"SUBSCRIBE", *channels)])
+        self._sock = getattr(self._conn, "_sock", None)  # the socket subscribed on
         return False  # ready once Redis confirms the base channel (see _handle)
 
-    def socket(self) -> int:
-        sock = getattr(self._conn, "_sock", None)
-        if sock is None:
+    def _live(self) -> Any:
+        """The connection, while its socket is the one subscribed on: redis-py closes a
+        connection whose read fails (in a waiting thread that reads it: `read_here`) and
+        reopens it on its next command or read, subscribed to nothing."""
+        conn = self._conn
+        if getattr(conn, "_sock", None) is None or conn._sock is not self._sock:
             raise ConnectionError("the pub/sub connection is closed")
+        return conn
+
+    def socket(self) -> int:
+        sock = self._live()._sock
         # Everything read so far was handled (dispatch drains redis-py's buffer), so anything
         # new shows up on the socket.
         return int(sock.fileno())
 
     def subscribe(self, keys: list[str]) -> None:
         channels = map(self.store.release_channel, keys)
-        self._conn.send_packed_command([pack_command(b"SUBSCRIBE", *channels)])
+        self._live().send_packed_command([pack_command(b"SUBSCRIBE", *channels)])
 
     def unsubscribe(self, keys: list[str]) -> None:
         channels = map(self.store.release_channel, keys)
-        self._conn.send_packed_command([pack_command(b"UNSUBSCRIBE", *channels)])
+        self._live().send_packed_command([pack_command(b"UNSUBSCRIBE", *channels)])
 
     def ping(self) -> None:
-        self._conn.send_packed_command([pack_command(b"PING")])
+        self._live().send_packed_command([pack_command(b"PING")])
 
     def dispatch(self, data: bool) -> None:
         if not data:
             return
         # Parsed before any waiter is woken: what arrived may be a grant carried to it, which
         # it must find when it wakes.
-        conn = self._conn
+        conn = self._live()
         while True:
             self._handle(conn.read_response(**self._read))
             if not conn.can_read(timeout=0):
                 break
 
     def pending(self) -> bool:
-        return bool(self._conn.can_read(timeout=0))
+        return bool(self._live().can_read(timeout=0))
+
+    def hang_up(self) -> None:
+        sock = getattr(self._conn, "_sock", None)
+        if sock is not None:
+            with contextlib.suppress(OSError):  # the thread reading it hears the end at once
+                sock.shutdown(socket.SHUT_RDWR)
 
     def disconnect(self) -> None:
         try:
@@ -95,7 +115,7 @@ class RedisListener(ReleaseListener):
         if kind == "message" and channel.startswith(prefix):
             board.wake(channel[len(prefix) :])
         elif kind == "message" and channel == self._grant_channel and len(reply) > 2:
-            _grant(board, as_text(reply[2]))
+            self._grant(as_text(reply[2]))
         elif kind == "message" and channel == self._wake_channel and len(reply) > 2:
             board.wake(as_text(reply[2]))  # first in line for this key
         elif kind == "subscribe":
@@ -108,11 +128,24 @@ class RedisListener(ReleaseListener):
             else:
                 self.connected()
 
-
-def _grant(board: WakeBoard, message: str) -> None:
-    """A grant carried on this process's grant channel, "fence owner key" (`scripts.HAND_ON`):
-    on to the board; anything else is no grant (a message published there by hand)."""
-    fence, _, rest = message.partition(" ")
-    owner, _, key = rest.partition(" ")
-    if fence.isdigit() and owner and key:
-        board.grant(key, owner, int(fence))
+    def _grant(self, message: str) -> None:
+        """A grant carried on this process's grant channel, "fence owner key"
+        (`scripts.HAND_ON`): on to the board; given back when nobody here waits for the key
+        (its waiter stopped without leaving the line: its last attempt failed), or the lock
+        would be nobody's for the waiter's ttl. Anything else is no grant (a message
+        published there by hand)."""
+        fence, _, rest = message.partition(" ")
+        owner, _, key = rest.partition(" ")
+        if not (fence.isdigit() and owner and key):
+            return
+        if self.store.wake_board.grant(key, owner, int(fence)):
+            return
+        try:
+            self.store.give_back_grant(key, owner, int(fence))
+        except Exception as exc:  # it lapses at the waiter's ttl; the listener goes on
+            logger.warning(
+                "lock %r was handed to a waiter that had gone and could not be given back "
+                "(%s); it expires in the waiter's ttl",
+                key,
+                type(exc).__name__,
+            )

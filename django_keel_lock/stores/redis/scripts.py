@@ -29,9 +29,10 @@ The callers waiting for an exclusive lock stand in its line (see LockStore.acqui
                              waiter only, instead of on the key's release channel; the
                              waiter's next ACQUIRE_QUEUED takes the grant up at its own ttl
     keel-lock:wake:address:grant  the same listener's grant channel, tried first: a release
-                             publishes "fence owner key" there, and when the listener hears
-                             it (PUBLISH counts it) the grant is for the waiter's own ttl and
-                             the waiter is its holder with no call (HAND_ON); a listener of a
+                             publishes "fence owner key" there when the listener is
+                             subscribed (this server counts it), the grant for the waiter's
+                             own ttl, and the waiter is its holder with no call (HAND_ON);
+                             not heard on a replica unless counted here; a listener of a
                              version before carried grants does not subscribe to it
 A key held by permits (a shared lock's readers, a semaphore's holders) also has:
     keel-lock:{key}          the gate: o = the kind's GATE_OWNER ("*shared", "*semaphore"), h
@@ -137,9 +138,10 @@ end
 # wake it; with nobody in line, announce the release on the key's channel ARGV[2].
 # With ARGV[6] = '1' (not under MIN_REPLICAS nor on Cluster: `RedisLockStore.carries_grants`)
 # the grant is first carried (`carry`) on its process's grant channel (ARGV[3], the wake
-# channels' prefix, .. address .. ':grant'), as "fence owner key" (ARGV[4] the key): when
-# that process's listener hears it (PUBLISH counts it), the grant is for the waiter's own
-# ttl, and it is the holder without a call; it leaves the line (it holds the lock, or passes
+# channels' prefix, .. address .. ':grant'), as "fence owner key" (ARGV[4] the key), when
+# that process's listener is subscribed to it on this server (PUBSUB NUMSUB: not a replica's
+# subscriber nor a pattern's): the grant is then for the waiter's own ttl, and it is the
+# holder without a call; it leaves the line (it holds the lock, or passes
 # it on as it leaves: LEAVE_QUEUE). Otherwise the grant is for min(its ttl, ARGV[5] ms, what
 # is left of its place: a waiter that died does not hold the others up past its place) and
 # the key is published on its wake channel (ARGV[3] .. address: what every version's
@@ -158,10 +160,15 @@ local function leave_line(owner)
     return true
 end
 local function carry(first, address, fence, ttl)
-    local grant = string.format('%d', fence) .. ' ' .. first .. ' ' .. ARGV[4]
-    if redis.call('PUBLISH', ARGV[3] .. address .. ':grant', grant) == 0 then
+    local channel = ARGV[3] .. address .. ':grant'
+    -- Its listener counted first, by this server, on that channel only: Redis passes a
+    -- PUBLISH on to its replicas' subscribers (a listener left on a demoted master) and to
+    -- pattern subscribers whatever it counted, and no grant written for less than the
+    -- waiter's ttl may go out.
+    if redis.call('PUBSUB', 'NUMSUB', channel)[2] == 0 then
         return false
     end
+    redis.call('PUBLISH', channel, string.format('%d', fence) .. ' ' .. first .. ' ' .. ARGV[4])
     redis.call('PEXPIRE', KEYS[1], ttl)
     leave_line(first)
     return true
@@ -319,6 +326,26 @@ if redis.call('EXISTS', KEYS[1]) == 0 and redis.call('EXISTS', KEYS[3]) == 1 the
     hand_on()
 end
 return 1
+"""
+)
+
+# Give back a grant carried to ARGV[1] (its fence ARGV[7]) that nobody took: its process
+# heard it with nobody there waiting for the key (the waiter stopped without leaving the
+# line, its last attempt failed). Only that grant, still not taken up by a call (the 'g'
+# mark) nor by another wait of the same owner (a later grant has a greater fence); the lock
+# goes to whoever is now first (HAND_ON).
+#   KEYS and ARGV[1..6] as LEAVE_QUEUE's  ARGV[7] the grant's fence
+#   -> 1 if given back, else 0
+GIVE_BACK = _script(
+    _HAND_ON
+    + """
+local held = redis.call('HMGET', KEYS[1], 'o', 'f', 'g')
+if held[1] == ARGV[1] and held[3] and tonumber(held[2]) == tonumber(ARGV[7]) then
+    redis.call('DEL', KEYS[1])
+    hand_on()
+    return 1
+end
+return 0
 """
 )
 
@@ -746,6 +773,7 @@ SCRIPTS = (
     ACQUIRE,
     ACQUIRE_QUEUED,
     LEAVE_QUEUE,
+    GIVE_BACK,
     RELEASE,
     EXTEND,
     GET,

@@ -78,6 +78,7 @@ from .scripts import (
     EXTEND_MANY,
     EXTEND_PERMIT,
     GET,
+    GIVE_BACK,
     HOLDERS,
     LEAVE_QUEUE,
     RELEASE,
@@ -454,6 +455,13 @@ class RedisLockStore(ListeningStore, LockStore):
 
     async def aleave_queue(self, key: str, owner: str) -> None:
         await self._arun(*self._line_call(LEAVE_QUEUE, key, owner))
+
+    def give_back_grant(self, key: str, owner: str, fence: int) -> bool:
+        """Give back the grant of `key` (`fence`) a release carried to `owner`, which nobody
+        in this process waits to take (`RedisListener`): the next in line gets the lock. A
+        no-op when the owner took it up, or holds it by another grant."""
+        script, keys, args = self._line_call(GIVE_BACK, key, owner)
+        return bool(self._run(script, keys, (*args, str(fence))))
 
     def release(self, key: str, owner: str) -> bool:
         return self._released(key, self._run(*self._line_call(RELEASE, key, owner)))
