@@ -4,6 +4,9 @@ forked."""
 
 from __future__ import annotations
 
+import dataclasses
+import threading
+
 import pytest
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
@@ -83,3 +86,47 @@ def test_a_spec_is_of_the_options_as_they_are_now_not_as_last_seen() -> None:
     assert LockSpec.of("test", options).name == "after"
     assert lock("k", store="memory", name="before").name == "before"
     assert lock("k", store="memory").name == "k"
+
+
+def test_a_spec_gone_and_its_id_reused_lends_its_handles_nothing() -> None:
+    """A handle starts from what was found for its spec by the spec's id (and from the last
+    spec's, kept apart): once a spec is collected a new one may get its id, and its handles
+    take its own ttl, holder and store, not the gone spec's. (Specs made with
+    `dataclasses.replace`, as a task's claim makes its own, are not kept by `LockSpec.of`.)"""
+    base = LockSpec.parse(store="memory")
+    seen: set[int] = set()
+    reused = 0
+    with memory_lock_store("elsewhere") as elsewhere:
+        for round_ in range(600):
+            alias = "elsewhere" if round_ % 2 else "memory"
+            spec = dataclasses.replace(base, store=alias, ttl=round_ + 1.0, holder=f"h{round_}")
+            reused += id(spec) in seen
+            seen.add(id(spec))
+            handle = spec.lock("k")
+            made = (handle.ttl, handle.holder, handle.store_alias)
+            assert made == (round_ + 1.0, f"h{round_}", alias)
+            assert (handle.store is elsewhere) == (alias == "elsewhere")
+            del spec, handle
+    assert reused, "no spec's id came round again: the test proved nothing"
+
+
+def test_owners_drawn_by_many_threads_at_once_are_all_different() -> None:
+    """Owner tokens are drawn ahead in batches shared by the threads of a process: two
+    threads never take the same one, and each is 128 random bits (32 hex digits)."""
+    owners: list[str] = []
+    start = threading.Barrier(4)
+
+    def take(thread: int) -> None:
+        start.wait()
+        for round_ in range(500):
+            with lock(f"owners:{thread}:{round_}", store="memory") as held:
+                owners.append(str(held.owner))
+
+    threads = [threading.Thread(target=take, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert len(owners) == 2000
+    assert len(set(owners)) == 2000
+    assert all(len(owner) == 32 and int(owner, 16) >= 0 for owner in owners)
