@@ -478,10 +478,12 @@ class LockSpec:
             given = tuple(options.items())
             # Options of strings and None alone (`store="memory"`) need not their types: no
             # other type's value is equal to a string (and hashes as it does) but a str's.
-            spec = _parsed_plain.get(given)
-            if spec is not None:
-                _last_plain = (dict(given), spec)
-                return spec
+            found = _parsed_plain.get(given)
+            if found is not None:
+                # The options it was made of, not these: a value merely equal to a string
+                # now (a lazy translation) may equal another by the next call.
+                _last_plain = found
+                return found[1]
             known = (given, tuple(map(type, options.values())))
             return _parsed[known]
         except KeyError:
@@ -494,8 +496,7 @@ class LockSpec:
             _parsed_plain.clear()
         _parsed[known] = spec
         if all(kind is str or kind is type(None) for kind in known[1]):
-            _parsed_plain[given] = spec
-            _last_plain = (dict(given), spec)
+            _parsed_plain[given] = _last_plain = (dict(given), spec)
         return spec
 
     @classmethod
@@ -572,10 +573,11 @@ def make_handles_with(maker: HandleMaker) -> None:
 #: and of one hash, apart); at most PARSED_KEPT of them.
 _parsed: dict[tuple[tuple[Any, ...], tuple[type, ...]], LockSpec] = {}
 PARSED_KEPT = 256
-#: The specs of `_parsed` whose arguments are all strings or None, by the arguments alone.
-_parsed_plain: dict[tuple[tuple[str, Any], ...], LockSpec] = {}
-#: The options (a copy) and spec `LockSpec.of` last found in `_parsed_plain` (at first, an
-#: object no options are equal to).
+#: The specs of `_parsed` whose arguments are all strings or None, by the arguments alone:
+#: each with those arguments (a dict of their own, of str and None only).
+_parsed_plain: dict[tuple[tuple[str, Any], ...], tuple[object, LockSpec]] = {}
+#: The one of `_parsed_plain` `LockSpec.of` last found (at first, an object no options are
+#: equal to).
 _last_plain: tuple[object, LockSpec] = (object(), LockSpec())
 
 

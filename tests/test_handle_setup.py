@@ -4,6 +4,7 @@ forked."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 
@@ -11,6 +12,7 @@ import pytest
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.test import override_settings
+from django.utils.functional import lazy
 
 from django_keel_lock import lock
 from django_keel_lock.options import LockSpec
@@ -130,3 +132,18 @@ def test_owners_drawn_by_many_threads_at_once_are_all_different() -> None:
     assert len(owners) == 2000
     assert len(set(owners)) == 2000
     assert all(len(owner) == 32 and int(owner, 16) >= 0 for owner in owners)
+
+
+def test_a_plain_string_option_gets_its_own_spec_whatever_was_asked_before() -> None:
+    """`LockSpec.of` compares options with the last plain ones it found a spec for: what it
+    keeps is what the spec was made of, never a caller's value merely equal to a string (a
+    lazy translation, whose value follows the active language), which by the next call may
+    equal another string."""
+    current = ["day-shift"]
+    shift = lazy(lambda: current[0], str)()  # as gettext_lazy("day shift") across languages
+    assert lock("k", store="memory", holder="day-shift").holder == "day-shift"
+    assert lock("k", store="memory").holder != "day-shift"
+    with contextlib.suppress(TypeError):  # no str: refused, or taken as the one it equals
+        lock("k", store="memory", holder=shift)
+    current[0] = "night-shift"
+    assert lock("k", store="memory", holder="night-shift").holder == "night-shift"
