@@ -20,6 +20,7 @@ from django_keel_lock.stores import MemoryLockStore
 from django_keel_lock.testing import memory_lock_store
 
 from .support.forked import in_forked_child
+from .test_database_faults import wait_until
 
 MEMORY = {"BACKEND": "django_keel_lock.stores.MemoryLockStore"}
 
@@ -147,3 +148,30 @@ def test_a_plain_string_option_gets_its_own_spec_whatever_was_asked_before() -> 
         lock("k", store="memory", holder=shift)
     current[0] = "night-shift"
     assert lock("k", store="memory", holder="night-shift").holder == "night-shift"
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_child_acquires_a_handle_the_parent_is_acquiring_with_an_owner_of_its_own() -> (
+    None
+):
+    """A process forks while one of its threads acquires a handle: the child has no acquire
+    under way and may use the handle, but not with the owner the parent's acquire asks with:
+    a store both share would grant that one owner to the two processes."""
+    with memory_lock_store("memory"):
+        holder = lock("k", store="memory", ttl=30)
+        assert holder.acquire()
+        handle = lock("k", store="memory", ttl=30)
+        waiting = threading.Thread(target=handle.acquire, kwargs={"timeout": 20})
+        waiting.start()
+        assert wait_until(lambda: handle._acquiring is not None, 10)
+
+        def child_owner() -> str:
+            holder.release()  # in the child's copy of the store
+            assert handle.acquire()
+            return str(handle.owner)
+
+        theirs, _ = in_forked_child(child_owner)
+        assert holder.release()
+        waiting.join(20)
+        assert handle.held and handle.release()
+        assert len(theirs) == 32 and theirs != handle.owner
