@@ -537,9 +537,20 @@ os.register_at_fork(after_in_child=_owners.clear)
 #: The mark of each acquire under way, by its handle (`Lock._begin`): `dict.setdefault`
 #: claims a handle in one step, which a mutex per handle did at a lock made per handle and
 #: two calls more. (A handle hashes and compares as itself, in C: nothing runs meanwhile.)
-#: A forked child has no acquire under way.
+#: A forked child has no acquire under way (`_forget_acquires`).
 _acquires: dict[Lock, object] = {}
-os.register_at_fork(after_in_child=_acquires.clear)
+
+
+def _forget_acquires() -> None:
+    """In a forked child: no acquire is under way. A handle the parent was acquiring draws
+    an owner of its own when the child acquires it: the parent's acquire goes on asking
+    with the one it drew, and a store both share would grant that owner to the two."""
+    for handle in _acquires:
+        handle._next_owner = None
+    _acquires.clear()
+
+
+os.register_at_fork(after_in_child=_forget_acquires)
 #: A handle's `_mutex` when it has no watchdog: nothing to guard.
 _UNSHARED: AbstractContextManager[object] = nullcontext()
 

@@ -477,10 +477,12 @@ class LockSpec:
             given = tuple(options.items())
             # Options of strings and None alone (`store="memory"`) need not their types: no
             # other type's value is equal to a string (and hashes as it does) but a str's.
-            spec = _parsed_plain.get(given)
-            if spec is not None:
-                last_plain[0] = (dict(given), spec)
-                return spec
+            found = _parsed_plain.get(given)
+            if found is not None:
+                # The options it was made of, not these: a value merely equal to a string
+                # now (a lazy translation) may equal another by the next call.
+                last_plain[0] = found
+                return found[1]
             known = (given, tuple(map(type, options.values())))
             return _parsed[known]
         except KeyError:
@@ -493,8 +495,7 @@ class LockSpec:
             _parsed_plain.clear()
         _parsed[known] = spec
         if all(kind is str or kind is type(None) for kind in known[1]):
-            _parsed_plain[given] = spec
-            last_plain[0] = (dict(given), spec)
+            _parsed_plain[given] = last_plain[0] = (dict(given), spec)
         return spec
 
     @classmethod
@@ -571,11 +572,11 @@ def make_handles_with(maker: HandleMaker) -> None:
 #: and of one hash, apart); at most PARSED_KEPT of them.
 _parsed: dict[tuple[tuple[Any, ...], tuple[type, ...]], LockSpec] = {}
 PARSED_KEPT = 256
-#: The specs of `_parsed` whose arguments are all strings or None, by the arguments alone.
-_parsed_plain: dict[tuple[tuple[str, Any], ...], LockSpec] = {}
-#: The options (a copy) and spec `LockSpec.of` last found in `_parsed_plain` (at first, an
-#: object no options are equal to), in a list of one: `core.lock` looks at it first, a call
-#: less per handle.
+#: The specs of `_parsed` whose arguments are all strings or None, by the arguments alone:
+#: each with those arguments (a dict of their own, of str and None only).
+_parsed_plain: dict[tuple[tuple[str, Any], ...], tuple[object, LockSpec]] = {}
+#: The one of `_parsed_plain` `LockSpec.of` last found (at first, an object no options are
+#: equal to), in a list of one: `core.lock` looks at it first, a call less per handle.
 last_plain: list[tuple[object, LockSpec]] = [(object(), LockSpec())]
 
 

@@ -104,3 +104,32 @@ def test_an_interrupt_as_an_acquire_begins_leaves_the_handle_usable(
             handle.acquire()
     assert handle.acquire()
     assert handle.release()
+
+
+async def test_a_thread_may_not_acquire_a_handle_a_task_waits_with(
+    make_lock: Callable[..., Lock],
+) -> None:
+    """A task and a thread claim a handle's acquire the same way, in one step: while a task
+    waits with the handle, an acquire from a thread is refused, and the task's goes on."""
+    holder = make_lock(ttl=30)
+    assert await holder.aacquire()
+    handle = make_lock(ttl=30)
+    waiting = asyncio.create_task(handle.aacquire(timeout=10))
+    for _ in range(200):  # until the task's acquire has begun (it waits for the holder)
+        if handle._acquiring is not None:
+            break
+        await asyncio.sleep(0.05)
+    assert handle._acquiring is not None
+
+    def from_a_thread() -> bool | BaseException:
+        try:
+            return handle.acquire(timeout=1)
+        except BaseException as error:
+            return error
+
+    refused = await asyncio.to_thread(from_a_thread)
+    assert type(refused) is LockError and "already acquiring" in str(refused), refused
+    assert not waiting.done()
+    assert await holder.arelease()
+    assert await asyncio.wait_for(waiting, 10)
+    assert handle.held and await handle.arelease()
