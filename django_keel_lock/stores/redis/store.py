@@ -217,6 +217,7 @@ class RedisLockStore(ListeningStore, LockStore):
             )
         self.connection_alias: str | None = connection
         self.url: str | None = url
+        self.wake_board.give_back = self.give_back_grant  # a carried grant nobody here takes
         self.cluster = bool(self.options.get("CLUSTER", False))
         # On Cluster, keys on several slots are taken a slot at a time (acquire_many).
         self.atomic_many = not self.cluster
