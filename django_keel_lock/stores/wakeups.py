@@ -83,7 +83,8 @@ class AnyWaiter:
 
 
 #: The most carried grants a key's slot keeps for owners that have not taken theirs (a
-#: waiter that stopped waiting as its grant came never takes it; its store passes it on).
+#: waiter that stopped waiting as its grant came never takes it: it left the line, which
+#: passed the lock on, or its grant is given back as it stops watching).
 GRANTS_KEPT = 16
 
 
