@@ -76,8 +76,10 @@ def carried(store: LockStore, key: Watched, step: Pause) -> int | None:
 class _Sync:
     """What `run` holds while the engine runs: the turn and the watch (`held`), the waiter."""
 
-    def __init__(self, store: LockStore, key: Watched, held: contextlib.ExitStack) -> None:
-        self.store, self.key, self.held = store, key, held
+    def __init__(
+        self, store: LockStore, key: Watched, held: contextlib.ExitStack, owner: str = ""
+    ) -> None:
+        self.store, self.key, self.held, self.owner = store, key, held, owner
         self.waiter: Any = None
 
     def step(self, step: Any) -> Any:
@@ -103,17 +105,18 @@ class _Sync:
         """Listen for releases of the key (its `Waiter`), or of any of several keys."""
         key = self.key
         if type(key) is str:
-            return self.held.enter_context(self.store.watch(key))
+            return self.held.enter_context(self.store.watch(key, self.owner))
         waiter = AnyWaiter()
-        self.held.enter_context(self.store.watch_many(key, waiter.wake))
+        self.held.enter_context(self.store.watch_many(key, waiter.wake, self.owner))
         return waiter
 
 
-def run(steps: Steps, store: LockStore, key: Watched) -> Any:
+def run(steps: Steps, store: LockStore, key: Watched, owner: str = "") -> Any:
     """Run `steps` on `store` with its sync calls; the turn and the watch (of `key`, or of
-    each of several keys) they take last until they end. Their value."""
+    each of several keys, for `owner`: the grants carried to it are its) they take last
+    until they end. Their value."""
     with contextlib.ExitStack() as held:
-        driver = _Sync(store, key, held)
+        driver = _Sync(store, key, held, owner)
         reply: Any = None
         while True:
             try:
@@ -159,7 +162,7 @@ def acquire(
     tally = [1]
     try:
         steps = engine.acquisition(target, owner, wait, retry_delay, tally)
-        result, sent = run(steps, store, engine.subject(target))
+        result, sent = run(steps, store, engine.subject(target), owner)
     except BaseException as error:
         return error, 0.0, tally[0]
     return result, sent, tally[0]
@@ -189,8 +192,10 @@ class _Async:
     """What `arun` holds while the engine runs: the turn and the watch (`held`), the event a
     release sets, a cancellation to raise once the engine is done."""
 
-    def __init__(self, store: LockStore, key: Watched, held: contextlib.AsyncExitStack) -> None:
-        self.store, self.key, self.held = store, key, held
+    def __init__(
+        self, store: LockStore, key: Watched, held: contextlib.AsyncExitStack, owner: str = ""
+    ) -> None:
+        self.store, self.key, self.held, self.owner = store, key, held, owner
         self.woken: asyncio.Event | None = None
         self.heard: set[str] = set()  # the keys whose releases set `woken`
         self.pending: BaseException | None = None
@@ -249,7 +254,7 @@ class _Async:
                 pass
 
         keys = (self.key,) if type(self.key) is str else self.key
-        self.held.enter_context(self.store.watch_many(keys, wake))
+        self.held.enter_context(self.store.watch_many(keys, wake, self.owner))
 
     async def wake_up(self, keys: tuple[str, ...]) -> None:
         """Until a release of one of `keys` (of any key: none given) was heard since the
@@ -267,12 +272,13 @@ async def arun(
     store: LockStore,
     key: Watched,
     undo: Callable[[Any], Steps | None] | None = None,
+    owner: str = "",
 ) -> Any:
     """`run` for async code: the store's async calls, each run to its end. A cancellation
     that came during a quiet call is raised once the engine is done, after the steps
     `undo(value)` gives (if any) undid what the engine returned."""
     async with contextlib.AsyncExitStack() as held:
-        driver = _Async(store, key, held)
+        driver = _Async(store, key, held, owner)
         try:
             done, step = resume(steps, None)
             while not done:
@@ -307,7 +313,7 @@ async def aacquire(target: Target, owner: str, wait: float, retry_delay: float) 
         return engine.giving_back(target, owner, "acquired as its waiter was cancelled")
 
     try:
-        result, sent = await arun(steps, target.store, engine.subject(target), undo)
+        result, sent = await arun(steps, target.store, engine.subject(target), undo, owner)
     except BaseException as error:
         return error, 0.0, tally[0]
     return result, sent, tally[0]

@@ -31,7 +31,9 @@ so the store keeps the lock at least that long). A grant of a fence no greater t
 refusal's `last_fence` is stale (pub/sub and commands are not ordered with each other) and
 ignored; one that comes when too much of the ttl has gone since that attempt (`CARRIED_AGE`)
 is taken up by the next attempt instead. A waiter that stops before taking it leaves the line
-as any other, which passes the lock on: it never took it.
+as any other, which passes the lock on: it never took it. One that stops on a store error
+(it does not leave the line) leaves its grant to its process's board, which gives it back
+where the store can (`WakeBoard.give_back`): the driver watches the key as its `owner`.
 
 The sync driver runs an acquire that does not wait from `ask`, `check` and `late` directly,
 without the generator, which costs about 0.9 us a run: 15 % of a memory-store cycle.
@@ -372,8 +374,9 @@ def waiting(
     # The key in whose line the waiter stands (a multi-key waiter joins one when refused:
     # `_stand`), given up on every way out but taking the lock (the place goes with it) and
     # the store failing (the place lapses by itself, and a grant a release carries to it
-    # meanwhile is given back by this process's listener, which finds nobody waiting for it;
-    # trying would only make the error come twice as late): the deadline, a cancellation,
+    # is given back by this process's board, which finds nobody waiting as `owner` once the
+    # driver's watch ends, or the grant untaken then; trying would only make the error come
+    # twice as late): the deadline, a cancellation,
     # an exception from a signal handler (a task's time limit), SystemExit,
     # KeyboardInterrupt.
     place = [target.key if policy.queued else None]

@@ -8,6 +8,7 @@ test_semaphores...).
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -276,8 +277,8 @@ def test_the_sync_driver_answers_a_pause_with_the_grant_carried_to_its_owner() -
         store.wake_board.grant("k", "o", 9)
 
     threading.Timer(0.05, grants).start()
-    assert drivers.run(_pause_for_a_grant(), store, "k") == 9
-    with store.watch("k"):
+    assert drivers.run(_pause_for_a_grant(), store, "k", "o") == 9
+    with store.watch("k", "o"):
         store.wake_board.grant("k", "someone", 8)
         assert store.wake_board.take_grant("k", "o") is None  # taken once, the owner's only
 
@@ -287,7 +288,7 @@ def test_the_async_driver_answers_a_pause_with_the_grant_carried_to_its_owner() 
 
     async def main() -> Any:
         asyncio.get_running_loop().call_later(0.05, store.wake_board.grant, "k", "o", 9)
-        return await drivers.arun(_pause_for_a_grant(), store, "k")
+        return await drivers.arun(_pause_for_a_grant(), store, "k", owner="o")
 
     assert asyncio.run(main()) == 9
 
@@ -295,8 +296,28 @@ def test_the_async_driver_answers_a_pause_with_the_grant_carried_to_its_owner() 
 def test_a_grant_for_a_key_nobody_here_watches_is_dropped() -> None:
     store = MemoryLockStore()
     store.wake_board.grant("k", "o", 9)
-    with store.watch("k"):
+    with store.watch("k", "o"):
         assert store.wake_board.take_grant("k", "o") is None
         store.wake_board.grant("k", "o", 9)
         store.wake_board.grant("k", "o", 8)  # an older one never replaces it
         assert store.wake_board.take_grant("k", "o") == 9
+
+
+def test_a_grant_nobody_here_takes_is_given_back() -> None:
+    # For an owner that waits for the key nowhere here (another waits for it), or left
+    # untaken by its owner when it stops watching: the store's give-back gets it, once.
+    store = MemoryLockStore()
+    given = queue.Queue[tuple[str, str, int]]()
+    store.wake_board.give_back = lambda *grant: given.put(grant)
+    with store.watch("k", "other"):
+        assert not store.wake_board.grant("k", "gone", 7)
+        assert given.get(timeout=5) == ("k", "gone", 7)
+        with store.watch("k", "o"), store.watch("k", "o"):
+            assert store.wake_board.grant("k", "o", 9)
+        assert given.get(timeout=5) == ("k", "o", 9)
+        with store.watch("k", "o"):
+            assert store.wake_board.grant("k", "o", 10)
+            assert store.wake_board.take_grant("k", "o") == 10
+    assert store.wake_board.granted("k", "o") is None
+    with pytest.raises(queue.Empty):
+        given.get(timeout=0.2)  # the grant taken: nothing given back

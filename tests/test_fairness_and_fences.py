@@ -140,8 +140,8 @@ def test_writer_takes_a_free_lock_without_looking_at_the_line(alias: str, key: s
     store = get_lock_store(alias)
     assert store.acquire(key, "holder", "holder", 30).acquired
     # The waiters wait in this process, as waiters do (Redis gives back a grant carried to a
-    # process where nobody waits for the key).
-    with store.watch(key):
+    # process where nobody waits as its owner).
+    with store.watch(key, "first"), store.watch(key, "later"):
         _writer_and_line(store, key)
 
 

@@ -455,7 +455,7 @@ def test_a_place_written_before_hand_offs_gets_a_wake_up_and_no_grant(alias: str
     assert store.get(key) is None
     # "later" waits in this process, as a waiter does: a grant carried to it stays its own
     # (one carried to a process where nobody waits for the key is given back).
-    with store.watch(key):
+    with store.watch(key, "c" * 32):
         assert not store.acquire_queued(key, "c" * 32, "later", 30).acquired  # not its turn
         assert store.acquire_queued(key, "b" * 32, "old", 30).acquired
         assert store.release(key, "b" * 32)  # "later" stood with a new place: handed over
@@ -563,7 +563,7 @@ def test_a_release_heard_by_the_waiters_process_grants_its_whole_ttl_and_carries
     alias: str, heard: ServerStore, unheard: ServerStore, key: str
 ) -> None:
     assert unheard.acquire(key, "a" * 32, "holder", 30).acquired
-    with heard.watch(key) as waiter:
+    with heard.watch(key, "b" * 32) as waiter:
         refused = heard.acquire_queued(key, "b" * 32, "holder-bbbb", 30)
         assert not refused.acquired and refused.last_fence is not None
         _stand(unheard, key, "c" * 32)
@@ -589,7 +589,7 @@ def test_a_carried_grant_its_waiter_never_took_is_passed_on_when_it_leaves(
 ) -> None:
     # It gave up (timed out, was cancelled) as the grant came: the engine leaves the line.
     assert unheard.acquire(key, "a" * 32, "holder", 30).acquired
-    with heard.watch(key):
+    with heard.watch(key, "b" * 32):
         _stand(heard, key, "b" * 32)
         _stand(unheard, key, "c" * 32)
         assert unheard.release(key, "a" * 32)
@@ -800,6 +800,27 @@ def test_a_live_waiter_is_handed_the_lock_at_its_ttl_and_holds_it_with_no_call(
         proc.join(5)
 
 
+def _given_to_the_next(store: ServerStore, key: str) -> None:
+    """Wait until `key`, granted to "b"*32, is given back and so handed to "c"*32, next in
+    line (within 10 s: far less than the grant's ttl of 60 s); "c" takes it up, releases."""
+    deadline = time.monotonic() + 10
+    while (held := store.get(key)) is not None and held.owner == "b" * 32:
+        assert time.monotonic() < deadline, f"the grant was kept: {held}"
+        time.sleep(0.01)
+    assert held is not None and held.owner == "c" * 32
+    assert store.acquire_queued(key, "c" * 32, "next", 30).fence == held.fence
+    assert store.release(key, "c" * 32)
+
+
+def _granted_to_one_gone(heard: ServerStore, unheard: ServerStore, key: str) -> None:
+    """`key` held, then released with "b"*32 first in line (standing through `heard`, its
+    waiter gone: its attempt failed) and "c"*32 next (through `unheard`)."""
+    assert unheard.acquire(key, "a" * 32, "holder", 30).acquired
+    assert heard.acquire_queued(key, "b" * 32, "gone", 60).fence is None  # then it failed
+    _stand(unheard, key, "c" * 32)  # the next in line, in a process that does not listen
+    assert unheard.release(key, "a" * 32)
+
+
 @REDIS_ONLY
 def test_a_grant_carried_to_a_waiter_that_left_without_leaving_the_line_is_given_back(
     heard: RedisLockStore, unheard: RedisLockStore, key: str
@@ -809,14 +830,34 @@ def test_a_grant_carried_to_a_waiter_that_left_without_leaving_the_line_is_given
     # meanwhile carries it the grant, for its ttl, and its process's listener hears it: with
     # nobody there waiting for the key, that process gives the grant back (the next in line
     # gets it), rather than leave the lock to nobody for the waiter's whole ttl.
-    assert unheard.acquire(key, "a" * 32, "holder", 30).acquired
-    assert heard.acquire_queued(key, "b" * 32, "gone", 60).fence is None  # then it failed
-    _stand(unheard, key, "c" * 32)  # the next in line, in a process that does not listen
-    assert unheard.release(key, "a" * 32)
-    deadline = time.monotonic() + 10
-    while (held := unheard.get(key)) is not None and held.owner == "b" * 32:
-        assert time.monotonic() < deadline, f"the grant of the waiter that left was kept: {held}"
-        time.sleep(0.01)
-    assert held is not None and held.owner == "c" * 32
-    assert unheard.acquire_queued(key, "c" * 32, "next", 30).fence == held.fence
-    assert unheard.release(key, "c" * 32)
+    _granted_to_one_gone(heard, unheard, key)
+    _given_to_the_next(unheard, key)
+
+
+@REDIS_ONLY
+def test_a_grant_carried_to_a_waiter_that_left_is_given_back_while_others_here_wait_for_the_key(
+    heard: RedisLockStore, unheard: RedisLockStore, key: str
+) -> None:
+    # As above, but another waiter of that process ("d") still watches the key: the grant is
+    # for an owner nobody there waits as, so it is given back all the same.
+    with heard.watch(key, "d" * 32):
+        _granted_to_one_gone(heard, unheard, key)
+        _given_to_the_next(unheard, key)
+        assert heard.wake_board.take_grant(key, "b" * 32) is None
+
+
+@REDIS_ONLY
+def test_a_grant_its_waiter_stopped_watching_for_without_taking_it_is_given_back(
+    heard: RedisLockStore, unheard: RedisLockStore, key: str
+) -> None:
+    # "b" waits here and the grant reaches the board, but its waiter stops (its store call
+    # failed: it does not leave the line) without taking it: the grant is given back when
+    # it stops watching, while "d", another waiter of the key here, goes on watching.
+    with heard.watch(key, "d" * 32) as other:
+        with heard.watch(key, "b" * 32):
+            _granted_to_one_gone(heard, unheard, key)
+            deadline = time.monotonic() + 10
+            while heard.wake_board.granted(key, "b" * 32) is None:
+                assert time.monotonic() < deadline, "the grant never came"
+                other.wait(0.1)
+        _given_to_the_next(unheard, key)

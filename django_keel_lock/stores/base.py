@@ -333,16 +333,19 @@ class LockStore(ABC):
         then a waiter needs to poll only for a holder that expires without releasing."""
         return False
 
-    def watch(self, key: str) -> Any:
-        """Context manager yielding a `Waiter` for `key`. Stores with a cross-process listener
-        start it here."""
-        return self.wake_board.watch(key)
+    def watch(self, key: str, owner: str = "") -> Any:
+        """Context manager yielding a `Waiter` for `key`; `owner`: the acquisition that
+        waits, to which a wake-up may carry a grant (`WakeBoard.grant`). Stores with a
+        cross-process listener start it here."""
+        return self.wake_board.watch(key, owner)
 
-    def watch_many(self, keys: Iterable[str], callback: Callable[[str], None]) -> Any:
+    def watch_many(
+        self, keys: Iterable[str], callback: Callable[[str], None], owner: str = ""
+    ) -> Any:
         """Context manager: `callback(key)` (from any thread) on each release of any of `keys`
-        while it lasts (async waiters, multi-key waiters). Stores with a cross-process
-        listener start it here, as `watch` does."""
-        return self.wake_board.watch_many(keys, callback)
+        while it lasts (async waiters, multi-key waiters; `owner` as `watch`'s). Stores with
+        a cross-process listener start it here, as `watch` does."""
+        return self.wake_board.watch_many(keys, callback, owner)
 
     def close(self) -> None:
         """Release connections and stop listeners; the store may be used again afterwards."""

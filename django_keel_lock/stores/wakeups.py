@@ -83,12 +83,13 @@ class AnyWaiter:
 
 
 #: The most carried grants a key's slot keeps for owners that have not taken theirs (a
-#: waiter that stopped waiting as its grant came never takes it; its store passes it on).
+#: waiter that stopped waiting as its grant came never takes it: it left the line, which
+#: passed the lock on, or its grant is given back as it stops watching).
 GRANTS_KEPT = 16
 
 
 class _Slot:
-    __slots__ = ("callbacks", "cond", "generation", "grants", "watchers")
+    __slots__ = ("callbacks", "cond", "generation", "grants", "owners", "watchers")
 
     def __init__(self) -> None:
         self.cond = threading.Condition(threading.Lock())
@@ -96,6 +97,21 @@ class _Slot:
         self.watchers = 0
         self.callbacks: list[Any] = []
         self.grants: dict[str, int] = {}  # owner -> fence of the grant carried to it
+        self.owners: dict[str, int] = {}  # the owners that wait here -> their watches
+
+
+def _give_back(hook: Callable[[str, str, int], Any], key: str, owner: str, fence: int) -> None:
+    """Run a store's give-back of a carried grant nobody here takes (`WakeBoard.give_back`):
+    an error is logged, never raised (the grant then lapses at its waiter's ttl)."""
+    try:
+        hook(key, owner, fence)
+    except Exception as exc:
+        logger.warning(
+            "lock %r was handed to a waiter that had gone and could not be given back "
+            "(%s); it expires in the waiter's ttl",
+            key,
+            type(exc).__name__,
+        )
 
 
 class WakeBoard:
@@ -119,8 +135,13 @@ class WakeBoard:
         #: when it cannot now (it then sleeps). Set by a store whose listener allows it
         #: (`ReleaseListener.read_here`).
         self.reader: Callable[[Callable[[], bool], float], bool] | None = None
+        #: give_back(key, owner, fence): hand on a grant carried here that nobody takes (its
+        #: owner waits for the key nowhere in this process, or stopped without taking it),
+        #: acting only while that owner holds that grant untaken up. Set by a store that can
+        #: (Redis's `give_back_grant`); run on a thread of its own, its errors logged.
+        self.give_back: Callable[[str, str, int], Any] | None = None
 
-    def _join(self, key: str, callback: Any = None) -> _Slot:
+    def _join(self, key: str, callback: Any = None, owner: str = "") -> _Slot:
         with self._mutex:
             slot = self._slots.get(key)
             if slot is None:
@@ -130,45 +151,74 @@ class WakeBoard:
             slot.watchers += 1
             if callback is not None:
                 slot.callbacks.append(callback)
+            if owner:
+                slot.owners[owner] = slot.owners.get(owner, 0) + 1
             return slot
 
-    def _leave(self, key: str, slot: _Slot, callback: Any = None) -> None:
+    def _leave(self, key: str, slot: _Slot, callback: Any = None, owner: str = "") -> None:
+        fence = None
         with self._mutex:
             if callback is not None:
                 slot.callbacks.remove(callback)
             slot.watchers -= 1
+            if owner:
+                fence = self._unwait(slot, owner)
             if slot.watchers == 0 and self._slots.get(key) is slot:
                 del self._slots[key]
                 if self.watched_hook is not None:
                     self.watched_hook(key, False)
+        if fence is not None:
+            self._given_back(key, owner, fence)
+
+    @staticmethod
+    def _unwait(slot: _Slot, owner: str) -> int | None:
+        """`owner` stops waiting at `slot` (under the board's mutex): the fence of a grant
+        carried to it that it did not take, for `_leave` to give back (it stopped without
+        leaving the line: its store failed, or its generator was closed; where it did leave
+        the line, that passed the lock on, and the store's give-back is a no-op)."""
+        left = slot.owners[owner] - 1
+        if left:
+            slot.owners[owner] = left
+            return None
+        del slot.owners[owner]
+        if not slot.grants:
+            return None
+        with slot.cond:
+            return slot.grants.pop(owner, None)
 
     @contextmanager
-    def watch(self, key: str) -> Iterator[Waiter]:
-        slot = self._join(key)
+    def watch(self, key: str, owner: str = "") -> Iterator[Waiter]:
+        """A `Waiter` for `key` in the block; `owner`: the acquisition that waits, whose
+        grants carried here are kept for it (`grant`) until the block ends."""
+        slot = self._join(key, None, owner)
         try:
             yield Waiter(slot, self)
         finally:
-            self._leave(key, slot)
+            self._leave(key, slot, None, owner)
 
-    def add_callback(self, key: str, callback: Any) -> Any:
-        """Call `callback()` (from any thread) on each wake of `key` while registered.
+    def add_callback(self, key: str, callback: Any, owner: str = "") -> Any:
+        """Call `callback()` (from any thread) on each wake of `key` while registered (for
+        `owner`, as `watch`'s).
 
         Used by async waiters, which cannot block on a threading.Condition. Returns a token for
         `remove_callback`.
         """
-        return (key, self._join(key, callback), callback)
+        return (key, self._join(key, callback, owner), callback, owner)
 
     def remove_callback(self, token: Any) -> None:
-        key, slot, callback = token
-        self._leave(key, slot, callback)
+        key, slot, callback, owner = token
+        self._leave(key, slot, callback, owner)
 
     @contextmanager
-    def watch_many(self, keys: Iterable[str], callback: Callable[[str], None]) -> Iterator[None]:
-        """Call `callback(key)` (from any thread) on each wake of any of `keys` in the block."""
+    def watch_many(
+        self, keys: Iterable[str], callback: Callable[[str], None], owner: str = ""
+    ) -> Iterator[None]:
+        """Call `callback(key)` (from any thread) on each wake of any of `keys` in the block
+        (for `owner`, as `watch`'s)."""
         tokens = []
         try:
             for key in keys:
-                tokens.append(self.add_callback(key, partial(callback, key)))
+                tokens.append(self.add_callback(key, partial(callback, key), owner))
             yield
         finally:
             for token in tokens:
@@ -190,9 +240,10 @@ class WakeBoard:
         """A release handed `key` over to `owner` with `fence`, at the owner's own ttl (its
         full ttl: what an `acquire_queued` of its would have given), and the store's wake-up
         carried the grant here: the waiter may become the holder without a store call.
-        Kept for the owner's waiter (`take_grant`), which is woken: True. False (dropped)
-        when nobody in this process watches `key`, so nobody here can take it: the store
-        gives it back (its waiter stopped without leaving the line).
+        Kept for the owner's waiter (`take_grant`), which is woken: True. False when `owner`
+        waits for `key` nowhere in this process (`watch`), so nobody here can take it (its
+        waiter stopped without leaving the line): it is given back (`give_back`), as it is
+        when its waiter stops watching without taking it.
 
         A store may call this only when (1) the grant lives at least the owner's ttl from
         the moment it was made, and (2) it was made after the owner's last refused
@@ -201,19 +252,39 @@ class WakeBoard:
         attempt's send time, so it never believes in it longer than the store keeps it, and
         a grant message that arrives after a later refusal is recognised as stale. A waiter
         that does not take the grant (it stopped waiting meanwhile) leaves the line, which
-        passes the lock on (`LockStore.leave_queue`)."""
-        slot = self._slots.get(key)
-        if slot is None:
+        passes the lock on (`LockStore.leave_queue`), or, where it could not (its store
+        failed), its grant is given back when it stops watching."""
+        with self._mutex:  # not into a slot its last watcher is leaving (`_leave`)
+            slot = self._slots.get(key)
+            kept = slot is not None and owner in slot.owners
+            if slot is not None and kept:
+                with slot.cond:
+                    grants = slot.grants
+                    if fence > grants.get(owner, 0):
+                        grants.pop(owner, None)  # last in: the one dropped first is the oldest
+                        grants[owner] = fence
+                        while len(grants) > GRANTS_KEPT:
+                            del grants[next(iter(grants))]
+        if slot is None or not kept:
+            self._given_back(key, owner, fence)
             return False
-        with slot.cond:
-            grants = slot.grants
-            if fence > grants.get(owner, 0):
-                grants.pop(owner, None)  # last in: the one dropped first is the oldest
-                grants[owner] = fence
-                while len(grants) > GRANTS_KEPT:
-                    del grants[next(iter(grants))]
         self._wake_slot(slot)
         return True
+
+    def granted(self, key: str, owner: str) -> int | None:
+        """The fence of the grant of `key` carried to `owner` and not taken yet (a look:
+        `take_grant` takes it)."""
+        slot = self._slots.get(key)
+        return None if slot is None else slot.grants.get(owner)
+
+    def _given_back(self, key: str, owner: str, fence: int) -> None:
+        """Give back a carried grant nobody here takes, on a thread of its own (the
+        listener's loop or a waiter's way out must not wait for the store)."""
+        hook = self.give_back
+        if hook is not None:
+            args = (hook, key, owner, fence)
+            name = "keel-lock-give-back"
+            threading.Thread(target=_give_back, args=args, name=name, daemon=True).start()
 
     def take_grant(self, key: str, owner: str) -> int | None:
         """The fence of the grant of `key` carried to `owner` (`grant`), once; None if none
@@ -570,15 +641,17 @@ class ListeningStore:
     def push_wakeups(self) -> bool:
         return self.listener_ready()
 
-    def watch(self, key: str) -> Any:
+    def watch(self, key: str, owner: str = "") -> Any:
         if self._listens():
             self.ensure_listener()
-        return self.wake_board.watch(key)
+        return self.wake_board.watch(key, owner)
 
-    def watch_many(self, keys: Iterable[str], callback: Callable[[str], None]) -> Any:
+    def watch_many(
+        self, keys: Iterable[str], callback: Callable[[str], None], owner: str = ""
+    ) -> Any:
         if self._listens():
             self.ensure_listener()
-        return self.wake_board.watch_many(keys, callback)
+        return self.wake_board.watch_many(keys, callback, owner)
 
     def ensure_listener(self) -> None:
         """Start this process's listener unless one runs (a forked child starts its own)."""

@@ -6,14 +6,11 @@ its waiter being woken)."""
 from __future__ import annotations
 
 import contextlib
-import logging
 import socket
 from typing import TYPE_CHECKING, Any
 
 from ..wakeups import ReleaseListener
 from .clients import as_text, borrow_connection, pack_command, pubsub_pool
-
-logger = logging.getLogger("django_keel_lock")
 
 if TYPE_CHECKING:
     from .store import RedisLockStore
@@ -130,22 +127,11 @@ class RedisListener(ReleaseListener):
 
     def _grant(self, message: str) -> None:
         """A grant carried on this process's grant channel, "fence owner key"
-        (`scripts.HAND_ON`): on to the board; given back when nobody here waits for the key
-        (its waiter stopped without leaving the line: its last attempt failed), or the lock
-        would be nobody's for the waiter's ttl. Anything else is no grant (a message
-        published there by hand)."""
+        (`scripts.HAND_ON`): on to the board, which gives it back when nobody here waits as
+        its owner (its waiter stopped without leaving the line: its last attempt failed), or
+        the lock would be nobody's for the waiter's ttl (`RedisLockStore.give_back_grant`).
+        Anything else is no grant (a message published there by hand)."""
         fence, _, rest = message.partition(" ")
         owner, _, key = rest.partition(" ")
-        if not (fence.isdigit() and owner and key):
-            return
-        if self.store.wake_board.grant(key, owner, int(fence)):
-            return
-        try:
-            self.store.give_back_grant(key, owner, int(fence))
-        except Exception as exc:  # it lapses at the waiter's ttl; the listener goes on
-            logger.warning(
-                "lock %r was handed to a waiter that had gone and could not be given back "
-                "(%s); it expires in the waiter's ttl",
-                key,
-                type(exc).__name__,
-            )
+        if fence.isdigit() and owner and key:
+            self.store.wake_board.grant(key, owner, int(fence))

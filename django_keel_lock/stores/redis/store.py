@@ -217,6 +217,7 @@ class RedisLockStore(ListeningStore, LockStore):
             )
         self.connection_alias: str | None = connection
         self.url: str | None = url
+        self.wake_board.give_back = self.give_back_grant  # a carried grant nobody here takes
         self.cluster = bool(self.options.get("CLUSTER", False))
         # On Cluster, keys on several slots are taken a slot at a time (acquire_many).
         self.atomic_many = not self.cluster
@@ -458,8 +459,9 @@ class RedisLockStore(ListeningStore, LockStore):
 
     def give_back_grant(self, key: str, owner: str, fence: int) -> bool:
         """Give back the grant of `key` (`fence`) a release carried to `owner`, which nobody
-        in this process waits to take (`RedisListener`): the next in line gets the lock. A
-        no-op when the owner took it up, or holds it by another grant."""
+        in this process takes (`WakeBoard.give_back`: its owner waits for the key nowhere
+        here, or stopped waiting without taking it): the next in line gets the lock. A no-op
+        when the owner took it up by a call, holds it by another grant, or left the line."""
         script, keys, args = self._line_call(GIVE_BACK, key, owner)
         return bool(self._run(script, keys, (*args, str(fence))))
 
