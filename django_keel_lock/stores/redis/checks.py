@@ -67,6 +67,39 @@ def _missing_packages(options: Mapping[str, Any]) -> list[str]:
     return missing
 
 
+#: KEY_PREFIX when OPTIONS do not say.
+DEFAULT_PREFIX = "keel-lock:"
+
+
+def server_options(alias: str, options: Mapping[str, Any]) -> tuple[str | None, str | None, str]:
+    """(CONNECTION, URL, KEY_PREFIX ending in ":" unless empty) of a store's OPTIONS:
+    exactly one of the first two; ImproperlyConfigured saying what is wrong otherwise."""
+    connection, url = options.get("CONNECTION"), options.get("URL")
+    named = f"{where(alias)} OPTIONS"
+    if (connection is None) == (url is None):
+        raise ImproperlyConfigured(
+            f"{named} needs exactly one of CONNECTION (a django-redis CACHES alias) or URL "
+            "(redis://host:port/db)"
+        )
+    if connection is not None and not isinstance(connection, str):
+        raise ImproperlyConfigured(f"{named} CONNECTION must be a CACHES alias (str)")
+    if url is not None and not isinstance(url, str):
+        raise ImproperlyConfigured(f"{named} URL must be a str")
+    if options.get("CLUSTER") and url is None:
+        raise ImproperlyConfigured(f"{named} CLUSTER needs URL (a node of the cluster)")
+    prefix = options.get("KEY_PREFIX", DEFAULT_PREFIX)
+    if not isinstance(prefix, str) or "{" in prefix or "}" in prefix:
+        # The prefix sits outside the hash tag; a brace in it would move the tag.
+        raise ImproperlyConfigured(
+            f"{named} KEY_PREFIX must be a str without braces, got {prefix!r}"
+        )
+    # Joined to the rest of the key by ":", as Django's cache joins its KEY_PREFIX: "locks"
+    # and "locks:" name the same keys (locks:{invoice:42}).
+    if prefix and not prefix.endswith(":"):
+        prefix += ":"
+    return connection, url, prefix
+
+
 def min_replicas_option(alias: str, options: Mapping[str, Any]) -> int:
     """OPTIONS MIN_REPLICAS: how many replicas must acknowledge each acquire and extend
     (WAIT) before it counts; 0 (the default) waits for none. ImproperlyConfigured saying what

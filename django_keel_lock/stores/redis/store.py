@@ -90,7 +90,6 @@ from .scripts import (
     unescape_key,
 )
 
-DEFAULT_PREFIX = "keel-lock:"
 PAGE_SIZE = 500
 
 T = TypeVar("T")
@@ -195,41 +194,14 @@ class RedisLockStore(ListeningStore, LockStore):
 
     def __init__(self, alias: str = "default", options: Mapping[str, Any] | None = None) -> None:
         super().__init__(alias, options)
-        connection = self.options.get("CONNECTION")
-        url = self.options.get("URL")
-        if (connection is None) == (url is None):
-            raise ImproperlyConfigured(
-                f"KEEL_LOCK_STORES[{alias!r}] OPTIONS needs exactly one of CONNECTION (a "
-                f"django-redis CACHES alias) or URL (redis://host:port/db)"
-            )
-        if connection is not None and not isinstance(connection, str):
-            raise ImproperlyConfigured(
-                f"KEEL_LOCK_STORES[{alias!r}] OPTIONS CONNECTION must be a CACHES alias (str)"
-            )
-        if url is not None and not isinstance(url, str):
-            raise ImproperlyConfigured(f"KEEL_LOCK_STORES[{alias!r}] OPTIONS URL must be a str")
-        prefix = self.options.get("KEY_PREFIX", DEFAULT_PREFIX)
-        if not isinstance(prefix, str) or "{" in prefix or "}" in prefix:
-            # The prefix sits outside the hash tag; a brace in it would move the tag.
-            raise ImproperlyConfigured(
-                f"KEEL_LOCK_STORES[{alias!r}] OPTIONS KEY_PREFIX must be a str without "
-                f"braces, got {prefix!r}"
-            )
+        connection, url, prefix = checks.server_options(alias, self.options)
         self.connection_alias: str | None = connection
         self.url: str | None = url
-        self.wake_board.give_back = self.give_back_grant  # a carried grant nobody here takes
         self.cluster = bool(self.options.get("CLUSTER", False))
         # On Cluster, keys on several slots are taken a slot at a time (acquire_many).
         self.atomic_many = not self.cluster
-        if self.cluster and url is None:
-            raise ImproperlyConfigured(
-                f"KEEL_LOCK_STORES[{alias!r}] OPTIONS CLUSTER needs URL (a node of the cluster)"
-            )
-        # Joined to the rest of the key by ":", as Django's cache joins its KEY_PREFIX: "locks"
-        # and "locks:" name the same keys (locks:{invoice:42}).
-        if prefix and not prefix.endswith(":"):
-            prefix += ":"
         self.prefix = prefix
+        self.wake_board.give_back = self.give_back_grant  # a carried grant nobody here takes
         self.channel = f"{prefix}released"
         self.wake_prefix = f"{prefix}wake:"  # + a listener's address: its wake channel
         self.socket_timeout = socket_timeout_option(alias, self.options)
