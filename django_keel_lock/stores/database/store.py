@@ -508,6 +508,10 @@ class DatabaseLockStore(ListeningStore, LockStore):
 
     def release(self, key: str, owner: str) -> bool:
         released = self.vendor.release(key, owner, line=self._has_line())
+        if self._in_line:
+            # A waiter that took a grant its wake-up carried made no call: the store learns
+            # here that it left the line (else one entry per hand-off stayed for ever).
+            self._in_line.discard((key, owner))
         self._tick()
         return released
 

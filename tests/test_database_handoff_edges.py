@@ -1,0 +1,51 @@
+"""Edges of the PostgreSQL direct hand-off (migration 0009's release function, the grant
+carried in its NOTIFY): what a waiter that took a carried grant with no call leaves behind.
+The hand-off itself is tests/test_handoff.py's and tests/test_database_line.py's."""
+
+from __future__ import annotations
+
+import threading
+
+from django_keel_lock import lock
+from django_keel_lock.models import Waiter
+
+from .test_database_faults import wait_until
+from .test_database_line import database_store_of
+
+
+def _stands_listening(key: str) -> bool:
+    """Whether `key`'s line has a place whose process listens (a release carries it the
+    grant)."""
+    places = Waiter.objects.using("postgres").filter(key=key, listener__isnull=False)
+    return places.exists()
+
+
+def test_postgres_a_carried_grant_taken_with_no_call_is_forgotten_by_the_store_on_release(
+    key: str,
+) -> None:
+    """The store remembers which (key, owner) stand in a line, so that `leave_queue` knows
+    whom to take out; a waiter that takes a carried grant makes no call, so the store is
+    not told it left. Its release says so: a process that keeps handing locks over does not
+    keep one entry per hand-off for ever."""
+    store = database_store_of("postgres")
+    holder = lock(key, ttl=30, store="postgres")
+    assert holder.acquire()
+    waiter = lock(key, ttl=30, store="postgres")
+    got: list[bool] = []
+    thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=20)))
+    thread.start()
+    try:
+        assert wait_until(lambda: _stands_listening(key), 15), "never stood listening"
+        holder.release()
+        thread.join(20)
+        assert got == [True]
+        owner, fence = waiter.owner, waiter.fence
+        assert owner is not None
+        # Carried: its place is still there, marked with the fence it holds (a take-up by a
+        # call would have deleted it).
+        marked = Waiter.objects.using("postgres").filter(key=key, owner=owner, fence=fence)
+        assert marked.exists()
+        waiter.release()
+        assert (key, owner) not in store._in_line
+    finally:
+        thread.join(20)
