@@ -5,9 +5,15 @@ The hand-off itself is tests/test_handoff.py's and tests/test_database_line.py's
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
-from django_keel_lock import lock
+import pytest
+
+from django_keel_lock import Lock, lock
+from django_keel_lock.idempotency.storage import keep_releasing
 from django_keel_lock.models import Waiter
+from django_keel_lock.stores.database.results import DatabaseResults
+from django_keel_lock.stores.results import StoredResult
 
 from .test_database_faults import wait_until
 from .test_database_line import database_store_of
@@ -20,14 +26,9 @@ def _stands_listening(key: str) -> bool:
     return places.exists()
 
 
-def test_postgres_a_carried_grant_taken_with_no_call_is_forgotten_by_the_store_on_release(
-    key: str,
-) -> None:
-    """The store remembers which (key, owner) stand in a line, so that `leave_queue` knows
-    whom to take out; a waiter that takes a carried grant makes no call, so the store is
-    not told it left. Its release says so: a process that keeps handing locks over does not
-    keep one entry per hand-off for ever."""
-    store = database_store_of("postgres")
+def _carried_to_a_waiter(key: str) -> Lock:
+    """A handle that waited for `key` and took the grant a release carried to it, with no
+    call (its place is still there, marked with the fence it holds)."""
     holder = lock(key, ttl=30, store="postgres")
     assert holder.acquire()
     waiter = lock(key, ttl=30, store="postgres")
@@ -37,15 +38,37 @@ def test_postgres_a_carried_grant_taken_with_no_call_is_forgotten_by_the_store_o
     try:
         assert wait_until(lambda: _stands_listening(key), 15), "never stood listening"
         holder.release()
-        thread.join(20)
-        assert got == [True]
-        owner, fence = waiter.owner, waiter.fence
-        assert owner is not None
-        # Carried: its place is still there, marked with the fence it holds (a take-up by a
-        # call would have deleted it).
-        marked = Waiter.objects.using("postgres").filter(key=key, owner=owner, fence=fence)
-        assert marked.exists()
-        waiter.release()
-        assert (key, owner) not in store._in_line
     finally:
         thread.join(20)
+    assert got == [True]
+    # Carried: a take-up by a call would have deleted the place.
+    marked = Waiter.objects.using("postgres").filter(
+        key=key, owner=waiter.owner, fence=waiter.fence
+    )
+    assert marked.exists()
+    return waiter
+
+
+def _plain(handle: Lock) -> None:
+    assert handle.release()
+
+
+def _keeping_a_result(handle: Lock) -> None:
+    assert handle.fence is not None
+    result = StoredResult(handle.key, "f" * 64, handle.fence, 200, b"done")
+    assert keep_releasing(handle, DatabaseResults(database_store_of("postgres")), result, 60)
+
+
+@pytest.mark.parametrize("release", [_plain, _keeping_a_result], ids=["plain", "keeping"])
+def test_postgres_a_carried_grant_taken_with_no_call_is_forgotten_by_the_store_on_release(
+    key: str, release: Callable[[Lock], None]
+) -> None:
+    """The store remembers which (key, owner) stand in a line, so that `leave_queue` knows
+    whom to take out; a waiter that takes a carried grant makes no call, so the store is
+    not told it left. Its release says so: a process that keeps handing locks over does not
+    keep one entry per hand-off for ever."""
+    store = database_store_of("postgres")
+    waiter = _carried_to_a_waiter(key)
+    owner = waiter.owner
+    release(waiter)
+    assert (key, owner) not in store._in_line
