@@ -4,6 +4,7 @@ The hand-off itself is tests/test_handoff.py's and tests/test_database_line.py's
 
 from __future__ import annotations
 
+import datetime
 import threading
 from collections.abc import Callable
 
@@ -11,12 +12,13 @@ import pytest
 
 from django_keel_lock import Lock, lock
 from django_keel_lock.idempotency.storage import keep_releasing
+from django_keel_lock.models import Lock as LockRow
 from django_keel_lock.models import Waiter
 from django_keel_lock.stores.database.results import DatabaseResults
 from django_keel_lock.stores.results import StoredResult
 
 from .test_database_faults import wait_until
-from .test_database_line import database_store_of
+from .test_database_line import database_store_of, listening_at
 
 
 def _stands_listening(key: str) -> bool:
@@ -74,3 +76,26 @@ def test_postgres_a_carried_grant_taken_with_no_call_is_forgotten_by_the_store_o
             break
     assert carried, "no grant was taken with no call"
     assert (waiter.key, owner) not in store._in_line
+
+
+def test_postgres_leaving_the_line_with_a_grant_that_lapsed_wakes_the_next_in_it(
+    key: str,
+) -> None:
+    """A grant not carried lives no longer than its waiter's place: one that leaves the line
+    after it lapsed has nothing to pass on, and the lock is free; the next in line is woken
+    to take it, as when a waiter with no grant leaves (not left to find out at its next
+    poll)."""
+    store = database_store_of("postgres")
+    with listening_at("beef") as raw:
+        assert store.acquire(key, "holder", "h", 30).acquired
+        for owner, address in (("first", "dead"), ("next", "beef")):
+            assert not store.acquire_queued(key, owner, owner, 30).acquired
+            places = Waiter.objects.using("postgres").filter(key=key, owner=owner)
+            assert places.update(address=address, listener=None)
+        assert store.release(key, "holder")  # hands over to "first" (at a deaf address)
+        assert list(raw.notifies(timeout=0.3)) == []
+        lapsed = datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=1)
+        assert LockRow.objects.using("postgres").filter(key=key).update(expires_at=lapsed)
+        store.leave_queue(key, "first")
+        assert [n.payload for n in raw.notifies(timeout=0.3)] == [key]
+        store.leave_queue(key, "next")
