@@ -219,7 +219,7 @@ class DatabaseResults(ResultStore):
             text = self.store.dialect.release_text(line, keeps=True)  # type: ignore[attr-defined]
             return _PG_KEEP_RELEASING.format(release=text), params
 
-        (released, kept), *_ = self.store.release_by(key, statement)
+        (released, kept), *_ = self.store.release_by(key, owner, statement)
         self._count_write()
         return int(kept) > 0, int(released) > 0
 
@@ -235,7 +235,7 @@ class DatabaseResults(ResultStore):
             )
             return _PG_GET_RELEASING.format(release=text), (key, key, owner)
 
-        rows = self.store.release_by(key, statement)
+        rows = self.store.release_by(key, owner, statement)
         if not rows:
             return None, None
         released, fingerprint, fence, status, data = rows[0]

@@ -569,17 +569,26 @@ class DatabaseLockStore(ListeningStore, LockStore):
         # Read straight where the first connection has told (`_line` finds out otherwise).
         line = getattr(vendor, "line_table", False)
         released = vendor.release(key, owner, line=self._has_line() if line is None else line)
+        self._out_of_line(key, owner)
         self._tick()
         return released
 
-    def release_by(self, key: str, statement: Callable[[bool], Statement]) -> list[Row]:
-        """Run `statement(line)`, one (built by `results`) that releases `key` as `release`
-        does (`line`: the database has the line's table, whose first waiter it wakes) and
-        does more, in autocommit and never retried (as a release); its rows, the first of
-        which begins with how many locks it released (none: nothing released). This
-        process's waiters are then woken as a release wakes them."""
+    def _out_of_line(self, key: str, owner: str) -> None:
+        """`owner` released `key`: it stands in no line of it. A waiter that took a grant its
+        wake-up carried made no call, so this is where the store learns it left the line
+        (else one entry per such hand-off stayed in `_in_line` for ever)."""
+        if self._in_line:
+            self._in_line.discard((key, owner))
+
+    def release_by(self, key: str, owner: str, statement: Callable[[bool], Statement]) -> list[Row]:
+        """Run `statement(line)`, one (built by `results`) that releases `owner`'s `key` as
+        `release` does (`line`: the database has the line's table, whose first waiter it
+        wakes) and does more, in autocommit and never retried (as a release); its rows, the
+        first of which begins with how many locks it released (none: nothing released).
+        This process's waiters are then woken as a release wakes them."""
         rows, _ = self.execute([statement(self._has_line())], idempotent=False, key=key)
         self.vendor.released(key, bool(rows) and int(rows[0][0]) > 0, False)
+        self._out_of_line(key, owner)
         self._tick()
         return rows
 

@@ -502,16 +502,16 @@ class Postgres(ServerVendor):
     def leave_line(self, key: str, owner: str) -> None:
         # A place marked with a fence is a grant not taken up: the lock goes on to the next
         # in line, if `owner` still holds it at that fence (any acquire of its own drew
-        # another).
+        # another). A grant that lapsed meanwhile (one not carried lives no longer than its
+        # place) passes nothing on: the next is woken to take the free lock, as when a
+        # waiter with no grant leaves.
         store, dialect = self.store, self.dialect
         rows, _ = store.execute([(dialect.leave_returning_sql, (key, owner))], key=key)
         if not rows:
             return
         fence = rows[0][0]
-        if fence is None:
+        if fence is None or not self._handed(key, dialect.pass_on_sql, (key, owner, int(fence))):
             self.wake_first(key)
-            return
-        self._handed(key, dialect.pass_on_sql, (key, owner, int(fence)))
 
     def acquire_many(
         self, keys: tuple[str, ...], owner: str, holder: str, ttl: float
