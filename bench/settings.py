@@ -52,7 +52,7 @@ KEEL_LOCK_STORES = {
     "memory": {"BACKEND": "django_keel_lock.stores.MemoryLockStore"},
     "sqlite": _db_store("default"),
     "postgres": _db_store("postgres"),
-    "postgres-fast": _db_store("postgres", DURABLE=False),
+    "postgres-fast": _db_store("postgres", DURABLE=False, TRANSACTION_POOLER=False),
     "mariadb": _db_store("mariadb"),
     "redis": {"BACKEND": "django_keel_lock.stores.RedisLockStore", "OPTIONS": {"URL": REDIS_URL}},
 }

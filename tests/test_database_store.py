@@ -540,14 +540,15 @@ def _on_store_connection(store: DatabaseLockStore, sql: str) -> list[Any]:
 def test_not_durable_says_synchronous_commit_once_on_its_own_session(
     key: str, durable: bool
 ) -> None:
-    """Reached directly (no transaction pooler), DURABLE: False turns synchronous_commit off on
-    the store's session, once per connection, and its lock statements carry no set_config of
+    """Where the settings say no transaction pooler is in front, DURABLE: False turns
+    synchronous_commit off on the store's session, once per connection, and its lock statements carry no set_config of
     their own (each statement's cost; behind a transaction pooler they do: see
     test_database_pooler). A durable store's session keeps the server's setting: its acquire
     waits for the flush, its release says otherwise for its own transaction. (The store's
     first connection tells whether a pooler is in front: a statement chosen before it says
     the setting itself, as behind one.)"""
-    store = DatabaseLockStore("session-flush", {"DATABASE": "postgres", "DURABLE": durable})
+    options = {"DATABASE": "postgres", "DURABLE": durable, "TRANSACTION_POOLER": False}
+    store = DatabaseLockStore("session-flush", options)
     try:
         assert store.get(key) is None  # the first connection
         for _ in range(3):
@@ -571,6 +572,29 @@ def test_not_durable_says_synchronous_commit_once_on_its_own_session(
         else:
             assert setting == "off"
             assert carrying == [], carrying
+    finally:
+        store.close()
+
+
+@needs_store("postgres")
+def test_not_durable_found_without_a_pooler_keeps_the_setting_off_the_session(key: str) -> None:
+    """TRANSACTION_POOLER left to be found out: a pooler may be found late (a vanished prepared
+    statement), and a session it lends to others must not keep synchronous_commit off, so each
+    write says it for its own transaction and the session keeps the server's setting."""
+    store = DatabaseLockStore("found-flush", {"DATABASE": "postgres", "DURABLE": False})
+    try:
+        assert store.get(key) is None  # the first connection: no pooler found
+        for _ in range(3):
+            assert store.acquire(key, "owner", "holder", 30).acquired
+            assert store.extend(key, "owner", 30)
+            assert store.release(key, "owner")
+        (setting,) = _on_store_connection(store, "SHOW synchronous_commit")
+        statements = _on_store_connection(
+            store, "SELECT statement FROM pg_prepared_statements WHERE name LIKE 'keel_lock_%'"
+        )
+        assert setting == "on"
+        carrying = [sql for sql in statements if "synchronous_commit" in sql]
+        assert len(carrying) == 2, statements  # the acquire and the extend (the release: 0009's)
     finally:
         store.close()
 

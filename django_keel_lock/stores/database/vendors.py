@@ -365,8 +365,12 @@ class Postgres(ServerVendor):
     @pooled.setter
     def pooled(self, pooled: bool | None) -> None:
         # Before the dialect: a connection set up once `pooled` is False gets its session
-        # settings from the dialect of sessions of the store's own.
-        self.dialect = self._own if pooled is False else self._shared
+        # settings from the dialect of sessions of the store's own, but only where the
+        # settings say there is no transaction pooler (TRANSACTION_POOLER: False). Found out
+        # (None), a pooler may be found late, and `synchronous_commit = off` on a session it
+        # lends to others would take the flush from their commits.
+        explicit = self.store.transaction_pooler is False
+        self.dialect = self._own if pooled is False and explicit else self._shared
         self._pooled = pooled
 
     def session_statements(self, connection: Any, durable: bool) -> Sequence[str]:
