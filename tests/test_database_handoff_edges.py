@@ -99,3 +99,26 @@ def test_postgres_leaving_the_line_with_a_grant_that_lapsed_wakes_the_next_in_it
         store.leave_queue(key, "first")
         assert [n.payload for n in raw.notifies(timeout=0.3)] == [key]
         store.leave_queue(key, "next")
+
+
+def test_postgres_a_release_that_only_wakes_skips_the_releasers_own_marked_place(
+    key: str,
+) -> None:
+    """A waiter handed the lock keeps its place, marked with the grant's fence, until it
+    releases (one that took a carried grant made no call). A release of it that only wakes
+    the first in line (several keys at once, an idempotent result's) must wake the next
+    waiter's process, not the releaser's own place."""
+    store = database_store_of("postgres")
+    with listening_at("beef") as raw:
+        assert store.acquire(key, "holder", "h", 30).acquired
+        for owner, address in (("first", "dead"), ("next", "beef")):
+            assert not store.acquire_queued(key, owner, owner, 30).acquired
+            places = Waiter.objects.using("postgres").filter(key=key, owner=owner)
+            assert places.update(address=address, listener=None)
+        assert store.release(key, "holder")  # hands over to "first" (at a deaf address)
+        held = store.get(key)
+        assert held is not None and held.owner == "first"
+        assert list(raw.notifies(timeout=0.3)) == []
+        assert store.release_many((key,), "first")  # wakes, hands nothing over
+        assert [n.payload for n in raw.notifies(timeout=0.5)] == [key]
+        store.leave_queue(key, "next")

@@ -21,9 +21,14 @@ GRANT_PREFIX = "keel_lock_gr_"
 _KEY_CHANNEL = f"'{CHANNEL_PREFIX}' || md5(convert_to(l.key, 'UTF8'))"
 # The channel of `l.key`'s first live waiter, or the key's own channel when the line is empty
 # or its first has no address (it polls, and so may others: wake them all, as before lines).
+# A place marked with a grant counts only while its waiter holds the lock (as in the take of
+# the first: `_take_first_template`): a waiter that took a carried grant keeps its marked
+# place until it releases, and a release by it (several keys, an idempotent result's) would
+# otherwise wake its own process rather than the next in line.
 _FIRST_CHANNEL = (
     f"COALESCE((SELECT '{ADDRESS_PREFIX}' || NULLIF(w.address, '') FROM {WAITER_TABLE} w "
-    "WHERE w.key = l.key AND w.expires_at > clock_timestamp() ORDER BY w.id LIMIT 1), "
+    "WHERE w.key = l.key AND w.expires_at > clock_timestamp() "
+    "AND (w.fence IS NULL OR w.owner = l.owner) ORDER BY w.id LIMIT 1), "
     f"{_KEY_CHANNEL})"
 )
 
