@@ -82,9 +82,9 @@ class AnyWaiter:
             return woken
 
 
-#: The most carried grants a key's slot keeps for owners that have not taken theirs (a
-#: waiter that stopped waiting as its grant came never takes it: it left the line, which
-#: passed the lock on, or its grant is given back as it stops watching).
+#: The most carried grants a key's slot keeps for owners still watching that have not taken
+#: theirs (a grant whose owner stops watching is given back then); one pushed out past this
+#: is dropped, not given back, and lasts up to its waiter's ttl.
 GRANTS_KEPT = 16
 
 
@@ -106,12 +106,14 @@ def _give_back(hook: Callable[[str, str, int], Any], key: str, owner: str, fence
     try:
         hook(key, owner, fence)
     except Exception as exc:
-        logger.warning(
-            "lock %r was handed to a waiter that had gone and could not be given back "
-            "(%s); it expires in the waiter's ttl",
-            key,
-            type(exc).__name__,
-        )
+        logger.warning(NOT_GIVEN_BACK, key, type(exc).__name__)
+
+
+#: Logged when a carried grant nobody here takes cannot be given back.
+NOT_GIVEN_BACK = (
+    "lock %r was handed to a waiter that had gone and could not be given back (%s); it "
+    "expires in the waiter's ttl"
+)
 
 
 class WakeBoard:
@@ -284,7 +286,10 @@ class WakeBoard:
         if hook is not None:
             args = (hook, key, owner, fence)
             name = "keel-lock-give-back"
-            threading.Thread(target=_give_back, args=args, name=name, daemon=True).start()
+            try:
+                threading.Thread(target=_give_back, args=args, name=name, daemon=True).start()
+            except RuntimeError as error:  # the interpreter shuts down, or no thread is left
+                logger.warning(NOT_GIVEN_BACK, key, type(error).__name__)
 
     def take_grant(self, key: str, owner: str) -> int | None:
         """The fence of the grant of `key` carried to `owner` (`grant`), once; None if none
@@ -337,6 +342,10 @@ class ReleaseListener:
     replies_inline = False
     #: True when a thread waiting for a key may read the connection itself (`read_here`).
     reads_here = False
+    #: What a read of the connection raises when it broke (`read_here` then gives up; any
+    #: other exception, such as a task's time limit raised by a signal handler, goes on to
+    #: end the wait).
+    read_errors: tuple[type[Exception], ...] = (OSError, ValueError)
     #: Seconds within which this thread reads the connection again once a waiting thread
     #: stopped reading it (what arrives meanwhile waits that long at most).
     handed_back_within = 0.05
@@ -455,7 +464,7 @@ class ReleaseListener:
                 if poller.poll(left * 1000) and self.pending():
                     self._read_at = time.monotonic()
                     self.dispatch(True)
-        except Exception:  # the connection broke: the listener's thread reconnects
+        except self.read_errors:  # the connection broke: the listener's thread reconnects
             return False
         finally:
             self._reading.release()

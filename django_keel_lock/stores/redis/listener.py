@@ -9,6 +9,8 @@ import contextlib
 import socket
 from typing import TYPE_CHECKING, Any
 
+from redis.exceptions import RedisError
+
 from ..wakeups import ReleaseListener
 from .clients import as_text, borrow_connection, pack_command, pubsub_pool
 
@@ -27,6 +29,7 @@ class RedisListener(ReleaseListener):
     ping_after = 5.0
     dead_after = 15.0
     reads_here = True
+    read_errors = (OSError, ValueError, RedisError)
     _sock: Any = None  # the socket of the connection subscribed on (`prepare`)
 
     def connect(self) -> bool:
@@ -45,7 +48,10 @@ class RedisListener(ReleaseListener):
         # The base channel last: once Redis confirms it, this process's wake and grant
         # channels are subscribed too (Redis answers a connection's commands in order).
         channels = (self._wake_channel, self._grant_channel, self.store.channel)
-        self._conn.send_packed_command([pack_command(b"SUBSCRIBE", *channels)])
+        # check_health=False, here and below: a pool's health check would PING and read the
+        # reply itself, taking whatever message came first (and racing a waiting thread that
+        # reads: `read_here`); the listener pings on its own (`ping_after`, `dead_after`).
+        self._conn.send_packed_command([pack_command(b"SUBSCRIBE", *channels)], check_health=False)
         self._sock = getattr(self._conn, "_sock", None)  # the socket subscribed on
         return False  # ready once Redis confirms the base channel (see _handle)
 
@@ -66,14 +72,18 @@ class RedisListener(ReleaseListener):
 
     def subscribe(self, keys: list[str]) -> None:
         channels = map(self.store.release_channel, keys)
-        self._live().send_packed_command([pack_command(b"SUBSCRIBE", *channels)])
+        self._live().send_packed_command(
+            [pack_command(b"SUBSCRIBE", *channels)], check_health=False
+        )
 
     def unsubscribe(self, keys: list[str]) -> None:
         channels = map(self.store.release_channel, keys)
-        self._live().send_packed_command([pack_command(b"UNSUBSCRIBE", *channels)])
+        self._live().send_packed_command(
+            [pack_command(b"UNSUBSCRIBE", *channels)], check_health=False
+        )
 
     def ping(self) -> None:
-        self._live().send_packed_command([pack_command(b"PING")])
+        self._live().send_packed_command([pack_command(b"PING")], check_health=False)
 
     def dispatch(self, data: bool) -> None:
         if not data:
@@ -133,5 +143,5 @@ class RedisListener(ReleaseListener):
         Anything else is no grant (a message published there by hand)."""
         fence, _, rest = message.partition(" ")
         owner, _, key = rest.partition(" ")
-        if fence.isdigit() and owner and key:
+        if fence.isascii() and fence.isdigit() and owner and key:
             self.store.wake_board.grant(key, owner, int(fence))
