@@ -20,8 +20,9 @@ readers out, a permit): the one branch between the ways of waiting. A new way of
 (several keys at once) is a policy, or a generator of its own over the same steps, which both
 drivers then run unchanged. A direct hand-off (a store that `hands_off`) needs none: the
 release grants the lock to the first in line, whose next IN_LINE attempt takes the grant up;
-a wait that ends without it leaves the line, which passes the grant on (where it cannot, the
-grant lapses within QUEUE_LEASE).
+a wait that ends without it leaves the line, which passes the grant on (where it cannot, a
+grant not carried lapses within QUEUE_LEASE; a carried one is given back or, where the store
+cannot, lasts up to the waiter's ttl: below).
 
 A store's wake-up may carry the grant (`WakeBoard.grant(key, owner, fence)`, at the owner's
 whole ttl, made after its last refusal): the driver hands it to the paused IN_LINE waiter as

@@ -279,9 +279,10 @@ class ServerVendor(Vendor):
 
     def __init__(self, store: DatabaseLockStore) -> None:
         super().__init__(store)
-        # Whether the database has the line's table (migration 0005), as the first connection
-        # of the store found (None: none opened yet). A database migrated later gets lines
-        # from processes started after that.
+        # Whether the database has the line's table as migration 0009 leaves it (its
+        # `listener` column: `line_table_sql`), as the first connection of the store found
+        # (None: none opened yet). A database migrated later gets lines from processes
+        # started after that.
         self.line_table: bool | None = None
 
     def set_up(self, connection: Any, durable: bool) -> None:

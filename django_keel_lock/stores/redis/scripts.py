@@ -10,8 +10,10 @@ that tag alone, so keys starting with the same tag share one slot and one script
 Layout of one lock on `key` under the default KEY_PREFIX, "keel-lock:" (a prefix that does not
 end with ":" gets one, so "keel-lock" gives the same names):
     keel-lock:{key}          hash: o = owner, h = holder, f = fence, t = acquired (ms), with PX;
-                             g = 1 while a lock handed over is not taken up (any acquire of
-                             its owner takes it up; only then is it the owner's for good)
+                             g = 1 while a lock handed over is not taken up by a call (any
+                             acquire of its owner clears it); a waiter that took a carried
+                             grant from its wake-up holds the lock with g still set, and only
+                             its own LEAVE_QUEUE or a GIVE_BACK of that fence reads it
     keel-lock:{key}:fence    the key's last fence, kept a day after its last acquisition
     keel-lock:released:key   pub/sub channel a release publishes on; a process subscribes to it
                              only while one of its threads or tasks waits for `key`

@@ -466,11 +466,10 @@ class RedisLockStore(ListeningStore, LockStore):
         return ACQUIRE_QUEUED, keys, args
 
     def _line_call(self, script: Script, key: str, owner: str) -> Call:
-        """RELEASE's or LEAVE_QUEUE's call: both may hand the lock over to the first in line,
-        for its ttl when the wake-up carries the grant (`carries_grants`, and its process's
-        listener hears it), else for QUEUE_LEASE at most until it takes the grant up (so a
-        waiter that died first in line holds the others up no longer than its place would
-        have)."""
+        """RELEASE's, LEAVE_QUEUE's or GIVE_BACK's call: each may hand the lock over to the first in
+        line, for its ttl when the wake-up carries the grant (`carries_grants`, and its process's
+        listener hears it), else for QUEUE_LEASE at most until it takes the grant up (so a waiter
+        that died first in line holds the others up no longer than its place would have)."""
         lock_name, fence_name = self._names(key)
         keys = (lock_name, fence_name, lock_name + ":line", lock_name + ":places")
         carry = "1" if self.carries_grants else "0"

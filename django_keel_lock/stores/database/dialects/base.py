@@ -115,8 +115,9 @@ class ServerDialect(Dialect):
     #: it has not, the store keeps no line, and releases do not look for one),
     line_table_sql: str
     #: `release_sql` where the database has the line's table: it also reaches the first
-    #: waiter of the key's line (PostgreSQL: NOTIFYs it; MariaDB: its reply names that
-    #: waiter's listener, see `MySQLDialect.released_waiting`).
+    #: waiter of the key's line (PostgreSQL: hands the lock over to it and NOTIFYs it, the
+    #: release function of migration 0009; MariaDB: its reply names that waiter's
+    #: listener, see `MySQLDialect.released_waiting`).
     release_line_sql: str
     #: `acquire_sql` for a waiter that waits its turn: a free row is taken only while its
     #: `waiting` flag is down (nobody was refused since the last take), or by its own owner.
