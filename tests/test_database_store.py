@@ -541,12 +541,12 @@ def test_not_durable_says_synchronous_commit_once_on_its_own_session(
     key: str, durable: bool
 ) -> None:
     """Where the settings say no transaction pooler is in front, DURABLE: False turns
-    synchronous_commit off on the store's session, once per connection, and its lock
-    statements carry no set_config of their own (each statement's cost; behind a transaction
-    pooler they do: see test_database_pooler). A durable store's session keeps the server's setting: its acquire
-    waits for the flush, its release says otherwise for its own transaction. (The store's
-    first connection tells whether a pooler is in front: a statement chosen before it says
-    the setting itself, as behind one.)"""
+    synchronous_commit off on the store's session, once per connection, and its lock statements
+    carry no set_config of their own (each statement's cost; behind a transaction pooler they
+    do: see test_database_pooler). A durable store's session keeps the server's setting: its
+    acquire waits for the flush, its release says otherwise for its own transaction. (The
+    store's first connection tells whether a pooler is in front: a statement chosen before it
+    says the setting itself, as behind one.)"""
     options = {"DATABASE": "postgres", "DURABLE": durable, "TRANSACTION_POOLER": False}
     store = DatabaseLockStore("session-flush", options)
     try:
