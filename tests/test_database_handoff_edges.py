@@ -14,6 +14,7 @@ from django_keel_lock import Lock, lock
 from django_keel_lock.idempotency.storage import keep_releasing
 from django_keel_lock.models import Lock as LockRow
 from django_keel_lock.models import Waiter
+from django_keel_lock.stores import DatabaseLockStore
 from django_keel_lock.stores.database.results import DatabaseResults
 from django_keel_lock.stores.results import StoredResult
 
@@ -78,6 +79,17 @@ def test_postgres_a_carried_grant_taken_with_no_call_is_forgotten_by_the_store_o
     assert (waiter.key, owner) not in store._in_line
 
 
+def _handed_to_a_deaf_first(store: DatabaseLockStore, key: str) -> None:
+    """`key` held by "holder", "first" (at a deaf address) and "next" (at "beef") in its
+    line with no listener, then released: handed over to "first" with a short grant."""
+    assert store.acquire(key, "holder", "h", 30).acquired
+    for owner, address in (("first", "dead"), ("next", "beef")):
+        assert not store.acquire_queued(key, owner, owner, 30).acquired
+        places = Waiter.objects.using("postgres").filter(key=key, owner=owner)
+        assert places.update(address=address, listener=None)
+    assert store.release(key, "holder")
+
+
 def test_postgres_leaving_the_line_with_a_grant_that_lapsed_wakes_the_next_in_it(
     key: str,
 ) -> None:
@@ -87,12 +99,7 @@ def test_postgres_leaving_the_line_with_a_grant_that_lapsed_wakes_the_next_in_it
     poll)."""
     store = database_store_of("postgres")
     with listening_at("beef") as raw:
-        assert store.acquire(key, "holder", "h", 30).acquired
-        for owner, address in (("first", "dead"), ("next", "beef")):
-            assert not store.acquire_queued(key, owner, owner, 30).acquired
-            places = Waiter.objects.using("postgres").filter(key=key, owner=owner)
-            assert places.update(address=address, listener=None)
-        assert store.release(key, "holder")  # hands over to "first" (at a deaf address)
+        _handed_to_a_deaf_first(store, key)
         assert list(raw.notifies(timeout=0.3)) == []
         lapsed = datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=1)
         assert LockRow.objects.using("postgres").filter(key=key).update(expires_at=lapsed)
@@ -110,12 +117,7 @@ def test_postgres_a_release_that_only_wakes_skips_the_releasers_own_marked_place
     waiter's process, not the releaser's own place."""
     store = database_store_of("postgres")
     with listening_at("beef") as raw:
-        assert store.acquire(key, "holder", "h", 30).acquired
-        for owner, address in (("first", "dead"), ("next", "beef")):
-            assert not store.acquire_queued(key, owner, owner, 30).acquired
-            places = Waiter.objects.using("postgres").filter(key=key, owner=owner)
-            assert places.update(address=address, listener=None)
-        assert store.release(key, "holder")  # hands over to "first" (at a deaf address)
+        _handed_to_a_deaf_first(store, key)
         held = store.get(key)
         assert held is not None and held.owner == "first"
         assert list(raw.notifies(timeout=0.3)) == []

@@ -535,6 +535,21 @@ def _on_store_connection(store: DatabaseLockStore, sql: str) -> list[Any]:
         return [row[0] for row in cursor.fetchall()]
 
 
+def _cycled(store: DatabaseLockStore, key: str) -> tuple[str, list[Any]]:
+    """`store`'s session's synchronous_commit and its prepared lock statements, after its
+    first connection and three acquire, extend and release cycles of `key`."""
+    assert store.get(key) is None  # the first connection
+    for _ in range(3):
+        assert store.acquire(key, "owner", "holder", 30).acquired
+        assert store.extend(key, "owner", 30)
+        assert store.release(key, "owner")
+    (setting,) = _on_store_connection(store, "SHOW synchronous_commit")
+    statements = _on_store_connection(
+        store, "SELECT statement FROM pg_prepared_statements WHERE name LIKE 'keel_lock_%'"
+    )
+    return setting, statements
+
+
 @needs_store("postgres")
 @pytest.mark.parametrize("durable", [True, False], ids=["durable", "not-durable"])
 def test_not_durable_says_synchronous_commit_once_on_its_own_session(
@@ -550,15 +565,7 @@ def test_not_durable_says_synchronous_commit_once_on_its_own_session(
     options = {"DATABASE": "postgres", "DURABLE": durable, "TRANSACTION_POOLER": False}
     store = DatabaseLockStore("session-flush", options)
     try:
-        assert store.get(key) is None  # the first connection
-        for _ in range(3):
-            assert store.acquire(key, "owner", "holder", 30).acquired
-            assert store.extend(key, "owner", 30)
-            assert store.release(key, "owner")
-        (setting,) = _on_store_connection(store, "SHOW synchronous_commit")
-        statements = _on_store_connection(
-            store, "SELECT statement FROM pg_prepared_statements WHERE name LIKE 'keel_lock_%'"
-        )
+        setting, statements = _cycled(store, key)
         assert len(statements) == 3, statements
         carrying = [sql for sql in statements if "synchronous_commit" in sql]
         if durable:
@@ -583,15 +590,7 @@ def test_not_durable_found_without_a_pooler_keeps_the_setting_off_the_session(ke
     write says it for its own transaction and the session keeps the server's setting."""
     store = DatabaseLockStore("found-flush", {"DATABASE": "postgres", "DURABLE": False})
     try:
-        assert store.get(key) is None  # the first connection: no pooler found
-        for _ in range(3):
-            assert store.acquire(key, "owner", "holder", 30).acquired
-            assert store.extend(key, "owner", 30)
-            assert store.release(key, "owner")
-        (setting,) = _on_store_connection(store, "SHOW synchronous_commit")
-        statements = _on_store_connection(
-            store, "SELECT statement FROM pg_prepared_statements WHERE name LIKE 'keel_lock_%'"
-        )
+        setting, statements = _cycled(store, key)
         assert setting == "on"
         carrying = [sql for sql in statements if "synchronous_commit" in sql]
         assert len(carrying) == 2, statements  # the acquire and the extend (the release: 0009's)
