@@ -7,11 +7,13 @@ Every test here runs its own redis-server on a free port (and a proxy where it n
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from django.conf import settings
@@ -326,6 +328,28 @@ async def test_every_waiting_task_gets_unavailable_when_the_store_hangs(
     assert all(isinstance(outcome, LockStoreUnavailable) for outcome in outcomes), outcomes
 
 
+def _connected_listener(store: RedisLockStore, key: str | None = None) -> Any:
+    """The store's listener once connected (for `key` a moment, if given: it starts it)."""
+    with store.watch(key) if key is not None else contextlib.nullcontext():
+        deadline = time.monotonic() + 10
+        while not store.push_wakeups:
+            assert time.monotonic() < deadline, "the listener never connected"
+            time.sleep(0.01)
+    assert store._listener is not None
+    return store._listener
+
+
+def _reading_thread(listener: Any, wait: Callable[[], None]) -> threading.Thread:
+    """`wait` started on a thread, once that thread reads the listener's connection."""
+    thread = threading.Thread(target=wait)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not listener._reading.locked():
+        assert time.monotonic() < deadline, "the waiting thread never read the connection"
+        time.sleep(0.001)
+    return thread
+
+
 def test_a_listener_that_stops_while_a_waiting_thread_reads_its_connection_leaves_it_closed(
     direct: tuple[str, RedisLockStore], key: str
 ) -> None:
@@ -334,13 +358,7 @@ def test_a_listener_that_stops_while_a_waiting_thread_reads_its_connection_leave
     # client's pool, closed: the waiting thread must not go on reading it, nor reopen it (a
     # command that got it from the pool would have its reply read by the waiting thread).
     _, store = direct
-    with store.watch(key):
-        deadline = time.monotonic() + 10
-        while not store.push_wakeups:
-            assert time.monotonic() < deadline, "the listener never connected"
-            time.sleep(0.01)
-    listener = store._listener
-    assert listener is not None
+    listener = _connected_listener(store, key)
     conn = listener._conn
     waited: list[bool] = []
 
@@ -348,12 +366,7 @@ def test_a_listener_that_stops_while_a_waiting_thread_reads_its_connection_leave
         with store.watch(key) as waiter:
             waited.append(waiter.wait(3.0))
 
-    thread = threading.Thread(target=wait)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not listener._reading.locked():  # the waiting thread reads the connection
-        assert time.monotonic() < deadline, "the waiting thread never read the connection"
-        time.sleep(0.001)
+    thread = _reading_thread(listener, wait)
     store.stop_listener()
     time.sleep(0.3)
     assert conn._sock is None, "the waiting thread reopened the connection given back"
@@ -376,12 +389,7 @@ def test_a_listener_whose_connection_a_reading_thread_closed_subscribes_again(
     client = store.client()
     channels = [store.wake_prefix, store.wake_prefix, store.release_channel(key)]
     with store.watch(key):
-        deadline = time.monotonic() + 10
-        while not store.push_wakeups:
-            assert time.monotonic() < deadline, "the listener never connected"
-            time.sleep(0.01)
-        listener = store._listener
-        assert listener is not None
+        listener = _connected_listener(store)
         channels[0] += listener.address
         channels[1] += listener.address + ":grant"
         with listener._reading:  # as a waiting thread reading the connection holds it
@@ -403,13 +411,7 @@ def test_a_waiting_thread_whose_read_of_the_listener_ends_early_waits_no_longer_
     # gives it up (stopped here): it then sleeps what is left of its wait, not all of it
     # again (an acquire's pause would outlast its timeout).
     _, store = direct
-    with store.watch(key):
-        deadline = time.monotonic() + 10
-        while not store.push_wakeups:
-            assert time.monotonic() < deadline, "the listener never connected"
-            time.sleep(0.01)
-    listener = store._listener
-    assert listener is not None
+    listener = _connected_listener(store, key)
     waited: list[float] = []
 
     def wait() -> None:
@@ -418,12 +420,7 @@ def test_a_waiting_thread_whose_read_of_the_listener_ends_early_waits_no_longer_
             waiter.wait(4.0)
             waited.append(time.monotonic() - began)
 
-    thread = threading.Thread(target=wait)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not listener._reading.locked():  # the waiting thread reads the connection
-        assert time.monotonic() < deadline, "the waiting thread never read the connection"
-        time.sleep(0.001)
+    thread = _reading_thread(listener, wait)
     time.sleep(2.0)
     store.stop_listener()
     thread.join(10)
