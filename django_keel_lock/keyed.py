@@ -23,6 +23,7 @@ from .options import (
 
 __all__ = [
     "KeyTemplates",
+    "check_each",
     "check_fields",
     "check_templates",
     "format_keys",
@@ -37,18 +38,24 @@ KeyTemplates = KeyTemplate | list[KeyTemplate] | tuple[KeyTemplate, ...]
 def check_templates(templates: object) -> None:
     """Raise unless `templates` is a key template or a non-empty list or tuple of them,
     naming the bad one."""
+    check_each(templates, check_key_template)
+
+
+def check_each(templates: object, check: Callable[[object], None], name: str = "key") -> None:
+    """`check` on `templates`, or on each of a non-empty list or tuple of them: a TypeError
+    names the bad one as `name[index]`, an empty list is a ValueError."""
     if not isinstance(templates, list | tuple):
-        check_key_template(templates)
+        check(templates)
         return
     if not templates:
         raise ValueError(
-            f"key must name at least one key template, got an empty {type(templates).__name__}"
+            f"{name} must name at least one key template, got an empty {type(templates).__name__}"
         )
     for index, template in enumerate(templates):
         try:
-            check_key_template(template)
+            check(template)
         except TypeError as error:
-            raise TypeError(f"key[{index}]: {error}") from None
+            raise TypeError(f"{name}[{index}]: {error}") from None
 
 
 def check_fields(templates: KeyTemplates, fn: Callable[..., Any]) -> None:

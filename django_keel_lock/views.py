@@ -27,7 +27,7 @@ from django.core.exceptions import BadRequest, ImproperlyConfigured
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
 
 from .core import Lock
-from .keyed import handle_for, name_templates
+from .keyed import check_each, handle_for, name_templates
 from .options import (
     OPTION_DEFAULTS,
     OPTION_NAMES,
@@ -108,25 +108,21 @@ def render_key(
 def check_view_key(key: object) -> None:
     """Raise unless `key` is a view's key: a template, a non-empty list or tuple of templates
     (several keys at once), or a callable."""
-    if isinstance(key, list | tuple):
-        if not key:
-            raise ValueError(
-                f"lock key must name at least one key template, got an empty {type(key).__name__}"
-            )
-        for index, template in enumerate(key):
-            if not isinstance(template, str):
-                raise TypeError(
-                    f"lock key[{index}] must be a str template such as 'account:<pk>', got "
-                    f"{type(template).__name__}"
-                )
-            parse_key_template(template)
-    elif isinstance(key, str):
-        parse_key_template(key)
+    if isinstance(key, str | list | tuple):
+        check_each(key, _check_view_template, name="lock key")
     elif not callable(key):
         raise TypeError(
             f"lock key must be a str template, a list of them or a callable (request, *args, "
             f"**kwargs) -> str, got {type(key).__name__}"
         )
+
+
+def _check_view_template(template: object) -> None:
+    if not isinstance(template, str):
+        raise TypeError(
+            f"must be a str template such as 'account:<pk>', got {type(template).__name__}"
+        )
+    parse_key_template(template)
 
 
 def request_label(request: HttpRequest) -> str:

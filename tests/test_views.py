@@ -571,7 +571,7 @@ async def test_an_async_view_with_a_list_of_templates(async_client: AsyncClient)
     ("key", "error", "message"),
     [
         ([], ValueError, "lock key must name at least one key template"),
-        (["a:<pk>", 3], TypeError, r"lock key\[1\] must be a str template"),
+        (["a:<pk>", 3], TypeError, r"lock key\[1\]: must be a str template"),
         (["a:<pk>", "b<"], ImproperlyConfigured, "placeholder"),
     ],
 )
