@@ -41,6 +41,8 @@ class Holding:
     key: str
     #: True for a multi-key lock (`multi.MultiLock`), whose store operations take `keys`.
     many: ClassVar[bool] = False
+    #: Exclusive and of one key (`engine.Target.plain`): the store's plain `release` frees it.
+    plain: bool
     holder: str
     ttl: float
     mode: Mode
@@ -92,7 +94,7 @@ class Holding:
             self._stop_renewal()
         store = self._store  # `engine.release_call` written out: a call less on the hot path
         try:
-            if self.mode is EXCLUSIVE and not self.many:
+            if self.plain:  # exclusive, one key
                 released = store.release(self.key, self.owner)
             else:
                 released = drivers.call(store, engine.release_call(self, self.owner))
