@@ -18,7 +18,6 @@ import inspect
 import logging
 import math
 import os
-import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -170,7 +169,12 @@ class Lock(Holding, KeyQueries):
             self.holder = spec.holder_for(label)
         # `validate_key`'s tests, in short for the usual key: a printable str (printable, it
         # has no control character and no lone surrogate: it encodes as UTF-8).
-        if type(key) is str and key and key.isprintable() and len(key) <= longest:
+        if (
+            type(key) is str
+            and key
+            and key.isprintable()
+            and (longest is None or len(key) <= longest)
+        ):
             self.key = key
         else:
             self.key = validate_key(key, self._store)
@@ -568,13 +572,14 @@ _UNSHARED: AbstractContextManager[object] = nullcontext()
 _FRESH = (None, None, None, False, "", None, False, math.inf, None, _UNSHARED, 0, None)
 
 #: What a handle of a spec starts from (`_prepare`), by the spec's id: the spec, its store,
-#: the longest key the store takes, its ttl, the holder of a handle without a label, and the
-#: spec's timeout, retry_delay, auto_extend, max_hold, on_lost, store alias, mode, whether
-#: it is exclusive (a handle of it on one key is `plain`) and its name.
+#: the longest key the store takes (None: any, a test less), its ttl, the holder of a handle
+#: without a label, and the spec's timeout, retry_delay, auto_extend, max_hold, on_lost,
+#: store alias, mode, whether it is exclusive (a handle of it on one key is `plain`) and
+#: its name.
 _Ready = tuple[
     LockSpec,
     LockStore,
-    int,
+    int | None,
     float,
     str,
     float,
@@ -608,11 +613,10 @@ def _prepare(spec: LockSpec) -> _Ready:
             f"{what} needs a store with semaphores and shared locks; store {spec.store!r} "
             f"({type(store).__name__}) has none"
         )
-    longest = sys.maxsize if store.max_key_length is None else store.max_key_length
     ready = (
         spec,
         store,
-        longest,
+        store.max_key_length,
         spec.resolved_ttl(),
         spec.holder_for(None),
         spec.timeout,

@@ -92,12 +92,11 @@ class Holding:
             return False
         if self._renewal is not None:
             self._stop_renewal()
-        store = self._store  # `engine.release_call` written out: a call less on the hot path
-        try:
+        try:  # `engine.release_call` written out: a call less on the hot path
             if self.plain:  # exclusive, one key
-                released = store.release(self.key, self.owner)
+                released = self._store.release(self.key, self.owner)
             else:
-                released = drivers.call(store, engine.release_call(self, self.owner))
+                released = drivers.call(self._store, engine.release_call(self, self.owner))
         except LockStoreUnavailable:
             self._store_error("release")
             raise
