@@ -18,7 +18,6 @@ import inspect
 import logging
 import math
 import os
-import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -113,11 +112,16 @@ class Lock(Holding, KeyQueries):
         "mode",
         "on_lost",
         "owner",
+        "plain",
         "retry_delay",
         "store_alias",
         "timeout",
         "ttl",
     )
+
+    _next_owner: str | None
+    _raises: bool
+    _attempts: int
 
     def __init__(self, key: str, **options: Unpack[LockOptions]) -> None:
         """A handle on `key` taken as the `LockOptions` say (all of them: `limit` and
@@ -158,37 +162,41 @@ class Lock(Holding, KeyQueries):
             self.on_lost,
             self.store_alias,
             self.mode,
+            self.plain,
             self._name,  # None: the key, normalised when first asked for (`name`)
         ) = ready
         if label is not None and spec.holder is None:
             self.holder = spec.holder_for(label)
-        # `validate_key`'s tests, in short for the usual key: a printable ASCII str.
-        if type(key) is str and key.isascii() and key.isprintable() and 0 < len(key) <= longest:
+        # `validate_key`'s tests, in short for the usual key: a printable str (printable, it
+        # has no control character and no lone surrogate: it encodes as UTF-8).
+        if (
+            type(key) is str
+            and key
+            and key.isprintable()
+            and (longest is None or len(key) <= longest)
+        ):
             self.key = key
         else:
             self.key = validate_key(key, self._store)
-        self.owner: str | None = None
-        self._next_owner: str | None = None
-        self.fence: int | None = None
-        #: True once this acquisition is known lost (expired, taken over, store unreachable).
-        self.lost = False
-        self._lost_reason = ""
-        # The async block's body, cancelled when the watchdog finds the lock lost
-        # (on_lost="raise" with auto_extend).
-        self._body: drivers.Body | None = None
-        self._held = False
-        self._valid_until = math.inf  # monotonic, the last expiry the store confirmed
-        self._renewal: watchdog.Renewal | None = None
-        # The state the watchdog shares with the handle's thread; without a watchdog no
-        # other thread touches it (one acquire at a time: `_begin`), and a lock made per
-        # handle would cost a tenth of a memory-store cycle.
-        self._mutex = threading.Lock() if spec.auto_extend else _UNSHARED
-        # What the core tells metrics (with `_name`): whether a refusal raises, the last
-        # acquire's store calls, and the meter of the recorder that saw the last acquire
-        # (None: not measured).
+        # A handle's state before its first acquire (`_FRESH`), in one unpacking.
+        (
+            self.owner,
+            self._next_owner,
+            self.fence,
+            self.lost,
+            self._lost_reason,
+            self._body,
+            self._held,
+            self._valid_until,
+            self._renewal,
+            self._mutex,
+            self._attempts,
+            self._meter,
+        ) = _FRESH
+        if self.auto_extend:  # the state the watchdog shares with the handle's thread
+            self._mutex = threading.Lock()
+        # Whether a refusal raises (what the core tells metrics, with `_name`).
         self._raises = raises
-        self._attempts = 0
-        self._meter: metrics.Meter | None = None
 
     @property
     def _acquiring(self) -> object | None:
@@ -260,7 +268,7 @@ class Lock(Holding, KeyQueries):
             if meter is not None:
                 meter.failed(self, result, self._attempts)
             raise result
-        fence = result.fence
+        fence = result[0]  # `fence` by index: by name, a slower lookup (CPython 3.11-3.13)
         if fence is None:
             logger.debug("lock %r is held by someone else", self.key)
             if meter is not None:
@@ -526,7 +534,7 @@ def _draw_owners() -> str:
     """A new owner token, and OWNERS_DRAWN - 1 more kept for the next acquires."""
     # Split in C at the spaces hex() puts between each 16 bytes: slicing them out one by one
     # in Python cost as much again as drawing them.
-    drawn = os.urandom(16 * OWNERS_DRAWN).hex(" ", 16).split()
+    drawn = os.urandom(16 * OWNERS_DRAWN).hex(" ", 16).split(" ")
     owner = drawn.pop()
     _owners.extend(drawn)
     return owner
@@ -553,14 +561,25 @@ def _forget_acquires() -> None:
 os.register_at_fork(after_in_child=_forget_acquires)
 #: A handle's `_mutex` when it has no watchdog: nothing to guard.
 _UNSHARED: AbstractContextManager[object] = nullcontext()
+#: A handle's state before its first acquire (`Lock._setup`): no owner, no owner drawn for
+#: the next acquire, no fence; not lost (the reason: ""); no async block's body to cancel
+#: (on_lost="raise" with auto_extend cancels it when the watchdog finds the lock lost); not
+#: held, valid until ever (monotonic: the last expiry the store confirmed); no watchdog's
+#: renewal; a mutex for the state a watchdog shares (without one, no other thread touches
+#: it: one acquire at a time, `_begin`; a lock made per handle would cost a tenth of a
+#: memory-store cycle); no store calls made, no meter (the recorder's that saw the last
+#: acquire). One tuple unpacked: fewer bytecodes than an assignment each.
+_FRESH = (None, None, None, False, "", None, False, math.inf, None, _UNSHARED, 0, None)
 
 #: What a handle of a spec starts from (`_prepare`), by the spec's id: the spec, its store,
-#: the longest key the store takes, its ttl, the holder of a handle without a label, and the
-#: spec's timeout, retry_delay, auto_extend, max_hold, on_lost, store alias, mode and name.
+#: the longest key the store takes (None: any, a test less), its ttl, the holder of a handle
+#: without a label, and the spec's timeout, retry_delay, auto_extend, max_hold, on_lost,
+#: store alias, mode, whether it is exclusive (a handle of it on one key is `plain`) and
+#: its name.
 _Ready = tuple[
     LockSpec,
     LockStore,
-    int,
+    int | None,
     float,
     str,
     float,
@@ -570,6 +589,7 @@ _Ready = tuple[
     OnLost,
     str,
     Mode,
+    bool,
     str | None,
 ]
 _ready: dict[int, _Ready] = {}
@@ -593,11 +613,10 @@ def _prepare(spec: LockSpec) -> _Ready:
             f"{what} needs a store with semaphores and shared locks; store {spec.store!r} "
             f"({type(store).__name__}) has none"
         )
-    longest = sys.maxsize if store.max_key_length is None else store.max_key_length
     ready = (
         spec,
         store,
-        longest,
+        store.max_key_length,
         spec.resolved_ttl(),
         spec.holder_for(None),
         spec.timeout,
@@ -607,6 +626,7 @@ def _prepare(spec: LockSpec) -> _Ready:
         spec.on_lost,
         spec.store,
         spec.mode,
+        spec.mode is EXCLUSIVE,
         spec.name,
     )
     if len(kept) >= READY_KEPT:

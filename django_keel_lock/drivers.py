@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, TypeVar
 from . import engine
 from .engine import Call, Interrupted, Pause, Steps, TakeTurn, Target
 from .exceptions import LockNotHeldError, LockStoreUnavailable
-from .stores.base import EXCLUSIVE, LockStore
+from .stores.base import LockStore
 from .stores.wakeups import AnyWaiter
 from .waiting import Turn, to_the_end
 
@@ -140,17 +140,17 @@ def acquire(
     (for the caller to record and raise), when it was sent and the attempts made."""
     if wait <= 0.0:  # one attempt, the hot path: `engine.acquisition` without a generator
         try:
-            if target.mode is EXCLUSIVE and not target.many:  # `engine.first_request`
+            if target.plain:  # `engine.first_request` of an exclusive lock of one key
                 sent = monotonic()
                 result = store.acquire(target.key, owner, target.holder, target.ttl)
             else:
                 op, args = engine.first_request(target, owner)
                 sent = monotonic()
                 result = getattr(store, op)(*args)
-            # A grant's fence read once (a named tuple's field is found by name: CPython
-            # 3.11 does not specialise it); `engine.check`'s and `engine.late`'s tests
-            # first, a call less on the hot path (a grant needs no `check`).
-            if result.fence is None:
+            # A grant's fence read once, by index (a named tuple's field is found by name:
+            # CPython 3.11-3.13 do not specialise it); `engine.check`'s and `engine.late`'s
+            # tests first, a call less on the hot path (a grant needs no `check`).
+            if result[0] is None:
                 if result.held_as is not None:
                     result = engine.check(target, result)
             elif monotonic() >= sent + target.ttl and engine.late(target, result, sent):

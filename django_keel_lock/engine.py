@@ -145,6 +145,9 @@ class Target(Protocol):
     holder: str
     ttl: float
     mode: Mode
+    #: An exclusive lock of one key (not `many`): the store's plain `acquire` and `release`
+    #: take it, the hot path's one test.
+    plain: bool
 
     @property
     def many(self) -> bool: ...

@@ -41,6 +41,8 @@ class Holding:
     key: str
     #: True for a multi-key lock (`multi.MultiLock`), whose store operations take `keys`.
     many: ClassVar[bool] = False
+    #: Exclusive and of one key (`engine.Target.plain`): the store's plain `release` frees it.
+    plain: bool
     holder: str
     ttl: float
     mode: Mode
@@ -90,12 +92,11 @@ class Holding:
             return False
         if self._renewal is not None:
             self._stop_renewal()
-        store = self._store  # `engine.release_call` written out: a call less on the hot path
-        try:
-            if self.mode is EXCLUSIVE and not self.many:
-                released = store.release(self.key, self.owner)
+        try:  # `engine.release_call` written out: a call less on the hot path
+            if self.plain:  # exclusive, one key
+                released = self._store.release(self.key, self.owner)
             else:
-                released = drivers.call(store, engine.release_call(self, self.owner))
+                released = drivers.call(self._store, engine.release_call(self, self.owner))
         except LockStoreUnavailable:
             self._store_error("release")
             raise

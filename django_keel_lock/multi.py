@@ -97,6 +97,7 @@ class MultiLock(Lock):
         # As a handle on its first key (checked again there: a call less for every
         # single-key handle than a setup split in two), then on all of them.
         super()._setup(self.keys[0], spec, label=label, raises=raises)
+        self.plain = False  # its store operations take its keys
         self.key = "+".join(self.keys)
         self._fences: tuple[int, ...] = ()
 
