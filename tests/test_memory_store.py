@@ -60,3 +60,18 @@ def test_an_error_under_the_mutex_leaves_it_free_for_the_next_call() -> None:
     worker.join(5)
     assert not worker.is_alive(), "the mutex was left taken"
     assert results[0].acquired
+
+
+def test_a_grant_is_a_whole_acquire_result_equal_to_one_made_by_hand() -> None:
+    # The store builds its grants without the named tuple's __new__: they must still have
+    # every field (a short tuple's last_fence raised IndexError, and compared unequal).
+    store = MemoryLockStore()
+    taken = store.acquire("whole", "owner", "h", 30)
+    again = store.acquire("whole", "owner", "h", 30)  # the same owner's retry
+    assert store.release("whole", "owner")
+    store.acquire("other", "owner", "h", 0.001)
+    time.sleep(0.01)
+    expired = store.acquire("other", "next", "h", 30)  # an expired lock taken over
+    for grant in (taken, again, expired):
+        assert grant == AcquireResult(grant.fence)
+        assert grant.last_fence is None and grant.blocked == ()
