@@ -375,8 +375,10 @@ class ReleaseListener:
         self._lingering: dict[str, float] = {}  # subscribed, unwatched: key -> since (monotonic)
         self._closed = False
         self._poke_r, self._poke_w = os.pipe()
-        os.set_blocking(self._poke_r, False)
-        os.set_blocking(self._poke_w, False)
+        # Written to have a waiting thread stop reading the connection (`stop_reader`).
+        self._stop_r, self._stop_w = os.pipe()
+        for end in (self._poke_r, self._poke_w, self._stop_r, self._stop_w):
+            os.set_blocking(end, False)
 
     # -- the hooks --------------------------------------------------------------------------
     def connect(self) -> bool:
@@ -438,13 +440,38 @@ class ReleaseListener:
             except OSError:
                 pass  # the pipe is full of pokes already
 
+    def stop_reader(self) -> None:
+        """Have a waiting thread that reads the connection (`read_here`) stop at once."""
+        with self._mutex:  # never write to a closed (and maybe reused) descriptor
+            if self._closed:
+                return
+            try:
+                os.write(self._stop_w, b"x")
+            except OSError:
+                pass  # the pipe is full of stops already
+
+    @contextmanager
+    def excluding_readers(self) -> Iterator[None]:
+        """The connection for this listener's thread alone in the block: a waiting thread
+        that reads it (`read_here`) stops first. For a connection that cannot be read and
+        written from two threads at once (libpq's): such a listener's statements run in one."""
+        if not self._reading.acquire(blocking=False):
+            self.stop_reader()
+            self._reading.acquire()
+        try:
+            _drain(self._stop_r)  # no reader runs: what it was told does not outlive this
+            yield
+        finally:
+            self._reading.release()
+
     def read_here(self, done: Callable[[], bool], timeout: float) -> bool:
         """Read the connection from a waiting thread until `done()` or `timeout` seconds: the
         wake-up it waits for then wakes it, not this listener's thread, which would have to
         wake it in turn (a second thread to schedule on a busy machine, the hand-off's
         last leg). False when it cannot (at once: the store does not allow it, the listener
         is not connected, or another thread reads) or stopped early (the connection broke,
-        or the listener gave it up): the caller sleeps what is left of `timeout`."""
+        the listener gave it up, or its thread needs the connection: `stop_reader`): the
+        caller sleeps what is left of `timeout`."""
         if not (self.reads_here and self.ready.is_set() and self.pid == os.getpid()):
             return False
         if not self._reading.acquire(blocking=False):
@@ -454,20 +481,28 @@ class ReleaseListener:
             return False
         self.interrupt()  # so that this listener's thread stops reading the connection
         try:
-            poller = select.poll()
-            poller.register(self.socket(), select.POLLIN)
-            deadline = time.monotonic() + timeout
-            while not done():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                if poller.poll(left * 1000) and self.pending():
-                    self._read_at = time.monotonic()
-                    self.dispatch(True)
+            return self._read_until(done, timeout)
         except self.read_errors:  # the connection broke: the listener's thread reconnects
             return False
         finally:
             self._reading.release()
+
+    def _read_until(self, done: Callable[[], bool], timeout: float) -> bool:
+        """`read_here`'s loop (holding `_reading`): False when told to stop."""
+        poller = select.poll()
+        poller.register(self.socket(), select.POLLIN)
+        poller.register(self._stop_r, select.POLLIN)
+        deadline = time.monotonic() + timeout
+        while not done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            ready = poller.poll(left * 1000)
+            if any(fd == self._stop_r for fd, _ in ready):
+                return False
+            if ready and self.pending():
+                self._read_at = time.monotonic()
+                self.dispatch(True)
         return True
 
     def start(self) -> None:
@@ -510,11 +545,7 @@ class ReleaseListener:
 
     def take_changes(self) -> set[str]:
         """The keys whose waiting changed since the last call."""
-        try:
-            while os.read(self._poke_r, 512):
-                pass
-        except BlockingIOError:
-            pass
+        _drain(self._poke_r)
         with self._mutex:
             changed, self._changed = self._changed, set()
         return changed
@@ -573,6 +604,7 @@ class ReleaseListener:
         self.hang_up()
         with self._reading:
             self.disconnect()
+            _drain(self._stop_r)
 
     def _serve(self) -> None:
         heard = pinged = time.monotonic()
@@ -627,8 +659,17 @@ class ReleaseListener:
             self.ready.clear()
             with self._mutex:
                 self._closed = True
-                os.close(self._poke_r)
-                os.close(self._poke_w)
+                for end in (self._poke_r, self._poke_w, self._stop_r, self._stop_w):
+                    os.close(end)
+
+
+def _drain(fd: int) -> None:
+    """Read a non-blocking pipe's end empty."""
+    try:
+        while os.read(fd, 512):
+            pass
+    except BlockingIOError:
+        pass
 
 
 class ListeningStore:

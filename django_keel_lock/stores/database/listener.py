@@ -45,10 +45,18 @@ class PostgresListener(ReleaseListener):
     LISTEN, UNLISTEN and the ping (SELECT 1, after `ping_after` quiet seconds) wait for the
     server's answer, so each that returns proves the connection alive, and a gone one raises
     (or, if no reply comes within the store's SOCKET_TIMEOUT, has its socket cut and
-    raises)."""
+    raises).
+
+    A thread waiting for a key reads the connection itself meanwhile (`reads_here`): the
+    notification that hands it the lock wakes it, not this listener's thread. libpq allows one
+    thread at a time on a connection, so each statement of the listener's first has that
+    thread stop reading (`ReleaseListener.excluding_readers`). Notifications are read off
+    libpq as they come (`dispatch`), or, when they arrive with a statement's reply, handed
+    to `_heard` by psycopg (a notify handler: psycopg then keeps no backlog of them)."""
 
     store: DatabaseLockStore
     replies_inline = True
+    reads_here = True
     fileno: int | None = None  # for inspection: the connection is this thread's alone
     #: The server's pid of the connection while it listens: the places of this process's
     #: waiters name it, and a release carries them grants only while it is there.
@@ -79,24 +87,29 @@ class PostgresListener(ReleaseListener):
         self._deadline = Deadline(store.socket_timeout)
         self._deadline.attach(self.fileno)
         self._keys_by_channel: dict[str, str] = {}
+        # What a waiting thread's read raises when the connection broke (`read_here`).
+        self.read_errors = (OSError, ValueError, raw.Error)
+        raw.add_notify_handler(lambda notify: self._heard(notify.channel, notify.payload))
         return True
 
     def _execute(self, sql: str) -> Any:
         """Run `sql` and wait for its reply, SOCKET_TIMEOUT at most; its cursor."""
         deadline = self._deadline
         assert deadline is not None
-        deadline.arm()
-        try:
-            return self._raw.execute(sql)
-        finally:
-            if deadline.disarm():
-                raise ConnectionError(
-                    f"no reply to {sql.split()[0]} within {deadline.seconds:g}s "
-                    "(OPTIONS SOCKET_TIMEOUT)"
-                )
+        with self.excluding_readers():
+            deadline.arm()
+            try:
+                return self._raw.execute(sql)
+            finally:
+                if deadline.disarm():
+                    raise ConnectionError(
+                        f"no reply to {sql.split()[0]} within {deadline.seconds:g}s "
+                        "(OPTIONS SOCKET_TIMEOUT)"
+                    )
 
     def prepare(self) -> bool:
         self._raw.autocommit = True
+        self._encoding = self._raw.info.encoding
         self._address_channel = address_channel(self.address)
         self._grant_channel = grant_channel(self.address)
         self._execute(f"LISTEN {self._address_channel}")
@@ -124,18 +137,30 @@ class PostgresListener(ReleaseListener):
         self._execute("SELECT 1")
 
     def dispatch(self, data: bool) -> None:
-        # Whatever `data` says: psycopg keeps what arrived while LISTEN/UNLISTEN ran.
-        board, keys_by_channel = self.store.wake_board, self._keys_by_channel
-        for notify in self._raw.notifies(timeout=0):
-            if notify.channel == self._address_channel:  # our waiter is first: its key
-                board.wake(notify.payload)
-                continue
-            if notify.channel == self._grant_channel:  # handed over, at its whole ttl
-                board.grant(*read_grant(notify.payload))
-                continue
-            key = keys_by_channel.get(notify.channel)
+        # Straight off libpq (never blocks: its socket is non-blocking), not psycopg's
+        # notifies(), whose locking and waiting would sit between a grant arriving and its
+        # waiter being woken. What arrived with a statement's reply went to `_heard` then.
+        if not data:
+            return
+        pgconn, encoding = self._raw.pgconn, self._encoding
+        pgconn.consume_input()
+        while (notify := pgconn.notifies()) is not None:
+            self._heard(notify.relname.decode(encoding), notify.extra.decode(encoding))
+
+    def _heard(self, channel: str, payload: str) -> None:
+        """One notification: the wake-up or the grant it carries, on to the board."""
+        board = self.store.wake_board
+        if channel == self._address_channel:  # our waiter is first: its key
+            board.wake(payload)
+        elif channel == self._grant_channel:  # handed over, at its whole ttl
+            board.grant(*read_grant(payload))
+        else:
+            key = self._keys_by_channel.get(channel)
             if key is not None:
                 board.wake(key)
+
+    def hang_up(self) -> None:
+        self.stop_reader()
 
     def disconnect(self) -> None:
         self.backend_pid = None
