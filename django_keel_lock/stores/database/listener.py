@@ -17,7 +17,13 @@ from django.db import connections
 from ..connections import Deadline
 from ..wakeups import ReleaseListener
 from .dialects.mysql import MySQLDialect
-from .dialects.postgresql import address_channel, grant_channel, notify_channel, read_grant
+from .dialects.postgresql import (
+    LISTENER_SQL,
+    address_channel,
+    grant_channel,
+    notify_channel,
+    read_grant,
+)
 
 if TYPE_CHECKING:
     from .store import DatabaseLockStore
@@ -59,7 +65,8 @@ class PostgresListener(ReleaseListener):
     reads_here = True
     fileno: int | None = None  # for inspection: the connection is this thread's alone
     #: The server's pid of the connection while it listens: the places of this process's
-    #: waiters name it, and a release carries them grants only while it is there.
+    #: waiters name it, and a release carries them grants only while that connection holds
+    #: its advisory lock (`LISTENER_SQL`), taken once it LISTENs.
     backend_pid: int | None = None
     _raw: Any = None
     _deadline: Deadline | None = None
@@ -114,8 +121,7 @@ class PostgresListener(ReleaseListener):
         self._grant_channel = grant_channel(self.address)
         self._execute(f"LISTEN {self._address_channel}")
         self._execute(f"LISTEN {self._grant_channel}")
-        # Asked, not libpq's: through a session pooler that is the pooler's own number.
-        self.backend_pid = int(self._execute("SELECT pg_backend_pid()").fetchone()[0])
+        self.backend_pid = int(self._execute(LISTENER_SQL).fetchone()[0])
         return True
 
     def socket(self) -> int:
