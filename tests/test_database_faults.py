@@ -354,3 +354,38 @@ def test_extend_racing_a_release_never_brings_the_released_lock_back(alias: str)
         assert not taken, f"{len(taken)} of {races} keys released with True cannot be acquired"
     finally:
         store.close()
+
+
+@needs_store("postgres")
+def test_a_postgres_listener_that_stops_while_a_waiting_thread_reads_its_connection_ends_that_read(
+    key: str,
+) -> None:
+    # A thread waiting for a key reads the listener's connection itself (`read_here`). The
+    # listener giving that connection up (stopped here; or a dead link) closes it once that
+    # thread has stopped reading (libpq: one thread at a time), and the thread then sleeps what
+    # is left of its wait, not all of it again.
+    store = DatabaseLockStore("pg-reading", {"DATABASE": "postgres"})
+    try:
+        with store.watch(key):
+            assert wait_until(store.listener_ready, 10), "the listener never connected"
+        listener = store._listener
+        assert isinstance(listener, PostgresListener)
+        raw = listener._raw
+        waited: list[float] = []
+
+        def wait() -> None:
+            with store.watch(key) as waiter:
+                began = time.monotonic()
+                waiter.wait(4.0)
+                waited.append(time.monotonic() - began)
+
+        thread = threading.Thread(target=wait)
+        thread.start()
+        assert wait_until(listener._reading.locked, 10), "the waiting thread never read"
+        time.sleep(1.0)
+        store.stop_listener()
+        assert raw.closed, "the listener left its connection open"
+        thread.join(10)
+        assert waited and waited[0] < 5.0, waited  # 4 s asked; 5 s when it slept 4 s again
+    finally:
+        store.close()
