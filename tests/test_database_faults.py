@@ -34,6 +34,7 @@ from .conftest import (
     store_params,
 )
 from .support.redis_servers import FaultyProxy
+from .support.threads import waiting_in_thread
 
 T = TypeVar("T")
 
@@ -371,16 +372,7 @@ def test_a_postgres_listener_that_stops_while_a_waiting_thread_reads_its_connect
         listener = store._listener
         assert isinstance(listener, PostgresListener)
         raw = listener._raw
-        waited: list[float] = []
-
-        def wait() -> None:
-            with store.watch(key) as waiter:
-                began = time.monotonic()
-                waiter.wait(4.0)
-                waited.append(time.monotonic() - began)
-
-        thread = threading.Thread(target=wait)
-        thread.start()
+        thread, waited = waiting_in_thread(store, key, 4.0)
         assert wait_until(listener._reading.locked, 10), "the waiting thread never read"
         time.sleep(1.0)
         store.stop_listener()

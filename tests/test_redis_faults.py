@@ -22,6 +22,7 @@ from django_keel_lock.stores import RedisLockStore
 
 from .conftest import needs, serving
 from .support.redis_servers import REDIS_SERVER, FaultyProxy, RedisServer, check_lost_release_reply
+from .support.threads import waiting_in_thread
 
 pytestmark = needs(os.path.exists(REDIS_SERVER), "the redis-server binary")
 
@@ -410,16 +411,7 @@ def test_a_waiting_thread_whose_read_of_the_listener_ends_early_waits_no_longer_
             time.sleep(0.01)
     listener = store._listener
     assert listener is not None
-    waited: list[float] = []
-
-    def wait() -> None:
-        with store.watch(key) as waiter:
-            began = time.monotonic()
-            waiter.wait(4.0)
-            waited.append(time.monotonic() - began)
-
-    thread = threading.Thread(target=wait)
-    thread.start()
+    thread, waited = waiting_in_thread(store, key, 4.0)
     deadline = time.monotonic() + 10
     while not listener._reading.locked():  # the waiting thread reads the connection
         assert time.monotonic() < deadline, "the waiting thread never read the connection"

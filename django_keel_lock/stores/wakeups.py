@@ -432,23 +432,21 @@ class ReleaseListener:
 
     def interrupt(self) -> None:
         """Wake the thread from `wait()`."""
+        self._signal(self._poke_w)
+
+    def _signal(self, end: int) -> None:
+        """Write a byte to the pipe whose write end is `end` (the poke or the stop)."""
         with self._mutex:  # never write to a closed (and maybe reused) descriptor
             if self._closed:
                 return
             try:
-                os.write(self._poke_w, b"x")
+                os.write(end, b"x")
             except OSError:
-                pass  # the pipe is full of pokes already
+                pass  # the pipe is full of bytes already
 
     def stop_reader(self) -> None:
         """Have a waiting thread that reads the connection (`read_here`) stop at once."""
-        with self._mutex:  # never write to a closed (and maybe reused) descriptor
-            if self._closed:
-                return
-            try:
-                os.write(self._stop_w, b"x")
-            except OSError:
-                pass  # the pipe is full of stops already
+        self._signal(self._stop_w)
 
     @contextmanager
     def excluding_readers(self) -> Iterator[None]:
