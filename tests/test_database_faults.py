@@ -3,8 +3,10 @@ release that returned True is never undone by an extend that raced it."""
 
 from __future__ import annotations
 
+import linecache
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -22,6 +24,7 @@ from django_keel_lock import LockStoreUnavailable, lock
 from django_keel_lock.checks import check_stores
 from django_keel_lock.stores import DatabaseLockStore
 from django_keel_lock.stores.connections import SOCKET_DEADLINES, Deadline
+from django_keel_lock.stores.database.dialects.postgresql import notify_channel
 from django_keel_lock.stores.database.listener import MariaDBListener, PostgresListener
 
 from .conftest import (
@@ -379,5 +382,73 @@ def test_a_postgres_listener_that_stops_while_a_waiting_thread_reads_its_connect
         assert raw.closed, "the listener left its connection open"
         thread.join(10)
         assert waited and waited[0] < 5.0, waited  # 4 s asked; 5 s when it slept 4 s again
+    finally:
+        store.close()
+
+
+class _Interrupted(Exception):
+    """What a signal handler raises in a waiting thread (a task's soft time limit)."""
+
+
+def _raising_after(call: str) -> Callable[[Any, str, Any], Any]:
+    """A trace function that raises `_Interrupted` in `PostgresListener.dispatch` at the first
+    line after the one that calls `call` (of libpq), as a signal handler raising there would."""
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code is not PostgresListener.dispatch.__code__:
+            return None
+        after = False
+
+        def line(frame: Any, event: str, arg: Any) -> Any:
+            nonlocal after
+            if event == "line" and after:
+                sys.settrace(None)
+                raise _Interrupted
+            if event == "line":
+                source = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+                after = f"pgconn.{call}" in source
+            return line
+
+        return line
+
+    return trace
+
+
+@needs_store("postgres")
+@pytest.mark.parametrize("call", ["consume_input", "notifies"])
+def test_a_wake_up_read_by_a_waiting_thread_that_a_signal_interrupts_still_wakes_its_waiter(
+    key: str, call: str
+) -> None:
+    # A waiting thread reads the listener's connection itself (`read_here`); an exception
+    # raised there by a signal handler (a task's time limit) right after libpq read the socket
+    # (what it read is in libpq's buffer, the socket empty), or right after a notification was
+    # taken off libpq: the wake-up of another key still reaches its waiter at once, not at the
+    # listener's next ping (5 s) or never.
+    from .test_database_line import postgres_connection
+
+    store = DatabaseLockStore("pg-interrupted", {"DATABASE": "postgres"})
+    other = key + ":other"
+    try:
+        with store.watch(key) as waiter, store.watch(other) as waiter_of_other:
+            listener = store._listener
+            assert isinstance(listener, PostgresListener)
+            subscribed = lambda: {key, other} <= listener.subscribed  # noqa: E731
+            assert wait_until(lambda: store.listener_ready() and subscribed(), 10)
+            waiter.poll()  # each new subscription woke its key once
+            waiter_of_other.poll()
+            with postgres_connection() as raw:
+                notify = f"SELECT pg_notify('{notify_channel(other)}', %s)"
+                timer = threading.Timer(0.5, raw.execute, (notify, (other,)))
+                timer.start()
+                sys.settrace(_raising_after(call))
+                try:
+                    with pytest.raises(_Interrupted):
+                        waiter.wait(3.0)
+                finally:
+                    sys.settrace(None)
+                    timer.join()
+            began = time.monotonic()
+            assert waiter_of_other.wait(3.0), "the wake-up read before the signal was lost"
+            assert time.monotonic() - began < 1.0
     finally:
         store.close()

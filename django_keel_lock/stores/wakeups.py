@@ -372,6 +372,9 @@ class ReleaseListener:
         self._changed: set[str] = set()
         self._reading = threading.Lock()  # held by the thread reading the connection
         self._read_at = 0.0  # when a waiting thread last read something (monotonic)
+        # A waiting thread's read ended by an exception of its own (a signal handler's): what
+        # it had read off the socket may wait in the driver's buffer, where no poll sees it.
+        self._unread = False
         self._lingering: dict[str, float] = {}  # subscribed, unwatched: key -> since (monotonic)
         self._closed = False
         self._poke_r, self._poke_w = os.pipe()
@@ -482,8 +485,19 @@ class ReleaseListener:
             return self._read_until(done, timeout)
         except self.read_errors:  # the connection broke: the listener's thread reconnects
             return False
+        except BaseException:  # raised in this thread (a signal handler's): mid-read, maybe
+            self._unread = True
+            raise
         finally:
             self._reading.release()
+            if self._unread:
+                self.interrupt()  # whoever reads next dispatches what was left
+
+    def _read_unread(self) -> None:
+        """Dispatch what an interrupted read left in the driver (holding `_reading`)."""
+        if self._unread:
+            self._unread = False
+            self.dispatch(self.pending())
 
     def _read_until(self, done: Callable[[], bool], timeout: float) -> bool:
         """`read_here`'s loop (holding `_reading`): False when told to stop."""
@@ -491,6 +505,7 @@ class ReleaseListener:
         poller.register(self.socket(), select.POLLIN)
         poller.register(self._stop_r, select.POLLIN)
         deadline = time.monotonic() + timeout
+        self._read_unread()
         while not done():
             left = deadline - time.monotonic()
             if left <= 0:
@@ -628,11 +643,13 @@ class ReleaseListener:
 
     def _dispatch(self, data: bool) -> None:
         """`dispatch` what arrived, unless a waiting thread reads it (`read_here`)."""
-        if not data or not self.reads_here:
+        if not self.reads_here or not (data or self._unread):
             self.dispatch(data)
         elif self._reading.acquire(blocking=False):
             try:
-                self.dispatch(self.pending())
+                self._read_unread()
+                if data:
+                    self.dispatch(self.pending())
             finally:
                 self._reading.release()
 

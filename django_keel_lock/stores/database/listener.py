@@ -10,6 +10,7 @@ import math
 import secrets
 import select
 import time
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from django.db import connections
@@ -94,6 +95,7 @@ class PostgresListener(ReleaseListener):
         self._deadline = Deadline(store.socket_timeout)
         self._deadline.attach(self.fileno)
         self._keys_by_channel: dict[str, str] = {}
+        self._notes: deque[Any] = deque()  # taken off libpq, not heard yet (`dispatch`)
         # What a waiting thread's read raises when the connection broke (`read_here`).
         self.read_errors = (OSError, ValueError, raw.Error)
         raw.add_notify_handler(lambda notify: self._heard(notify.channel, notify.payload))
@@ -148,10 +150,15 @@ class PostgresListener(ReleaseListener):
         # waiter being woken. What arrived with a statement's reply went to `_heard` then.
         if not data:
             return
-        pgconn, encoding = self._raw.pgconn, self._encoding
+        # Taken off libpq first, each one let go once heard: a waiting thread's read that an
+        # exception of its own ends midway (`read_here`) leaves the rest to whoever reads next.
+        pgconn, encoding, notes = self._raw.pgconn, self._encoding, self._notes
         pgconn.consume_input()
-        while (notify := pgconn.notifies()) is not None:
+        notes.extend(iter(pgconn.notifies, None))  # in C: no signal handler runs midway
+        while notes:
+            notify = notes[0]
             self._heard(notify.relname.decode(encoding), notify.extra.decode(encoding))
+            notes.popleft()
 
     def _heard(self, channel: str, payload: str) -> None:
         """One notification: the wake-up or the grant it carries, on to the board."""
