@@ -463,3 +463,41 @@ def test_a_wake_up_read_by_a_waiting_thread_that_a_signal_interrupts_still_wakes
                 assert woken.wait(1.0), "the wake-up read before the signal was lost"
     finally:
         store.close()
+
+
+@needs_store("postgres")
+@pytest.mark.parametrize("reader", ["the listener's thread", "a waiting thread"])
+def test_a_malformed_grant_notification_is_skipped_and_the_listener_keeps_its_connection(
+    key: str, reader: str
+) -> None:
+    # Anyone who may NOTIFY can send a payload on this process's grant channel that is no
+    # grant: it is skipped (logged), the wake-up after it still wakes its waiter, and the
+    # listener keeps its connection (no reconnection, no waking of every waiter).
+    from django_keel_lock.stores.database.dialects.postgresql import grant_channel
+
+    from .test_database_line import postgres_connection
+
+    store = DatabaseLockStore("pg-malformed", {"DATABASE": "postgres"})
+    woken = threading.Event()
+    try:
+        with store.watch(key) as waiter, store.watch_many([key], lambda _: woken.set()):
+            listener = store._listener
+            assert isinstance(listener, PostgresListener)
+            assert wait_until(lambda: store.listener_ready() and key in listener.subscribed, 10)
+            pid = listener.backend_pid
+            time.sleep(0.1)
+            waiter.poll()  # the subscription woke the key once
+            woken.clear()
+            with postgres_connection() as raw:
+                sent = [(grant_channel(listener.address), "no grant"), (notify_channel(key), key)]
+                send = lambda: [raw.execute("SELECT pg_notify(%s, %s)", n) for n in sent]  # noqa: E731
+                timer = threading.Timer(0.3, send)
+                timer.start()
+                if reader == "a waiting thread":
+                    assert waiter.wait(2.0), "the wake-up after the malformed grant was lost"
+                else:
+                    assert woken.wait(2.0), "the wake-up after the malformed grant was lost"
+                timer.join()
+            assert listener.backend_pid == pid and store.listener_ready()
+    finally:
+        store.close()

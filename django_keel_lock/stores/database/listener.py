@@ -166,7 +166,14 @@ class PostgresListener(ReleaseListener):
         if channel == self._address_channel:  # our waiter is first: its key
             board.wake(payload)
         elif channel == self._grant_channel:  # handed over, at its whole ttl
-            board.grant(*read_grant(payload))
+            try:
+                grant = read_grant(payload)
+            except ValueError:  # NOTIFYed by someone else: no release sends this
+                logger.warning(
+                    "lock listener for %r skipped a grant it cannot read", self.store.alias
+                )
+                return
+            board.grant(*grant)
         else:
             key = self._keys_by_channel.get(channel)
             if key is not None:
