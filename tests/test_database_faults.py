@@ -501,3 +501,38 @@ def test_a_malformed_grant_notification_is_skipped_and_the_listener_keeps_its_co
             assert listener.backend_pid == pid and store.listener_ready()
     finally:
         store.close()
+
+
+@needs_store("postgres")
+def test_a_waiting_thread_that_reads_the_listeners_connection_does_not_put_off_its_ping(
+    key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A waiting thread that reads the listener's connection (`read_here`) pokes the listener's
+    # thread each time it begins, so that it stops reading; a poke is no reply from the
+    # server. With a thread waiting again and again, a frozen server must still clear `ready`
+    # (waiters then poll) within `ping_after` + SOCKET_TIMEOUT, as with nobody waiting.
+    monkeypatch.setattr(PostgresListener, "ping_after", 0.3)
+    stop = threading.Event()
+    with behind_proxy("postgres", SOCKET_TIMEOUT=1) as (store, proxy):
+
+        def keep_waiting() -> None:
+            with store.watch(key) as waiter:
+                while not stop.is_set():
+                    waiter.wait(0.1)
+
+        thread = threading.Thread(target=keep_waiting)
+        thread.start()
+        try:
+            assert wait_until(lambda: store.push_wakeups, 10), "the listener never connected"
+            listener = store._listener
+            assert listener is not None
+            assert wait_until(listener._reading.locked, 10), "the waiting thread never read"
+            proxy.mode = "stall"
+            frozen = time.monotonic()
+            assert wait_until(lambda: not store.push_wakeups, 5), "listener still trusted"
+            assert time.monotonic() - frozen < 0.3 + 1 + 1.5
+        finally:
+            stop.set()
+            thread.join(10)
+            proxy.drop_connections()
+            proxy.mode = "pass"

@@ -563,10 +563,10 @@ class ReleaseListener:
             changed, self._changed = self._changed, set()
         return changed
 
-    def settle(self, keys: set[str]) -> None:
+    def settle(self, keys: set[str]) -> bool:
         """(Un)subscribe so that the watched ones among `keys` are subscribed, and the others
         not once they have lingered (`linger`); each new subscription wakes its key's waiters
-        once (a release may have come just before)."""
+        once (a release may have come just before). Whether it (un)subscribed any."""
         board, subscribed, lingering = self.store.wake_board, self.subscribed, self._lingering
         watched = set(board.watched_keys())
         now = time.monotonic()
@@ -587,6 +587,7 @@ class ReleaseListener:
             subscribed.difference_update(drop)
             for key in drop:
                 del lingering[key]
+        return bool(add or drop)
 
     def listen(self) -> None:
         """One connection's life: return only when `stopping` is set (or the store cannot
@@ -623,13 +624,15 @@ class ReleaseListener:
         heard = pinged = time.monotonic()
         while not self.stopping.is_set():
             data, poked = self.wait(self.socket(), 1.0)
+            # A poke with nothing to (un)subscribe proves nothing: a waiting thread that
+            # begins to read pokes too (`read_here`), and must not put the ping off.
             if poked or self._changed:
-                self.settle(self.take_changes())
-            elif self._lingering:
-                self.settle(set())  # drop the keys that have lingered long enough
+                said = self.settle(self.take_changes())
+            else:  # drop the keys that have lingered long enough
+                said = bool(self._lingering) and self.settle(set())
             now = time.monotonic()
             heard = max(heard, self._read_at)  # what a waiting thread read counts too
-            if data or (poked and self.replies_inline):
+            if data or (said and self.replies_inline):
                 heard = now
             elif self.dead_after is not None and now - heard > self.dead_after:
                 # A silently dead link must not keep `ready` set.
