@@ -3,8 +3,10 @@ release that returned True is never undone by an extend that raced it."""
 
 from __future__ import annotations
 
+import linecache
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -22,6 +24,7 @@ from django_keel_lock import LockStoreUnavailable, lock
 from django_keel_lock.checks import check_stores
 from django_keel_lock.stores import DatabaseLockStore
 from django_keel_lock.stores.connections import SOCKET_DEADLINES, Deadline
+from django_keel_lock.stores.database.dialects.postgresql import notify_channel
 from django_keel_lock.stores.database.listener import MariaDBListener, PostgresListener
 
 from .conftest import (
@@ -34,6 +37,7 @@ from .conftest import (
     store_params,
 )
 from .support.redis_servers import FaultyProxy
+from .support.threads import waiting_in_thread
 
 T = TypeVar("T")
 
@@ -354,3 +358,181 @@ def test_extend_racing_a_release_never_brings_the_released_lock_back(alias: str)
         assert not taken, f"{len(taken)} of {races} keys released with True cannot be acquired"
     finally:
         store.close()
+
+
+@needs_store("postgres")
+def test_a_postgres_listener_that_stops_while_a_waiting_thread_reads_its_connection_ends_that_read(
+    key: str,
+) -> None:
+    # A thread waiting for a key reads the listener's connection itself (`read_here`). The
+    # listener giving that connection up (stopped here; or a dead link) closes it once that
+    # thread has stopped reading (libpq: one thread at a time), and the thread then sleeps what
+    # is left of its wait, not all of it again.
+    store = DatabaseLockStore("pg-reading", {"DATABASE": "postgres"})
+    try:
+        with store.watch(key):
+            assert wait_until(store.listener_ready, 10), "the listener never connected"
+        listener = store._listener
+        assert isinstance(listener, PostgresListener)
+        raw = listener._raw
+        thread, waited = waiting_in_thread(store, key, 4.0)
+        assert wait_until(listener._reading.locked, 10), "the waiting thread never read"
+        time.sleep(1.0)
+        store.stop_listener()
+        assert raw.closed, "the listener left its connection open"
+        thread.join(10)
+        assert waited and waited[0] < 5.0, waited  # 4 s asked; 5 s when it slept 4 s again
+    finally:
+        store.close()
+
+
+class _Interrupted(Exception):
+    """What a signal handler raises in a waiting thread (a task's soft time limit)."""
+
+
+def _raising_after(call: str) -> Callable[[Any, str, Any], Any]:
+    """A trace function that raises `_Interrupted` in `PostgresListener.dispatch` at the first
+    line after the one that calls `call` (of libpq), as a signal handler raising there would."""
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code is not PostgresListener.dispatch.__code__:
+            return None
+        after = False
+
+        def line(frame: Any, event: str, arg: Any) -> Any:
+            nonlocal after
+            if event == "line" and after:
+                sys.settrace(None)
+                raise _Interrupted
+            if event == "line":
+                source = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+                after = f"pgconn.{call}" in source
+            return line
+
+        return line
+
+    return trace
+
+
+@needs_store("postgres")
+@pytest.mark.parametrize("call", ["consume_input", "notifies"])
+@pytest.mark.parametrize("then", ["the same thread reads again", "the listener's thread reads"])
+def test_a_wake_up_read_by_a_waiting_thread_that_a_signal_interrupts_still_wakes_its_waiter(
+    key: str, call: str, then: str
+) -> None:
+    # A waiting thread reads the listener's connection itself (`read_here`); an exception
+    # raised there by a signal handler (a task's time limit) right after libpq read the socket
+    # (what it read is in libpq's buffer, the socket empty), or right after a notification was
+    # taken off libpq: the wake-up of another key still reaches its waiter at once, not at the
+    # listener's next ping (5 s) or never, whoever reads next (a waiting thread, or the
+    # listener's own where the other key's waiter is a callback, as a task's, that reads
+    # nothing).
+    from .test_database_line import postgres_connection
+
+    store = DatabaseLockStore("pg-interrupted", {"DATABASE": "postgres"})
+    other = key + ":other"
+    woken = threading.Event()
+    try:
+        with (
+            store.watch(key) as waiter,
+            store.watch(other) as waiter_of_other,
+            store.watch_many([other], lambda _: woken.set()),
+        ):
+            listener = store._listener
+            assert isinstance(listener, PostgresListener)
+            subscribed = lambda: {key, other} <= listener.subscribed  # noqa: E731
+            assert wait_until(lambda: store.listener_ready() and subscribed(), 10)
+            waiter.poll()  # each new subscription woke its key once
+            waiter_of_other.poll()
+            time.sleep(0.1)
+            woken.clear()
+            with postgres_connection() as raw:
+                notify = f"SELECT pg_notify('{notify_channel(other)}', %s)"
+                timer = threading.Timer(0.5, raw.execute, (notify, (other,)))
+                timer.start()
+                sys.settrace(_raising_after(call))
+                try:
+                    with pytest.raises(_Interrupted):
+                        waiter.wait(3.0)
+                finally:
+                    sys.settrace(None)
+                    timer.join()
+            if then == "the same thread reads again":
+                assert waiter_of_other.wait(1.0), "the wake-up read before the signal was lost"
+            else:
+                assert woken.wait(1.0), "the wake-up read before the signal was lost"
+    finally:
+        store.close()
+
+
+@needs_store("postgres")
+@pytest.mark.parametrize("reader", ["the listener's thread", "a waiting thread"])
+def test_a_malformed_grant_notification_is_skipped_and_the_listener_keeps_its_connection(
+    key: str, reader: str
+) -> None:
+    # Anyone who may NOTIFY can send a payload on this process's grant channel that is no
+    # grant: it is skipped (logged), the wake-up after it still wakes its waiter, and the
+    # listener keeps its connection (no reconnection, no waking of every waiter).
+    from django_keel_lock.stores.database.dialects.postgresql import grant_channel
+
+    from .test_database_line import postgres_connection
+
+    store = DatabaseLockStore("pg-malformed", {"DATABASE": "postgres"})
+    woken = threading.Event()
+    try:
+        with store.watch(key) as waiter, store.watch_many([key], lambda _: woken.set()):
+            listener = store._listener
+            assert isinstance(listener, PostgresListener)
+            assert wait_until(lambda: store.listener_ready() and key in listener.subscribed, 10)
+            pid = listener.backend_pid
+            time.sleep(0.1)
+            waiter.poll()  # the subscription woke the key once
+            woken.clear()
+            with postgres_connection() as raw:
+                sent = [(grant_channel(listener.address), "no grant"), (notify_channel(key), key)]
+                send = lambda: [raw.execute("SELECT pg_notify(%s, %s)", n) for n in sent]  # noqa: E731
+                timer = threading.Timer(0.3, send)
+                timer.start()
+                if reader == "a waiting thread":
+                    assert waiter.wait(2.0), "the wake-up after the malformed grant was lost"
+                else:
+                    assert woken.wait(2.0), "the wake-up after the malformed grant was lost"
+                timer.join()
+            assert listener.backend_pid == pid and store.listener_ready()
+    finally:
+        store.close()
+
+
+@needs_store("postgres")
+def test_a_waiting_thread_that_reads_the_listeners_connection_does_not_put_off_its_ping(
+    key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A waiting thread that reads the listener's connection (`read_here`) pokes the listener's
+    # thread each time it begins, so that it stops reading; a poke is no reply from the
+    # server. With a thread waiting again and again, a frozen server must still clear `ready`
+    # (waiters then poll) within `ping_after` + SOCKET_TIMEOUT, as with nobody waiting.
+    monkeypatch.setattr(PostgresListener, "ping_after", 0.3)
+    stop = threading.Event()
+    with behind_proxy("postgres", SOCKET_TIMEOUT=1) as (store, proxy):
+
+        def keep_waiting() -> None:
+            with store.watch(key) as waiter:
+                while not stop.is_set():
+                    waiter.wait(0.1)
+
+        thread = threading.Thread(target=keep_waiting)
+        thread.start()
+        try:
+            assert wait_until(lambda: store.push_wakeups, 10), "the listener never connected"
+            listener = store._listener
+            assert listener is not None
+            assert wait_until(listener._reading.locked, 10), "the waiting thread never read"
+            proxy.mode = "stall"
+            frozen = time.monotonic()
+            assert wait_until(lambda: not store.push_wakeups, 5), "listener still trusted"
+            assert time.monotonic() - frozen < 0.3 + 1 + 1.5
+        finally:
+            stop.set()
+            thread.join(10)
+            proxy.drop_connections()
+            proxy.mode = "pass"

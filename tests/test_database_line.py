@@ -26,7 +26,12 @@ from django_keel_lock.models import Lock, Waiter
 from django_keel_lock.stores import DatabaseLockStore
 from django_keel_lock.stores.base import QUEUE_LEASE, AcquireResult
 from django_keel_lock.stores.database import store as database_store
-from django_keel_lock.stores.database.dialects.postgresql import grant_channel, read_grant
+from django_keel_lock.stores.database.dialects.postgresql import (
+    LISTENER_SQL,
+    address_channel,
+    grant_channel,
+    read_grant,
+)
 
 from .conftest import database_of, empty_database
 from .test_database_edges import waiting_flag
@@ -254,21 +259,26 @@ def test_uncontended_waiting_attempt_costs_what_a_plain_acquire_does(
     assert store.release(key, "b")
 
 
-@contextmanager
-def listening_at(address: str) -> Iterator[Any]:
-    """A PostgreSQL connection of the test's own that LISTENs on the channel of the wake
-    address `address` (read its `notifies()`)."""
+def postgres_connection() -> Any:
+    """A psycopg connection of the test's own to the PostgreSQL test database."""
     import psycopg
 
-    from django_keel_lock.stores.database.dialects.postgresql import address_channel
-
     settings = connections["postgres"].settings_dict
-    with psycopg.connect(
+    return psycopg.connect(
         host=settings["HOST"], port=settings["PORT"], user=settings["USER"],
         dbname=settings["NAME"], autocommit=True,
-    ) as raw:  # fmt: skip
+    )  # fmt: skip
+
+
+@contextmanager
+def listening_at(address: str) -> Iterator[Any]:
+    """A PostgreSQL connection of the test's own that LISTENs on the channels of the wake
+    address `address` (read its `notifies()`), holding the lock a listener holds while it
+    listens (`LISTENER_SQL`)."""
+    with postgres_connection() as raw:
         raw.execute(f"LISTEN {address_channel(address)}")
         raw.execute(f"LISTEN {grant_channel(address)}")
+        raw.execute(LISTENER_SQL)
         yield raw
 
 
@@ -464,6 +474,32 @@ def test_postgres_release_carries_the_grant_at_the_whole_ttl_while_the_listener_
     assert handed is not None and handed.owner == "v" * 32
     assert handed.expires_in <= QUEUE_LEASE
     store.leave_queue(key, "v" * 32)
+    assert store.get(key) is None
+
+
+def test_postgres_release_carries_no_grant_to_a_backend_that_does_not_listen_for_it(
+    key: str,
+) -> None:
+    # The waiter's place names its listener's backend pid; a connection that is there under
+    # that pid but is no listener (the pid reused after the listener went) carries nothing:
+    # the grant is for what is left of the place, with a wake-up, and no NOTIFY is sent on
+    # a grant channel nobody may hear.
+    store = database_store_of("postgres")
+    with listening_at("feedface") as raw:
+        other = postgres_connection()
+        (pid,) = other.execute("SELECT pg_backend_pid()").fetchone()
+        assert store.acquire(key, "a", "a", 30).acquired
+        assert not store.acquire_queued(key, "w" * 32, "w", 30).acquired
+        place = Waiter.objects.using("postgres").filter(key=key)
+        assert place.update(address="feedface", listener=pid)
+        assert store.release(key, "a")
+        other.close()
+        granted = store.get(key)
+        assert granted is not None and granted.owner == "w" * 32
+        assert granted.expires_in <= QUEUE_LEASE  # what is left of its place: it must call
+        notes = list(raw.notifies(timeout=0.3))
+        assert [(n.channel, n.payload) for n in notes] == [(address_channel("feedface"), key)]
+    store.leave_queue(key, "w" * 32)
     assert store.get(key) is None
 
 

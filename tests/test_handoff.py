@@ -584,6 +584,49 @@ def test_a_release_heard_by_the_waiters_process_grants_its_whole_ttl_and_carries
     unheard.leave_queue(key, "c" * 32)
 
 
+def test_a_waiting_thread_reads_its_grant_itself_while_the_listener_goes_on_subscribing(
+    heard: ServerStore, unheard: ServerStore, key: str
+) -> None:
+    # A thread waiting for a key reads the listener's connection itself (`read_here`): the
+    # wake-up carrying its grant wakes it, not the listener's thread, which would have to wake
+    # it in turn. The listener still subscribes to the keys other threads begin to wait for
+    # meanwhile (PostgreSQL: the reading thread stops for that, as libpq allows one thread at
+    # a time on a connection), and both threads get their grants.
+    listener = heard._listener
+    assert listener is not None
+    other = key + ":other"
+    fences: dict[str, int] = {}
+
+    def wait(which: str, owner: str) -> None:
+        with heard.watch(which, owner) as waiter:
+            assert not heard.acquire_queued(which, owner, "waiter", 30).acquired
+            deadline = time.monotonic() + 10
+            while (fence := heard.wake_board.take_grant(which, owner)) is None:
+                if time.monotonic() > deadline:
+                    return
+                waiter.wait(1)
+            fences[which] = fence
+
+    for each in (key, other):
+        assert unheard.acquire(each, "a" * 32, "holder", 30).acquired
+    first = threading.Thread(target=wait, args=(key, "b" * 32))
+    first.start()
+    assert wait_until(listener._reading.locked, 10), "the waiting thread never read"
+    second = threading.Thread(target=wait, args=(other, "c" * 32))
+    second.start()
+    assert wait_until(lambda: other in listener.subscribed, 10), "never subscribed meanwhile"
+    time.sleep(0.2)  # both wait
+    for each in (other, key):
+        assert unheard.release(each, "a" * 32)
+    first.join(15)
+    second.join(15)
+    assert set(fences) == {key, other}, fences
+    for each, owner in ((key, "b" * 32), (other, "c" * 32)):
+        info = unheard.get(each)
+        assert info is not None and info.owner == owner and info.fence == fences[each]
+        assert unheard.release(each, owner)
+
+
 def test_a_carried_grant_its_waiter_never_took_is_passed_on_when_it_leaves(
     heard: ServerStore, unheard: ServerStore, key: str
 ) -> None:

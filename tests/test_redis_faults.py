@@ -12,7 +12,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -24,6 +24,7 @@ from django_keel_lock.stores import RedisLockStore
 
 from .conftest import needs, serving
 from .support.redis_servers import REDIS_SERVER, FaultyProxy, RedisServer, check_lost_release_reply
+from .support.threads import waiting_in_thread
 
 pytestmark = needs(os.path.exists(REDIS_SERVER), "the redis-server binary")
 
@@ -339,15 +340,12 @@ def _connected_listener(store: RedisLockStore, key: str | None = None) -> Any:
     return store._listener
 
 
-def _reading_thread(listener: Any, wait: Callable[[], None]) -> threading.Thread:
-    """`wait` started on a thread, once that thread reads the listener's connection."""
-    thread = threading.Thread(target=wait)
-    thread.start()
+def _being_read(listener: Any) -> None:
+    """Return once a waiting thread reads the listener's connection (`read_here`)."""
     deadline = time.monotonic() + 10
     while not listener._reading.locked():
         assert time.monotonic() < deadline, "the waiting thread never read the connection"
         time.sleep(0.001)
-    return thread
 
 
 def test_a_listener_that_stops_while_a_waiting_thread_reads_its_connection_leaves_it_closed(
@@ -366,7 +364,9 @@ def test_a_listener_that_stops_while_a_waiting_thread_reads_its_connection_leave
         with store.watch(key) as waiter:
             waited.append(waiter.wait(3.0))
 
-    thread = _reading_thread(listener, wait)
+    thread = threading.Thread(target=wait)
+    thread.start()
+    _being_read(listener)
     store.stop_listener()
     time.sleep(0.3)
     assert conn._sock is None, "the waiting thread reopened the connection given back"
@@ -412,15 +412,8 @@ def test_a_waiting_thread_whose_read_of_the_listener_ends_early_waits_no_longer_
     # again (an acquire's pause would outlast its timeout).
     _, store = direct
     listener = _connected_listener(store, key)
-    waited: list[float] = []
-
-    def wait() -> None:
-        with store.watch(key) as waiter:
-            began = time.monotonic()
-            waiter.wait(4.0)
-            waited.append(time.monotonic() - began)
-
-    thread = _reading_thread(listener, wait)
+    thread, waited = waiting_in_thread(store, key, 4.0)
+    _being_read(listener)
     time.sleep(2.0)
     store.stop_listener()
     thread.join(10)

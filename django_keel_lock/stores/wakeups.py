@@ -372,11 +372,16 @@ class ReleaseListener:
         self._changed: set[str] = set()
         self._reading = threading.Lock()  # held by the thread reading the connection
         self._read_at = 0.0  # when a waiting thread last read something (monotonic)
+        # A waiting thread's read ended by an exception of its own (a signal handler's): what
+        # it had read off the socket may wait in the driver's buffer, where no poll sees it.
+        self._unread = False
         self._lingering: dict[str, float] = {}  # subscribed, unwatched: key -> since (monotonic)
         self._closed = False
         self._poke_r, self._poke_w = os.pipe()
-        os.set_blocking(self._poke_r, False)
-        os.set_blocking(self._poke_w, False)
+        # Written to have a waiting thread stop reading the connection (`stop_reader`).
+        self._stop_r, self._stop_w = os.pipe()
+        for end in (self._poke_r, self._poke_w, self._stop_r, self._stop_w):
+            os.set_blocking(end, False)
 
     # -- the hooks --------------------------------------------------------------------------
     def connect(self) -> bool:
@@ -430,13 +435,35 @@ class ReleaseListener:
 
     def interrupt(self) -> None:
         """Wake the thread from `wait()`."""
+        self._signal(self._poke_w)
+
+    def _signal(self, end: int) -> None:
+        """Write a byte to the pipe whose write end is `end` (the poke or the stop)."""
         with self._mutex:  # never write to a closed (and maybe reused) descriptor
             if self._closed:
                 return
             try:
-                os.write(self._poke_w, b"x")
+                os.write(end, b"x")
             except OSError:
-                pass  # the pipe is full of pokes already
+                pass  # the pipe is full of bytes already
+
+    def stop_reader(self) -> None:
+        """Have a waiting thread that reads the connection (`read_here`) stop at once."""
+        self._signal(self._stop_w)
+
+    @contextmanager
+    def excluding_readers(self) -> Iterator[None]:
+        """The connection for this listener's thread alone in the block: a waiting thread
+        that reads it (`read_here`) stops first. For a connection that cannot be read and
+        written from two threads at once (libpq's): such a listener's statements run in one."""
+        if not self._reading.acquire(blocking=False):
+            self.stop_reader()
+            self._reading.acquire()
+        try:
+            _drain(self._stop_r)  # no reader runs: what it was told does not outlive this
+            yield
+        finally:
+            self._reading.release()
 
     def read_here(self, done: Callable[[], bool], timeout: float) -> bool:
         """Read the connection from a waiting thread until `done()` or `timeout` seconds: the
@@ -444,7 +471,8 @@ class ReleaseListener:
         wake it in turn (a second thread to schedule on a busy machine, the hand-off's
         last leg). False when it cannot (at once: the store does not allow it, the listener
         is not connected, or another thread reads) or stopped early (the connection broke,
-        or the listener gave it up): the caller sleeps what is left of `timeout`."""
+        the listener gave it up, or its thread needs the connection: `stop_reader`): the
+        caller sleeps what is left of `timeout`."""
         if not (self.reads_here and self.ready.is_set() and self.pid == os.getpid()):
             return False
         if not self._reading.acquire(blocking=False):
@@ -454,20 +482,40 @@ class ReleaseListener:
             return False
         self.interrupt()  # so that this listener's thread stops reading the connection
         try:
-            poller = select.poll()
-            poller.register(self.socket(), select.POLLIN)
-            deadline = time.monotonic() + timeout
-            while not done():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                if poller.poll(left * 1000) and self.pending():
-                    self._read_at = time.monotonic()
-                    self.dispatch(True)
+            return self._read_until(done, timeout)
         except self.read_errors:  # the connection broke: the listener's thread reconnects
             return False
+        except BaseException:  # raised in this thread (a signal handler's): mid-read, maybe
+            self._unread = True
+            raise
         finally:
             self._reading.release()
+            if self._unread:
+                self.interrupt()  # whoever reads next dispatches what was left
+
+    def _read_unread(self) -> None:
+        """Dispatch what an interrupted read left in the driver (holding `_reading`)."""
+        if self._unread:
+            self._unread = False
+            self.dispatch(self.pending())
+
+    def _read_until(self, done: Callable[[], bool], timeout: float) -> bool:
+        """`read_here`'s loop (holding `_reading`): False when told to stop."""
+        poller = select.poll()
+        poller.register(self.socket(), select.POLLIN)
+        poller.register(self._stop_r, select.POLLIN)
+        deadline = time.monotonic() + timeout
+        self._read_unread()
+        while not done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            ready = poller.poll(left * 1000)
+            if any(fd == self._stop_r for fd, _ in ready):
+                return False
+            if ready and self.pending():
+                self._read_at = time.monotonic()
+                self.dispatch(True)
         return True
 
     def start(self) -> None:
@@ -510,19 +558,15 @@ class ReleaseListener:
 
     def take_changes(self) -> set[str]:
         """The keys whose waiting changed since the last call."""
-        try:
-            while os.read(self._poke_r, 512):
-                pass
-        except BlockingIOError:
-            pass
+        _drain(self._poke_r)
         with self._mutex:
             changed, self._changed = self._changed, set()
         return changed
 
-    def settle(self, keys: set[str]) -> None:
+    def settle(self, keys: set[str]) -> bool:
         """(Un)subscribe so that the watched ones among `keys` are subscribed, and the others
         not once they have lingered (`linger`); each new subscription wakes its key's waiters
-        once (a release may have come just before)."""
+        once (a release may have come just before). Whether it (un)subscribed any."""
         board, subscribed, lingering = self.store.wake_board, self.subscribed, self._lingering
         watched = set(board.watched_keys())
         now = time.monotonic()
@@ -543,6 +587,7 @@ class ReleaseListener:
             subscribed.difference_update(drop)
             for key in drop:
                 del lingering[key]
+        return bool(add or drop)
 
     def listen(self) -> None:
         """One connection's life: return only when `stopping` is set (or the store cannot
@@ -573,18 +618,21 @@ class ReleaseListener:
         self.hang_up()
         with self._reading:
             self.disconnect()
+            _drain(self._stop_r)
 
     def _serve(self) -> None:
         heard = pinged = time.monotonic()
         while not self.stopping.is_set():
             data, poked = self.wait(self.socket(), 1.0)
+            # A poke with nothing to (un)subscribe proves nothing: a waiting thread that
+            # begins to read pokes too (`read_here`), and must not put the ping off.
             if poked or self._changed:
-                self.settle(self.take_changes())
-            elif self._lingering:
-                self.settle(set())  # drop the keys that have lingered long enough
+                said = self.settle(self.take_changes())
+            else:  # drop the keys that have lingered long enough
+                said = bool(self._lingering) and self.settle(set())
             now = time.monotonic()
             heard = max(heard, self._read_at)  # what a waiting thread read counts too
-            if data or (poked and self.replies_inline):
+            if data or (said and self.replies_inline):
                 heard = now
             elif self.dead_after is not None and now - heard > self.dead_after:
                 # A silently dead link must not keep `ready` set.
@@ -598,11 +646,13 @@ class ReleaseListener:
 
     def _dispatch(self, data: bool) -> None:
         """`dispatch` what arrived, unless a waiting thread reads it (`read_here`)."""
-        if not data or not self.reads_here:
+        if not self.reads_here or not (data or self._unread):
             self.dispatch(data)
         elif self._reading.acquire(blocking=False):
             try:
-                self.dispatch(self.pending())
+                self._read_unread()
+                if data:
+                    self.dispatch(self.pending())
             finally:
                 self._reading.release()
 
@@ -627,8 +677,17 @@ class ReleaseListener:
             self.ready.clear()
             with self._mutex:
                 self._closed = True
-                os.close(self._poke_r)
-                os.close(self._poke_w)
+                for end in (self._poke_r, self._poke_w, self._stop_r, self._stop_w):
+                    os.close(end)
+
+
+def _drain(fd: int) -> None:
+    """Read a non-blocking pipe's end empty."""
+    try:
+        while os.read(fd, 512):
+            pass
+    except BlockingIOError:
+        pass
 
 
 class ListeningStore:

@@ -1,9 +1,10 @@
-"""A store call in a thread of its own, for tests that hold one call at a point while another
-runs."""
+"""A store call (or a wait for a key's release) in a thread of its own, for tests that hold one
+call at a point while another runs."""
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -28,3 +29,19 @@ def call_in_thread(
     thread = threading.Thread(target=run)
     thread.start()
     return thread, outcome
+
+
+def waiting_in_thread(store: Any, key: str, seconds: float) -> tuple[threading.Thread, list[float]]:
+    """Start a thread that waits `seconds` for a release of `key` in `store` (its `Waiter`);
+    how long it waited lands in the list."""
+    waited: list[float] = []
+
+    def wait() -> None:
+        with store.watch(key) as waiter:
+            began = time.monotonic()
+            waiter.wait(seconds)
+            waited.append(time.monotonic() - began)
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    return thread, waited

@@ -10,6 +10,7 @@ import math
 import secrets
 import select
 import time
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from django.db import connections
@@ -17,7 +18,13 @@ from django.db import connections
 from ..connections import Deadline
 from ..wakeups import ReleaseListener
 from .dialects.mysql import MySQLDialect
-from .dialects.postgresql import address_channel, grant_channel, notify_channel, read_grant
+from .dialects.postgresql import (
+    LISTENER_SQL,
+    address_channel,
+    grant_channel,
+    notify_channel,
+    read_grant,
+)
 
 if TYPE_CHECKING:
     from .store import DatabaseLockStore
@@ -45,13 +52,22 @@ class PostgresListener(ReleaseListener):
     LISTEN, UNLISTEN and the ping (SELECT 1, after `ping_after` quiet seconds) wait for the
     server's answer, so each that returns proves the connection alive, and a gone one raises
     (or, if no reply comes within the store's SOCKET_TIMEOUT, has its socket cut and
-    raises)."""
+    raises).
+
+    A thread waiting for a key reads the connection itself meanwhile (`reads_here`): the
+    notification that hands it the lock wakes it, not this listener's thread. libpq allows one
+    thread at a time on a connection, so each statement of the listener's first has that
+    thread stop reading (`ReleaseListener.excluding_readers`). Notifications are read off
+    libpq as they come (`dispatch`), or, when they arrive with a statement's reply, handed
+    to `_heard` by psycopg (a notify handler: psycopg then keeps no backlog of them)."""
 
     store: DatabaseLockStore
     replies_inline = True
+    reads_here = True
     fileno: int | None = None  # for inspection: the connection is this thread's alone
     #: The server's pid of the connection while it listens: the places of this process's
-    #: waiters name it, and a release carries them grants only while it is there.
+    #: waiters name it, and a release carries them grants only while that connection holds
+    #: its advisory lock (`LISTENER_SQL`), taken once it LISTENs.
     backend_pid: int | None = None
     _raw: Any = None
     _deadline: Deadline | None = None
@@ -79,30 +95,35 @@ class PostgresListener(ReleaseListener):
         self._deadline = Deadline(store.socket_timeout)
         self._deadline.attach(self.fileno)
         self._keys_by_channel: dict[str, str] = {}
+        self._notes: deque[Any] = deque()  # taken off libpq, not heard yet (`dispatch`)
+        # What a waiting thread's read raises when the connection broke (`read_here`).
+        self.read_errors = (OSError, ValueError, raw.Error)
+        raw.add_notify_handler(lambda notify: self._heard(notify.channel, notify.payload))
         return True
 
     def _execute(self, sql: str) -> Any:
         """Run `sql` and wait for its reply, SOCKET_TIMEOUT at most; its cursor."""
         deadline = self._deadline
         assert deadline is not None
-        deadline.arm()
-        try:
-            return self._raw.execute(sql)
-        finally:
-            if deadline.disarm():
-                raise ConnectionError(
-                    f"no reply to {sql.split()[0]} within {deadline.seconds:g}s "
-                    "(OPTIONS SOCKET_TIMEOUT)"
-                )
+        with self.excluding_readers():
+            deadline.arm()
+            try:
+                return self._raw.execute(sql)
+            finally:
+                if deadline.disarm():
+                    raise ConnectionError(
+                        f"no reply to {sql.split()[0]} within {deadline.seconds:g}s "
+                        "(OPTIONS SOCKET_TIMEOUT)"
+                    )
 
     def prepare(self) -> bool:
         self._raw.autocommit = True
+        self._encoding = self._raw.info.encoding
         self._address_channel = address_channel(self.address)
         self._grant_channel = grant_channel(self.address)
         self._execute(f"LISTEN {self._address_channel}")
         self._execute(f"LISTEN {self._grant_channel}")
-        # Asked, not libpq's: through a session pooler that is the pooler's own number.
-        self.backend_pid = int(self._execute("SELECT pg_backend_pid()").fetchone()[0])
+        self.backend_pid = int(self._execute(LISTENER_SQL).fetchone()[0])
         return True
 
     def socket(self) -> int:
@@ -124,18 +145,42 @@ class PostgresListener(ReleaseListener):
         self._execute("SELECT 1")
 
     def dispatch(self, data: bool) -> None:
-        # Whatever `data` says: psycopg keeps what arrived while LISTEN/UNLISTEN ran.
-        board, keys_by_channel = self.store.wake_board, self._keys_by_channel
-        for notify in self._raw.notifies(timeout=0):
-            if notify.channel == self._address_channel:  # our waiter is first: its key
-                board.wake(notify.payload)
-                continue
-            if notify.channel == self._grant_channel:  # handed over, at its whole ttl
-                board.grant(*read_grant(notify.payload))
-                continue
-            key = keys_by_channel.get(notify.channel)
+        # Straight off libpq (never blocks: its socket is non-blocking), not psycopg's
+        # notifies(), whose locking and waiting would sit between a grant arriving and its
+        # waiter being woken. What arrived with a statement's reply went to `_heard` then.
+        if not data:
+            return
+        # Taken off libpq first, each one let go once heard: a waiting thread's read that an
+        # exception of its own ends midway (`read_here`) leaves the rest to whoever reads next.
+        pgconn, encoding, notes = self._raw.pgconn, self._encoding, self._notes
+        pgconn.consume_input()
+        notes.extend(iter(pgconn.notifies, None))  # in C: no signal handler runs midway
+        while notes:
+            notify = notes[0]
+            self._heard(notify.relname.decode(encoding), notify.extra.decode(encoding))
+            notes.popleft()
+
+    def _heard(self, channel: str, payload: str) -> None:
+        """One notification: the wake-up or the grant it carries, on to the board."""
+        board = self.store.wake_board
+        if channel == self._address_channel:  # our waiter is first: its key
+            board.wake(payload)
+        elif channel == self._grant_channel:  # handed over, at its whole ttl
+            try:
+                grant = read_grant(payload)
+            except ValueError:  # NOTIFYed by someone else: no release sends this
+                logger.warning(
+                    "lock listener for %r skipped a grant it cannot read", self.store.alias
+                )
+                return
+            board.grant(*grant)
+        else:
+            key = self._keys_by_channel.get(channel)
             if key is not None:
                 board.wake(key)
+
+    def hang_up(self) -> None:
+        self.stop_reader()
 
     def disconnect(self) -> None:
         self.backend_pid = None

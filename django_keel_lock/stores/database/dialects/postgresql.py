@@ -18,6 +18,13 @@ ADDRESS_PREFIX = "keel_lock_at_"
 # A release that hands the lock over at the waiter's whole ttl carries the grant (key, owner,
 # fence) to that waiter's process on GRANT_PREFIX + its wake address (`read_grant`).
 GRANT_PREFIX = "keel_lock_gr_"
+#: The advisory lock (this number, its backend pid) a listener's connection holds from the
+#: moment it LISTENs on: a release hands a waiter the grant at its whole ttl, carried on the
+#: grant channel, only while the connection its place names holds it (migration 0010).
+LISTENER_LOCK = 1801807212
+#: A listener's connection, once it LISTENs: its backend pid (asked, not libpq's: through a
+#: session pooler that is the pooler's own number) and the lock taken.
+LISTENER_SQL = f"SELECT pg_backend_pid(), pg_advisory_lock({LISTENER_LOCK}, pg_backend_pid())"
 _KEY_CHANNEL = f"'{CHANNEL_PREFIX}' || md5(convert_to(l.key, 'UTF8'))"
 # The channel of `l.key`'s first live waiter, or the key's own channel when the line is empty
 # or its first has no address (it polls, and so may others: wake them all, as before lines).
