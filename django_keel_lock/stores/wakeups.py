@@ -413,7 +413,7 @@ class ReleaseListener:
 
     def pending(self) -> bool:
         """Whether something arrived that nobody has read yet (a waiting thread may have read
-        what woke this one: `read_here`). Only asked when `reads_here`."""
+        what woke this thread: `read_here`). Only asked when `reads_here`, by this thread."""
         return True
 
     def hang_up(self) -> None:
@@ -461,7 +461,8 @@ class ReleaseListener:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                if poller.poll(left * 1000) and self.pending():
+                # What poll() found is there: only the thread holding `_reading` reads.
+                if poller.poll(left * 1000):
                     self._read_at = time.monotonic()
                     self.dispatch(True)
         except self.read_errors:  # the connection broke: the listener's thread reconnects
