@@ -40,7 +40,11 @@ class Waiter:
                 timeout = max(0.0, timeout - (time.monotonic() - began))
         with slot.cond:
             if slot.generation == self._seen:
-                slot.cond.wait(timeout)
+                slot.sleepers += 1
+                try:
+                    slot.cond.wait(timeout)
+                finally:  # the condition's lock held again
+                    slot.sleepers -= 1
             woken = slot.generation != self._seen
             self._seen = slot.generation
             return woken
@@ -89,11 +93,12 @@ GRANTS_KEPT = 16
 
 
 class _Slot:
-    __slots__ = ("callbacks", "cond", "generation", "grants", "owners", "watchers")
+    __slots__ = ("callbacks", "cond", "generation", "grants", "owners", "sleepers", "watchers")
 
     def __init__(self) -> None:
         self.cond = threading.Condition(threading.Lock())
         self.generation = 0
+        self.sleepers = 0  # the threads in cond.wait()
         self.watchers = 0
         self.callbacks: list[Any] = []
         self.grants: dict[str, int] = {}  # owner -> fence of the grant carried to it
@@ -188,15 +193,10 @@ class WakeBoard:
         with slot.cond:
             return slot.grants.pop(owner, None)
 
-    @contextmanager
-    def watch(self, key: str, owner: str = "") -> Iterator[Waiter]:
+    def watch(self, key: str, owner: str = "") -> Watching:
         """A `Waiter` for `key` in the block; `owner`: the acquisition that waits, whose
         grants carried here are kept for it (`grant`) until the block ends."""
-        slot = self._join(key, None, owner)
-        try:
-            yield Waiter(slot, self)
-        finally:
-            self._leave(key, slot, None, owner)
+        return Watching(self, key, owner)
 
     def add_callback(self, key: str, callback: Any, owner: str = "") -> Any:
         """Call `callback()` (from any thread) on each wake of `key` while registered (for
@@ -260,17 +260,19 @@ class WakeBoard:
             slot = self._slots.get(key)
             kept = slot is not None and owner in slot.owners
             if slot is not None and kept:
-                with slot.cond:
+                with slot.cond:  # kept, and its waiters woken, at once
                     grants = slot.grants
                     if fence > grants.get(owner, 0):
                         grants.pop(owner, None)  # last in: the one dropped first is the oldest
                         grants[owner] = fence
                         while len(grants) > GRANTS_KEPT:
                             del grants[next(iter(grants))]
+                    callbacks = self._woken(slot)
         if slot is None or not kept:
             self._given_back(key, owner, fence)
             return False
-        self._wake_slot(slot)
+        for callback in callbacks:
+            callback()
         return True
 
     def granted(self, key: str, owner: str) -> int | None:
@@ -305,14 +307,38 @@ class WakeBoard:
         for slot in list(self._slots.values()):
             self._wake_slot(slot)
 
-    @staticmethod
-    def _wake_slot(slot: _Slot) -> None:
+    @classmethod
+    def _wake_slot(cls, slot: _Slot) -> None:
         with slot.cond:
-            slot.generation += 1
-            slot.cond.notify_all()
-            callbacks = list(slot.callbacks)
+            callbacks = cls._woken(slot)
         for callback in callbacks:
             callback()
+
+    @staticmethod
+    def _woken(slot: _Slot) -> list[Any]:
+        """Wake the waiters of `slot` (under its condition): its callbacks, to call once out
+        of every lock."""
+        slot.generation += 1
+        if slot.sleepers:  # (a Condition's notify_all is Python code, even for nobody)
+            slot.cond.notify_all()
+        return list(slot.callbacks) if slot.callbacks else []
+
+
+class Watching:
+    """`WakeBoard.watch`'s block: the key's slot joined on entering, left on leaving. A class
+    and not a generator: leaving it is on the way from a grant to `acquire()` returning."""
+
+    __slots__ = ("_board", "_key", "_owner", "_slot")
+
+    def __init__(self, board: WakeBoard, key: str, owner: str) -> None:
+        self._board, self._key, self._owner = board, key, owner
+
+    def __enter__(self) -> Waiter:
+        self._slot = self._board._join(self._key, None, self._owner)
+        return Waiter(self._slot, self._board)
+
+    def __exit__(self, *exc: object) -> None:
+        self._board._leave(self._key, self._slot, None, self._owner)
 
 
 class ReleaseListener:
@@ -686,7 +712,12 @@ class ListeningStore:
 
     def _watched(self, key: str, watched: bool) -> None:
         listener = self._listener
-        if listener is not None and listener.usable_here:
+        # A key left needs only that the listener is this process's (not a parent's, whose
+        # mutex may have been held at the fork); one whose thread stopped is replaced by the
+        # next watch, and the new one subscribes to the keys watched then.
+        if listener is not None and (
+            listener.usable_here if watched else listener.pid == os.getpid()
+        ):
             listener.want(key, watched)
 
     def listener_ready(self) -> bool:
