@@ -38,7 +38,7 @@ class Waiter:
                 timeout = 0.0
             else:  # it could not read, or stopped early (the listener gave up): what is left
                 timeout = max(0.0, timeout - (time.monotonic() - began))
-        with slot.cond:
+        with slot.lock:
             if slot.generation == self._seen:
                 slot.sleepers += 1
                 try:
@@ -93,10 +93,22 @@ GRANTS_KEPT = 16
 
 
 class _Slot:
-    __slots__ = ("callbacks", "cond", "generation", "grants", "owners", "sleepers", "watchers")
+    __slots__ = (
+        "callbacks",
+        "cond",
+        "generation",
+        "grants",
+        "lock",
+        "owners",
+        "sleepers",
+        "watchers",
+    )
 
     def __init__(self) -> None:
-        self.cond = threading.Condition(threading.Lock())
+        # Held by entering `lock` itself: what entering the condition does, without its
+        # Python-level __enter__ and __exit__ (a grant's way to its waiter takes it thrice).
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)
         self.generation = 0
         self.sleepers = 0  # the threads in cond.wait()
         self.watchers = 0
@@ -190,7 +202,7 @@ class WakeBoard:
         del slot.owners[owner]
         if not slot.grants:
             return None
-        with slot.cond:
+        with slot.lock:
             return slot.grants.pop(owner, None)
 
     def watch(self, key: str, owner: str = "") -> Watching:
@@ -260,7 +272,7 @@ class WakeBoard:
             slot = self._slots.get(key)
             kept = slot is not None and owner in slot.owners
             if slot is not None and kept:
-                with slot.cond:  # kept, and its waiters woken, at once
+                with slot.lock:  # kept, and its waiters woken, at once
                     grants = slot.grants
                     if fence > grants.get(owner, 0):
                         grants.pop(owner, None)  # last in: the one dropped first is the oldest
@@ -299,7 +311,7 @@ class WakeBoard:
         slot = self._slots.get(key)
         if slot is None or not slot.grants:
             return None
-        with slot.cond:
+        with slot.lock:
             return slot.grants.pop(owner, None)
 
     def wake_all(self) -> None:
@@ -309,15 +321,15 @@ class WakeBoard:
 
     @classmethod
     def _wake_slot(cls, slot: _Slot) -> None:
-        with slot.cond:
+        with slot.lock:
             callbacks = cls._woken(slot)
         for callback in callbacks:
             callback()
 
     @staticmethod
     def _woken(slot: _Slot) -> list[Any]:
-        """Wake the waiters of `slot` (under its condition): its callbacks, to call once out
-        of every lock."""
+        """Wake the waiters of `slot` (under its lock): its callbacks, to call once out of
+        every lock."""
         slot.generation += 1
         if slot.sleepers:  # (a Condition's notify_all is Python code, even for nobody)
             slot.cond.notify_all()
