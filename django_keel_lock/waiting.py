@@ -11,8 +11,8 @@ import os
 import random
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 from .stores.base import LockStore
@@ -76,20 +76,10 @@ class Turn:
                 del self._registry[self.name]
 
     @classmethod
-    @contextmanager
-    def wait_for(cls, store: LockStore, key: str, deadline: float) -> Iterator[bool]:
+    def wait_for(cls, store: LockStore, key: str, deadline: float) -> ThreadTurn:
         """A thread's turn at `key`: True once it is ours (until the block ends), False if it
         did not come by `deadline` (monotonic)."""
-        turn = cls._join(None, store, key)
-        try:
-            mine = turn.lock.acquire(timeout=max(0.0, deadline - time.monotonic()))
-            try:
-                yield bool(mine)
-            finally:
-                if mine:
-                    turn.lock.release()
-        finally:
-            turn._leave()
+        return ThreadTurn(store, key, deadline)
 
     @classmethod
     @asynccontextmanager
@@ -110,6 +100,34 @@ class Turn:
                     turn.lock.release()
         finally:
             turn._leave()
+
+
+class ThreadTurn:
+    """`Turn.wait_for`'s block: the key's turn joined on entering, and waited for; left on
+    leaving. A class and not a generator: leaving it is on the way from a grant to
+    `acquire()` returning."""
+
+    __slots__ = ("_deadline", "_key", "_mine", "_store", "_turn")
+
+    def __init__(self, store: LockStore, key: str, deadline: float) -> None:
+        self._store, self._key, self._deadline, self._mine = store, key, deadline, False
+
+    def __enter__(self) -> bool:
+        self._turn = Turn._join(None, self._store, self._key)
+        try:
+            left = max(0.0, self._deadline - time.monotonic())
+            self._mine = bool(self._turn.lock.acquire(timeout=left))
+        except BaseException:
+            self._turn._leave()
+            raise
+        return self._mine
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self._mine:
+                self._turn.lock.release()
+        finally:
+            self._turn._leave()
 
 
 def _forget_turns_in_child() -> None:

@@ -38,9 +38,13 @@ class Waiter:
                 timeout = 0.0
             else:  # it could not read, or stopped early (the listener gave up): what is left
                 timeout = max(0.0, timeout - (time.monotonic() - began))
-        with slot.cond:
+        with slot.lock:
             if slot.generation == self._seen:
-                slot.cond.wait(timeout)
+                slot.sleepers += 1
+                try:
+                    slot.cond.wait(timeout)
+                finally:  # the condition's lock held again
+                    slot.sleepers -= 1
             woken = slot.generation != self._seen
             self._seen = slot.generation
             return woken
@@ -89,11 +93,24 @@ GRANTS_KEPT = 16
 
 
 class _Slot:
-    __slots__ = ("callbacks", "cond", "generation", "grants", "owners", "watchers")
+    __slots__ = (
+        "callbacks",
+        "cond",
+        "generation",
+        "grants",
+        "lock",
+        "owners",
+        "sleepers",
+        "watchers",
+    )
 
     def __init__(self) -> None:
-        self.cond = threading.Condition(threading.Lock())
+        # Held by entering `lock` itself: what entering the condition does, without its
+        # Python-level __enter__ and __exit__ (a grant's way to its waiter takes it thrice).
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)
         self.generation = 0
+        self.sleepers = 0  # the threads in cond.wait()
         self.watchers = 0
         self.callbacks: list[Any] = []
         self.grants: dict[str, int] = {}  # owner -> fence of the grant carried to it
@@ -185,18 +202,13 @@ class WakeBoard:
         del slot.owners[owner]
         if not slot.grants:
             return None
-        with slot.cond:
+        with slot.lock:
             return slot.grants.pop(owner, None)
 
-    @contextmanager
-    def watch(self, key: str, owner: str = "") -> Iterator[Waiter]:
+    def watch(self, key: str, owner: str = "") -> Watching:
         """A `Waiter` for `key` in the block; `owner`: the acquisition that waits, whose
         grants carried here are kept for it (`grant`) until the block ends."""
-        slot = self._join(key, None, owner)
-        try:
-            yield Waiter(slot, self)
-        finally:
-            self._leave(key, slot, None, owner)
+        return Watching(self, key, owner)
 
     def add_callback(self, key: str, callback: Any, owner: str = "") -> Any:
         """Call `callback()` (from any thread) on each wake of `key` while registered (for
@@ -260,17 +272,19 @@ class WakeBoard:
             slot = self._slots.get(key)
             kept = slot is not None and owner in slot.owners
             if slot is not None and kept:
-                with slot.cond:
+                with slot.lock:  # kept, and its waiters woken, at once
                     grants = slot.grants
                     if fence > grants.get(owner, 0):
                         grants.pop(owner, None)  # last in: the one dropped first is the oldest
                         grants[owner] = fence
                         while len(grants) > GRANTS_KEPT:
                             del grants[next(iter(grants))]
+                    callbacks = self._woken(slot)
         if slot is None or not kept:
             self._given_back(key, owner, fence)
             return False
-        self._wake_slot(slot)
+        for callback in callbacks:
+            callback()
         return True
 
     def granted(self, key: str, owner: str) -> int | None:
@@ -297,7 +311,7 @@ class WakeBoard:
         slot = self._slots.get(key)
         if slot is None or not slot.grants:
             return None
-        with slot.cond:
+        with slot.lock:
             return slot.grants.pop(owner, None)
 
     def wake_all(self) -> None:
@@ -305,14 +319,38 @@ class WakeBoard:
         for slot in list(self._slots.values()):
             self._wake_slot(slot)
 
-    @staticmethod
-    def _wake_slot(slot: _Slot) -> None:
-        with slot.cond:
-            slot.generation += 1
-            slot.cond.notify_all()
-            callbacks = list(slot.callbacks)
+    @classmethod
+    def _wake_slot(cls, slot: _Slot) -> None:
+        with slot.lock:
+            callbacks = cls._woken(slot)
         for callback in callbacks:
             callback()
+
+    @staticmethod
+    def _woken(slot: _Slot) -> list[Any]:
+        """Wake the waiters of `slot` (under its lock): its callbacks, to call once out of
+        every lock."""
+        slot.generation += 1
+        if slot.sleepers:  # (a Condition's notify_all is Python code, even for nobody)
+            slot.cond.notify_all()
+        return list(slot.callbacks) if slot.callbacks else []
+
+
+class Watching:
+    """`WakeBoard.watch`'s block: the key's slot joined on entering, left on leaving. A class
+    and not a generator: leaving it is on the way from a grant to `acquire()` returning."""
+
+    __slots__ = ("_board", "_key", "_owner", "_slot")
+
+    def __init__(self, board: WakeBoard, key: str, owner: str) -> None:
+        self._board, self._key, self._owner = board, key, owner
+
+    def __enter__(self) -> Waiter:
+        self._slot = self._board._join(self._key, None, self._owner)
+        return Waiter(self._slot, self._board)
+
+    def __exit__(self, *exc: object) -> None:
+        self._board._leave(self._key, self._slot, None, self._owner)
 
 
 class ReleaseListener:
@@ -418,7 +456,7 @@ class ReleaseListener:
 
     def pending(self) -> bool:
         """Whether something arrived that nobody has read yet (a waiting thread may have read
-        what woke this one: `read_here`). Only asked when `reads_here`."""
+        what woke this thread: `read_here`). Only asked when `reads_here`, by this thread."""
         return True
 
     def hang_up(self) -> None:
@@ -513,7 +551,7 @@ class ReleaseListener:
             ready = poller.poll(left * 1000)
             if any(fd == self._stop_r for fd, _ in ready):
                 return False
-            if ready and self.pending():
+            if ready:  # what poll() found is there: only the thread holding `_reading` reads
                 self._read_at = time.monotonic()
                 self.dispatch(True)
         return True
@@ -744,7 +782,12 @@ class ListeningStore:
 
     def _watched(self, key: str, watched: bool) -> None:
         listener = self._listener
-        if listener is not None and listener.usable_here:
+        # A key left needs only that the listener is this process's (not a parent's, whose
+        # mutex may have been held at the fork); one whose thread stopped is replaced by the
+        # next watch, and the new one subscribes to the keys watched then.
+        if listener is not None and (
+            listener.usable_here if watched else listener.pid == os.getpid()
+        ):
             listener.want(key, watched)
 
     def listener_ready(self) -> bool:

@@ -238,7 +238,10 @@ class ScriptConnection:
         conn = self.connection
         try:
             self._ready()
-            return run_ready(run_script(script, keys, args, self._evalsha, self._load))
+            try:  # by its SHA, without `run_script`'s coroutine: the usual case, called cold
+                return self._call(pack_command(b"EVALSHA", script.sha, len(keys), *keys, *args))
+            except NoScriptError:  # a new or restarted server: `run_script` loads them all
+                return run_ready(run_script(script, keys, args, self._evalsha, self._load))
         except BaseException:
             # Whatever it was in the middle of is not to be continued: after an interruption
             # (a task's time limit, Ctrl-C) an unread reply would answer the next call.

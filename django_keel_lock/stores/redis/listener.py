@@ -1,18 +1,21 @@
 """Redis's release listener: SUBSCRIBE to the release channels of the keys this process waits
-for, on a connection read with redis-py's parser but without its PubSub object (whose
-per-message bookkeeping — retries, handlers, dicts — would sit between a release arriving and
-its waiter being woken)."""
+for, on a redis-py connection whose replies are read off its socket and parsed here (`resp`),
+without redis-py's PubSub object or parser (whose per-message bookkeeping and calls would sit
+between a release arriving and its waiter being woken)."""
 
 from __future__ import annotations
 
 import contextlib
 import socket
+import ssl
 from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import RedisError
 
+from ..connections import SocketCheck
 from ..wakeups import ReleaseListener
-from .clients import as_text, borrow_connection, pack_command, pubsub_pool
+from .clients import borrow_connection, pack_command, pubsub_pool
+from .resp import Replies
 
 if TYPE_CHECKING:
     from .store import RedisLockStore
@@ -31,17 +34,19 @@ class RedisListener(ReleaseListener):
     reads_here = True
     read_errors = (OSError, ValueError, RedisError)
     _sock: Any = None  # the socket of the connection subscribed on (`prepare`)
+    _replies: Replies  # what arrives on it
 
     def connect(self) -> bool:
         self._pool = pubsub_pool(self.store._client())
-        conn = self._conn = borrow_connection(self._pool)
-        self._prefix = self.store.channel + ":"
+        self._conn = borrow_connection(self._pool)
         self._wake_channel = self.store.wake_prefix + self.address
         self._grant_channel = self._wake_channel + ":grant"
-        # RESP3 delivers messages as pushes, which read_response() returns only when asked to
-        # (older redis-py's Sentinel connections do not even take the argument).
-        resp3 = str(getattr(conn, "protocol", 2)) == "3"
-        self._read: dict[str, Any] = {"push_request": True} if resp3 else {}
+        # As they arrive (`_handle`).
+        self._prefix = (self.store.channel + ":").encode()
+        self._wake_bytes, self._grant_bytes = (
+            self._wake_channel.encode(),
+            self._grant_channel.encode(),
+        )
         return True
 
     def prepare(self) -> bool:
@@ -53,6 +58,10 @@ class RedisListener(ReleaseListener):
         # reads: `read_here`); the listener pings on its own (`ping_after`, `dead_after`).
         self._conn.send_packed_command([pack_command(b"SUBSCRIBE", *channels)], check_health=False)
         self._sock = getattr(self._conn, "_sock", None)  # the socket subscribed on
+        # Read here from now on, never by redis-py: it read the replies of connecting
+        # (AUTH, HELLO, SELECT) to their end, so nothing of ours is in its buffer.
+        self._replies = Replies(self._sock)
+        self._check = SocketCheck()
         return False  # ready once Redis confirms the base channel (see _handle)
 
     def _live(self) -> Any:
@@ -65,10 +74,9 @@ class RedisListener(ReleaseListener):
         return conn
 
     def socket(self) -> int:
-        sock = self._live()._sock
-        # Everything read so far was handled (dispatch drains redis-py's buffer), so anything
-        # new shows up on the socket.
-        return int(sock.fileno())
+        # Every whole reply read so far was handled (`dispatch`), so anything new shows up on
+        # the socket.
+        return int(self._live()._sock.fileno())
 
     def subscribe(self, keys: list[str]) -> None:
         channels = map(self.store.release_channel, keys)
@@ -90,14 +98,20 @@ class RedisListener(ReleaseListener):
             return
         # Parsed before any waiter is woken: what arrived may be a grant carried to it, which
         # it must find when it wakes.
-        conn = self._live()
-        while True:
-            self._handle(conn.read_response(**self._read))
-            if not conn.can_read(timeout=0):
-                break
+        self._live()
+        try:
+            replies = self._replies.read()
+        except (ValueError, RedisError):  # out of step with the server: start afresh
+            self.hang_up()
+            raise
+        for reply in replies:
+            self._handle(reply)
 
     def pending(self) -> bool:
-        return bool(self._live().can_read(timeout=0))
+        sock = self._live()._sock
+        if isinstance(sock, ssl.SSLSocket) and sock.pending():  # decrypted, not read yet
+            return True
+        return self._check.readable(sock.fileno())
 
     def hang_up(self) -> None:
         sock = getattr(self._conn, "_sock", None)
@@ -113,25 +127,25 @@ class RedisListener(ReleaseListener):
             pass
 
     def _handle(self, reply: Any) -> None:
-        """One pub/sub reply: [kind, channel, payload or count]; anything else (a PONG) only
-        proves the connection alive."""
-        if not isinstance(reply, list) or len(reply) < 2:
+        """One pub/sub reply (`resp.parse`'s, in bytes): [kind, channel, payload or count];
+        anything else (a PONG) only proves the connection alive."""
+        if type(reply) is not list or len(reply) < 3:
             return
-        board, prefix = self.store.wake_board, self._prefix
-        kind, channel = as_text(reply[0]), as_text(reply[1])
-        if kind == "message" and channel.startswith(prefix):
-            board.wake(channel[len(prefix) :])
-        elif kind == "message" and channel == self._grant_channel and len(reply) > 2:
-            self._grant(as_text(reply[2]))
-        elif kind == "message" and channel == self._wake_channel and len(reply) > 2:
-            board.wake(as_text(reply[2]))  # first in line for this key
-        elif kind == "subscribe":
-            if channel in (self._wake_channel, self._grant_channel):
+        kind, channel, payload = reply[0], reply[1], reply[2]
+        if kind == b"message":
+            if channel == self._grant_bytes:  # first: what a waiter in line waits for
+                self._grant(payload.decode("utf-8", "replace"))
+            elif channel == self._wake_bytes:  # first in line for the key named
+                self.store.wake_board.wake(payload.decode("utf-8", "replace"))
+            elif channel.startswith(self._prefix):
+                self.store.wake_board.wake(channel[len(self._prefix) :].decode("utf-8", "replace"))
+        elif kind == b"subscribe":
+            if channel in (self._wake_bytes, self._grant_bytes):
                 pass
-            elif channel.startswith(prefix):
+            elif channel.startswith(self._prefix):
                 # Redis confirms: from now on the key's releases reach us. One may have come
                 # just before, on another connection: its waiters look again.
-                board.wake(channel[len(prefix) :])
+                self.store.wake_board.wake(channel[len(self._prefix) :].decode("utf-8", "replace"))
             else:
                 self.connected()
 

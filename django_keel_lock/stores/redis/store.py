@@ -104,6 +104,8 @@ logger = logging.getLogger("django_keel_lock")
 
 #: How many key sets a store keeps the names of (`RedisLockStore._many_names`).
 MANY_NAMES_KEPT = 512
+#: How many keys a store keeps the names of a release's call for (`RedisLockStore._line_names`).
+LINE_NAMES_KEPT = 512
 
 
 class ManyNames(NamedTuple):
@@ -222,6 +224,7 @@ class RedisLockStore(ListeningStore, LockStore):
         self._async_factory: Callable[[], Any] | None = None
         self._async_checked = False
         self._many_names_kept: dict[tuple[str, ...], ManyNames] = {}
+        self._line_names_kept: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
         self._threads: PerThread[ScriptConnection] = PerThread(ScriptConnection.close)
         # Whether threads may have a ScriptConnection of their own: decided on first use, per
         # client.
@@ -470,11 +473,21 @@ class RedisLockStore(ListeningStore, LockStore):
         line, for its ttl when the wake-up carries the grant (`carries_grants`, and its process's
         listener hears it), else for QUEUE_LEASE at most until it takes the grant up (so a waiter
         that died first in line holds the others up no longer than its place would have)."""
+        keys, rest = self._line_names_kept.get(key) or self._line_names(key)
+        return script, keys, (owner, *rest)
+
+    def _line_names(self, key: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """`_line_call`'s KEYS, and its ARGV after the owner, for `key`: made once per key (a
+        handle releases the key it took, a waiter leaves the line it stood in; a release is
+        on the way of a hand-off) and kept for the last LINE_NAMES_KEPT keys."""
         lock_name, fence_name = self._names(key)
         keys = (lock_name, fence_name, lock_name + ":line", lock_name + ":places")
         carry = "1" if self.carries_grants else "0"
-        args = (owner, self.release_channel(key), self.wake_prefix, key, _ms(QUEUE_LEASE), carry)
-        return script, keys, args
+        rest = (self.release_channel(key), self.wake_prefix, key, str(_ms(QUEUE_LEASE)), carry)
+        if len(self._line_names_kept) >= LINE_NAMES_KEPT:
+            self._line_names_kept.clear()
+        self._line_names_kept[key] = keys, rest
+        return keys, rest
 
     def _extend_call(self, key: str, owner: str, ttl: float) -> Call:
         return EXTEND, self._names(key)[:1], (owner, _ms(ttl))

@@ -1,0 +1,102 @@
+"""RESP, the Redis protocol, as the release listener's subscribed connection receives it:
+read straight off the socket and parsed here, not by redis-py's parser, whose dozen Python calls
+per reply (buffer, parser, decoder, and a can_read of three system calls) stood between a
+grant arriving and its waiter holding the lock."""
+
+from __future__ import annotations
+
+import os
+import ssl
+from typing import Any
+
+from redis.exceptions import ResponseError
+
+_BULKS = frozenset(b"$=!")  # bulk string, verbatim string, bulk error (RESP3)
+_LISTS = frozenset(b"*>~")  # array, push, set
+_PAIRS = frozenset(b"%|")  # map, attribute: a key and a value per entry
+_ERROR = ord("-")
+_NULL = ord("_")
+#: The most read from the socket at once; what is left stays there, readable.
+READ_SIZE = 65536
+
+
+class Incomplete(Exception):
+    """The data ends before the reply does: the rest has not arrived yet."""
+
+
+def parse(data: bytes, pos: int) -> tuple[Any, int]:
+    """The reply that starts at `pos` of `data`, and where the next one starts; Incomplete
+    when `data` ends first. Bulk strings are bytes, an error a ResponseError, an aggregate a
+    list (a map's keys and values alternate), a null None, anything else its line's bytes.
+    ValueError for what is not RESP."""
+    end = data.find(b"\r\n", pos)
+    if end < 0:
+        raise Incomplete
+    kind, line, pos = data[pos], data[pos + 1 : end], end + 2
+    if kind in _BULKS:
+        size = int(line)
+        if size < 0:
+            return None, pos
+        if len(data) < pos + size + 2:
+            raise Incomplete
+        return data[pos : pos + size], pos + size + 2
+    if kind in _LISTS or kind in _PAIRS:
+        count = int(line)
+        if count < 0:
+            return None, pos
+        items = []
+        for _ in range(count * 2 if kind in _PAIRS else count):
+            item, pos = parse(data, pos)
+            items.append(item)
+        return items, pos
+    if kind == _ERROR:
+        return ResponseError(line.decode("utf-8", "replace")), pos
+    return (None if kind == _NULL else line), pos
+
+
+class Replies:
+    """The replies arriving on one socket: `read()` them once poll() finds it readable."""
+
+    __slots__ = ("_rest", "_sock")
+
+    def __init__(self, sock: Any) -> None:
+        self._sock = sock
+        self._rest = b""  # the start of a reply whose end has not arrived
+
+    def read(self) -> list[Any]:
+        """The whole replies that arrived since the last read (of a reply that came in part,
+        the rest is awaited by the next). Only once the socket is readable: it may wait
+        otherwise. ConnectionError when the server closed the connection, ResponseError for
+        an error reply, ValueError for what is not RESP."""
+        received = self._receive()
+        if received is None:
+            return []
+        data = self._rest + received
+        replies: list[Any] = []
+        pos = 0
+        try:
+            while pos < len(data):
+                reply, pos = parse(data, pos)
+                if type(reply) is ResponseError:
+                    raise reply
+                replies.append(reply)
+        except Incomplete:
+            pass
+        self._rest = data[pos:]
+        return replies
+
+    def _receive(self) -> bytes | None:
+        """What the socket has (None: nothing after all)."""
+        sock = self._sock
+        try:
+            if isinstance(sock, ssl.SSLSocket):  # records decrypted but not read stay there
+                data = sock.recv(READ_SIZE)
+                while data and sock.pending():
+                    data += sock.recv(READ_SIZE)
+            else:  # the socket's own recv() would poll() first: a system call more
+                data = os.read(sock.fileno(), READ_SIZE)
+        except (BlockingIOError, ssl.SSLWantReadError):  # nothing after all
+            return None
+        if not data:
+            raise ConnectionError("the server closed the pub/sub connection")
+        return data

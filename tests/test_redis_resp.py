@@ -1,0 +1,132 @@
+"""The release listener reads its subscribed connection's socket itself (`resp.Replies`): every
+reply that has arrived whole, however the bytes were cut, in RESP2 and RESP3 alike; an error
+reply, the end of the connection and what is not RESP raise; and a carried grant reaches its
+waiter on a connection of either protocol."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django.conf import settings
+from redis.exceptions import ResponseError
+
+from django_keel_lock import lock
+from django_keel_lock.stores.redis import RedisLockStore
+from django_keel_lock.stores.redis.resp import Replies
+
+from .conftest import needs_store, serving
+from .test_database_faults import wait_until
+
+MESSAGE = b"*3\r\n$7\r\nmessage\r\n$15\r\nkeel-lock:wake:\r\n$6\r\nfoobar\r\n"
+PUSH = b">3\r\n$9\r\nsubscribe\r\n$1\r\nc\r\n:3\r\n"
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, Replies]]:
+    """(what the server writes to, the replies read on the other end)."""
+    ours, server = socket.socketpair()
+    try:
+        yield server, Replies(ours)
+    finally:
+        ours.close()
+        server.close()
+
+
+def test_a_reply_cut_anywhere_is_read_once_it_has_arrived_whole(
+    pair: tuple[socket.socket, Replies],
+) -> None:
+    server, replies = pair
+    for cut in range(1, len(MESSAGE)):
+        server.sendall(MESSAGE[:cut])
+        assert replies.read() == []
+        server.sendall(MESSAGE[cut:])
+        assert replies.read() == [[b"message", b"keel-lock:wake:", b"foobar"]]
+
+
+def test_replies_that_arrived_together_are_read_together_resp3_pushes_too(
+    pair: tuple[socket.socket, Replies],
+) -> None:
+    server, replies = pair
+    server.sendall(PUSH + MESSAGE + b"+PONG\r\n_\r\n%1\r\n$1\r\nk\r\n:1\r\n" + MESSAGE[:9])
+    assert replies.read() == [
+        [b"subscribe", b"c", b"3"],
+        [b"message", b"keel-lock:wake:", b"foobar"],
+        b"PONG",
+        None,
+        [b"k", b"1"],
+    ]
+    server.sendall(MESSAGE[9:])
+    assert replies.read() == [[b"message", b"keel-lock:wake:", b"foobar"]]
+
+
+def test_an_error_reply_raises_it(pair: tuple[socket.socket, Replies]) -> None:
+    server, replies = pair
+    server.sendall(b"-NOPERM no permissions to access the channel\r\n")
+    with pytest.raises(ResponseError, match="NOPERM"):
+        replies.read()
+
+
+def test_the_end_of_the_connection_raises(pair: tuple[socket.socket, Replies]) -> None:
+    server, replies = pair
+    server.close()
+    with pytest.raises(ConnectionError):
+        replies.read()
+
+
+def test_what_is_not_resp_raises(pair: tuple[socket.socket, Replies]) -> None:
+    server, replies = pair
+    server.sendall(b"*x\r\n")
+    with pytest.raises(ValueError):
+        replies.read()
+
+
+def test_nothing_to_read_after_all_reads_nothing(pair: tuple[socket.socket, Replies]) -> None:
+    _, replies = pair
+    replies._sock.setblocking(False)
+    assert replies.read() == []
+
+
+@needs_store("redis")
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_a_carried_grant_reaches_its_waiter_on_either_protocol_with_no_call(
+    protocol: int, key: str
+) -> None:
+    url = f"{settings.REDIS_URL}?protocol={protocol}"
+    other = RedisLockStore(f"resp{protocol}-other", {"URL": settings.REDIS_URL})
+    store = RedisLockStore(f"resp{protocol}", {"URL": url})
+    try:
+        assert other.acquire(key, "a" * 32, "holder", 30).acquired
+        with serving(store) as alias:
+            store.ensure_listener()
+            assert wait_until(store.listener_ready, 10), "the listener never connected"
+            calls: list[Any] = []
+            queued = store.acquire_queued
+
+            def counted(*args: Any) -> Any:
+                calls.append(args)
+                return queued(*args)
+
+            store.acquire_queued = counted  # type: ignore[method-assign]
+            handle = lock(key, ttl=30, holder="waiter", store=alias)
+            thread = threading.Thread(target=handle.acquire, kwargs={"timeout": 20})
+            thread.start()
+            deadline = time.monotonic() + 10
+            while not calls:  # refused: it stands in line
+                assert time.monotonic() < deadline, "the waiter never asked"
+                time.sleep(0.01)
+            time.sleep(0.2)  # and asked again when its key's channel was subscribed
+            asked = len(calls)
+            assert other.release(key, "a" * 32)
+            thread.join(10)
+            assert handle.held and len(calls) == asked  # the grant came in the wake-up
+            info = other.get(key)
+            assert info is not None and info.holder == "waiter"
+            assert info.expires_in > 20  # its whole ttl: carried
+            assert handle.release()
+    finally:
+        other.close()
