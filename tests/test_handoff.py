@@ -40,7 +40,7 @@ from .support.holders import held_before_children
 from .support.round_trips import RoundTrips, round_trips
 from .test_database_faults import wait_until
 
-ALIASES = store_params(["redis", "postgres"])
+ALIASES = store_params(["redis", "postgres", "mariadb"])
 #: The tests of what only Redis has (its scripts' versions, place formats, `:grant` channel,
 #: round trips): `alias` (and the fixtures built on it) is the Redis store's alone.
 REDIS_ONLY = pytest.mark.parametrize("alias", store_params(["redis"]))
@@ -164,9 +164,15 @@ def _listener_gone(alias: str, key: str, holder: str) -> None:
     database = database_of(alias)
     place = Waiter.objects.using(database).get(key=key, holder=holder)
 
+    sql = (
+        "SELECT count(*) FROM information_schema.PROCESSLIST WHERE ID = %s"
+        if connections[database].vendor == "mysql"
+        else "SELECT count(*) FROM pg_stat_activity WHERE pid = %s"
+    )
+
     def gone() -> bool:
         with connections[database].cursor() as cursor:
-            cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", [place.listener])
+            cursor.execute(sql, [place.listener])
             row = cursor.fetchone()
             return bool(row[0] == 0)
 

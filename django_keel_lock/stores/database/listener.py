@@ -38,6 +38,11 @@ LISTEN_TCP = {
 }
 
 
+#: How many times MariaDB's listener reads its process's grants when other rings interrupt
+#: the read (`MariaDBListener._read_grants`).
+GRANT_READS = 3
+
+
 class PostgresListener(ReleaseListener):
     """One LISTEN connection per process, listening to the channels of the keys this process
     waits for: turns other processes' releases into wake-ups. It connects to the store's
@@ -154,6 +159,13 @@ class MariaDBListener(ReleaseListener):
 
     The sleeper also holds the named lock of this listener's wake address (`address_lock`): a
     release whose line of waiters has one of this process's first interrupts its nap alone.
+    That release may have handed the lock over to the waiter for its whole ttl (while this
+    listener held the address: see `MariaDB._grant`); a KILL carries nothing, so once one
+    ends a nap the sleeper reads the grants of its process's places in the lines of the
+    keys it listens to (`MySQLDialect.grants_sql`: one SELECT) and puts them on the board,
+    where the waiter takes its grant with no call of its own (`WakeBoard.grant`). A grant
+    this read misses (a KILL lost between two statements) is taken up by the waiter's next
+    attempt, which the next nap's wake brings at once.
 
     A KILL that reaches the sleeper between two statements does nothing, so a ring can be
     lost in the moment between two naps: each new nap is therefore followed by a wake of
@@ -175,6 +187,13 @@ class MariaDBListener(ReleaseListener):
     ping_after = math.inf
     connection_id: int | None = None  # the sleeper's: the store skips its own ring to it
     _napping = False
+
+    @property
+    def backend_pid(self) -> int | None:
+        """The sleeper's connection id, which holds the wake address's lock: the places of
+        this process's waiters name it, and a release carries them grants only while that
+        connection holds the address (`MariaDB._grant`)."""
+        return self.connection_id
 
     def connect(self) -> bool:
         store = self.store
@@ -261,8 +280,8 @@ class MariaDBListener(ReleaseListener):
                 board.wake(key)
         return super().wait(fileno, timeout)
 
-    def _end_nap(self) -> None:
-        """Read the nap's reply (it ran out, or was interrupted)."""
+    def _end_nap(self) -> int | None:
+        """Read the nap's reply: 0 if it ran out, None if it was interrupted."""
         raw, deadline = self._sleeper
         deadline.arm()
         try:
@@ -277,6 +296,7 @@ class MariaDBListener(ReleaseListener):
             self._disarm(deadline, "GET_LOCK")
         if took == 1:  # it would not nap again: the anchor is ours now
             raise ConnectionError("the listener's anchor was free: its control connection went")
+        return None if took is None else int(took)
 
     def _halt(self) -> None:
         """Have the sleeper idle, to run a statement of ours. A KILL that reaches it before
@@ -318,9 +338,35 @@ class MariaDBListener(ReleaseListener):
         self._call(self._sleeper, "SELECT 1")
 
     def dispatch(self, data: bool) -> None:
-        # Whoever rang, the next nap wakes every key listened to (see `wait`).
-        if data and self._napping:
-            self._end_nap()
+        # Whoever rang, the next nap wakes every key listened to (see `wait`); a KILL may
+        # have come from a release that handed a lock over to a waiter here: read the grants.
+        if data and self._napping and self._end_nap() is None and self.subscribed:
+            self._read_grants()
+
+    def _read_grants(self) -> None:
+        """Put the grants carried to this process's waiters on the board (see the class). A
+        KILL of another ring that interrupts the read (1317) has it read again; after a few,
+        the waiters find their grants by asking (the next nap wakes them)."""
+        keys = sorted(self.subscribed)
+        sql = self.dialect.grants_sql.format(keys=", ".join(["%s"] * len(keys)))
+        raw, deadline = self._sleeper
+        for _ in range(GRANT_READS):
+            deadline.arm()
+            try:
+                cursor = raw.cursor()
+                cursor.execute(sql, (*keys, self.address))
+                rows = cursor.fetchall()
+                break
+            except raw.OperationalError as exc:
+                if exc.args[0] != 1317:
+                    raise
+            finally:
+                self._disarm(deadline, sql)
+        else:
+            return
+        board = self.store.wake_board
+        for key, owner, fence in rows:
+            board.grant(key, owner, int(fence))
 
     def disconnect(self) -> None:
         for deadline in self._deadlines:

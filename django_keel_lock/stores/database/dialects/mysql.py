@@ -89,50 +89,106 @@ class MySQLDialect(ServerDialect):
         f"WHERE l.`key` = %s AND l.owner = %s AND l.expires_at > {_NOW}"
     )
     release_sql = _release.format(waiting="LAST_INSERT_ID(IFNULL(waiting, 0))")
+    # Where the database has the line's table, a release (key, owner, owner) frees the row in
+    # one statement unless someone live stands in its line, handed nothing yet: its flag
+    # written back as `release_sql` does, and read the same way (a waiter outside the line
+    # may have raised it: ring the doorbell). The line is read only where the flag is up,
+    # after the row is locked (as the line's writers lock it before their places). Where
+    # nothing was released, or for a key whose last release here handed it over, the
+    # release goes on in `MariaDB.handing_over`'s transaction, which hands the lock over to
+    # the first live waiter in line:
+    release_free_sql = release_sql + (
+        f" AND NOT IF(l.waiting IS TRUE, EXISTS (SELECT 1 FROM {WAITER_TABLE} w "
+        f"WHERE w.`key` = l.`key` AND w.owner <> %s AND w.expires_at > {_NOW} "
+        "AND w.fence IS NULL), FALSE)"
+    )
+    # (key, owner[, fence]) -> frees owner's lock (at that fence: a grant passed on by
+    # `leave_queue`), its `waiting` flag written back as it was and read through
+    # LAST_INSERT_ID() (`released_waiting`); the row stays locked until COMMIT.
+    release_line_sql = release_sql
+    pass_on_sql = release_sql + " AND l.fence = %s"
+    # (key, owner) -> the first live waiter of key's line handed nothing yet, but owner's own
+    # place, locked: (id, owner, holder, ttl, microseconds left of its place, the connection
+    # id holding its wake address's lock (0: none), its place's `listener`, a new fence). The
+    # fence is drawn while the lock row is locked, as every fence of the key; NEXTVAL may
+    # be evaluated for more rows than the one returned: values skipped, never reused.
+    grant_first_sql = (
+        f"SELECT w.id, w.owner, w.holder, w.ttl, "
+        f"TIMESTAMPDIFF(MICROSECOND, {_NOW}, w.expires_at), "
+        f"IFNULL(IS_USED_LOCK(CONCAT('{ADDRESS_PREFIX}', NULLIF(w.address, ''))), 0), "
+        f"w.listener, NEXTVAL({SEQUENCE}) FROM {WAITER_TABLE} w "
+        f"WHERE w.`key` = %s AND w.owner <> %s AND w.expires_at > {_NOW} AND w.fence IS NULL "
+        "ORDER BY w.id LIMIT 1 FOR UPDATE"
+    )
+    # (owner, holder, fence, microseconds, fence, key, place id): the lock is the waiter's, its
+    # place marked with the fence (so that `leave_queue` can tell a grant not taken up, and
+    # the listener of its process find it: `grants_sql`). The flag stays raised.
+    grant_sql = (
+        f"UPDATE {TABLE} l JOIN {WAITER_TABLE} w ON w.`key` = l.`key` "
+        f"SET l.owner = %s, l.holder = %s, l.fence = %s, l.acquired_at = {_NOW}, "
+        f"l.expires_at = {_NOW} + INTERVAL %s MICROSECOND, w.fence = %s "
+        "WHERE l.`key` = %s AND w.id = %s"
+    )
+    # The listener's read, once a KILL ended its nap ({keys}: the keys it listens to; then its
+    # wake address): the grants that releases carried to waiters of its process, live, and
+    # made for the waiter's whole ttl (a grant made for less, while its listener was away,
+    # is taken up by the waiter's next attempt). A consistent read: the release sends its KILL
+    # once it committed.
+    grants_sql = (
+        f"SELECT w.`key`, w.owner, w.fence FROM {WAITER_TABLE} w JOIN {TABLE} l "
+        "ON l.`key` = w.`key` AND l.owner = w.owner AND l.fence = w.fence "
+        f"WHERE w.`key` IN ({{keys}}) AND w.address = %s AND w.fence IS NOT NULL "
+        f"AND l.expires_at > {_NOW} "
+        "AND TIMESTAMPDIFF(MICROSECOND, l.acquired_at, l.expires_at) >= w.ttl * 1000000 - 1"
+    )
+    # (key, owner) -> (the fence it was handed, NULL if none,): `owner` leaves key's line.
+    leave_returning_sql = (
+        f"DELETE FROM {WAITER_TABLE} WHERE `key` = %s AND owner = %s RETURNING fence"
+    )
     # (the key's bell_names) -> the connection id holding each slot, NULL for a free one
     ring_sql = "SELECT " + ", ".join(["IS_USED_LOCK(%s)"] * BELL_SLOTS)
     # The listener of the first live waiter of a key's line ({key}): its connection id, 0
-    # when it has none to reach (no address: it polls; or its listener is reconnecting).
+    # when it has none to reach (no address: it polls; or its listener is reconnecting). A
+    # place marked with a grant counts only while its waiter owns the lock ({owner}): one
+    # that took a carried grant keeps its place until that lapses.
     _first = (
         f"SELECT IFNULL(IS_USED_LOCK(CONCAT('{ADDRESS_PREFIX}', NULLIF(w.address, ''))), 0) "
         f"FROM {WAITER_TABLE} w WHERE w.`key` = {{key}} AND w.expires_at > {_NOW} "
-        "ORDER BY w.id LIMIT 1"
+        "AND (w.fence IS NULL OR w.owner = {owner}) ORDER BY w.id LIMIT 1"
     )
-    _first_of_key = _first.format(key="%s")
-    # (key, the key's bell_names) -> that first waiter (NULL: the line is empty), then the
-    # doorbell as `ring_sql` reads it: the same one round trip as a ring without lines.
+    _first_of_key = _first.format(
+        key="%s", owner=f"(SELECT o.owner FROM {TABLE} o WHERE o.`key` = %s)"
+    )
+    # (key, key, the key's bell_names) -> that first waiter (NULL: the line is empty), then
+    # the doorbell as `ring_sql` reads it: the same one round trip as a ring without lines.
     ring_line_sql = f"SELECT ({_first_of_key}), " + ", ".join(["IS_USED_LOCK(%s)"] * BELL_SLOTS)
-    # `release_sql` and `ring_line_sql`'s lookup in one round trip, for a key whose last
-    # release here found someone waiting (the subquery costs ~60 us where nobody does): the
-    # reply's LAST_INSERT_ID() is 0 when nobody waited, else 1 + that first waiter's
-    # listener (1: ring the whole doorbell, as for an empty line), read by
-    # `released_waiting`. The assignment writes `waiting` back as it was; the subquery runs
-    # only where the flag is up, after the row is locked (as the line's writers lock it
-    # before their places).
-    _first_of_row = _first.format(key="l.`key`")
-    release_line_sql = _release.format(
-        waiting=f"IF(LAST_INSERT_ID(IF(waiting IS TRUE, 1 + IFNULL(({_first_of_row}), 0), 0)) "
-        "IS NULL, NULL, waiting)"
-    )
-    # The first in a key's line takes the free lock in one statement (see
-    # ServerDialect.take_first_sql): a multi-table UPDATE of the lock row and the waiter's own
-    # place, which lapses (the next waiter to join the line deletes it). Both rows are found
-    # by a unique key, so they are locked before the subqueries read the line. The fence
-    # comes back through LAST_INSERT_ID(), as the release's flag does.
+    # The first in a key's line takes the lock in one statement (see
+    # ServerDialect.take_first_sql): the lock a release handed it (its owner already: the
+    # grant taken up, its fence and acquired_at kept, live `ttl` from now on), or the free
+    # lock. A multi-table UPDATE of the lock row and the waiter's own place, which lapses (the
+    # next waiter to join the line deletes it). Both rows are found by a unique key, so they
+    # are locked before the subqueries read the line. The fence comes back through
+    # LAST_INSERT_ID(), as the release's flag does. `owner` and `expires_at`, which
+    # `_GRANTED` reads, are assigned last (MariaDB assigns left to right).
+    _GRANTED = f"(l.owner = %(owner)s AND l.expires_at > {_NOW})"
     take_first_sql = f"""
         UPDATE {TABLE} l JOIN {WAITER_TABLE} w ON w.`key` = l.`key` AND w.owner = %(owner)s
         SET l.waiting = EXISTS (SELECT 1 FROM {WAITER_TABLE} o WHERE o.`key` = l.`key`
                                 AND o.owner <> %(owner)s AND o.expires_at > {_NOW}) OR NULL,
-            l.holder = %(holder)s, l.fence = LAST_INSERT_ID(NEXTVAL({SEQUENCE})),
-            l.acquired_at = {_NOW}, l.owner = %(owner)s,
+            l.holder = %(holder)s,
+            l.fence = LAST_INSERT_ID(IF({_GRANTED}, l.fence, NEXTVAL({SEQUENCE}))),
+            l.acquired_at = IF({_GRANTED}, l.acquired_at, {_NOW}), l.owner = %(owner)s,
             l.expires_at = {_NOW} + INTERVAL %(ttl)s MICROSECOND, w.expires_at = {_NOW}
-        WHERE l.`key` = %(key)s AND l.expires_at <= {_NOW} AND w.expires_at > {_NOW}
-          AND NOT EXISTS (SELECT 1 FROM {WAITER_TABLE} e WHERE e.`key` = l.`key`
-                          AND e.expires_at > {_NOW} AND e.id < w.id)
+        WHERE l.`key` = %(key)s AND w.expires_at > {_NOW} AND ({_GRANTED}
+          OR (l.expires_at <= {_NOW}
+              AND NOT EXISTS (SELECT 1 FROM {WAITER_TABLE} e WHERE e.`key` = l.`key`
+                              AND e.expires_at > {_NOW} AND e.id < w.id
+                              AND (e.fence IS NULL OR e.owner = l.owner))))
     """
     # (key, key) -> (that first waiter,) if the lock is free (`leave_queue`).
     wake_first_sql = (
-        f"SELECT ({_first_of_key}) FROM {TABLE} l WHERE l.`key` = %s AND l.expires_at <= {_NOW}"
+        f"SELECT ({_first.format(key='%s', owner='l.owner')}) FROM {TABLE} l "
+        f"WHERE l.`key` = %s AND l.expires_at <= {_NOW}"
     )
     kill_sql = "KILL QUERY %s"  # (connection id)
     # The listener's statements. (bell_names) -> the slot taken, NULL if all are taken: CASE
@@ -225,6 +281,10 @@ class MySQLDialect(ServerDialect):
         raise_waiting=True,
     )
 
+    # A refusal in the line reports the fence of the key's row, read while it is locked
+    # (`AcquireResult.last_fence`): every later fence of the key is drawn while the row is
+    # locked again (a grant: `grant_first_sql`), so it is greater.
+    line_last_fence_from_row = True
     # The table as migration 0009 leaves it (its last column): see PostgresDialect's.
     line_table_sql = (
         "SELECT COUNT(*) FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() "
