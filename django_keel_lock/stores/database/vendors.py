@@ -606,7 +606,7 @@ class MariaDB(PermitsInPython, ServerVendor):
         # over (`_hand_over`), at once for a key whose last release here handed it over.
         store, dialect = self.store, self.dialect
         if line and key in self.contended:
-            return self._hand_over(key, dialect.release_line_sql, (key, owner))
+            return self._hand_over(key, owner)
         sql, params = (
             (dialect.release_free_sql, (key, owner, owner))
             if line
@@ -615,21 +615,21 @@ class MariaDB(PermitsInPython, ServerVendor):
 
         def plain(cursor: Any, libpq: Any, database: Any) -> tuple[bool, bool]:
             cursor.execute(sql, params)
-            return cursor.rowcount > 0, dialect.released_waiting(cursor)[0]
+            return cursor.rowcount > 0, dialect.released_waiting(cursor)
 
         released, waited = store.run(plain, idempotent=False, key=key)
         if line and not released:
-            return self._hand_over(key, dialect.release_line_sql, (key, owner))
+            return self._hand_over(key, owner)
         self.released(key, released, waited)
         return released
 
-    def _hand_over(self, key: str, sql: str, params: Sequence[Any]) -> bool:
-        """Release by `sql` (`release_line_sql`, or `pass_on_sql` for a grant passed on) in
-        the transaction that hands the lock over to the first live waiter in line
+    def _hand_over(self, key: str, owner: str, fence: int | None = None) -> bool:
+        """Release `owner`'s lock of `key` (at `fence`, where given: a grant passed on) in
+        the transaction that hands it over to the first live waiter in line
         (`_handing_over`); then wake: the grant carried to a waiter of this process (on the
-        board), or this process's waiters, and the whole doorbell where nobody in line could
-        be reached. Whether it released."""
-        work = self._handing_over(key, sql, params)
+        board), or this process's waiters, and the whole doorbell where someone waited but
+        nobody in line could be reached. Whether it released."""
+        work = self._handing_over(key, owner, fence)
         released, waited, grant = self.store.run(work, idempotent=False, key=key)
         if not released:
             return False
@@ -643,20 +643,25 @@ class MariaDB(PermitsInPython, ServerVendor):
             self._ring(key)
         return True
 
-    def _handing_over(self, key: str, sql: str, params: Sequence[Any]) -> Any:
-        """The work (for `run`) of a release that hands over: `sql` frees the owner's lock
-        and reads its `waiting` flag; where it was raised, the first live waiter in line
-        handed nothing yet gets the lock (`_grant`), in the same transaction. Once that
-        committed, a KILL QUERY ends the nap of that waiter's listener (after the commit:
-        the listener then reads its process's grants, and must see this one). (released,
-        waited, the grant or None)."""
+    def _handing_over(self, key: str, owner: str, fence: int | None) -> Any:
+        """The work (for `run`) of a release that hands over, one transaction: the lock row
+        and the first live waiter in line handed nothing yet, if its flag is up, read and
+        locked (`hand_over_sql`), then the grant to that waiter (`_grant`) or the lock
+        freed. Once it committed, a KILL QUERY ends the nap of that waiter's listener (after
+        the commit: the listener then reads its process's grants, and must see this one).
+        (released, waited, the grant or None)."""
         dialect = self.dialect
+        params = (owner, fence, fence, owner, key)
 
         def body(cursor: Any) -> tuple[bool, bool, _Grant | None]:
-            cursor.execute(sql, params)
-            released, waited = cursor.rowcount > 0, dialect.released_waiting(cursor)[0]
-            grant = self._grant(cursor, key, params[1]) if released and waited else None
-            return released, waited, grant
+            cursor.execute(dialect.hand_over_sql, params)
+            row = cursor.fetchone()
+            if row is None or not row[0]:
+                return False, False, None
+            grant = self._grant(cursor, key, row[2:]) if row[2] is not None else None
+            if grant is None or grant.fence is None:
+                cursor.execute(dialect.free_sql, (key,))
+            return True, bool(row[1]), grant
 
         def work(cursor: Any, libpq: Any, database: Any) -> tuple[bool, bool, _Grant | None]:
             released, waited, grant = in_transaction(cursor, dialect.begin_sql, body)
@@ -671,22 +676,18 @@ class MariaDB(PermitsInPython, ServerVendor):
 
         return work
 
-    def _grant(self, cursor: Any, key: str, owner: str) -> _Grant | None:
-        """Hand `key`'s lock, just freed by `owner`, over to the first live waiter in line
-        handed nothing yet (inside the release's transaction): its owner, holder and a new
-        fence, for its whole ttl while the listener its place names still holds its wake
-        address (the grant is then carried: its process reads it once woken, and the waiter
-        holds the lock with no call), else for min(its ttl, what is left of its place), which
-        its next attempt takes up. None: nobody in line; a place written before hand-offs
-        (no ttl) is only woken."""
-        dialect = self.dialect
-        cursor.execute(dialect.grant_first_sql, (key, owner))
-        row = cursor.fetchone()
-        if row is None:
-            return None
-        place, waiter, holder, ttl, left, listening, listener, fence = row[:8]
+    def _grant(self, cursor: Any, key: str, first: Sequence[Any]) -> _Grant:
+        """Hand `key`'s lock, being released, over to the `first` live waiter in line handed
+        nothing yet (`hand_over_sql`'s columns), inside the release's transaction: its
+        owner, holder and the fence drawn, for its whole ttl while the listener its place
+        names still holds its wake address (the grant is then carried: its process reads it
+        once woken, and the waiter holds the lock with no call), else for min(its ttl, what
+        is left of its place), which its next attempt takes up. A place written before
+        hand-offs (no ttl) is handed nothing (fence None): only woken."""
+        place, waiter, holder, ttl, left, listening, listener, fence = first[:8]
         if ttl is None:
             return _Grant(waiter, None, False, int(listening))
+        dialect = self.dialect
         whole = dialect.interval(float(ttl))
         carried = bool(listening) and listener is not None and int(listener) == int(listening)
         length = whole if carried else min(whole, int(left))
@@ -694,7 +695,7 @@ class MariaDB(PermitsInPython, ServerVendor):
         return _Grant(waiter, int(fence), carried, int(listening))
 
     def pass_on(self, key: str, owner: str, fence: int) -> bool:
-        return self._hand_over(key, self.dialect.pass_on_sql, (key, owner, fence))
+        return self._hand_over(key, owner, fence)
 
     def released(self, key: str, released: bool, waited: bool) -> None:
         super().released(key, released, waited)

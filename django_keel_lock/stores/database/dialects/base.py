@@ -116,14 +116,11 @@ class ServerDialect(Dialect):
     line_table_sql: str
     #: `release_sql` where the database has the line's table: it also reaches the first
     #: waiter of the key's line (PostgreSQL: hands the lock over to it and NOTIFYs it, the
-    #: release function of migration 0009; MariaDB: its reply names that waiter's
-    #: listener, see `MySQLDialect.released_waiting`).
+    #: release function of migration 0009; MariaDB hands it over in a transaction of its
+    #: own instead, see `MySQLDialect.hand_over_sql`).
     release_line_sql: str
     #: (key, owner) -> (the fence it was handed, NULL if none,): `owner` leaves key's line.
     leave_returning_sql: str
-    #: `release_line_sql` for a grant its waiter left untaken: (key, owner, the fence it was
-    #: handed at) -> as `release_line_sql`, releasing only at that fence.
-    pass_on_sql: str
     #: `acquire_sql` for a waiter that waits its turn: a free row is taken only while its
     #: `waiting` flag is down (nobody was refused since the last take), or by its own owner.
     acquire_queued_sql: Sequence[str]

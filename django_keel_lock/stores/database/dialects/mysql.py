@@ -1,5 +1,5 @@
-"""MariaDB: an upsert plus a read of the row per acquire; a release that finds a waiter rings
-the key's doorbell (see MySQLDialect)."""
+"""MariaDB: an upsert plus a read of the row per acquire; a release that finds a waiter hands
+the lock over to the first in the key's line, or rings the key's doorbell (see MySQLDialect)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,11 @@ class MySQLDialect(ServerDialect):
     release writes the flag through LAST_INSERT_ID(expr), whose value comes back in the
     statement's own OK packet (the driver's `lastrowid`): a release learns whether someone
     waited without another round trip, and one that nobody waited for costs nothing extra.
-    One that finds the flag raised then rings the key's doorbell (`ring_sql`, `kill_sql`).
+    One that finds the flag raised then rings the key's doorbell (`ring_sql`, `kill_sql`);
+    where a live waiter stands in the key's line, the release hands the lock over to the
+    first one instead, in one transaction, and interrupts only its listener's nap, once the
+    transaction committed (`release_free_sql`, `hand_over_sql`, `grant_sql`; the listener
+    then reads the grant: `grants_sql`).
 
     A doorbell is a set of named locks (GET_LOCK): the listener of each process that waits for
     the key holds one slot of it on a connection that naps, waiting in GET_LOCK for a name its
@@ -102,24 +106,30 @@ class MySQLDialect(ServerDialect):
         f"WHERE w.`key` = l.`key` AND w.owner <> %s AND w.expires_at > {_NOW} "
         "AND w.fence IS NULL), FALSE)"
     )
-    # (key, owner[, fence]) -> frees owner's lock (at that fence: a grant passed on by
-    # `leave_queue`), its `waiting` flag written back as it was and read through
-    # LAST_INSERT_ID() (`released_waiting`); the row stays locked until COMMIT.
-    release_line_sql = release_sql
-    pass_on_sql = release_sql + " AND l.fence = %s"
-    # (key, owner) -> the first live waiter of key's line handed nothing yet, but owner's own
-    # place, locked: (id, owner, holder, ttl, microseconds left of its place, the connection
-    # id holding its wake address's lock (0: none), its place's `listener`, a new fence). The
-    # fence is drawn while the lock row is locked, as every fence of the key; NEXTVAL may
-    # be evaluated for more rows than the one returned: values skipped, never reused.
-    grant_first_sql = (
-        f"SELECT w.id, w.owner, w.holder, w.ttl, "
+    # The hand-over's first statement (`MariaDB.handing_over`), its row locked until COMMIT:
+    # (owner, fence, fence, owner, key) -> (whether owner holds the lock, at that fence
+    # unless it is NULL: a grant `leave_queue` passes on; whether its `waiting` flag is up;
+    # then the first live waiter of its line handed nothing yet, but owner's own place,
+    # locked, if the flag is up: its place's id, owner, holder, ttl, microseconds left, the
+    # connection id holding its wake address's lock (0: none), its place's `listener`; and a
+    # new fence). The lock row is read first (the driving table of the LEFT JOIN), as the
+    # line's writers lock it before their places. The fence is drawn while the row is
+    # locked, as every fence of the key (one drawn for a release that grants nothing is
+    # skipped, never reused).
+    hand_over_sql = (
+        f"SELECT l.owner = %s AND l.expires_at > {_NOW} AND (%s IS NULL OR l.fence = %s), "
+        "l.waiting IS TRUE, w.id, w.owner, w.holder, w.ttl, "
         f"TIMESTAMPDIFF(MICROSECOND, {_NOW}, w.expires_at), "
         f"IFNULL(IS_USED_LOCK(CONCAT('{ADDRESS_PREFIX}', NULLIF(w.address, ''))), 0), "
-        f"w.listener, NEXTVAL({SEQUENCE}) FROM {WAITER_TABLE} w "
-        f"WHERE w.`key` = %s AND w.owner <> %s AND w.expires_at > {_NOW} AND w.fence IS NULL "
-        "ORDER BY w.id LIMIT 1 FOR UPDATE"
+        f"w.listener, NEXTVAL({SEQUENCE}) "
+        f"FROM {TABLE} l LEFT JOIN {WAITER_TABLE} w ON w.id = IF(l.waiting IS TRUE, "
+        f"(SELECT f.id FROM {WAITER_TABLE} f WHERE f.`key` = l.`key` AND f.owner <> %s "
+        f"AND f.expires_at > {_NOW} AND f.fence IS NULL ORDER BY f.id LIMIT 1), NULL) "
+        "WHERE l.`key` = %s FOR UPDATE"
     )
+    # (key): the row `hand_over_sql` locked is freed (nobody to hand it over to); its flag
+    # stays as it was.
+    free_sql = f"UPDATE {TABLE} SET owner = {RELEASED}, expires_at = {_NOW} WHERE `key` = %s"
     # (owner, holder, fence, microseconds, fence, key, place id): the lock is the waiter's, its
     # place marked with the fence (so that `leave_queue` can tell a grant not taken up, and
     # the listener of its process find it: `grants_sql`). The flag stays raised.
@@ -283,7 +293,7 @@ class MySQLDialect(ServerDialect):
 
     # A refusal in the line reports the fence of the key's row, read while it is locked
     # (`AcquireResult.last_fence`): every later fence of the key is drawn while the row is
-    # locked again (a grant: `grant_first_sql`), so it is greater.
+    # locked again (a grant: `hand_over_sql`), so it is greater.
     line_last_fence_from_row = True
     # The table as migration 0009 leaves it (its last column): see PostgresDialect's.
     line_table_sql = (
@@ -323,9 +333,11 @@ class MySQLDialect(ServerDialect):
         """The anchor of the listener whose other connection is `connection_id`."""
         return f"{BELL_PREFIX}nap:{connection_id}"
 
-    def released_waiting(self, cursor: Any) -> tuple[bool, int]:
-        code = int(cursor.lastrowid or 0)
-        return code > 0, max(code - 1, 0)
+    @staticmethod
+    def released_waiting(cursor: Any) -> bool:
+        """Whether the release (`release_sql` and its kin) that just ran on `cursor` found
+        the `waiting` flag raised: it came back through LAST_INSERT_ID()."""
+        return int(cursor.lastrowid or 0) > 0
 
     def taken_fence(self, cursor: Any) -> int | None:
         return int(cursor.lastrowid) if cursor.rowcount > 0 else None
