@@ -38,9 +38,11 @@ LISTEN_TCP = {
 }
 
 
-#: How many times MariaDB's listener reads its process's grants when other rings interrupt
-#: the read (`MariaDBListener._read_grants`).
+#: How many times MariaDB's listener reads its process's grants when the read is interrupted
+#: (`MariaDBListener._read_grants`): by another ring's KILL (1317), or by the server ending a
+#: deadlock (1213: the read is the victim that wrote nothing) or a lock wait (1205).
 GRANT_READS = 3
+GRANT_READ_RETRIES = frozenset({1317, 1213, 1205})
 
 
 class PostgresListener(ReleaseListener):
@@ -208,6 +210,9 @@ class MariaDBListener(ReleaseListener):
             self.disconnect()  # the one that opened, if any
             raise
         self.connection_id = int(self._sleeper[0].thread_id())
+        # Its read of the grants waits for a release's row lock, which a release holds for
+        # a few statements: not for InnoDB's default 50 s (`GRANT_READ_RETRIES`).
+        self._call(self._sleeper, self.dialect.grants_lock_wait_sql)
         (taken,) = self._call(self._sleeper, self.dialect.anchor_sql, (self._address_lock(),))
         if taken != 1:
             # Still held by our connection before, which the server has not seen go (a link
@@ -345,20 +350,22 @@ class MariaDBListener(ReleaseListener):
 
     def _read_grants(self) -> None:
         """Put the grants carried to this process's waiters on the board (see the class). A
-        KILL of another ring that interrupts the read (1317) has it read again; after a few,
-        the waiters find their grants by asking (the next nap wakes them)."""
+        read interrupted (`GRANT_READ_RETRIES`) is made again; after a few, the waiters find
+        their grants by asking (the next nap wakes them)."""
         keys = sorted(self.subscribed)
-        sql = self.dialect.grants_sql.format(keys=", ".join(["%s"] * len(keys)))
+        marks = ", ".join(["%s"] * len(keys))
+        wait, sql = self.dialect.grants_wait_sql, self.dialect.grants_sql
         raw, deadline = self._sleeper
         for _ in range(GRANT_READS):
             deadline.arm()
             try:
                 cursor = raw.cursor()
-                cursor.execute(sql, (*keys, self.address))
+                cursor.execute(wait.format(keys=marks), keys)
+                cursor.execute(sql.format(keys=marks), (*keys, self.address))
                 rows = cursor.fetchall()
                 break
             except raw.OperationalError as exc:
-                if exc.args[0] != 1317:
+                if exc.args[0] not in GRANT_READ_RETRIES:
                     raise
             finally:
                 self._disarm(deadline, sql)

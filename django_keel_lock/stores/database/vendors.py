@@ -647,32 +647,27 @@ class MariaDB(PermitsInPython, ServerVendor):
         """The work (for `run`) of a release that hands over, one transaction: the lock row
         and the first live waiter in line handed nothing yet, if its flag is up, read and
         locked (`hand_over_sql`), then the grant to that waiter (`_grant`) or the lock
-        freed. Once it committed, a KILL QUERY ends the nap of that waiter's listener (after
-        the commit: the listener then reads its process's grants, and must see this one).
-        (released, waited, the grant or None)."""
+        freed, and a KILL QUERY that ends the nap of that waiter's listener before the
+        COMMIT: the listener's read of its process's grants waits for the lock row until the
+        transaction ends (`MySQLDialect.grants_wait_sql`), so the waiter's wake-up overlaps
+        the commit's flush. (released, waited, the grant or None)."""
         dialect = self.dialect
         params = (owner, fence, fence, owner, key)
 
-        def body(cursor: Any) -> tuple[bool, bool, _Grant | None]:
-            cursor.execute(dialect.hand_over_sql, params)
-            row = cursor.fetchone()
-            if row is None or not row[0]:
-                return False, False, None
-            grant = self._grant(cursor, key, row[2:]) if row[2] is not None else None
-            if grant is None or grant.fence is None:
-                cursor.execute(dialect.free_sql, (key,))
-            return True, bool(row[1]), grant
-
         def work(cursor: Any, libpq: Any, database: Any) -> tuple[bool, bool, _Grant | None]:
-            released, waited, grant = in_transaction(cursor, dialect.begin_sql, body)
-            if grant is not None and grant.listener:
-                try:
+            def body(cursor: Any) -> tuple[bool, bool, _Grant | None]:
+                cursor.execute(dialect.hand_over_sql, params)
+                row = cursor.fetchone()
+                if row is None or not row[0]:
+                    return False, False, None
+                grant = self._grant(cursor, key, row[2:]) if row[2] is not None else None
+                if grant is None or grant.fence is None:
+                    cursor.execute(dialect.free_sql, (key,))
+                if grant is not None and grant.listener:
                     self._kill(cursor, database, key, self._others([grant.listener]))
-                except database.Error as exc:  # released: the waiter finds out by asking
-                    logger.debug(
-                        "lock store %r: waking for %r failed: %s", self.store.alias, key, exc
-                    )
-            return released, waited, grant
+                return True, bool(row[1]), grant
+
+            return in_transaction(cursor, dialect.begin_sql, body)
 
         return work
 

@@ -139,11 +139,15 @@ class MySQLDialect(ServerDialect):
         f"l.expires_at = {_NOW} + INTERVAL %s MICROSECOND, w.fence = %s "
         "WHERE l.`key` = %s AND w.id = %s"
     )
-    # The listener's read, once a KILL ended its nap ({keys}: the keys it listens to; then its
+    # The listener's read, once a KILL ended its nap ({keys}: the keys it listens to): first a
+    # shared lock of their lock rows, which waits until a release that KILLed it before its
+    # COMMIT has ended (only the lock rows, in the index's order, as every writer of a line
+    # locks its row first; released as the statement ends), then a consistent read (then its
     # wake address): the grants that releases carried to waiters of its process, live, and
     # made for the waiter's whole ttl (a grant made for less, while its listener was away,
-    # is taken up by the waiter's next attempt). A consistent read: the release sends its KILL
-    # once it committed.
+    # is taken up by the waiter's next attempt).
+    grants_wait_sql = f"SELECT COUNT(*) FROM {TABLE} WHERE `key` IN ({{keys}}) LOCK IN SHARE MODE"
+    grants_lock_wait_sql = "SET SESSION innodb_lock_wait_timeout = 1"
     grants_sql = (
         f"SELECT w.`key`, w.owner, w.fence FROM {WAITER_TABLE} w JOIN {TABLE} l "
         "ON l.`key` = w.`key` AND l.owner = w.owner AND l.fence = w.fence "
