@@ -40,9 +40,11 @@ LISTEN_TCP = {
 
 #: How many times MariaDB's listener reads its process's grants when the read is interrupted
 #: (`MariaDBListener._read_grants`): by another ring's KILL (1317), or by the server ending a
-#: deadlock (1213: the read is the victim that wrote nothing) or a lock wait (1205).
+#: deadlock (1213: the read is the victim that wrote nothing). A read that waited its second
+#: for a row lock (1205) is given up: the waiters find their grants by asking.
 GRANT_READS = 3
-GRANT_READ_RETRIES = frozenset({1317, 1213, 1205})
+GRANT_READ_RETRIES = frozenset({1317, 1213})
+LOCK_WAIT_TIMEOUT = 1205
 
 
 class PostgresListener(ReleaseListener):
@@ -164,10 +166,12 @@ class MariaDBListener(ReleaseListener):
     That release may have handed the lock over to the waiter for its whole ttl (while this
     listener held the address: see `MariaDB._grant`); a KILL carries nothing, so once one
     ends a nap the sleeper reads the grants of its process's places in the lines of the
-    keys it listens to (`MySQLDialect.grants_sql`: one SELECT) and puts them on the board,
-    where the waiter takes its grant with no call of its own (`WakeBoard.grant`). A grant
-    this read misses (a KILL lost between two statements) is taken up by the waiter's next
-    attempt, which the next nap's wake brings at once.
+    keys it listens to (`MySQLDialect.grants_sql`: one SELECT, after a shared lock of those
+    keys' rows that waits for the release, which KILLs before its COMMIT, to end) and puts
+    them on the board, where the waiter takes its grant with no call of its own
+    (`WakeBoard.grant`). A grant this read misses (a KILL lost between two statements, a
+    read given up) is taken up by the waiter's next attempt, which the next nap's wake
+    brings at once.
 
     A KILL that reaches the sleeper between two statements does nothing, so a ring can be
     lost in the moment between two naps: each new nap is therefore followed by a wake of
@@ -211,7 +215,7 @@ class MariaDBListener(ReleaseListener):
             raise
         self.connection_id = int(self._sleeper[0].thread_id())
         # Its read of the grants waits for a release's row lock, which a release holds for
-        # a few statements: not for InnoDB's default 50 s (`GRANT_READ_RETRIES`).
+        # a few statements: not for InnoDB's default 50 s (`LOCK_WAIT_TIMEOUT`).
         self._call(self._sleeper, self.dialect.grants_lock_wait_sql)
         (taken,) = self._call(self._sleeper, self.dialect.anchor_sql, (self._address_lock(),))
         if taken != 1:
@@ -365,6 +369,8 @@ class MariaDBListener(ReleaseListener):
                 rows = cursor.fetchall()
                 break
             except raw.OperationalError as exc:
+                if exc.args[0] == LOCK_WAIT_TIMEOUT:
+                    return
                 if exc.args[0] not in GRANT_READ_RETRIES:
                     raise
             finally:
