@@ -601,20 +601,16 @@ class MariaDB(PermitsInPython, ServerVendor):
         return checks.check_process_privilege(database, stores)
 
     def release(self, key: str, owner: str, line: bool) -> bool:
-        # One statement while nobody live stands in the line (the reply says whether someone
-        # outside it waited: the doorbell rings); else the transaction that hands the lock
-        # over (`_hand_over`), at once for a key whose last release here handed it over.
+        # One statement while nobody waits (the flag is down: `release_free_sql`); else the
+        # transaction that hands the lock over (`_hand_over`), at once for a key whose last
+        # release here handed it over.
         store, dialect = self.store, self.dialect
         if line and key in self.contended:
             return self._hand_over(key, owner)
-        sql, params = (
-            (dialect.release_free_sql, (key, owner, owner))
-            if line
-            else (dialect.release_sql, (key, owner))
-        )
+        sql = dialect.release_free_sql if line else dialect.release_sql
 
         def plain(cursor: Any, libpq: Any, database: Any) -> tuple[bool, bool]:
-            cursor.execute(sql, params)
+            cursor.execute(sql, (key, owner))
             return cursor.rowcount > 0, dialect.released_waiting(cursor)
 
         released, waited = store.run(plain, idempotent=False, key=key)

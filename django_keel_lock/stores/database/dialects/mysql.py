@@ -93,19 +93,14 @@ class MySQLDialect(ServerDialect):
         f"WHERE l.`key` = %s AND l.owner = %s AND l.expires_at > {_NOW}"
     )
     release_sql = _release.format(waiting="LAST_INSERT_ID(IFNULL(waiting, 0))")
-    # Where the database has the line's table, a release (key, owner, owner) frees the row in
-    # one statement unless someone live stands in its line, handed nothing yet: its flag
-    # written back as `release_sql` does, and read the same way (a waiter outside the line
-    # may have raised it: ring the doorbell). The line is read only where the flag is up,
-    # after the row is locked (as the line's writers lock it before their places). Where
-    # nothing was released, or for a key whose last release here handed it over, the
-    # release goes on in `MariaDB.handing_over`'s transaction, which hands the lock over to
-    # the first live waiter in line:
-    release_free_sql = release_sql + (
-        f" AND NOT IF(l.waiting IS TRUE, EXISTS (SELECT 1 FROM {WAITER_TABLE} w "
-        f"WHERE w.`key` = l.`key` AND w.owner <> %s AND w.expires_at > {_NOW} "
-        "AND w.fence IS NULL), FALSE)"
-    )
+    # Where the database has the line's table, a release (key, owner) frees the row in one
+    # statement while its flag is down (nobody was refused it since its take); else it goes
+    # on in `MariaDB.handing_over`'s transaction, which hands the lock over to the first live
+    # waiter in line, or frees it and rings the doorbell where nobody stands in the line (a
+    # caller outside it raised the flag). So does a release of a key whose last release here
+    # handed it over, at once. Not a read of the line here: a subquery costs the statement
+    # ~60 us even where it does not run, 6 % of an uncontended cycle.
+    release_free_sql = release_sql + " AND l.waiting IS NOT TRUE"
     # The hand-over's first statement (`MariaDB.handing_over`), its row locked until COMMIT:
     # (owner, fence, fence, owner, key) -> (whether owner holds the lock, at that fence
     # unless it is NULL: a grant `leave_queue` passes on; whether its `waiting` flag is up;
