@@ -19,6 +19,7 @@ from django.db import connections
 from django_keel_lock import get_lock_store, lock, semaphore
 from django_keel_lock.models import Lock, Waiter
 from django_keel_lock.stores import DatabaseLockStore
+from django_keel_lock.stores.base import QUEUE_LEASE
 from django_keel_lock.stores.database.listener import MariaDBListener
 
 from .conftest import needs_store, serving
@@ -115,14 +116,14 @@ def test_mariadb_release_nobody_waits_for_is_one_statement_and_one_waited_for_ri
     assert store.acquire(key, "a", "a", 30).acquired
     assert not store.acquire(key, "b", "b", 30).acquired  # a waiter's attempt raises the flag
     assert waiting_flag(key)
-    # The release, then the read of the doorbell (nobody listens to it: nothing to KILL).
-    assert statements_of(store, lambda: store.release(key, "a")) == 2
+    # The flag is up: the one statement frees nothing, and the transaction that would hand
+    # the lock over finds nobody in line (BEGIN, its read, the UPDATE that frees the lock,
+    # COMMIT); then the read of the doorbell (nobody listens to it: nothing to KILL).
+    assert statements_of(store, lambda: store.release(key, "a")) == 6
     assert store.acquire(key, "b", "b", 30).acquired  # another owner's take lowers the flag
     assert not waiting_flag(key)
-    # The last release found someone waiting: this one goes in its transaction (BEGIN,
-    # UPDATE, COMMIT; see the next test), finds nobody, and the key is uncontended again.
-    assert statements_of(store, lambda: store.release(key, "b")) == 3
-    assert store.acquire(key, "b", "b", 30).acquired
+    # Nothing was handed over, so the next release is one statement again (only a hand-over
+    # makes the next release go straight to its transaction: see the next test).
     assert statements_of(store, lambda: store.release(key, "b")) == 1
 
 
@@ -139,33 +140,35 @@ def test_mariadb_ring_wakes_a_waiter_of_another_store_at_once(key: str) -> None:
             assert woken(acquired, released_at, 1.0)
 
 
-def test_mariadb_release_names_the_first_in_lines_listener_and_interrupts_it_alone(
+def test_mariadb_release_hands_the_lock_over_and_interrupts_the_first_in_lines_listener_alone(
     key: str,
 ) -> None:
-    """Once a release of the key found someone waiting, the next one's reply names the
-    listener of the first in the key's line: the release, then the KILL of that listener's
-    nap, with no read of the line or the doorbell between. Both run in one transaction, the
-    KILL before its COMMIT, so the waiter wakes while the release commits."""
+    """A release that finds a live waiter in the key's line hands the lock over to it in
+    one transaction (a read of the lock row and the first in line, locked, with a fence
+    drawn; the grant, a multi-table UPDATE), then KILLs that waiter's listener's nap once it
+    committed, with no read of the doorbell: the listener reads the grant, and the waiter
+    holds the lock with no call. The statement that frees a lock nobody stands in line for
+    goes first (an UPDATE that finds the line); once a release of the key handed it over,
+    the next goes straight to the transaction."""
     store = get_lock_store("mariadb")
     assert isinstance(store, DatabaseLockStore)
-    assert store.acquire(key, "a", "a", 30).acquired
-    assert not store.acquire(key, "b", "b", 30).acquired  # raises the flag
-    assert store.release(key, "a")  # found someone waiting
-    holder = lock(key, ttl=30, store="mariadb")
-    assert holder.acquire()
+    expected = {"begin": 1, "kill": 1, "commit": 1}
+    places = Waiter.objects.using("mariadb").filter(key=key, fence__isnull=True)
+    ready = places.exclude(address="").filter(listener__isnull=False)
     with another_store() as waiting_store:
-        with waiting(lock(key, ttl=30, store=waiting_store.alias), 5) as acquired:
-            places = Waiter.objects.using("mariadb").filter(key=key).exclude(address="")
-            assert wait_until(lambda: places.exists() and listening(key) and waiting_flag(key), 10)
-            released_at = time.monotonic()
-            assert commands_of(store, holder.release) == {
-                "statements": 4,
-                "begin": 1,
-                "update": 1,
-                "kill": 1,
-                "commit": 1,
-            }
-            assert woken(acquired, released_at, 1.0)
+        for second, statements in enumerate((6, 5)):
+            holder = lock(key, ttl=30, store="mariadb")
+            assert holder.acquire()
+            waiter = lock(key, ttl=30, store=waiting_store.alias)
+            with waiting(waiter, 5) as acquired:
+                assert wait_until(lambda: ready.exists() and listening(key), 10)
+                released_at = time.monotonic()
+                counted = commands_of(store, holder.release)
+                assert counted == {**expected, "statements": statements, "update": 1 - second}
+                assert woken(acquired, released_at, 1.0)
+                info = store.get(key)
+                assert info is not None and info.owner == waiter.owner
+                assert info.fence == waiter.fence and info.expires_in > QUEUE_LEASE
 
 
 @pytest.mark.parametrize("kind", ["semaphore", "writer"])

@@ -1,8 +1,10 @@
-"""Direct hand-off (Redis, PostgreSQL): a release that finds a live waiter first in the key's
-line grants the lock to it in the same script or statement (owner, holder, a greater fence) and
-wakes it. When the wake-up reaches the waiter's process (Redis: its listener is subscribed;
-PostgreSQL: the connection its listener LISTENs on is there), the grant is for the waiter's own
-ttl and the message carries it: the waiter becomes the holder with no call. Otherwise the grant
+"""Direct hand-off (Redis, PostgreSQL, MariaDB): a release that finds a live waiter first in the
+key's line grants the lock to it in the same script, statement or transaction (owner, holder, a
+greater fence) and wakes it. When the wake-up reaches the waiter's process (Redis: its listener
+is subscribed; PostgreSQL: the connection its listener LISTENs on is there; MariaDB: that
+connection still holds the named lock of its wake address), the grant is for the waiter's own
+ttl and the message carries it (MariaDB: the woken listener reads it): the waiter becomes the
+holder with no call. Otherwise the grant
 is short and the waiter's next `acquire_queued` takes it up at its own ttl. A granted waiter
 that died or gave up costs the others at most its grant ttl, and one that leaves the line
 passes the grant on. The tests of how Redis keeps a line across versions of its scripts, of
@@ -40,7 +42,7 @@ from .support.holders import held_before_children
 from .support.round_trips import RoundTrips, round_trips
 from .test_database_faults import wait_until
 
-ALIASES = store_params(["redis", "postgres"])
+ALIASES = store_params(["redis", "postgres", "mariadb"])
 #: The tests of what only Redis has (its scripts' versions, place formats, `:grant` channel,
 #: round trips): `alias` (and the fixtures built on it) is the Redis store's alone.
 REDIS_ONLY = pytest.mark.parametrize("alias", store_params(["redis"]))
@@ -157,16 +159,23 @@ def _start(
 
 def _listener_gone(alias: str, key: str, holder: str) -> None:
     """In a database, wait until the server saw the connection that the process of
-    `holder`'s place in `key`'s line listened on end (a killed process's, at once as a rule):
+    `holder`'s place in `key`'s line listened on end (a killed process's, at once as a rule;
+    MariaDB frees its named locks with it):
     a release then hands that place the lock for what is left of it, not its whole ttl."""
     if isinstance(get_lock_store(alias), RedisLockStore):
         return
     database = database_of(alias)
     place = Waiter.objects.using(database).get(key=key, holder=holder)
 
+    sql = (
+        "SELECT count(*) FROM information_schema.PROCESSLIST WHERE ID = %s"
+        if connections[database].vendor == "mysql"
+        else "SELECT count(*) FROM pg_stat_activity WHERE pid = %s"
+    )
+
     def gone() -> bool:
         with connections[database].cursor() as cursor:
-            cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", [place.listener])
+            cursor.execute(sql, [place.listener])
             row = cursor.fetchone()
             return bool(row[0] == 0)
 

@@ -25,18 +25,19 @@ class Line(InTransaction):
     def __init__(self, dialect: ServerDialect, cursor: Any) -> None:
         self.sql: LineStatements = dialect.line
         self.last_fence_sql = dialect.line_last_fence_sql
+        self.last_fence_from_row = dialect.line_last_fence_from_row
         super().__init__(dialect, cursor)
 
-    def _lock_row(self, key: str) -> tuple[str, float, bool]:
-        """(owner, seconds left, waiting) of key's lock row, which stays locked. A row that is
-        gone is inserted free; one deleted between that insert's check and the read (the
-        clean-up deletes free rows) is inserted again."""
+    def _lock_row(self, key: str) -> tuple[str, float, bool, int]:
+        """(owner, seconds left, waiting, fence) of key's lock row, which stays locked. A row
+        that is gone is inserted free; one deleted between that insert's check and the read
+        (the clean-up deletes free rows) is inserted again."""
         sql = self.sql
         while True:
             rows = self.run(sql.lock, key)
             if rows:
-                owner, left, waiting = rows[0]
-                return owner, float(left or 0.0), bool(waiting)
+                owner, left, waiting, fence = rows[0][:4]
+                return owner, float(left or 0.0), bool(waiting), int(fence)
             self.run(sql.ensure_row, key)
 
     def acquire(
@@ -44,7 +45,7 @@ class Line(InTransaction):
     ) -> tuple[AcquireResult, bool]:
         """The attempt's result, and whether `owner` is in the line after it (its process
         reached at `address`, listening on the server's connection `listener`)."""
-        lock_owner, lock_left, waiting = self._lock_row(key)
+        lock_owner, lock_left, waiting, lock_fence = self._lock_row(key)
         line = self._line(key, owner, lock_owner)
         live = [place for place in line if place[1] > 0]
         mine = next((left for waiter, left in line if waiter == owner), None)
@@ -60,13 +61,18 @@ class Line(InTransaction):
         # Held: ask again when it expires (a release wakes us sooner if we are first). Free,
         # someone else first: when that one's place lapses, if it does not take the lock.
         left = lock_left if held else first[1] if first is not None else 0.0
-        refused = AcquireResult(None, min(left, QUEUE_LEASE), "exclusive", last_fence=self._last())
+        refused = AcquireResult(
+            None, min(left, QUEUE_LEASE), "exclusive", last_fence=self._last(lock_fence)
+        )
         return refused, True
 
-    def _last(self) -> int | None:
+    def _last(self, lock_fence: int) -> int | None:
         """The last fence drawn, read while the key's row is locked (a release that hands
-        the lock over to this waiter locks it after this transaction: its fence is greater);
-        None where releases carry no grants."""
+        the lock over to this waiter locks it after this transaction: its fence is greater),
+        or the row's own `lock_fence` where the dialect says so; None where releases carry
+        no grants."""
+        if self.last_fence_from_row:
+            return lock_fence
         if self.last_fence_sql is None:
             return None
         return int(self.run(self.last_fence_sql)[0][0])

@@ -45,6 +45,15 @@ LISTEN_TCP = {
 }
 
 
+#: How many times MariaDB's listener reads its process's grants when the read is interrupted
+#: (`MariaDBListener._read_grants`): by another ring's KILL (1317), or by the server ending a
+#: deadlock (1213: the read is the victim that wrote nothing). A read that waited its second
+#: for a row lock (1205) is given up: the waiters find their grants by asking.
+GRANT_READS = 3
+GRANT_READ_RETRIES = frozenset({1317, 1213})
+LOCK_WAIT_TIMEOUT = 1205
+
+
 class PostgresListener(ReleaseListener):
     """One LISTEN connection per process, listening to the channels of the keys this process
     waits for: turns other processes' releases into wake-ups. It connects to the store's
@@ -199,6 +208,15 @@ class MariaDBListener(ReleaseListener):
 
     The sleeper also holds the named lock of this listener's wake address (`address_lock`): a
     release whose line of waiters has one of this process's first interrupts its nap alone.
+    That release may have handed the lock over to the waiter for its whole ttl (while this
+    listener held the address: see `MariaDB._grant`); a KILL carries nothing, so once one
+    ends a nap the sleeper reads the grants of its process's places in the lines of the
+    keys it listens to (`MySQLDialect.grants_sql`: one SELECT, after a shared lock of those
+    keys' rows that waits for the release, which KILLs before its COMMIT, to end) and puts
+    them on the board, where the waiter takes its grant with no call of its own
+    (`WakeBoard.grant`). A grant this read misses (a KILL lost between two statements, a
+    read given up) is taken up by the waiter's next attempt, which the next nap's wake
+    brings at once.
 
     A KILL that reaches the sleeper between two statements does nothing, so a ring can be
     lost in the moment between two naps: each new nap is therefore followed by a wake of
@@ -221,6 +239,13 @@ class MariaDBListener(ReleaseListener):
     connection_id: int | None = None  # the sleeper's: the store skips its own ring to it
     _napping = False
 
+    @property
+    def backend_pid(self) -> int | None:
+        """The sleeper's connection id, which holds the wake address's lock: the places of
+        this process's waiters name it, and a release carries them grants only while that
+        connection holds the address (`MariaDB._grant`)."""
+        return self.connection_id
+
     def connect(self) -> bool:
         store = self.store
         self._deadlines: list[Deadline] = []
@@ -234,6 +259,9 @@ class MariaDBListener(ReleaseListener):
             self.disconnect()  # the one that opened, if any
             raise
         self.connection_id = int(self._sleeper[0].thread_id())
+        # Its read of the grants waits for a release's row lock, which a release holds for
+        # a few statements: not for InnoDB's default 50 s (`LOCK_WAIT_TIMEOUT`).
+        self._call(self._sleeper, self.dialect.grants_lock_wait_sql)
         (taken,) = self._call(self._sleeper, self.dialect.anchor_sql, (self._address_lock(),))
         if taken != 1:
             # Still held by our connection before, which the server has not seen go (a link
@@ -306,8 +334,8 @@ class MariaDBListener(ReleaseListener):
                 board.wake(key)
         return super().wait(fileno, timeout)
 
-    def _end_nap(self) -> None:
-        """Read the nap's reply (it ran out, or was interrupted)."""
+    def _end_nap(self) -> int | None:
+        """Read the nap's reply: 0 if it ran out, None if it was interrupted."""
         raw, deadline = self._sleeper
         deadline.arm()
         try:
@@ -322,6 +350,7 @@ class MariaDBListener(ReleaseListener):
             self._disarm(deadline, "GET_LOCK")
         if took == 1:  # it would not nap again: the anchor is ours now
             raise ConnectionError("the listener's anchor was free: its control connection went")
+        return None if took is None else int(took)
 
     def _halt(self) -> None:
         """Have the sleeper idle, to run a statement of ours. A KILL that reaches it before
@@ -363,9 +392,39 @@ class MariaDBListener(ReleaseListener):
         self._call(self._sleeper, "SELECT 1")
 
     def dispatch(self, data: bool) -> None:
-        # Whoever rang, the next nap wakes every key listened to (see `wait`).
-        if data and self._napping:
-            self._end_nap()
+        # Whoever rang, the next nap wakes every key listened to (see `wait`); a KILL may
+        # have come from a release that handed a lock over to a waiter here: read the grants.
+        if data and self._napping and self._end_nap() is None and self.subscribed:
+            self._read_grants()
+
+    def _read_grants(self) -> None:
+        """Put the grants carried to this process's waiters on the board (see the class). A
+        read interrupted (`GRANT_READ_RETRIES`) is made again; after a few, the waiters find
+        their grants by asking (the next nap wakes them)."""
+        keys = sorted(self.subscribed)
+        marks = ", ".join(["%s"] * len(keys))
+        wait, sql = self.dialect.grants_wait_sql, self.dialect.grants_sql
+        raw, deadline = self._sleeper
+        for _ in range(GRANT_READS):
+            deadline.arm()
+            try:
+                cursor = raw.cursor()
+                cursor.execute(wait.format(keys=marks), keys)
+                cursor.execute(sql.format(keys=marks), (*keys, self.address))
+                rows = cursor.fetchall()
+                break
+            except raw.OperationalError as exc:
+                if exc.args[0] == LOCK_WAIT_TIMEOUT:
+                    return
+                if exc.args[0] not in GRANT_READ_RETRIES:
+                    raise
+            finally:
+                self._disarm(deadline, sql)
+        else:
+            return
+        board = self.store.wake_board
+        for key, owner, fence in rows:
+            board.grant(key, owner, int(fence))
 
     def disconnect(self) -> None:
         for deadline in self._deadlines:

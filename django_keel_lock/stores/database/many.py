@@ -74,7 +74,7 @@ class Many(InTransaction):
         for key in keys:
             self.cursor.execute(self.dialect.release_sql, (key, owner))
             if self.cursor.rowcount > 0:
-                released.append((key, bool(waited and waited(self.cursor)[0])))
+                released.append((key, bool(waited and waited(self.cursor))))
         return released
 
     def extend(self, keys: Sequence[str], owner: str, ttl: float) -> int:

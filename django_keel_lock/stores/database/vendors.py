@@ -19,7 +19,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar, cast
 
 from django.core.checks import CheckMessage
 from django.db import connections
@@ -312,11 +312,24 @@ class ServerVendor(Vendor):
         self.store.execute([(self.dialect.wake_first_sql, (key, key))], key=key)
 
     def leave_line(self, key: str, owner: str) -> None:
-        """Take `owner`'s place out of `key`'s line (`LockStore.leave_queue`); wake the next
-        in line if the lock is free."""
-        _, count = self.store.execute([(self.dialect.line.leave, (key, owner))], key=key)
-        if count > 0:
+        """Take `owner`'s place out of `key`'s line (`LockStore.leave_queue`). A place marked
+        with a fence is a grant not taken up: the lock goes on to the next in line, if
+        `owner` still holds it at that fence (any acquire of its own drew another; `pass_on`).
+        A grant that lapsed meanwhile (one not carried lives no longer than its place)
+        passes nothing on: the next is woken to take the free lock, as when a waiter with no
+        grant leaves."""
+        store, dialect = self.store, self.dialect
+        rows, _ = store.execute([(dialect.leave_returning_sql, (key, owner))], key=key)
+        if not rows:
+            return
+        fence = rows[0][0]
+        if fence is None or not self.pass_on(key, owner, int(fence)):
             self.wake_first(key)
+
+    def pass_on(self, key: str, owner: str, fence: int) -> bool:
+        """Release `owner`'s grant of `key` at `fence`, which it leaves untaken, handing the
+        lock over to the next in line; whether it still held it."""
+        raise NotImplementedError
 
 
 class Postgres(ServerVendor):
@@ -504,19 +517,8 @@ class Postgres(ServerVendor):
         self.released(key, _true(released), False)
         return _true(released)
 
-    def leave_line(self, key: str, owner: str) -> None:
-        # A place marked with a fence is a grant not taken up: the lock goes on to the next
-        # in line, if `owner` still holds it at that fence (any acquire of its own drew
-        # another). A grant that lapsed meanwhile (one not carried lives no longer than its
-        # place) passes nothing on: the next is woken to take the free lock, as when a
-        # waiter with no grant leaves.
-        store, dialect = self.store, self.dialect
-        rows, _ = store.execute([(dialect.leave_returning_sql, (key, owner))], key=key)
-        if not rows:
-            return
-        fence = rows[0][0]
-        if fence is None or not self._handed(key, dialect.pass_on_sql, (key, owner, int(fence))):
-            self.wake_first(key)
+    def pass_on(self, key: str, owner: str, fence: int) -> bool:
+        return self._handed(key, self.dialect.pass_on_sql, (key, owner, fence))
 
     def acquire_many(
         self, keys: tuple[str, ...], owner: str, holder: str, ttl: float
@@ -578,16 +580,20 @@ class Postgres(ServerVendor):
 
 class MariaDB(PermitsInPython, ServerVendor):
     """MariaDB: a release that someone waited for rings the key's doorbell, interrupting the
-    naps of the waiters' listeners with KILL QUERY (see `MySQLDialect`)."""
+    naps of the waiters' listeners with KILL QUERY (see `MySQLDialect`). Where the database
+    has the line's table, a release that finds the first live waiter in line hands the lock
+    over to it in its transaction (`_hand_over`), and interrupts only its listener's nap;
+    that listener then reads the grants carried to its process (`MariaDBListener`)."""
 
     dialect_class = MySQLDialect
     dialect: MySQLDialect
     permits = MySQLDialect.transaction
     listener = MariaDBListener
+    hands_off = True
 
     def __init__(self, store: DatabaseLockStore) -> None:
         super().__init__(store)
-        # Keys whose last release here found someone waiting (`found_contended`).
+        # Keys whose last release here handed the lock over (`found_contended`).
         self.contended: set[str] = set()
 
     @classmethod
@@ -595,30 +601,92 @@ class MariaDB(PermitsInPython, ServerVendor):
         return checks.check_process_privilege(database, stores)
 
     def release(self, key: str, owner: str, line: bool) -> bool:
-        # The release's own reply says whether someone waited and, for a key found
-        # contended, whom to wake (see `ServerDialect.release_line_sql`).
+        # One statement while nobody waits (the flag is down: `release_free_sql`); else the
+        # transaction that hands the lock over (`_hand_over`), at once for a key whose last
+        # release here handed it over.
         store, dialect = self.store, self.dialect
-        first: int | None = None  # not asked
         if line and key in self.contended:
-            work = self._release_waking(key, owner)
-            released, waited, first = store.run(work, idempotent=False, key=key)
-        else:
+            return self._hand_over(key, owner)
+        sql = dialect.release_free_sql if line else dialect.release_sql
 
-            def plain(cursor: Any, libpq: Any, database: Any) -> tuple[bool, bool]:
-                cursor.execute(dialect.release_sql, (key, owner))
-                return cursor.rowcount > 0, dialect.released_waiting(cursor)[0]
+        def plain(cursor: Any, libpq: Any, database: Any) -> tuple[bool, bool]:
+            cursor.execute(sql, (key, owner))
+            return cursor.rowcount > 0, dialect.released_waiting(cursor)
 
-            released, waited = store.run(plain, idempotent=False, key=key)
+        released, waited = store.run(plain, idempotent=False, key=key)
+        if line and not released:
+            return self._hand_over(key, owner)
+        self.released(key, released, waited)
+        return released
+
+    def _hand_over(self, key: str, owner: str, fence: int | None = None) -> bool:
+        """Release `owner`'s lock of `key` (at `fence`, where given: a grant passed on) in
+        the transaction that hands it over to the first live waiter in line
+        (`_handing_over`); then wake: the grant carried to a waiter of this process (on the
+        board), or this process's waiters, and the whole doorbell where someone waited but
+        nobody in line could be reached. Whether it released."""
+        work = self._handing_over(key, owner, fence)
+        released, waited, grant = self.store.run(work, idempotent=False, key=key)
         if not released:
             return False
-        if line:
-            self.found_contended(key, waited)
-        self.announce(key)
-        if waited and not first:  # a first named was woken inside the release already
-            # Not asked: the first in the key's line, if it has a listener to reach; 0:
-            # none to reach, the whole doorbell.
-            self._ring(key, line=line and first is None)
+        self.found_contended(key, grant is not None)
+        if grant is not None and grant.carried:
+            assert grant.fence is not None
+            self.store.wake_board.grant(key, grant.owner, grant.fence)
+        else:
+            self.announce(key)
+        if waited and (grant is None or not grant.listener):
+            self._ring(key)
         return True
+
+    def _handing_over(self, key: str, owner: str, fence: int | None) -> Any:
+        """The work (for `run`) of a release that hands over, one transaction: the lock row
+        and the first live waiter in line handed nothing yet, if its flag is up, read and
+        locked (`hand_over_sql`), then the grant to that waiter (`_grant`) or the lock
+        freed, and a KILL QUERY that ends the nap of that waiter's listener before the
+        COMMIT: the listener's read of its process's grants waits for the lock row until the
+        transaction ends (`MySQLDialect.grants_wait_sql`), so the waiter's wake-up overlaps
+        the commit's flush. (released, waited, the grant or None)."""
+        dialect = self.dialect
+        params = (owner, fence, fence, owner, key)
+
+        def work(cursor: Any, libpq: Any, database: Any) -> tuple[bool, bool, _Grant | None]:
+            def body(cursor: Any) -> tuple[bool, bool, _Grant | None]:
+                cursor.execute(dialect.hand_over_sql, params)
+                row = cursor.fetchone()
+                if row is None or not row[0]:
+                    return False, False, None
+                grant = self._grant(cursor, key, row[2:]) if row[2] is not None else None
+                if grant is None or grant.fence is None:
+                    cursor.execute(dialect.free_sql, (key,))
+                if grant is not None and grant.listener:
+                    self._kill(cursor, database, key, self._others([grant.listener]))
+                return True, bool(row[1]), grant
+
+            return in_transaction(cursor, dialect.begin_sql, body)
+
+        return work
+
+    def _grant(self, cursor: Any, key: str, first: Sequence[Any]) -> _Grant:
+        """Hand `key`'s lock, being released, over to the `first` live waiter in line handed
+        nothing yet (`hand_over_sql`'s columns), inside the release's transaction: its
+        owner, holder and the fence drawn, for its whole ttl while the listener its place
+        names still holds its wake address (the grant is then carried: its process reads it
+        once woken, and the waiter holds the lock with no call), else for min(its ttl, what
+        is left of its place), which its next attempt takes up. A place written before
+        hand-offs (no ttl) is handed nothing (fence None): only woken."""
+        place, waiter, holder, ttl, left, listening, listener, fence = first[:8]
+        if ttl is None:
+            return _Grant(waiter, None, False, int(listening))
+        dialect = self.dialect
+        whole = dialect.interval(float(ttl))
+        carried = bool(listening) and listener is not None and int(listener) == int(listening)
+        length = whole if carried else min(whole, int(left))
+        cursor.execute(dialect.grant_sql, (waiter, holder, fence, length, fence, key, place))
+        return _Grant(waiter, int(fence), carried, int(listening))
+
+    def pass_on(self, key: str, owner: str, fence: int) -> bool:
+        return self._hand_over(key, owner, fence)
 
     def released(self, key: str, released: bool, waited: bool) -> None:
         super().released(key, released, waited)
@@ -656,35 +724,16 @@ class MariaDB(PermitsInPython, ServerVendor):
         if waited:
             self._ring(key, line=line)
 
-    def _release_waking(self, key: str, owner: str) -> Any:
-        """The work (for `run`) of a release of a key found contended: `release_line_sql` in
-        a transaction that interrupts the first waiter's listener before it commits, so that
-        the waiter's wake-up and its take overlap the commit (the take waits for the row's
-        lock, then finds it released). (released, waited, that listener: 0 if none to
-        reach)."""
-        dialect = self.dialect
-
-        def work(cursor: Any, libpq: Any, database: Any) -> tuple[bool, bool, int]:
-            def body(cursor: Any) -> tuple[bool, bool, int]:
-                cursor.execute(dialect.release_line_sql, (key, owner))
-                released, (waited, first) = cursor.rowcount > 0, dialect.released_waiting(cursor)
-                if released and first:
-                    self._kill(cursor, database, key, self._others([first]))
-                return released, waited, first
-
-            return in_transaction(cursor, dialect.begin_sql, body)
-
-        return work
-
     def found_contended(self, key: str, waited: bool) -> None:
-        """Remember whether `key`'s release here found someone waiting: its next release
-        asks for the first in line in the same statement if it did."""
+        """Remember whether `key`'s release here handed the lock over (a multi-key release:
+        found someone waiting): its next release goes straight to the transaction that hands
+        over (`_hand_over`) if it did, without first trying to free the lock alone."""
         contended = self.contended
         if not waited:
             contended.discard(key)
         elif key not in contended:
             if len(contended) >= CONTENDED_KEYS:
-                contended.clear()  # a rough bound: at worst, one ring_line_sql more each
+                contended.clear()  # a rough bound: at worst, one statement more each
             contended.add(key)
 
     def wake_first(self, key: str) -> None:
@@ -705,7 +754,7 @@ class MariaDB(PermitsInPython, ServerVendor):
 
         def work(cursor: Any, libpq: Any, database: Any) -> list[Any]:
             if line:
-                cursor.execute(dialect.ring_line_sql, (key, *dialect.bell_names(key)))
+                cursor.execute(dialect.ring_line_sql, (key, key, *dialect.bell_names(key)))
                 first, *bells = cursor.fetchall()[0]
                 return [first] if first else bells
             cursor.execute(dialect.ring_sql, dialect.bell_names(key))
@@ -751,6 +800,17 @@ class MariaDB(PermitsInPython, ServerVendor):
                 if exc.args[0] not in dialect.kill_refusals:
                     raise
                 logger.debug("lock store %r cannot ring %r: %s", self.store.alias, key, exc)
+
+
+class _Grant(NamedTuple):
+    """A MariaDB release's hand-over: to whom, at which fence (None: a place written before
+    hand-offs, only woken), whether for the waiter's whole ttl (`MariaDB._grant`), and the
+    connection id of its process's listener (0: none to reach)."""
+
+    owner: str
+    fence: int | None
+    carried: bool
+    listener: int
 
 
 class SQLite(PermitsInPython):

@@ -116,9 +116,11 @@ class ServerDialect(Dialect):
     line_table_sql: str
     #: `release_sql` where the database has the line's table: it also reaches the first
     #: waiter of the key's line (PostgreSQL: hands the lock over to it and NOTIFYs it, the
-    #: release function of migration 0009; MariaDB: its reply names that waiter's
-    #: listener, see `MySQLDialect.released_waiting`).
+    #: release function of migration 0009; MariaDB hands it over in a transaction of its
+    #: own instead, see `MySQLDialect.hand_over_sql`).
     release_line_sql: str
+    #: (key, owner) -> (the fence it was handed, NULL if none,): `owner` leaves key's line.
+    leave_returning_sql: str
     #: `acquire_sql` for a waiter that waits its turn: a free row is taken only while its
     #: `waiting` flag is down (nobody was refused since the last take), or by its own owner.
     acquire_queued_sql: Sequence[str]
@@ -126,6 +128,9 @@ class ServerDialect(Dialect):
     #: (`AcquireResult.last_fence`) where a release carries grants in its wake-ups; None
     #: where none does.
     line_last_fence_sql: str | None = None
+    #: True: that refusal reports the fence of the key's lock row instead, read while the
+    #: row is locked (MariaDB, whose sequence has no last value shared by its sessions).
+    line_last_fence_from_row = False
     #: (owner, holder, ttl, key: named) -> a waiter already in the line takes the free lock
     #: in one statement if it is first in it, its fence read by `taken_fence` (None: it goes
     #: on to the line's transaction).
@@ -336,7 +341,7 @@ class LineStatements(NamedTuple):
     Every write of a key's line but `leave` and the clean-up's runs while the key's lock row
     is locked (`lock`), so one key's waiters join and take one at a time, in order."""
 
-    lock: str  # (key) -> (owner, seconds left, waiting) of key's lock row, locked
+    lock: str  # (key) -> (owner, seconds left, waiting, fence) of key's lock row, locked
     ensure_row: str  # (key): a free lock row for key unless it has one
     # (key) -> rows of (owner, seconds left, the fence it was handed or NULL), in the order
     # of arrival
@@ -368,8 +373,8 @@ def line_statements(
     place = f"{where} AND owner = {p}"
     return LineStatements(
         lock=(
-            f"SELECT owner, {remaining.format(column='expires_at')}, waiting FROM {TABLE} "
-            f"{where} FOR UPDATE"
+            f"SELECT owner, {remaining.format(column='expires_at')}, waiting, fence "
+            f"FROM {TABLE} {where} FOR UPDATE"
         ),
         ensure_row=_ensure_row(p=p, key=key, now=now, keep_existing=keep_existing),
         line=(

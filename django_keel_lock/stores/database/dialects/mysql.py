@@ -1,5 +1,5 @@
-"""MariaDB: an upsert plus a read of the row per acquire; a release that finds a waiter rings
-the key's doorbell (see MySQLDialect)."""
+"""MariaDB: an upsert plus a read of the row per acquire; a release that finds a waiter hands
+the lock over to the first in the key's line, or rings the key's doorbell (see MySQLDialect)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,11 @@ class MySQLDialect(ServerDialect):
     release writes the flag through LAST_INSERT_ID(expr), whose value comes back in the
     statement's own OK packet (the driver's `lastrowid`): a release learns whether someone
     waited without another round trip, and one that nobody waited for costs nothing extra.
-    One that finds the flag raised then rings the key's doorbell (`ring_sql`, `kill_sql`).
+    One that finds the flag raised then rings the key's doorbell (`ring_sql`, `kill_sql`);
+    where a live waiter stands in the key's line, the release hands the lock over to the
+    first one instead, in one transaction, and interrupts only its listener's nap, once the
+    transaction committed (`release_free_sql`, `hand_over_sql`, `grant_sql`; the listener
+    then reads the grant: `grants_sql`).
 
     A doorbell is a set of named locks (GET_LOCK): the listener of each process that waits for
     the key holds one slot of it on a connection that naps, waiting in GET_LOCK for a name its
@@ -89,50 +93,111 @@ class MySQLDialect(ServerDialect):
         f"WHERE l.`key` = %s AND l.owner = %s AND l.expires_at > {_NOW}"
     )
     release_sql = _release.format(waiting="LAST_INSERT_ID(IFNULL(waiting, 0))")
+    # Where the database has the line's table, a release (key, owner) frees the row in one
+    # statement while its flag is down (nobody was refused it since its take); else it goes
+    # on in `MariaDB.handing_over`'s transaction, which hands the lock over to the first live
+    # waiter in line, or frees it and rings the doorbell where nobody stands in the line (a
+    # caller outside it raised the flag). So does a release of a key whose last release here
+    # handed it over, at once. Not a read of the line here: a subquery costs the statement
+    # ~60 us even where it does not run, 6 % of an uncontended cycle.
+    release_free_sql = release_sql + " AND l.waiting IS NOT TRUE"
+    # The hand-over's first statement (`MariaDB.handing_over`), its row locked until COMMIT:
+    # (owner, fence, fence, owner, key) -> (whether owner holds the lock, at that fence
+    # unless it is NULL: a grant `leave_queue` passes on; whether its `waiting` flag is up;
+    # then the first live waiter of its line handed nothing yet, but owner's own place,
+    # locked, if the flag is up: its place's id, owner, holder, ttl, microseconds left, the
+    # connection id holding its wake address's lock (0: none), its place's `listener`; and a
+    # new fence). The lock row is read first (the driving table of the LEFT JOIN), as the
+    # line's writers lock it before their places. The fence is drawn while the row is
+    # locked, as every fence of the key (one drawn for a release that grants nothing is
+    # skipped, never reused).
+    hand_over_sql = (
+        f"SELECT l.owner = %s AND l.expires_at > {_NOW} AND (%s IS NULL OR l.fence = %s), "
+        "l.waiting IS TRUE, w.id, w.owner, w.holder, w.ttl, "
+        f"TIMESTAMPDIFF(MICROSECOND, {_NOW}, w.expires_at), "
+        f"IFNULL(IS_USED_LOCK(CONCAT('{ADDRESS_PREFIX}', NULLIF(w.address, ''))), 0), "
+        f"w.listener, NEXTVAL({SEQUENCE}) "
+        f"FROM {TABLE} l LEFT JOIN {WAITER_TABLE} w ON w.id = IF(l.waiting IS TRUE, "
+        f"(SELECT f.id FROM {WAITER_TABLE} f WHERE f.`key` = l.`key` AND f.owner <> %s "
+        f"AND f.expires_at > {_NOW} AND f.fence IS NULL ORDER BY f.id LIMIT 1), NULL) "
+        "WHERE l.`key` = %s FOR UPDATE"
+    )
+    # (key): the row `hand_over_sql` locked is freed (nobody to hand it over to); its flag
+    # stays as it was.
+    free_sql = f"UPDATE {TABLE} SET owner = {RELEASED}, expires_at = {_NOW} WHERE `key` = %s"
+    # (owner, holder, fence, microseconds, fence, key, place id): the lock is the waiter's, its
+    # place marked with the fence (so that `leave_queue` can tell a grant not taken up, and
+    # the listener of its process find it: `grants_sql`). The flag stays raised.
+    grant_sql = (
+        f"UPDATE {TABLE} l JOIN {WAITER_TABLE} w ON w.`key` = l.`key` "
+        f"SET l.owner = %s, l.holder = %s, l.fence = %s, l.acquired_at = {_NOW}, "
+        f"l.expires_at = {_NOW} + INTERVAL %s MICROSECOND, w.fence = %s "
+        "WHERE l.`key` = %s AND w.id = %s"
+    )
+    # The listener's read, once a KILL ended its nap ({keys}: the keys it listens to): first a
+    # shared lock of their lock rows, which waits until a release that KILLed it before its
+    # COMMIT has ended (only the lock rows, in the index's order, as every writer of a line
+    # locks its row first; released as the statement ends), then a consistent read (then its
+    # wake address): the grants that releases carried to waiters of its process, live, and
+    # made for the waiter's whole ttl (a grant made for less, while its listener was away,
+    # is taken up by the waiter's next attempt).
+    grants_wait_sql = f"SELECT COUNT(*) FROM {TABLE} WHERE `key` IN ({{keys}}) LOCK IN SHARE MODE"
+    grants_lock_wait_sql = "SET SESSION innodb_lock_wait_timeout = 1"
+    grants_sql = (
+        f"SELECT w.`key`, w.owner, w.fence FROM {WAITER_TABLE} w JOIN {TABLE} l "
+        "ON l.`key` = w.`key` AND l.owner = w.owner AND l.fence = w.fence "
+        f"WHERE w.`key` IN ({{keys}}) AND w.address = %s AND w.fence IS NOT NULL "
+        f"AND l.expires_at > {_NOW} "
+        "AND TIMESTAMPDIFF(MICROSECOND, l.acquired_at, l.expires_at) >= w.ttl * 1000000 - 1"
+    )
+    # (key, owner) -> (the fence it was handed, NULL if none,): `owner` leaves key's line.
+    leave_returning_sql = (
+        f"DELETE FROM {WAITER_TABLE} WHERE `key` = %s AND owner = %s RETURNING fence"
+    )
     # (the key's bell_names) -> the connection id holding each slot, NULL for a free one
     ring_sql = "SELECT " + ", ".join(["IS_USED_LOCK(%s)"] * BELL_SLOTS)
     # The listener of the first live waiter of a key's line ({key}): its connection id, 0
-    # when it has none to reach (no address: it polls; or its listener is reconnecting).
+    # when it has none to reach (no address: it polls; or its listener is reconnecting). A
+    # place marked with a grant counts only while its waiter owns the lock ({owner}): one
+    # that took a carried grant keeps its place until that lapses.
     _first = (
         f"SELECT IFNULL(IS_USED_LOCK(CONCAT('{ADDRESS_PREFIX}', NULLIF(w.address, ''))), 0) "
         f"FROM {WAITER_TABLE} w WHERE w.`key` = {{key}} AND w.expires_at > {_NOW} "
-        "ORDER BY w.id LIMIT 1"
+        "AND (w.fence IS NULL OR w.owner = {owner}) ORDER BY w.id LIMIT 1"
     )
-    _first_of_key = _first.format(key="%s")
-    # (key, the key's bell_names) -> that first waiter (NULL: the line is empty), then the
-    # doorbell as `ring_sql` reads it: the same one round trip as a ring without lines.
+    _first_of_key = _first.format(
+        key="%s", owner=f"(SELECT o.owner FROM {TABLE} o WHERE o.`key` = %s)"
+    )
+    # (key, key, the key's bell_names) -> that first waiter (NULL: the line is empty), then
+    # the doorbell as `ring_sql` reads it: the same one round trip as a ring without lines.
     ring_line_sql = f"SELECT ({_first_of_key}), " + ", ".join(["IS_USED_LOCK(%s)"] * BELL_SLOTS)
-    # `release_sql` and `ring_line_sql`'s lookup in one round trip, for a key whose last
-    # release here found someone waiting (the subquery costs ~60 us where nobody does): the
-    # reply's LAST_INSERT_ID() is 0 when nobody waited, else 1 + that first waiter's
-    # listener (1: ring the whole doorbell, as for an empty line), read by
-    # `released_waiting`. The assignment writes `waiting` back as it was; the subquery runs
-    # only where the flag is up, after the row is locked (as the line's writers lock it
-    # before their places).
-    _first_of_row = _first.format(key="l.`key`")
-    release_line_sql = _release.format(
-        waiting=f"IF(LAST_INSERT_ID(IF(waiting IS TRUE, 1 + IFNULL(({_first_of_row}), 0), 0)) "
-        "IS NULL, NULL, waiting)"
-    )
-    # The first in a key's line takes the free lock in one statement (see
-    # ServerDialect.take_first_sql): a multi-table UPDATE of the lock row and the waiter's own
-    # place, which lapses (the next waiter to join the line deletes it). Both rows are found
-    # by a unique key, so they are locked before the subqueries read the line. The fence
-    # comes back through LAST_INSERT_ID(), as the release's flag does.
+    # The first in a key's line takes the lock in one statement (see
+    # ServerDialect.take_first_sql): the lock a release handed it (its owner already: the
+    # grant taken up, its fence and acquired_at kept, live `ttl` from now on), or the free
+    # lock. A multi-table UPDATE of the lock row and the waiter's own place, which lapses (the
+    # next waiter to join the line deletes it). Both rows are found by a unique key, so they
+    # are locked before the subqueries read the line. The fence comes back through
+    # LAST_INSERT_ID(), as the release's flag does. `owner` and `expires_at`, which
+    # `_GRANTED` reads, are assigned last (MariaDB assigns left to right).
+    _GRANTED = f"(l.owner = %(owner)s AND l.expires_at > {_NOW})"
     take_first_sql = f"""
         UPDATE {TABLE} l JOIN {WAITER_TABLE} w ON w.`key` = l.`key` AND w.owner = %(owner)s
         SET l.waiting = EXISTS (SELECT 1 FROM {WAITER_TABLE} o WHERE o.`key` = l.`key`
                                 AND o.owner <> %(owner)s AND o.expires_at > {_NOW}) OR NULL,
-            l.holder = %(holder)s, l.fence = LAST_INSERT_ID(NEXTVAL({SEQUENCE})),
-            l.acquired_at = {_NOW}, l.owner = %(owner)s,
+            l.holder = %(holder)s,
+            l.fence = LAST_INSERT_ID(IF({_GRANTED}, l.fence, NEXTVAL({SEQUENCE}))),
+            l.acquired_at = IF({_GRANTED}, l.acquired_at, {_NOW}), l.owner = %(owner)s,
             l.expires_at = {_NOW} + INTERVAL %(ttl)s MICROSECOND, w.expires_at = {_NOW}
-        WHERE l.`key` = %(key)s AND l.expires_at <= {_NOW} AND w.expires_at > {_NOW}
-          AND NOT EXISTS (SELECT 1 FROM {WAITER_TABLE} e WHERE e.`key` = l.`key`
-                          AND e.expires_at > {_NOW} AND e.id < w.id)
+        WHERE l.`key` = %(key)s AND w.expires_at > {_NOW} AND ({_GRANTED}
+          OR (l.expires_at <= {_NOW}
+              AND NOT EXISTS (SELECT 1 FROM {WAITER_TABLE} e WHERE e.`key` = l.`key`
+                              AND e.expires_at > {_NOW} AND e.id < w.id
+                              AND (e.fence IS NULL OR e.owner = l.owner))))
     """
     # (key, key) -> (that first waiter,) if the lock is free (`leave_queue`).
     wake_first_sql = (
-        f"SELECT ({_first_of_key}) FROM {TABLE} l WHERE l.`key` = %s AND l.expires_at <= {_NOW}"
+        f"SELECT ({_first.format(key='%s', owner='l.owner')}) FROM {TABLE} l "
+        f"WHERE l.`key` = %s AND l.expires_at <= {_NOW}"
     )
     kill_sql = "KILL QUERY %s"  # (connection id)
     # The listener's statements. (bell_names) -> the slot taken, NULL if all are taken: CASE
@@ -225,6 +290,10 @@ class MySQLDialect(ServerDialect):
         raise_waiting=True,
     )
 
+    # A refusal in the line reports the fence of the key's row, read while it is locked
+    # (`AcquireResult.last_fence`): every later fence of the key is drawn while the row is
+    # locked again (a grant: `hand_over_sql`), so it is greater.
+    line_last_fence_from_row = True
     # The table as migration 0009 leaves it (its last column): see PostgresDialect's.
     line_table_sql = (
         "SELECT COUNT(*) FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() "
@@ -263,9 +332,11 @@ class MySQLDialect(ServerDialect):
         """The anchor of the listener whose other connection is `connection_id`."""
         return f"{BELL_PREFIX}nap:{connection_id}"
 
-    def released_waiting(self, cursor: Any) -> tuple[bool, int]:
-        code = int(cursor.lastrowid or 0)
-        return code > 0, max(code - 1, 0)
+    @staticmethod
+    def released_waiting(cursor: Any) -> bool:
+        """Whether the release (`release_sql` and its kin) that just ran on `cursor` found
+        the `waiting` flag raised: it came back through LAST_INSERT_ID()."""
+        return int(cursor.lastrowid or 0) > 0
 
     def taken_fence(self, cursor: Any) -> int | None:
         return int(cursor.lastrowid) if cursor.rowcount > 0 else None
