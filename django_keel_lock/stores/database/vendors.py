@@ -484,7 +484,7 @@ class Postgres(ServerVendor):
         # first of its line and NOTIFYs that one.
         dialect = self.dialect
         if line:
-            return self._handed(key, dialect.release_line_sql, (key, owner))
+            return self._handed(key, dialect.release_line_sql, (key, owner, key, owner))
         _, count = self.store.execute(
             [(dialect.release_sql, (key, owner))], hot=True, idempotent=False, key=key
         )
@@ -495,8 +495,12 @@ class Postgres(ServerVendor):
         """Run `sql`, a call of the release function (`release_line_sql`, `pass_on_sql`):
         whether it released. A grant it carried to a waiter of this process is that waiter's
         at once, with no call (it went to its listener too: whichever comes first counts);
-        else this process's waiters are woken as by any release."""
+        else this process's waiters are woken as by any release. No row: `release_line_sql`
+        freed a lock nobody waited for without the function."""
         rows, _ = self.store.execute([(sql, params)], hot=True, idempotent=False, key=key)
+        if not rows:
+            self.released(key, True, False)
+            return True
         released, owner, fence, carried = rows[0][:4]
         if _true(released) and _true(carried):
             self.store.wake_board.grant(key, _text(owner) or "", int(fence))

@@ -119,6 +119,26 @@ class PostgresDialect(ServerDialect):
         "SELECT released, handed_to, fence, carried "
         "FROM django_keel_lock_release(%s, %s, {fence}, {durable})"
     )
+    # A plain release where the database has the line: a lock nobody waits for (its flag
+    # down) is freed by the WITH's own UPDATE, and the statement returns no row; only where
+    # that UPDATE found nothing to free (someone waits, or the lock is not the owner's) is
+    # the function called, in the same statement, to hand over or to say the lock is gone.
+    # A release nobody waits for then costs a plain UPDATE, not a function call (whose
+    # executor starts and whose own UPDATE costs as much again). Parameters: key, owner,
+    # key, owner. The function's UPDATE reads the row afresh (a new snapshot for each
+    # statement of a volatile function), so a flag raised while the WITH's UPDATE waited for
+    # the row, which that UPDATE rechecks and skips, leads to the hand-off.
+    _release_or_hand_off = f"""
+        WITH freed AS (
+            UPDATE {TABLE} AS l SET owner = {RELEASED}, expires_at = clock_timestamp()
+            WHERE l.key = %s AND l.owner = %s AND l.expires_at > clock_timestamp()
+              AND l.waiting IS NOT TRUE
+            RETURNING 1{{flush}}
+        )
+        SELECT released, handed_to, fence, carried
+        FROM django_keel_lock_release(%s, %s, NULL, {{durable}})
+        WHERE NOT EXISTS (SELECT FROM freed)
+    """
     # A waiter in the line takes the lock in one statement (the line's transaction is for
     # joining and keeping a place): the lock a release handed it (its owner already: the
     # grant taken up, its fence kept, live `ttl` from now on), or the free lock when it is
@@ -316,7 +336,7 @@ class PostgresDialect(ServerDialect):
         # acquires do (DURABLE): lost to a crash, it would leave the waiter holding a lock
         # the database forgot, which another could then take. The function decides.
         flag = "true" if durable else "false"
-        self.release_line_sql = self._hand_off.format(fence="NULL", durable=flag)
+        self.release_line_sql = self._release_or_hand_off.format(flush=released, durable=flag)
         self.pass_on_sql = self._hand_off.format(fence="%s::bigint", durable=flag)
         self._hot, self._released = hot, released
         self.take_first_sql = self._take_first_template.format(flush=hot)
