@@ -488,7 +488,10 @@ class DatabaseLockStore(ListeningStore, LockStore):
 
     # -- the protocol ---------------------------------------------------------------------
     def acquire(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
-        result = self._upsert(self.vendor.dialect.acquire_sql, key, owner, holder, ttl)
+        vendor = self.vendor
+        result = vendor.retake(key, owner, holder, ttl) or self._upsert(
+            vendor.dialect.acquire_sql, key, owner, holder, ttl
+        )
         self._tick()
         return result
 

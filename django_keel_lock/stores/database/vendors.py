@@ -114,6 +114,11 @@ class Vendor:
         return []
 
     # -- acquire and release --------------------------------------------------------------
+    def retake(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult | None:
+        """An acquire's first try where the vendor has a cheaper statement for it: its result
+        if that took the lock, None for the acquire's own statement to run."""
+        return None
+
     def refused(self, key: str) -> list[Row]:
         """What holds `key`, read after an acquire that returned no row: nothing here (an
         acquire's reply always says it)."""
@@ -354,6 +359,8 @@ class Postgres(ServerVendor):
         self._preparing: weakref.WeakSet[Any] = weakref.WeakSet()
         self._preparing_lock = threading.Lock()
         self.isolation_checked = False  # `_check_isolation`
+        # The key each thread's release freed last with nobody waiting (`retake`).
+        self._freed = threading.local()
 
     def new_dialect(self) -> PostgresDialect:
         return PostgresDialect(durable=self.store.durable)
@@ -491,6 +498,21 @@ class Postgres(ServerVendor):
         self.released(key, count > 0, False)
         return count > 0
 
+    def retake(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult | None:
+        # The key this thread freed last (`_handed`), nobody waiting: its row is most likely
+        # still free, and taken by one UPDATE (`PostgresDialect.retake_sql`); once only.
+        freed = self._freed
+        if getattr(freed, "key", None) != key:
+            return None
+        freed.key = None
+        rows, _ = self.store.execute(
+            [(self.dialect.retake_sql, (owner, holder, ttl, owner, key, owner))],
+            hot=True,
+            key=key,
+            holder=holder,
+        )
+        return AcquireResult(int(rows[0][0])) if rows else None
+
     def _handed(self, key: str, sql: str, params: Sequence[Any]) -> bool:
         """Run `sql`, a call of the release function (`release_line_sql`, `pass_on_sql`):
         whether it released. A grant it carried to a waiter of this process is that waiter's
@@ -499,6 +521,7 @@ class Postgres(ServerVendor):
         freed a lock nobody waited for without the function."""
         rows, _ = self.store.execute([(sql, params)], hot=True, idempotent=False, key=key)
         if not rows:
+            self._freed.key = key
             self.released(key, True, False)
             return True
         released, owner, fence, carried = rows[0][:4]

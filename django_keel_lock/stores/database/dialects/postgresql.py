@@ -62,6 +62,23 @@ def _acquire(free: str) -> str:
         """
 
 
+# Taking again the lock of the key this thread's release freed last, with nobody waiting
+# (`vendors.Postgres.retake`): its row is there, most likely still free, so a plain UPDATE of
+# the free row (expired, or the owner's own: the upsert's `_free`) takes it, without the
+# upsert's conflict check and its lock of the row (a WAL record of its own). The fence is
+# drawn in the SET: should another transaction update the row first, the UPDATE rechecks the
+# row's newest version and computes its SET again (a new fence), as the line's take does.
+# No row (taken since, or deleted): the upsert runs, and says who holds it.
+_RETAKE = f"""
+    UPDATE {TABLE} AS l SET owner = %s, holder = %s, fence = nextval('{SEQUENCE}'),
+        acquired_at = clock_timestamp(),
+        expires_at = clock_timestamp() + make_interval(secs => %s),
+        waiting = l.waiting AND l.owner = %s
+    WHERE l.key = %s AND (l.expires_at <= clock_timestamp() OR l.owner = %s)
+    RETURNING l.fence{{flush}}
+"""
+
+
 class PostgresDialect(ServerDialect):
     vendor = "postgresql"
     remaining_template = _REMAINING_TEMPLATE
@@ -331,6 +348,7 @@ class PostgresDialect(ServerDialect):
         released = "" if own_session and not durable else NO_FLUSH
         self.acquire_sql = (self._acquire_template.format(flush=hot),)
         self.acquire_queued_sql = (self._acquire_queued_template.format(flush=hot),)
+        self.retake_sql = _RETAKE.format(flush=hot)
         self.release_sql = self._release_template.format(flush=released, when="")
         # A release that hands the lock over waits for its flush as an acquire does, where
         # acquires do (DURABLE): lost to a crash, it would leave the waiter holding a lock
