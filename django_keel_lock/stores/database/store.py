@@ -259,9 +259,11 @@ class DatabaseLockStore(ListeningStore, LockStore):
         after: Sequence[Statement] = (),
         key: Keys = None,
         holder: str | None = None,
+        answered: bool = False,
     ) -> tuple[list[Row], int]:
         """Run `statements` in autocommit, then `after` on the same connection (what closes
-        prune's guard); (rows, rowcount) of the last of `statements`.
+        prune's guard); (rows, rowcount) of the last of `statements` (`answered`: of the
+        first that returns a row, the rest being its fallbacks, not run then).
 
         `hot` statements (acquire, release, extend: they return only numbers) take the
         connection's libpq path where it has one; their values may then come back as bytes,
@@ -293,21 +295,21 @@ class DatabaseLockStore(ListeningStore, LockStore):
             # statement on this thread's open connection are a good part of its time. Only
             # PostgreSQL's connections have a libpq path, and they never join the caller's
             # transaction (`Vendor.callers_transaction`).
-            libpq, database = conn.libpq, conn.database
-            result: _Result = ([], 0)
+            database = conn.database
             conn.deadline.arm()
             try:
-                for sql, params in statements:
-                    result = libpq.one(sql, params, database.OperationalError)
+                result = conn.libpq.execute(statements, database.OperationalError, answered)
             except database.Error as exc:
                 self._failed(exc, conn, True, idempotent, False, key, holder)
-                return self._execute_by_run(statements, hot, idempotent, after, key, holder)
+                return self._execute_by_run(
+                    statements, hot, idempotent, after, key, holder, answered
+                )
             except BaseException:
                 self._abandon(conn)
                 raise
             self._settled(conn)
             return result
-        return self._execute_by_run(statements, hot, idempotent, after, key, holder)
+        return self._execute_by_run(statements, hot, idempotent, after, key, holder, answered)
 
     def _execute_by_run(
         self,
@@ -317,15 +319,19 @@ class DatabaseLockStore(ListeningStore, LockStore):
         after: Sequence[Statement],
         key: Keys,
         holder: str | None,
+        answered: bool = False,
     ) -> _Result:
         """`execute` through `run`: on a new connection, or any but the libpq path."""
 
         def work(cursor: Any, libpq: PreparedStatements | None, database: Any) -> _Result:
             if hot and libpq is not None:
-                return libpq.execute(statements, database.OperationalError)
+                return libpq.execute(statements, database.OperationalError, answered)
+            result: _Result = ([], 0)
             for sql, params in statements:
                 cursor.execute(sql, params)
-            result = (cursor.fetchall() if cursor.description else []), cursor.rowcount
+                result = (cursor.fetchall() if cursor.description else []), cursor.rowcount
+                if answered and result[0]:
+                    break
             for sql, params in after:
                 cursor.execute(sql, params)
             return result
@@ -489,20 +495,28 @@ class DatabaseLockStore(ListeningStore, LockStore):
     # -- the protocol ---------------------------------------------------------------------
     def acquire(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
         vendor = self.vendor
-        result = vendor.retake(key, owner, holder, ttl) or self._upsert(
-            vendor.dialect.acquire_sql, key, owner, holder, ttl
-        )
+        retake = vendor.retake(key, owner, holder, ttl)
+        result = self._upsert(vendor.dialect.acquire_sql, key, owner, holder, ttl, retake)
         self._tick()
         return result
 
     def _upsert(
-        self, statements: Sequence[str], key: str, owner: str, holder: str, ttl: float
+        self,
+        statements: Sequence[str],
+        key: str,
+        owner: str,
+        holder: str,
+        ttl: float,
+        first: Statement | None = None,
     ) -> AcquireResult:
-        """Run an acquire upsert (`acquire_sql` or `acquire_queued_sql`): its result."""
+        """Run an acquire upsert (`acquire_sql` or `acquire_queued_sql`): its result. With
+        `first` (`Vendor.retake`), that statement before it, in the same call (one deadline):
+        the upsert runs only where `first` returned no row."""
         params = self.vendor.dialect.acquire_params(key, owner, holder, ttl)
-        rows, _ = self.execute(
-            list(zip(statements, params, strict=True)), hot=True, key=key, holder=holder
-        )
+        run = list(zip(statements, params, strict=True))
+        if first is not None:
+            run.insert(0, first)
+        rows, _ = self.execute(run, hot=True, key=key, holder=holder, answered=first is not None)
         if not rows:
             rows = self.vendor.refused(key)
         if not rows:  # freed since: worth trying again at once

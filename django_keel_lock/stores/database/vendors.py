@@ -33,7 +33,7 @@ from .dialects.mysql import MySQLDialect
 from .dialects.postgresql import PostgresDialect, is_psycopg3
 from .dialects.sqlite import SQLiteDialect
 from .doorbells import DoorbellListener, Doorbells
-from .libpq import PreparedStatements, Row
+from .libpq import PreparedStatements, Row, Statement
 from .listener import MariaDBListener, PostgresListener
 from .many import Many, array_literal, int_array
 from .many import seconds as _seconds
@@ -114,9 +114,10 @@ class Vendor:
         return []
 
     # -- acquire and release --------------------------------------------------------------
-    def retake(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult | None:
-        """An acquire's first try where the vendor has a cheaper statement for it: its result
-        if that took the lock, None for the acquire's own statement to run."""
+    def retake(self, key: str, owner: str, holder: str, ttl: float) -> Statement | None:
+        """A cheaper statement for an acquire to try first, where the vendor has one: it
+        returns the row the acquire's own returns where it takes the lock, and no row where
+        the acquire's own must run (in the same call)."""
         return None
 
     def refused(self, key: str) -> list[Row]:
@@ -498,20 +499,14 @@ class Postgres(ServerVendor):
         self.released(key, count > 0, False)
         return count > 0
 
-    def retake(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult | None:
+    def retake(self, key: str, owner: str, holder: str, ttl: float) -> Statement | None:
         # The key this thread freed last (`_handed`), nobody waiting: its row is most likely
         # still free, and taken by one UPDATE (`PostgresDialect.retake_sql`); once only.
         freed = self._freed
         if getattr(freed, "key", None) != key:
             return None
         freed.key = None
-        rows, _ = self.store.execute(
-            [(self.dialect.retake_sql, (owner, holder, ttl, owner, key, owner))],
-            hot=True,
-            key=key,
-            holder=holder,
-        )
-        return AcquireResult(int(rows[0][0])) if rows else None
+        return self.dialect.retake_sql, (owner, holder, ttl, owner, key, owner)
 
     def _handed(self, key: str, sql: str, params: Sequence[Any]) -> bool:
         """Run `sql`, a call of the release function (`release_line_sql`, `pass_on_sql`):

@@ -68,14 +68,16 @@ def _acquire(free: str) -> str:
 # upsert's conflict check and its lock of the row (a WAL record of its own). The fence is
 # drawn in the SET: should another transaction update the row first, the UPDATE rechecks the
 # row's newest version and computes its SET again (a new fence), as the line's take does.
-# No row (taken since, or deleted): the upsert runs, and says who holds it.
+# No row (taken since, or deleted): the upsert runs, in the same call (`store.execute`'s
+# `answered`: one SOCKET_TIMEOUT for both), and says who holds it. Its row is the upsert's
+# where that takes the lock: the fence, no time left, no marker.
 _RETAKE = f"""
     UPDATE {TABLE} AS l SET owner = %s, holder = %s, fence = nextval('{SEQUENCE}'),
         acquired_at = clock_timestamp(),
         expires_at = clock_timestamp() + make_interval(secs => %s),
         waiting = l.waiting AND l.owner = %s
     WHERE l.key = %s AND (l.expires_at <= clock_timestamp() OR l.owner = %s)
-    RETURNING l.fence{{flush}}
+    RETURNING l.fence, NULL, NULL{{flush}}
 """
 
 
