@@ -15,10 +15,14 @@ import pytest
 from django.db import connections
 
 from django_keel_lock import LockStoreUnavailable
+from django_keel_lock.models import Lock, Waiter
 from django_keel_lock.stores import DatabaseLockStore
+from django_keel_lock.stores.database.line import Line
 
 from .conftest import needs_store
+from .support.threads import call_in_thread
 from .test_database_faults import timed, wait_until
+from .test_database_line import database_store_of
 
 pytestmark = needs_store("postgres")
 
@@ -44,6 +48,69 @@ def _waits_for_a_row(monitor: Any, text: str) -> bool:
         (f"%{text}%",),
     ).fetchone()
     return bool(count)
+
+
+def test_postgres_waiter_that_raises_the_flag_while_the_release_waits_is_handed_the_lock(
+    key: str,
+) -> None:
+    """A waiter that joins the line while a release of the lock waits for its row (the
+    waiter's transaction locked it first; the release's snapshot saw the flag down) is
+    handed the lock: the release's own UPDATE rechecks the row's new version, finds the flag
+    raised and frees nothing, and the hand-off function reads the line afresh. Freed by that
+    UPDATE instead, the lock would be free with the waiter in line and nobody woken."""
+    store = database_store_of("postgres")
+    first = store.acquire(key, "holder", "h", 30).fence
+    assert first is not None
+    with _connection() as waiter, _connection(autocommit=True) as monitor:
+        # The waiter's attempt in the line, by the store's own code, on a transaction held
+        # open: the row locked, the place taken, the flag raised, not committed yet.
+        result, queued = Line(store.dialect, waiter.cursor()).acquire(
+            key, "waiter", "w", 30, "", None
+        )
+        assert queued and not result.acquired
+        thread, released = call_in_thread(store, lambda: store.release(key, "holder"))
+        try:
+            assert wait_until(lambda: _waits_for_a_row(monitor, "WITH freed"), 10)
+        finally:
+            waiter.commit()
+            thread.join(10)
+    assert released == [True]
+    row = Lock.objects.using("postgres").get(key=key)
+    assert (row.owner, row.holder) == ("waiter", "w"), "the waiter was not handed the lock"
+    assert row.fence > first
+    assert Waiter.objects.using("postgres").get(key=key, owner="waiter").fence == row.fence
+
+
+def test_postgres_waiter_whose_attempt_waits_behind_a_release_that_frees_takes_the_lock(
+    key: str,
+) -> None:
+    """The other order: a release that frees the lock nobody waits for (its WITH's UPDATE)
+    gets the row first, and a waiter's attempt, which came while the release waited for the
+    row, waits for it in turn: that attempt then reads the row freed, and takes it. (A third
+    connection holds the row to line them up, and changes nothing in it.)"""
+    store = database_store_of("postgres")
+    first = store.acquire(key, "holder", "h", 30).fence
+    assert first is not None
+    with _connection() as blocker, _connection(autocommit=True) as monitor:
+        blocker.execute("SELECT 1 FROM django_keel_lock_lock WHERE key = %s FOR UPDATE", (key,))
+        releasing, released = call_in_thread(store, lambda: store.release(key, "holder"))
+        waiting, taken = None, []
+        try:
+            assert wait_until(lambda: _waits_for_a_row(monitor, "WITH freed"), 10)
+            waiting, taken = call_in_thread(
+                store, lambda: store.acquire_queued(key, "waiter", "w", 30)
+            )
+            assert wait_until(lambda: _waits_for_a_row(monitor, "ON CONFLICT"), 10)
+        finally:
+            blocker.commit()
+            releasing.join(10)
+            if waiting is not None:
+                waiting.join(10)
+    assert released == [True]
+    assert len(taken) == 1 and taken[0].acquired and taken[0].fence > first, taken
+    row = Lock.objects.using("postgres").get(key=key)
+    assert (row.owner, row.fence) == ("waiter", taken[0].fence)
+    assert store.release(key, "waiter")
 
 
 #: The stores' SOCKET_TIMEOUT below, and how long each row lock in the way is held.
