@@ -23,6 +23,7 @@ from .conftest import needs_store
 from .support.threads import call_in_thread
 from .test_database_faults import timed, wait_until
 from .test_database_line import database_store_of
+from .test_database_store import _RETAKE, _UPSERT, _runs
 
 pytestmark = needs_store("postgres")
 
@@ -168,3 +169,26 @@ def test_postgres_retake_and_its_upsert_wait_at_most_socket_timeout_together(
         assert took < _TIMEOUT + 0.3, f"the acquire took {took:.2f}s ({result!r})"
     finally:
         store.close()
+
+
+def test_postgres_retake_after_another_took_and_released_draws_a_greater_fence(key: str) -> None:
+    """The row a thread freed last, taken and freed by another store since (it is free
+    again): the retake takes it by its UPDATE, with a fence greater than the other's, and
+    the other's retake, next, greater again."""
+    ours = DatabaseLockStore("retake-fence-ours", {"DATABASE": "postgres"})
+    theirs = DatabaseLockStore("retake-fence-theirs", {"DATABASE": "postgres"})
+    try:
+        assert ours.acquire(key, "a", "a", 30).acquired and ours.release(key, "a")
+        taken = theirs.acquire(key, "b", "b", 30).fence
+        assert taken is not None and theirs.release(key, "b")
+        retakes = _runs(ours, _RETAKE)
+        upserts = _runs(ours, _UPSERT)
+        again = ours.acquire(key, "a", "a", 30).fence
+        assert again is not None and again > taken
+        assert (_runs(ours, _RETAKE), _runs(ours, _UPSERT)) == (retakes + 1, upserts)
+        assert ours.release(key, "a")
+        last = theirs.acquire(key, "b", "b", 30).fence
+        assert last is not None and last > again and theirs.release(key, "b")
+    finally:
+        ours.close()
+        theirs.close()
