@@ -5,8 +5,9 @@ UPDATE, then the upsert)."""
 
 from __future__ import annotations
 
-import threading
+import socket
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -19,7 +20,8 @@ from django_keel_lock.models import Lock, Waiter
 from django_keel_lock.stores import DatabaseLockStore
 from django_keel_lock.stores.database.line import Line
 
-from .conftest import needs_store
+from .conftest import database_like, needs_store, serving
+from .support.redis_servers import FaultyProxy
 from .support.threads import call_in_thread
 from .test_database_faults import timed, wait_until
 from .test_database_line import database_store_of
@@ -114,61 +116,71 @@ def test_postgres_waiter_whose_attempt_waits_behind_a_release_that_frees_takes_t
     assert store.release(key, "waiter")
 
 
-#: The stores' SOCKET_TIMEOUT below, and how long each row lock in the way is held.
-_TIMEOUT, _HELD = 1.0, 0.8
+class _SlowReplies(FaultyProxy):
+    """A FaultyProxy that holds the first part of each reply `delay` seconds (0: none): a
+    server that answers every statement late, the same each time."""
+
+    delay = 0.0
+
+    def _pump(self, source: socket.socket, sink: socket.socket, reply: bool) -> None:
+        super()._pump(source, _Late(sink, self) if reply else sink, reply)
 
 
-def _hold_then_let_go(monitor: Any, first: Any, second: Any, key: str) -> None:
-    """Let `first`'s lock of `key`'s row go once the retake waits for it, with `second`
-    queued for the row behind the retake; `second`'s once the upsert waits for it: each
-    after `_HELD` seconds."""
-    wait_until(lambda: _waits_for_a_row(monitor, "fence = nextval"), 10)
-    queued = threading.Thread(
-        target=second.execute,
-        args=("SELECT 1 FROM django_keel_lock_lock WHERE key = %s FOR UPDATE", (key,)),
-    )
-    queued.start()
-    wait_until(lambda: _waits_for_a_row(monitor, "FOR UPDATE"), 10)
-    time.sleep(_HELD)
-    first.commit()
-    queued.join(10)
-    wait_until(lambda: _waits_for_a_row(monitor, "ON CONFLICT"), _TIMEOUT)
-    time.sleep(_HELD)
-    second.commit()
+class _Late:
+    """The client's side of a proxied connection, whose sendall() waits the proxy's delay
+    before the first part of each reply (a reply follows a request: `trips` moved)."""
+
+    def __init__(self, sock: socket.socket, proxy: _SlowReplies) -> None:
+        self.sock, self.proxy, self.trips = sock, proxy, -1
+
+    def sendall(self, data: bytes) -> None:
+        if self.trips != self.proxy.trips:
+            self.trips = self.proxy.trips
+            time.sleep(self.proxy.delay)
+        self.sock.sendall(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sock, name)
+
+
+@contextmanager
+def _through_slow_replies(**options: Any) -> Iterator[tuple[DatabaseLockStore, _SlowReplies]]:
+    """A store on the `postgres` database reached through a `_SlowReplies` proxy (no pooler
+    unless `options` say so)."""
+    proxy = _SlowReplies(int(connections.settings["postgres"]["PORT"]))
+    name = f"postgres-slow-{uuid.uuid4().hex[:8]}"
+    try:
+        with database_like("postgres", name, HOST="127.0.0.1", PORT=proxy.port) as through:
+            store = DatabaseLockStore(
+                name, {"DATABASE": through, "TRANSACTION_POOLER": False, **options}
+            )
+            with serving(store):
+                yield store, proxy
+    finally:
+        proxy.close()
 
 
 @pytest.mark.parametrize("pooler", [False, True], ids=["own-sessions", "pooler"])
 def test_postgres_retake_and_its_upsert_wait_at_most_socket_timeout_together(
     key: str, pooler: bool
 ) -> None:
-    """An acquire that tries the retake first, then the upsert, is one call: it waits for
-    the server at most SOCKET_TIMEOUT in all, as any call does (docs/stores.md), however
-    long each statement waits for the row. Here the retake waits for one holder of the row
-    and the upsert for the next, each for most of SOCKET_TIMEOUT: the call ends (refused,
-    or LockStoreUnavailable) within SOCKET_TIMEOUT, not twice that."""
-    store = DatabaseLockStore(
-        "retake-deadline",
-        {"DATABASE": "postgres", "SOCKET_TIMEOUT": _TIMEOUT, "TRANSACTION_POOLER": pooler},
-    )
-    try:
-        assert store.acquire(key, "a", "a", 30).acquired
-        assert store.release(key, "a")  # this thread's last free release: the retake next
-        with _connection() as first, _connection() as second, _connection(True) as monitor:
-            first.execute(
-                "UPDATE django_keel_lock_lock SET owner = 'x', "
-                "expires_at = clock_timestamp() + interval '1 hour' WHERE key = %s",
-                (key,),
-            )
-            referee = threading.Thread(target=_hold_then_let_go, args=(monitor, first, second, key))
-            referee.start()
-            try:
-                result, took = timed(lambda: store.acquire(key, "a", "a", 30))
-            finally:
-                referee.join(10)
-        assert isinstance(result, LockStoreUnavailable) or not result.acquired, result
-        assert took < _TIMEOUT + 0.3, f"the acquire took {took:.2f}s ({result!r})"
-    finally:
-        store.close()
+    """An acquire that tries the retake first, then the upsert (the lock taken by another
+    since this thread freed it), is one call: it waits for the server at most SOCKET_TIMEOUT
+    in all, as any call does (docs/stores.md). Here each reply comes 0.8 s late, at
+    SOCKET_TIMEOUT 1 s: the call gives up (LockStoreUnavailable) after 1 s, not refused
+    after the two statements' 1.6 s."""
+    other = database_store_of("postgres")
+    with _through_slow_replies(SOCKET_TIMEOUT=1, TRANSACTION_POOLER=pooler) as (store, proxy):
+        for _ in range(2):  # each statement prepared (else a first run is two round trips)
+            assert store.acquire(key, "a", "a", 30).acquired
+            assert store.release(key, "a")  # this thread's last free release: a retake next
+        assert other.acquire(key, "b", "b", 30).acquired
+        proxy.delay = 0.8
+        result, took = timed(lambda: store.acquire(key, "a", "a", 30))
+        proxy.delay = 0.0
+        assert isinstance(result, LockStoreUnavailable), f"{result!r} after {took:.2f}s"
+        assert took < 1.4, f"the acquire took {took:.2f}s"
+    assert other.release(key, "b")
 
 
 def test_postgres_retake_after_another_took_and_released_draws_a_greater_fence(key: str) -> None:

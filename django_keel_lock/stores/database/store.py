@@ -262,12 +262,10 @@ class DatabaseLockStore(ListeningStore, LockStore):
         answered: bool = False,
     ) -> tuple[list[Row], int]:
         """Run `statements` in autocommit, then `after` on the same connection (what closes
-        prune's guard); (rows, rowcount) of the last of `statements` (`answered`: of the
-        first that returns a row, the rest being its fallbacks, not run then).
+        prune's guard); (rows, rowcount) of the last run (`answered`: the first with rows).
 
         `hot` statements (acquire, release, extend: they return only numbers) take the
-        connection's libpq path where it has one; their values may then come back as bytes,
-        which int() and float() read alike.
+        connection's libpq path where it has one: values may be bytes (int(), float() read them).
 
         A statement that failed after it was sent may still have run. Idempotent operations
         (all but release, for the same owner) are then retried once on a fresh connection: the
@@ -281,24 +279,26 @@ class DatabaseLockStore(ListeningStore, LockStore):
         A data exception (a value the database cannot take: a key outside its encoding) is a
         ValueError naming `key` (and `holder`), and keeps the connection: it is healthy.
 
-        Where the dialect says so (SQLite inside the caller's transaction), the statements run
-        on the caller's own connection instead, once, and leave it open whatever happens.
+        Where the dialect says so (SQLite in the caller's transaction), they run on the
+        caller's own connection instead, once, and leave it open whatever happens.
 
-        The statements (and `after`) wait at most SOCKET_TIMEOUT for the server, together.
-        One that gets no reply in time is not retried: a server that does not answer now
-        would only make the caller wait as long again.
+        The statements (and `after`) wait at most SOCKET_TIMEOUT for the server, together;
+        if they get no reply in time, no retry: the server would make the caller wait again.
         """
         assert not (hot and after), "the libpq path runs no closing statements"
         conn = self._threads.get() if hot else None
         if conn is not None and conn.libpq is not None and (idempotent or not conn.stale()):
-            # `run`'s first attempt inline, by its rules (`_failed`): the few calls of a lock
-            # statement on this thread's open connection are a good part of its time. Only
-            # PostgreSQL's connections have a libpq path, and they never join the caller's
-            # transaction (`Vendor.callers_transaction`).
-            database = conn.database
+            # `run`'s first attempt inline, by its rules (`_failed`): a good part of a lock
+            # statement's time on this thread's open connection. Only PostgreSQL's have a
+            # libpq path, and never join the caller's transaction (`callers_transaction`).
+            libpq, database = conn.libpq, conn.database
+            result: _Result = ([], 0)
             conn.deadline.arm()
             try:
-                result = conn.libpq.execute(statements, database.OperationalError, answered)
+                for sql, params in statements:
+                    result = libpq.one(sql, params, database.OperationalError)
+                    if answered and result[0]:
+                        break
             except database.Error as exc:
                 self._failed(exc, conn, True, idempotent, False, key, holder)
                 return self._execute_by_run(
@@ -496,27 +496,27 @@ class DatabaseLockStore(ListeningStore, LockStore):
     def acquire(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
         vendor = self.vendor
         retake = vendor.retake(key, owner, holder, ttl)
-        result = self._upsert(vendor.dialect.acquire_sql, key, owner, holder, ttl, retake)
+        if retake is None:
+            result = self._upsert(vendor.dialect.acquire_sql, key, owner, holder, ttl)
+        else:  # the retake, then the upsert where it took nothing: one call, one deadline
+            rows, _ = self.execute(retake, hot=True, key=key, holder=holder, answered=True)
+            fence = rows[0][0] if rows else None  # the retake's fence, or the upsert's
+            result = AcquireResult(int(fence)) if fence is not None else self._acquired(rows, key)
         self._tick()
         return result
 
     def _upsert(
-        self,
-        statements: Sequence[str],
-        key: str,
-        owner: str,
-        holder: str,
-        ttl: float,
-        first: Statement | None = None,
+        self, statements: Sequence[str], key: str, owner: str, holder: str, ttl: float
     ) -> AcquireResult:
-        """Run an acquire upsert (`acquire_sql` or `acquire_queued_sql`): its result. With
-        `first` (`Vendor.retake`), that statement before it, in the same call (one deadline):
-        the upsert runs only where `first` returned no row."""
+        """Run an acquire upsert (`acquire_sql` or `acquire_queued_sql`): its result."""
         params = self.vendor.dialect.acquire_params(key, owner, holder, ttl)
-        run = list(zip(statements, params, strict=True))
-        if first is not None:
-            run.insert(0, first)
-        rows, _ = self.execute(run, hot=True, key=key, holder=holder, answered=first is not None)
+        rows, _ = self.execute(
+            list(zip(statements, params, strict=True)), hot=True, key=key, holder=holder
+        )
+        return self._acquired(rows, key)
+
+    def _acquired(self, rows: list[Row], key: str) -> AcquireResult:
+        """The result of an acquire upsert (or a retake) of `key` that returned `rows`."""
         if not rows:
             rows = self.vendor.refused(key)
         if not rows:  # freed since: worth trying again at once

@@ -114,10 +114,10 @@ class Vendor:
         return []
 
     # -- acquire and release --------------------------------------------------------------
-    def retake(self, key: str, owner: str, holder: str, ttl: float) -> Statement | None:
-        """A cheaper statement for an acquire to try first, where the vendor has one: it
-        returns the row the acquire's own returns where it takes the lock, and no row where
-        the acquire's own must run (in the same call)."""
+    def retake(self, key: str, owner: str, holder: str, ttl: float) -> list[Statement] | None:
+        """The statements of an acquire that tries a cheaper one first, where the vendor has
+        one for it: run as one call up to the first that returns a row (the acquire's own
+        last), whose first column is the fence taken, if any. None: the acquire's own."""
         return None
 
     def refused(self, key: str) -> list[Row]:
@@ -499,14 +499,19 @@ class Postgres(ServerVendor):
         self.released(key, count > 0, False)
         return count > 0
 
-    def retake(self, key: str, owner: str, holder: str, ttl: float) -> Statement | None:
+    def retake(self, key: str, owner: str, holder: str, ttl: float) -> list[Statement] | None:
         # The key this thread freed last (`_handed`), nobody waiting: its row is most likely
-        # still free, and taken by one UPDATE (`PostgresDialect.retake_sql`); once only.
+        # still free, and taken by one UPDATE (`PostgresDialect.retake_sql`), else by the
+        # upsert; once only.
         freed = self._freed
         if getattr(freed, "key", None) != key:
             return None
         freed.key = None
-        return self.dialect.retake_sql, (owner, holder, ttl, owner, key, owner)
+        dialect = self.dialect
+        return [
+            (dialect.retake_sql, (owner, holder, ttl, owner, key, owner)),
+            (dialect.acquire_sql[0], (key, owner, holder, ttl, owner, owner)),  # acquire_params
+        ]
 
     def _handed(self, key: str, sql: str, params: Sequence[Any]) -> bool:
         """Run `sql`, a call of the release function (`release_line_sql`, `pass_on_sql`):

@@ -69,15 +69,14 @@ def _acquire(free: str) -> str:
 # drawn in the SET: should another transaction update the row first, the UPDATE rechecks the
 # row's newest version and computes its SET again (a new fence), as the line's take does.
 # No row (taken since, or deleted): the upsert runs, in the same call (`store.execute`'s
-# `answered`: one SOCKET_TIMEOUT for both), and says who holds it. Its row is the upsert's
-# where that takes the lock: the fence, no time left, no marker.
+# `answered`: one SOCKET_TIMEOUT for both), and says who holds it.
 _RETAKE = f"""
     UPDATE {TABLE} AS l SET owner = %s, holder = %s, fence = nextval('{SEQUENCE}'),
         acquired_at = clock_timestamp(),
         expires_at = clock_timestamp() + make_interval(secs => %s),
         waiting = l.waiting AND l.owner = %s
     WHERE l.key = %s AND (l.expires_at <= clock_timestamp() OR l.owner = %s)
-    RETURNING l.fence, NULL, NULL{{flush}}
+    RETURNING l.fence{{flush}}
 """
 
 
