@@ -397,7 +397,8 @@ def test_postgres_hot_statements_are_prepared_once_per_connection(key: str) -> N
             assert store.extend(key, "owner", 30)
             assert store.release(key, "owner")
         names = _prepared_statements(store)
-        assert len([n for n in names if n.startswith("keel_lock_")]) == 3, names
+        # The acquire, the extend, the release, and the retake of a key freed last.
+        assert len([n for n in names if n.startswith("keel_lock_")]) == 4, names
     finally:
         store.close()
 
@@ -568,21 +569,128 @@ def test_not_durable_says_synchronous_commit_once_on_its_own_session(
     store = DatabaseLockStore("session-flush", options)
     try:
         setting, statements = _cycled(store, key)
-        assert len(statements) == 3, statements
+        assert len(statements) == 4, statements  # acquire, retake, extend, release
         carrying = [sql for sql in statements if "synchronous_commit" in sql]
         if durable:
             assert setting == "on"
-            # The release is a call of migration 0009's function (the database has the
-            # line's table), which says it for its own transaction where it hands nothing
-            # over, and waits for the flush where it does.
+            # The release (the database has the line's table) frees a lock nobody waits for
+            # by an UPDATE that says it for its own transaction, and otherwise calls migration
+            # 0009's function, which waits for the flush where it hands the lock over.
             releases = [sql for sql in statements if "django_keel_lock_release(" in sql]
-            assert carrying == [], carrying
+            assert carrying == releases, carrying
             assert len(releases) == 1 and "true)" in releases[0], releases
         else:
             assert setting == "off"
             assert carrying == [], carrying
     finally:
         store.close()
+
+
+def _release_function_calls(store: DatabaseLockStore) -> int:
+    """How many calls of migration 0009's release function the database's statistics count
+    (only sessions with track_functions on count: see the test below)."""
+    _on_store_connection(store, "SELECT pg_stat_force_next_flush()")  # flushed once idle
+    (calls,) = _on_store_connection(
+        store,
+        "SELECT COALESCE(sum(calls), 0)::bigint FROM pg_stat_user_functions "
+        "WHERE funcname = 'django_keel_lock_release'",
+    )
+    return int(calls)
+
+
+@needs_store("postgres")
+@pytest.mark.parametrize("alias", ["postgres", "postgres-fast"])
+def test_postgres_release_nobody_waits_for_is_one_update_without_the_release_function(
+    key: str, alias: str
+) -> None:
+    """A release of a lock nobody waits for is the release statement's own UPDATE: the
+    function that hands locks over (whose call costs as much again on the server) runs only
+    where that UPDATE freed nothing: here, a lock already gone, which the release reports."""
+    store = get_lock_store(alias)
+    assert isinstance(store, DatabaseLockStore)
+    # This session's calls count (the statistics count none by default).
+    _on_store_connection(store, "SELECT set_config('track_functions', 'pl', false)")
+    try:
+        before = _release_function_calls(store)
+        for _ in range(5):
+            assert store.acquire(key, "owner", "holder", 30).acquired
+            assert store.release(key, "owner")
+        assert _release_function_calls(store) == before
+        assert not store.release(key, "owner")  # gone already: the function says so
+        assert _release_function_calls(store) == before + 1
+    finally:
+        _on_store_connection(
+            store,
+            "SELECT set_config(name, reset_val, false) FROM pg_settings "
+            "WHERE name = 'track_functions'",
+        )
+
+
+_UPSERT, _RETAKE = "ON CONFLICT (key) DO UPDATE", "WHERE l.key = $5 AND"
+
+
+def _runs(store: DatabaseLockStore, text: str) -> int:
+    """How many times the store's session ran its prepared statement that contains `text`."""
+    (count,) = _on_store_connection(
+        store,
+        "SELECT COALESCE(sum(generic_plans + custom_plans), 0)::bigint "
+        f"FROM pg_prepared_statements WHERE statement LIKE '%{text}%'",
+    )
+    return int(count)
+
+
+@needs_store("postgres")
+@pytest.mark.parametrize("alias", ["postgres", "postgres-fast"])
+def test_postgres_lock_taken_again_after_its_free_release_is_one_update(
+    key: str, alias: str
+) -> None:
+    """A thread that takes again the lock it freed last (nobody waiting) takes its row by a
+    plain UPDATE, not the upsert, and gets a greater fence each time."""
+    store = get_lock_store(alias)
+    assert isinstance(store, DatabaseLockStore)
+    assert store.get(key) is None  # connected: its statements counted from here
+    upserts, retakes = _runs(store, _UPSERT), _runs(store, _RETAKE)
+    fences = []
+    for _ in range(4):
+        result = store.acquire(key, "owner", "holder", 30)
+        assert result.fence is not None
+        fences.append(result.fence)
+        assert store.release(key, "owner")
+    assert fences == sorted(set(fences)), fences
+    assert _runs(store, _UPSERT) == upserts + 1  # the first, a new row
+    assert _runs(store, _RETAKE) == retakes + 3  # the three after it
+
+
+@needs_store("postgres")
+def test_postgres_lock_taken_by_another_since_its_free_release_is_refused_and_flagged(
+    key: str,
+) -> None:
+    """A retake that finds the row taken since by another falls back to the upsert, which
+    refuses with the time left and raises the row's waiting flag (so the holder's release
+    wakes or hands over); once the holder releases, the lock is taken again."""
+    ours = DatabaseLockStore("retake-ours", {"DATABASE": "postgres"})
+    theirs = DatabaseLockStore("retake-theirs", {"DATABASE": "postgres"})
+    try:
+        first = ours.acquire(key, "a", "a", 30).fence
+        assert first is not None and ours.release(key, "a")
+        taken = theirs.acquire(key, "b", "b", 30).fence
+        assert taken is not None and taken > first
+        refused = ours.acquire(key, "a", "a", 30)
+        assert refused.fence is None and refused.retry_in is not None and refused.retry_in > 25
+        assert Lock.objects.using("postgres").get(key=key).waiting is True
+        assert theirs.release(key, "b")
+        again = ours.acquire(key, "a", "a", 30).fence
+        assert again is not None and again > taken
+        assert ours.release(key, "a")
+        # Freed last, then deleted (as the clean-up does): the retake finds no row, the upsert
+        # inserts it again.
+        Lock.objects.using("postgres").filter(key=key).delete()
+        last = ours.acquire(key, "a", "a", 30).fence
+        assert last is not None and last > again
+        assert ours.release(key, "a")
+    finally:
+        ours.close()
+        theirs.close()
 
 
 @needs_store("postgres")
@@ -595,7 +703,7 @@ def test_not_durable_found_without_a_pooler_keeps_the_setting_off_the_session(ke
         setting, statements = _cycled(store, key)
         assert setting == "on"
         carrying = [sql for sql in statements if "synchronous_commit" in sql]
-        assert len(carrying) == 2, statements  # the acquire and the extend (the release: 0009's)
+        assert len(carrying) == 4, statements  # the acquire, the retake, the extend, the release
     finally:
         store.close()
 

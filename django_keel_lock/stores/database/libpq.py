@@ -51,13 +51,16 @@ class PreparedStatements:
         return name
 
     def execute(
-        self, statements: Sequence[Statement], error: type[Exception]
+        self, statements: Sequence[Statement], error: type[Exception], answered: bool = False
     ) -> tuple[list[Row], int]:
-        """(rows, rowcount) of the last of `statements` (see `one`)."""
+        """(rows, rowcount) of the last of `statements` run (see `one`); `answered`: the
+        first that returns a row is the last run (the others are its fallbacks)."""
         rows: list[Row] = []
         count = 0
         for sql, params in statements:
             rows, count = self.one(sql, params, error)
+            if answered and rows:
+                break
         return rows, count
 
     def one(self, sql: str, params: Sequence[Any], error: type[Exception]) -> tuple[list[Row], int]:

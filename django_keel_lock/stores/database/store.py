@@ -259,13 +259,13 @@ class DatabaseLockStore(ListeningStore, LockStore):
         after: Sequence[Statement] = (),
         key: Keys = None,
         holder: str | None = None,
+        answered: bool = False,
     ) -> tuple[list[Row], int]:
         """Run `statements` in autocommit, then `after` on the same connection (what closes
-        prune's guard); (rows, rowcount) of the last of `statements`.
+        prune's guard); (rows, rowcount) of the last run (`answered`: the first with rows).
 
         `hot` statements (acquire, release, extend: they return only numbers) take the
-        connection's libpq path where it has one; their values may then come back as bytes,
-        which int() and float() read alike.
+        connection's libpq path where it has one: values may be bytes (int(), float() read them).
 
         A statement that failed after it was sent may still have run. Idempotent operations
         (all but release, for the same owner) are then retried once on a fresh connection: the
@@ -279,35 +279,37 @@ class DatabaseLockStore(ListeningStore, LockStore):
         A data exception (a value the database cannot take: a key outside its encoding) is a
         ValueError naming `key` (and `holder`), and keeps the connection: it is healthy.
 
-        Where the dialect says so (SQLite inside the caller's transaction), the statements run
-        on the caller's own connection instead, once, and leave it open whatever happens.
+        Where the dialect says so (SQLite in the caller's transaction), they run on the
+        caller's own connection instead, once, and leave it open whatever happens.
 
-        The statements (and `after`) wait at most SOCKET_TIMEOUT for the server, together.
-        One that gets no reply in time is not retried: a server that does not answer now
-        would only make the caller wait as long again.
+        The statements (and `after`) wait at most SOCKET_TIMEOUT for the server, together;
+        if they get no reply in time, no retry: the server would make the caller wait again.
         """
         assert not (hot and after), "the libpq path runs no closing statements"
         conn = self._threads.get() if hot else None
         if conn is not None and conn.libpq is not None and (idempotent or not conn.stale()):
-            # `run`'s first attempt inline, by its rules (`_failed`): the few calls of a lock
-            # statement on this thread's open connection are a good part of its time. Only
-            # PostgreSQL's connections have a libpq path, and they never join the caller's
-            # transaction (`Vendor.callers_transaction`).
+            # `run`'s first attempt inline, by its rules (`_failed`): a good part of a lock
+            # statement's time on this thread's open connection. Only PostgreSQL's have a
+            # libpq path, and never join the caller's transaction (`callers_transaction`).
             libpq, database = conn.libpq, conn.database
             result: _Result = ([], 0)
             conn.deadline.arm()
             try:
                 for sql, params in statements:
                     result = libpq.one(sql, params, database.OperationalError)
+                    if answered and result[0]:
+                        break
             except database.Error as exc:
                 self._failed(exc, conn, True, idempotent, False, key, holder)
-                return self._execute_by_run(statements, hot, idempotent, after, key, holder)
+                return self._execute_by_run(
+                    statements, hot, idempotent, after, key, holder, answered
+                )
             except BaseException:
                 self._abandon(conn)
                 raise
             self._settled(conn)
             return result
-        return self._execute_by_run(statements, hot, idempotent, after, key, holder)
+        return self._execute_by_run(statements, hot, idempotent, after, key, holder, answered)
 
     def _execute_by_run(
         self,
@@ -317,15 +319,19 @@ class DatabaseLockStore(ListeningStore, LockStore):
         after: Sequence[Statement],
         key: Keys,
         holder: str | None,
+        answered: bool = False,
     ) -> _Result:
         """`execute` through `run`: on a new connection, or any but the libpq path."""
 
         def work(cursor: Any, libpq: PreparedStatements | None, database: Any) -> _Result:
             if hot and libpq is not None:
-                return libpq.execute(statements, database.OperationalError)
+                return libpq.execute(statements, database.OperationalError, answered)
+            result: _Result = ([], 0)
             for sql, params in statements:
                 cursor.execute(sql, params)
-            result = (cursor.fetchall() if cursor.description else []), cursor.rowcount
+                result = (cursor.fetchall() if cursor.description else []), cursor.rowcount
+                if answered and result[0]:
+                    break
             for sql, params in after:
                 cursor.execute(sql, params)
             return result
@@ -488,7 +494,14 @@ class DatabaseLockStore(ListeningStore, LockStore):
 
     # -- the protocol ---------------------------------------------------------------------
     def acquire(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
-        result = self._upsert(self.vendor.dialect.acquire_sql, key, owner, holder, ttl)
+        vendor = self.vendor
+        retake = vendor.retake(key, owner, holder, ttl)
+        if retake is None:
+            result = self._upsert(vendor.dialect.acquire_sql, key, owner, holder, ttl)
+        else:  # the retake, then the upsert where it took nothing: one call, one deadline
+            rows, _ = self.execute(retake, hot=True, key=key, holder=holder, answered=True)
+            fence = rows[0][0] if rows else None  # the retake's fence, or the upsert's
+            result = AcquireResult(int(fence)) if fence is not None else self._acquired(rows, key)
         self._tick()
         return result
 
@@ -500,6 +513,10 @@ class DatabaseLockStore(ListeningStore, LockStore):
         rows, _ = self.execute(
             list(zip(statements, params, strict=True)), hot=True, key=key, holder=holder
         )
+        return self._acquired(rows, key)
+
+    def _acquired(self, rows: list[Row], key: str) -> AcquireResult:
+        """The result of an acquire upsert (or a retake) of `key` that returned `rows`."""
         if not rows:
             rows = self.vendor.refused(key)
         if not rows:  # freed since: worth trying again at once

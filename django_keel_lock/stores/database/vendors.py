@@ -33,7 +33,7 @@ from .dialects.mysql import MySQLDialect
 from .dialects.postgresql import PostgresDialect, is_psycopg3
 from .dialects.sqlite import SQLiteDialect
 from .doorbells import DoorbellListener, Doorbells
-from .libpq import PreparedStatements, Row
+from .libpq import PreparedStatements, Row, Statement
 from .listener import MariaDBListener, PostgresListener
 from .many import Many, array_literal, int_array
 from .many import seconds as _seconds
@@ -114,6 +114,12 @@ class Vendor:
         return []
 
     # -- acquire and release --------------------------------------------------------------
+    def retake(self, key: str, owner: str, holder: str, ttl: float) -> list[Statement] | None:
+        """The statements of an acquire that tries a cheaper one first, where the vendor has
+        one for it: run as one call up to the first that returns a row (the acquire's own
+        last), whose first column is the fence taken, if any. None: the acquire's own."""
+        return None
+
     def refused(self, key: str) -> list[Row]:
         """What holds `key`, read after an acquire that returned no row: nothing here (an
         acquire's reply always says it)."""
@@ -367,6 +373,8 @@ class Postgres(ServerVendor):
         self._preparing: weakref.WeakSet[Any] = weakref.WeakSet()
         self._preparing_lock = threading.Lock()
         self.isolation_checked = False  # `_check_isolation`
+        # The key each thread's release freed last with nobody waiting (`retake`).
+        self._freed = threading.local()
 
     def new_dialect(self) -> PostgresDialect:
         return PostgresDialect(durable=self.store.durable)
@@ -497,19 +505,38 @@ class Postgres(ServerVendor):
         # first of its line and NOTIFYs that one.
         dialect = self.dialect
         if line:
-            return self._handed(key, dialect.release_line_sql, (key, owner))
+            return self._handed(key, dialect.release_line_sql, (key, owner, key, owner))
         _, count = self.store.execute(
             [(dialect.release_sql, (key, owner))], hot=True, idempotent=False, key=key
         )
         self.released(key, count > 0, False)
         return count > 0
 
+    def retake(self, key: str, owner: str, holder: str, ttl: float) -> list[Statement] | None:
+        # The key this thread freed last (`_handed`), nobody waiting: its row is most likely
+        # still free, and taken by one UPDATE (`PostgresDialect.retake_sql`), else by the
+        # upsert; once only.
+        freed = self._freed
+        if getattr(freed, "key", None) != key:
+            return None
+        freed.key = None
+        dialect = self.dialect
+        return [
+            (dialect.retake_sql, (owner, holder, ttl, owner, key, owner)),
+            (dialect.acquire_sql[0], (key, owner, holder, ttl, owner, owner)),  # acquire_params
+        ]
+
     def _handed(self, key: str, sql: str, params: Sequence[Any]) -> bool:
         """Run `sql`, a call of the release function (`release_line_sql`, `pass_on_sql`):
         whether it released. A grant it carried to a waiter of this process is that waiter's
         at once, with no call (it went to its listener too: whichever comes first counts);
-        else this process's waiters are woken as by any release."""
+        else this process's waiters are woken as by any release. No row: `release_line_sql`
+        freed a lock nobody waited for without the function."""
         rows, _ = self.store.execute([(sql, params)], hot=True, idempotent=False, key=key)
+        if not rows:
+            self._freed.key = key
+            self.released(key, True, False)
+            return True
         released, owner, fence, carried = rows[0][:4]
         if _true(released) and _true(carried):
             self.store.wake_board.grant(key, _text(owner) or "", int(fence))

@@ -69,6 +69,24 @@ def _acquire(free: str) -> str:
         """
 
 
+# Taking again the lock of the key this thread's release freed last, with nobody waiting
+# (`vendors.Postgres.retake`): its row is there, most likely still free, so a plain UPDATE of
+# the free row (expired, or the owner's own: the upsert's `_free`) takes it, without the
+# upsert's conflict check and its lock of the row (a WAL record of its own). The fence is
+# drawn in the SET: should another transaction update the row first, the UPDATE rechecks the
+# row's newest version and computes its SET again (a new fence), as the line's take does.
+# No row (taken since, or deleted): the upsert runs, in the same call (`store.execute`'s
+# `answered`: one SOCKET_TIMEOUT for both), and says who holds it.
+_RETAKE = f"""
+    UPDATE {TABLE} AS l SET owner = %s, holder = %s, fence = nextval('{SEQUENCE}'),
+        acquired_at = clock_timestamp(),
+        expires_at = clock_timestamp() + make_interval(secs => %s),
+        waiting = l.waiting AND l.owner = %s
+    WHERE l.key = %s AND (l.expires_at <= clock_timestamp() OR l.owner = %s)
+    RETURNING l.fence{{flush}}
+"""
+
+
 class PostgresDialect(ServerDialect):
     vendor = "postgresql"
     remaining_template = _REMAINING_TEMPLATE
@@ -126,6 +144,26 @@ class PostgresDialect(ServerDialect):
         "SELECT released, handed_to, fence, carried "
         "FROM django_keel_lock_release(%s, %s, {fence}, {durable})"
     )
+    # A plain release where the database has the line: a lock nobody waits for (its flag
+    # down) is freed by the WITH's own UPDATE, and the statement returns no row; only where
+    # that UPDATE found nothing to free (someone waits, or the lock is not the owner's) is
+    # the function called, in the same statement, to hand over or to say the lock is gone.
+    # A release nobody waits for then costs a plain UPDATE, not a function call (whose
+    # executor starts and whose own UPDATE costs as much again). Parameters: key, owner,
+    # key, owner. The function's UPDATE reads the row afresh (a new snapshot for each
+    # statement of a volatile function), so a flag raised while the WITH's UPDATE waited for
+    # the row, which that UPDATE rechecks and skips, leads to the hand-off.
+    _release_or_hand_off = f"""
+        WITH freed AS (
+            UPDATE {TABLE} AS l SET owner = {RELEASED}, expires_at = clock_timestamp()
+            WHERE l.key = %s AND l.owner = %s AND l.expires_at > clock_timestamp()
+              AND l.waiting IS NOT TRUE
+            RETURNING 1{{flush}}
+        )
+        SELECT released, handed_to, fence, carried
+        FROM django_keel_lock_release(%s, %s, NULL, {{durable}})
+        WHERE NOT EXISTS (SELECT FROM freed)
+    """
     # A waiter in the line takes the lock in one statement (the line's transaction is for
     # joining and keeping a place): the lock a release handed it (its owner already: the
     # grant taken up, its fence kept, live `ttl` from now on), or the free lock when it is
@@ -318,12 +356,13 @@ class PostgresDialect(ServerDialect):
         released = "" if own_session and not durable else NO_FLUSH
         self.acquire_sql = (self._acquire_template.format(flush=hot),)
         self.acquire_queued_sql = (self._acquire_queued_template.format(flush=hot),)
+        self.retake_sql = _RETAKE.format(flush=hot)
         self.release_sql = self._release_template.format(flush=released, when="")
         # A release that hands the lock over waits for its flush as an acquire does, where
         # acquires do (DURABLE): lost to a crash, it would leave the waiter holding a lock
         # the database forgot, which another could then take. The function decides.
         flag = "true" if durable else "false"
-        self.release_line_sql = self._hand_off.format(fence="NULL", durable=flag)
+        self.release_line_sql = self._release_or_hand_off.format(flush=released, durable=flag)
         self.pass_on_sql = self._hand_off.format(fence="%s::bigint", durable=flag)
         self._hot, self._released = hot, released
         self.take_first_sql = self._take_first_template.format(flush=hot)
