@@ -46,6 +46,9 @@ ALIASES = store_params(["redis", "postgres", "mariadb"])
 #: The tests of what only Redis has (its scripts' versions, place formats, `:grant` channel,
 #: round trips): `alias` (and the fixtures built on it) is the Redis store's alone.
 REDIS_ONLY = pytest.mark.parametrize("alias", store_params(["redis"]))
+#: The stores whose waiting thread reads the listener's connection itself (`reads_here`); a
+#: MariaDB listener reads its process's grants and hands them on.
+READS_HERE = pytest.mark.parametrize("alias", store_params(["redis", "postgres"]))
 #: Polls are 5 s apart: whatever a waiter gets within a lease came by a push or a grant.
 RETRY_DELAY = 5.0
 CONTEXT = multiprocessing.get_context("fork")
@@ -593,6 +596,7 @@ def test_a_release_heard_by_the_waiters_process_grants_its_whole_ttl_and_carries
     unheard.leave_queue(key, "c" * 32)
 
 
+@READS_HERE
 def test_a_waiting_thread_reads_its_grant_itself_while_the_listener_goes_on_subscribing(
     heard: ServerStore, unheard: ServerStore, key: str
 ) -> None:
