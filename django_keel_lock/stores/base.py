@@ -140,7 +140,7 @@ class LockStore(ABC):
     #: up at its own ttl. Nobody else, in line or not, can take the lock in between. A store
     #: whose wake-up can carry the grant instead grants it at the waiter's whole ttl and
     #: passes it to `WakeBoard.grant`, and the waiter takes it with no call (see `engine`;
-    #: Redis and PostgreSQL, while the waiter's process listens).
+    #: Redis, PostgreSQL and MariaDB, while the waiter's process listens).
     hands_off: bool = False
 
     def __init__(self, alias: str = "default", options: Mapping[str, Any] | None = None) -> None:

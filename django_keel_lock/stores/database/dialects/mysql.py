@@ -33,8 +33,9 @@ class MySQLDialect(ServerDialect):
     waited without another round trip, and one that nobody waited for costs nothing extra.
     One that finds the flag raised then rings the key's doorbell (`ring_sql`, `kill_sql`);
     where a live waiter stands in the key's line, the release hands the lock over to the
-    first one instead, in one transaction, and interrupts only its listener's nap, once the
-    transaction committed (`release_free_sql`, `hand_over_sql`, `grant_sql`; the listener
+    first one instead, in one transaction, and interrupts only its listener's nap just before
+    the transaction commits (the listener's read of the grant waits for that commit;
+    `release_free_sql`, `hand_over_sql`, `grant_sql`; the listener
     then reads the grant: `grants_sql`).
 
     A doorbell is a set of named locks (GET_LOCK): the listener of each process that waits for
