@@ -8,16 +8,20 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import pytest
+from django.db import connections
 
+from django_keel_lock import LockStoreUnavailable
 from django_keel_lock.models import Waiter
 from django_keel_lock.registry import get_lock_store
 from django_keel_lock.stores.base import QUEUE_LEASE
 from django_keel_lock.stores.database import DatabaseLockStore
+from django_keel_lock.stores.database.dialects.mysql import MySQLDialect
 
 from .conftest import needs_store
-from .test_database_faults import wait_until
+from .test_database_faults import behind_proxy, timed, wait_until
 
 pytestmark = needs_store("mariadb")
 
@@ -105,3 +109,109 @@ def test_mariadb_a_release_with_nobody_in_line_frees_the_lock_though_the_flag_is
     assert heard.get(key) is None
     assert unheard.acquire(key, "c" * 32, "plain", 30).acquired
     assert unheard.release(key, "c" * 32)
+
+
+@contextmanager
+def _handing_over(key: str, owner: str, waiter: str, listener: int) -> Iterator[tuple[Any, int]]:
+    """A release of `key` by `owner` as `MariaDB._handing_over` runs it, on a connection of
+    its own, stopped after the KILL of `listener` (the waiter's process's), before its end:
+    (the open connection, the fence granted to `waiter`). The caller commits or rolls back."""
+    dialect = MySQLDialect()
+    base = connections["mariadb"]
+    raw = base.get_new_connection(base.get_connection_params())
+    try:
+        raw.autocommit(True)
+        cursor = raw.cursor()
+        cursor.execute("BEGIN")
+        cursor.execute(dialect.hand_over_sql, (owner, None, None, owner, key))
+        row = cursor.fetchone()
+        assert row[0] and row[3] == waiter, row
+        place, holder, ttl, fence = row[2], row[4], row[5], row[9]
+        grant = (waiter, holder, fence, dialect.interval(ttl), fence, key, place)
+        cursor.execute(dialect.grant_sql, grant)
+        cursor.execute(dialect.kill_sql, (listener,))
+        yield raw, int(fence)
+    finally:
+        raw.close()
+
+
+def test_mariadb_a_grant_whose_release_rolled_back_after_the_kill_is_never_taken(
+    heard: DatabaseLockStore, unheard: DatabaseLockStore, key: str
+) -> None:
+    # The release KILLs the waiter's listener before its COMMIT, then rolls back (a
+    # deadlock, a lost connection): the listener, woken, must not read the grant that never
+    # was, and the waiter is not stranded: the lock is still the releaser's, and its real
+    # release hands it over.
+    owner = "b" * 32
+    assert unheard.acquire(key, "a" * 32, "holder", 30).acquired
+    with heard.watch(key, owner):
+        refused = heard.acquire_queued(key, owner, "holder-bbbb", 30)
+        assert not refused.acquired
+        listener = heard.release_listener
+        assert listener is not None and listener.connection_id
+        with _handing_over(key, "a" * 32, owner, listener.connection_id) as (raw, fence):
+            time.sleep(0.3)  # the listener is woken, and waits for the row
+            raw.cursor().execute("ROLLBACK")
+        time.sleep(0.3)
+        assert heard.wake_board.granted(key, owner) is None
+        info = unheard.get(key)
+        assert info is not None and info.owner == "a" * 32
+        assert unheard.release(key, "a" * 32)
+        assert wait_until(lambda: heard.wake_board.granted(key, owner) is not None, 5)
+        handed = heard.wake_board.take_grant(key, owner)
+        assert handed is not None and handed > fence
+    info = unheard.get(key)
+    assert info is not None and info.owner == owner and info.fence == handed
+    assert heard.release(key, owner)
+
+
+def test_mariadb_a_waiter_whose_listener_gave_up_waiting_for_the_commit_takes_its_grant_then(
+    heard: DatabaseLockStore, unheard: DatabaseLockStore, key: str
+) -> None:
+    # The release holds the row past the listener's second (1205): the listener gives the
+    # read up and wakes its waiters, whose next attempt waits for the COMMIT and takes the
+    # grant up at its fence.
+    owner = "b" * 32
+    assert unheard.acquire(key, "a" * 32, "holder", 30).acquired
+    with heard.watch(key, owner) as waiter:
+        assert not heard.acquire_queued(key, owner, "holder-bbbb", 30).acquired
+        listener = heard.release_listener
+        assert listener is not None and listener.connection_id
+        with _handing_over(key, "a" * 32, owner, listener.connection_id) as (raw, fence):
+            started = time.monotonic()
+            waiter.wait(2.5)  # woken once the listener gave its read up
+            woken = time.monotonic() - started
+            time.sleep(max(0.0, 1.5 - woken))
+            committed = time.monotonic()
+            raw.cursor().execute("COMMIT")
+        assert woken < QUEUE_LEASE, woken
+        taken = heard.acquire_queued(key, owner, "holder-bbbb", 30)
+        assert time.monotonic() - committed < 1
+    assert taken.fence == fence
+    assert heard.release(key, owner)
+
+
+def test_mariadb_a_hand_over_stalled_before_its_commit_strands_the_lock_no_longer_than_its_ttl(
+    heard: DatabaseLockStore, unheard: DatabaseLockStore, key: str
+) -> None:
+    # The link to the server stalls (nothing closed) once the hand-over has sent its KILL:
+    # the releaser hears LockStoreUnavailable within its SOCKET_TIMEOUT, and the server keeps
+    # the transaction open, its lock row locked. The lock must be free to take by its ttl
+    # (plus the server's idle_transaction_timeout, the store's SOCKET_TIMEOUT), not only
+    # once the server notices the connection is gone (wait_timeout: hours).
+    owner = "b" * 32
+    with behind_proxy("mariadb", SOCKET_TIMEOUT=2) as (proxied, proxy):
+        assert proxied.acquire(key, "a" * 32, "holder", 2).acquired
+        taken_at = time.monotonic()
+        with heard.watch(key, owner):
+            assert not heard.acquire_queued(key, owner, "holder-bbbb", 30).acquired
+            proxy.stall_on = b"KILL QUERY"
+            with pytest.raises(LockStoreUnavailable):
+                proxied.release(key, "a" * 32)
+            assert proxy.mode == "stall"
+            time.sleep(max(0.0, taken_at + 2 + 2 - time.monotonic()))
+            taken, took = timed(lambda: unheard.acquire(key, "c" * 32, "holder-cccc", 30))
+            assert not isinstance(taken, BaseException), (taken, took)
+            assert taken.acquired and took < 1.5, (taken, took)
+        proxy.drop_connections()
+        assert unheard.release(key, "c" * 32)

@@ -15,6 +15,7 @@ on. The wake-up mechanisms are the three vendors' own:
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import weakref
@@ -599,6 +600,15 @@ class MariaDB(PermitsInPython, ServerVendor):
     @classmethod
     def check_database(cls, database: str, stores: str) -> list[CheckMessage]:
         return checks.check_process_privilege(database, stores)
+
+    def session_statements(self, connection: Any, durable: bool) -> Sequence[str]:
+        # A transaction whose client went silent (a link that stalled: the server sees no
+        # close) would keep its rows locked until the server's wait_timeout, hours: a release
+        # that hands over, stalled before its COMMIT, would strand the lock long past its
+        # ttl. The server ends a transaction idle as long as the client waits for a reply.
+        idle = math.ceil(self.store.socket_timeout)
+        idle_sql = self.dialect.idle_transaction_sql.format(seconds=idle)
+        return (*super().session_statements(connection, durable), idle_sql)
 
     def release(self, key: str, owner: str, line: bool) -> bool:
         # One statement while nobody waits (the flag is down: `release_free_sql`); else the

@@ -200,6 +200,9 @@ class MySQLDialect(ServerDialect):
         f"WHERE l.`key` = %s AND l.expires_at <= {_NOW}"
     )
     kill_sql = "KILL QUERY %s"  # (connection id)
+    # A transaction of the store idle this many seconds (SOCKET_TIMEOUT) is ended by the
+    # server, its row locks freed (`MariaDB.session_statements`).
+    idle_transaction_sql = "SET SESSION idle_transaction_timeout = {seconds:d}"
     # The listener's statements. (bell_names) -> the slot taken, NULL if all are taken: CASE
     # tries the slots in order and stops at the first it gets.
     subscribe_sql = (
