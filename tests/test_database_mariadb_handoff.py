@@ -205,7 +205,7 @@ def test_mariadb_a_hand_over_stalled_before_its_commit_strands_the_lock_no_longe
         taken_at = time.monotonic()
         with heard.watch(key, owner):
             assert not heard.acquire_queued(key, owner, "holder-bbbb", 30).acquired
-            proxy.stall_on = b"KILL QUERY"
+            proxy.silent, proxy.stall_on = True, b"KILL QUERY"
             with pytest.raises(LockStoreUnavailable):
                 proxied.release(key, "a" * 32)
             assert proxy.mode == "stall"

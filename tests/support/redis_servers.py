@@ -363,12 +363,14 @@ class FaultyProxy:
     connection instead of passing a reply (the command ran, its answer is lost);
     "drop_one_reply" does that once, then passes again; "stall" holds every byte in both
     directions without closing anything. `stall_on`: bytes that, once a request holding
-    them has passed, turn the mode to "stall" (that request's reply is held)."""
+    them has passed, turn the mode to "stall" (that request's reply is held). `silent`: while
+    it stalls, one end closing is not passed on to the other (a partition)."""
 
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port
         self.mode = "pass"
         self.stall_on: bytes | None = None
+        self.silent = False
         self.trips = 0  # round trips: requests sent after a reply (or first), on any connection
         self._replied = True
         self._listener = socket.socket()
@@ -421,8 +423,8 @@ class FaultyProxy:
                     self.stall_on, self.mode = None, "stall"
         except OSError:
             pass
-        while self.mode == "stall" and not self._closing.is_set():
-            time.sleep(0.01)  # a stalled link tells neither end that the other closed
+        while self.silent and self.mode == "stall" and not self._closing.is_set():
+            time.sleep(0.01)  # a silent stall tells neither end that the other closed
         for sock in (source, sink):
             try:
                 sock.shutdown(socket.SHUT_RDWR)
