@@ -215,3 +215,58 @@ def test_mariadb_a_hand_over_stalled_before_its_commit_strands_the_lock_no_longe
             assert taken.acquired and took < 1.5, (taken, took)
         proxy.drop_connections()
         assert unheard.release(key, "c" * 32)
+
+
+def test_mariadb_a_release_after_a_refusal_outside_the_line_costs_two_round_trips(
+    unheard: DatabaseLockStore, key: str
+) -> None:
+    # A caller that does not wait in line (a plain acquire) raises the flag; nobody stands in
+    # the line. The release frees the lock and rings the doorbell: the one statement that
+    # frees it unless a live waiter stands in line, then the ring (as before hand-offs), once
+    # the process has seen the key so (the first such release also tries the statement that
+    # frees only while the flag is down). A release by an owner that no longer holds the
+    # lock costs no transaction either.
+    with behind_proxy("mariadb") as (store, proxy):
+        counts = []
+        for _ in range(3):
+            assert store.acquire(key, "a" * 32, "holder", 30).acquired
+            assert not unheard.acquire(key, "c" * 32, "plain", 30).acquired
+            before = proxy.trips
+            assert store.release(key, "a" * 32)
+            counts.append(proxy.trips - before)
+            assert store.get(key) is None
+        assert counts[0] <= 3 and counts[1:] == [2, 2], counts
+        before = proxy.trips
+        assert not store.release(key, "a" * 32)
+        assert proxy.trips - before <= 2
+
+
+def test_mariadb_a_key_whose_line_emptied_is_released_in_two_round_trips_again(
+    unheard: DatabaseLockStore, key: str
+) -> None:
+    # A release here handed the key over (its next goes straight to the hand-over); then
+    # only callers outside the line are refused it: the release after the one that found
+    # nobody in line is two round trips again (nobody listens to the key: the ring has no
+    # KILL to send), and a waiter that joins later is handed the lock all the same.
+    owner = "b" * 32
+    with behind_proxy("mariadb") as (store, proxy):
+        assert store.acquire(key, "a" * 32, "holder", 30).acquired
+        with _store("gone", listen=True) as heard, heard.watch(key, owner):
+            assert not heard.acquire_queued(key, owner, "holder-bbbb", 30).acquired
+            assert store.release(key, "a" * 32)
+            assert heard.release(key, owner)
+        counts = []
+        for _ in range(3):
+            assert store.acquire(key, "a" * 32, "holder", 30).acquired
+            assert not unheard.acquire(key, "c" * 32, "plain", 30).acquired
+            before = proxy.trips
+            assert store.release(key, "a" * 32)
+            counts.append(proxy.trips - before)
+        assert counts[1:] == [2, 2], counts
+        assert store.acquire(key, "a" * 32, "holder", 30).acquired
+        with _store("later", listen=True) as heard, heard.watch(key, owner):
+            assert not heard.acquire_queued(key, owner, "holder-bbbb", 30).acquired
+            assert store.release(key, "a" * 32)
+            info = store.get(key)
+            assert info is not None and info.owner == owner
+            assert heard.release(key, owner)
