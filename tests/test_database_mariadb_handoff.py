@@ -135,6 +135,20 @@ def _handing_over(key: str, owner: str, waiter: str, listener: int) -> Iterator[
         raw.close()
 
 
+@contextmanager
+def _waiting_behind(
+    heard: DatabaseLockStore, unheard: DatabaseLockStore, key: str, owner: str
+) -> Iterator[tuple[Any, int]]:
+    """`key` held by "a" * 32 through `unheard`, and `owner` refused it in line through
+    `heard`, watching it: (its waiter, the connection id of `heard`'s listener)."""
+    assert unheard.acquire(key, "a" * 32, "holder", 30).acquired
+    with heard.watch(key, owner) as waiter:
+        assert not heard.acquire_queued(key, owner, "holder-bbbb", 30).acquired
+        listener = heard.release_listener
+        assert listener is not None and listener.connection_id
+        yield waiter, int(listener.connection_id)
+
+
 def test_mariadb_a_grant_whose_release_rolled_back_after_the_kill_is_never_taken(
     heard: DatabaseLockStore, unheard: DatabaseLockStore, key: str
 ) -> None:
@@ -143,16 +157,11 @@ def test_mariadb_a_grant_whose_release_rolled_back_after_the_kill_is_never_taken
     # was, and the waiter is not stranded: the lock is still the releaser's, and its real
     # release hands it over.
     owner = "b" * 32
-    assert unheard.acquire(key, "a" * 32, "holder", 30).acquired
-    with heard.watch(key, owner):
-        refused = heard.acquire_queued(key, owner, "holder-bbbb", 30)
-        assert not refused.acquired
-        listener = heard.release_listener
-        assert listener is not None and listener.connection_id
-        with _handing_over(key, "a" * 32, owner, listener.connection_id) as (raw, fence):
+    with _waiting_behind(heard, unheard, key, owner) as (_, listener):
+        with _handing_over(key, "a" * 32, owner, listener) as (raw, fence):
             time.sleep(0.3)  # the listener is woken, and waits for the row
             raw.cursor().execute("ROLLBACK")
-        time.sleep(0.3)
+        time.sleep(0.3)  # its read of the grants is over
         assert heard.wake_board.granted(key, owner) is None
         info = unheard.get(key)
         assert info is not None and info.owner == "a" * 32
@@ -171,13 +180,9 @@ def test_mariadb_a_waiter_whose_listener_gave_up_waiting_for_the_commit_takes_it
     # The release holds the row past the listener's second (1205): the listener gives the
     # read up and wakes its waiters, whose next attempt waits for the COMMIT and takes the
     # grant up at its fence.
-    owner = "b" * 32
-    assert unheard.acquire(key, "a" * 32, "holder", 30).acquired
-    with heard.watch(key, owner) as waiter:
-        assert not heard.acquire_queued(key, owner, "holder-bbbb", 30).acquired
-        listener = heard.release_listener
-        assert listener is not None and listener.connection_id
-        with _handing_over(key, "a" * 32, owner, listener.connection_id) as (raw, fence):
+    with _waiting_behind(heard, unheard, key, "b" * 32) as (waiter, listener):
+        handing_over = _handing_over(key, "a" * 32, "b" * 32, listener)
+        with handing_over as (raw, fence):
             started = time.monotonic()
             waiter.wait(2.5)  # woken once the listener gave its read up
             woken = time.monotonic() - started
@@ -185,10 +190,10 @@ def test_mariadb_a_waiter_whose_listener_gave_up_waiting_for_the_commit_takes_it
             committed = time.monotonic()
             raw.cursor().execute("COMMIT")
         assert woken < QUEUE_LEASE, woken
-        taken = heard.acquire_queued(key, owner, "holder-bbbb", 30)
+        taken = heard.acquire_queued(key, "b" * 32, "holder-bbbb", 30)
         assert time.monotonic() - committed < 1
     assert taken.fence == fence
-    assert heard.release(key, owner)
+    assert heard.release(key, "b" * 32)
 
 
 def test_mariadb_a_hand_over_stalled_before_its_commit_strands_the_lock_no_longer_than_its_ttl(
@@ -217,6 +222,22 @@ def test_mariadb_a_hand_over_stalled_before_its_commit_strands_the_lock_no_longe
         assert unheard.release(key, "c" * 32)
 
 
+def _refused_outside_and_released(
+    store: DatabaseLockStore, proxy: Any, unheard: DatabaseLockStore, key: str
+) -> list[int]:
+    """Three times: `key` taken through `store`, refused to a plain acquire of `unheard`
+    (the flag raised, nobody in line), released: the round trips of each release."""
+    counts = []
+    for _ in range(3):
+        assert store.acquire(key, "a" * 32, "holder", 30).acquired
+        assert not unheard.acquire(key, "c" * 32, "plain", 30).acquired
+        before = proxy.trips
+        assert store.release(key, "a" * 32)
+        counts.append(proxy.trips - before)
+        assert store.get(key) is None
+    return counts
+
+
 def test_mariadb_a_release_after_a_refusal_outside_the_line_costs_two_round_trips(
     unheard: DatabaseLockStore, key: str
 ) -> None:
@@ -227,14 +248,7 @@ def test_mariadb_a_release_after_a_refusal_outside_the_line_costs_two_round_trip
     # frees only while the flag is down). A release by an owner that no longer holds the
     # lock costs no transaction either.
     with behind_proxy("mariadb") as (store, proxy):
-        counts = []
-        for _ in range(3):
-            assert store.acquire(key, "a" * 32, "holder", 30).acquired
-            assert not unheard.acquire(key, "c" * 32, "plain", 30).acquired
-            before = proxy.trips
-            assert store.release(key, "a" * 32)
-            counts.append(proxy.trips - before)
-            assert store.get(key) is None
+        counts = _refused_outside_and_released(store, proxy, unheard, key)
         assert counts[0] <= 3 and counts[1:] == [2, 2], counts
         before = proxy.trips
         assert not store.release(key, "a" * 32)
@@ -255,13 +269,7 @@ def test_mariadb_a_key_whose_line_emptied_is_released_in_two_round_trips_again(
             assert not heard.acquire_queued(key, owner, "holder-bbbb", 30).acquired
             assert store.release(key, "a" * 32)
             assert heard.release(key, owner)
-        counts = []
-        for _ in range(3):
-            assert store.acquire(key, "a" * 32, "holder", 30).acquired
-            assert not unheard.acquire(key, "c" * 32, "plain", 30).acquired
-            before = proxy.trips
-            assert store.release(key, "a" * 32)
-            counts.append(proxy.trips - before)
+        counts = _refused_outside_and_released(store, proxy, unheard, key)
         assert counts[1:] == [2, 2], counts
         assert store.acquire(key, "a" * 32, "holder", 30).acquired
         with _store("later", listen=True) as heard, heard.watch(key, owner):

@@ -160,7 +160,7 @@ def test_mariadb_release_hands_the_lock_over_and_interrupts_the_first_in_lines_l
     places = Waiter.objects.using("mariadb").filter(key=key, fence__isnull=True)
     ready = places.exclude(address="").filter(listener__isnull=False)
     with another_store() as waiting_store:
-        for second, (statements, updates) in enumerate(((7, 2), (5, 0))):
+        for statements, updates in ((7, 2), (5, 0)):
             holder = lock(key, ttl=30, store="mariadb")
             assert holder.acquire()
             waiter = lock(key, ttl=30, store=waiting_store.alias)
