@@ -116,14 +116,17 @@ def test_mariadb_release_nobody_waits_for_is_one_statement_and_one_waited_for_ri
     assert store.acquire(key, "a", "a", 30).acquired
     assert not store.acquire(key, "b", "b", 30).acquired  # a waiter's attempt raises the flag
     assert waiting_flag(key)
-    # The flag is up: the one statement frees nothing, and the transaction that would hand
-    # the lock over finds nobody in line (BEGIN, its read, the UPDATE that frees the lock,
-    # COMMIT); then the read of the doorbell (nobody listens to it: nothing to KILL).
-    assert statements_of(store, lambda: store.release(key, "a")) == 6
+    # The flag is up: the one statement frees nothing, and the one that frees the lock
+    # unless a live waiter stands in line finds nobody there; then the read of the doorbell
+    # (nobody listens to it: nothing to KILL).
+    assert statements_of(store, lambda: store.release(key, "a")) == 3
+    assert store.acquire(key, "a", "a", 30).acquired
+    assert not store.acquire(key, "b", "b", 30).acquired
+    # The next release of the key starts with that second statement: 2, as before hand-offs.
+    assert statements_of(store, lambda: store.release(key, "a")) == 2
     assert store.acquire(key, "b", "b", 30).acquired  # another owner's take lowers the flag
     assert not waiting_flag(key)
-    # Nothing was handed over, so the next release is one statement again (only a hand-over
-    # makes the next release go straight to its transaction: see the next test).
+    # Nothing was handed over: one statement, which frees the lock, and no ring.
     assert statements_of(store, lambda: store.release(key, "b")) == 1
 
 
@@ -147,16 +150,17 @@ def test_mariadb_release_hands_the_lock_over_and_interrupts_the_first_in_lines_l
     one transaction (a read of the lock row and the first in line, locked, with a fence
     drawn; the grant, a multi-table UPDATE), then KILLs that waiter's listener's nap once it
     committed, with no read of the doorbell: the listener reads the grant, and the waiter
-    holds the lock with no call. The statement that frees a lock nobody stands in line for
-    goes first (an UPDATE that finds the line); once a release of the key handed it over,
-    the next goes straight to the transaction."""
+    holds the lock with no call. The statement that frees a lock whose flag is down goes
+    first, then the one that frees it unless a live waiter stands in line (two UPDATEs that
+    find the line); once a release of the key handed it over, the next goes straight to the
+    transaction."""
     store = get_lock_store("mariadb")
     assert isinstance(store, DatabaseLockStore)
     expected = {"begin": 1, "kill": 1, "commit": 1}
     places = Waiter.objects.using("mariadb").filter(key=key, fence__isnull=True)
     ready = places.exclude(address="").filter(listener__isnull=False)
     with another_store() as waiting_store:
-        for second, statements in enumerate((6, 5)):
+        for statements, updates in ((7, 2), (5, 0)):
             holder = lock(key, ttl=30, store="mariadb")
             assert holder.acquire()
             waiter = lock(key, ttl=30, store=waiting_store.alias)
@@ -164,7 +168,7 @@ def test_mariadb_release_hands_the_lock_over_and_interrupts_the_first_in_lines_l
                 assert wait_until(lambda: ready.exists() and listening(key), 10)
                 released_at = time.monotonic()
                 counted = commands_of(store, holder.release)
-                assert counted == {**expected, "statements": statements, "update": 1 - second}
+                assert counted == {**expected, "statements": statements, "update": updates}
                 assert woken(acquired, released_at, 1.0)
                 info = store.get(key)
                 assert info is not None and info.owner == waiter.owner

@@ -362,11 +362,15 @@ class FaultyProxy:
     "pass" forwards both ways; "drop_replies" forwards requests but closes the client's
     connection instead of passing a reply (the command ran, its answer is lost);
     "drop_one_reply" does that once, then passes again; "stall" holds every byte in both
-    directions without closing anything."""
+    directions without closing anything. `stall_on`: bytes that, once a request holding
+    them has passed, turn the mode to "stall" (that request's reply is held). `silent`: while
+    it stalls, one end closing is not passed on to the other (a partition)."""
 
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port
         self.mode = "pass"
+        self.stall_on: bytes | None = None
+        self.silent = False
         self.trips = 0  # round trips: requests sent after a reply (or first), on any connection
         self._replied = True
         self._listener = socket.socket()
@@ -415,8 +419,12 @@ class FaultyProxy:
                         self.mode = "pass"
                     break
                 sink.sendall(data)
+                if not reply and self.stall_on is not None and self.stall_on in data:
+                    self.stall_on, self.mode = None, "stall"
         except OSError:
             pass
+        while self.silent and self.mode == "stall" and not self._closing.is_set():
+            time.sleep(0.01)  # a silent stall tells neither end that the other closed
         for sock in (source, sink):
             try:
                 sock.shutdown(socket.SHUT_RDWR)

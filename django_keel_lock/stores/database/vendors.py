@@ -15,6 +15,7 @@ on. The wake-up mechanisms are the three vendors' own:
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import weakref
@@ -622,10 +623,22 @@ class MariaDB(PermitsInPython, ServerVendor):
         super().__init__(store)
         # Keys whose last release here handed the lock over (`found_contended`).
         self.contended: set[str] = set()
+        # Keys whose last release here found the flag up and nobody in line: their next
+        # release starts with `release_unlined_sql` (`_release_unlined`).
+        self.flagged: set[str] = set()
 
     @classmethod
     def check_database(cls, database: str, stores: str) -> list[CheckMessage]:
         return checks.check_process_privilege(database, stores)
+
+    def session_statements(self, connection: Any, durable: bool) -> Sequence[str]:
+        # A transaction whose client went silent (a link that stalled: the server sees no
+        # close) would keep its rows locked until the server's wait_timeout, hours: a release
+        # that hands over, stalled before its COMMIT, would strand the lock long past its
+        # ttl. The server ends a transaction idle as long as the client waits for a reply.
+        idle = math.ceil(self.store.socket_timeout)
+        idle_sql = self.dialect.idle_transaction_sql.format(seconds=idle)
+        return (*super().session_statements(connection, durable), idle_sql)
 
     def release(self, key: str, owner: str, line: bool) -> bool:
         # One statement while nobody waits (the flag is down: `release_free_sql`); else the
@@ -634,6 +647,8 @@ class MariaDB(PermitsInPython, ServerVendor):
         store, dialect = self.store, self.dialect
         if line and key in self.contended:
             return self._hand_over(key, owner)
+        if line and key in self.flagged:
+            return self._release_unlined(key, owner)
         sql = dialect.release_free_sql if line else dialect.release_sql
 
         def plain(cursor: Any, libpq: Any, database: Any) -> tuple[bool, bool]:
@@ -642,9 +657,29 @@ class MariaDB(PermitsInPython, ServerVendor):
 
         released, waited = store.run(plain, idempotent=False, key=key)
         if line and not released:
-            return self._hand_over(key, owner)
+            return self._release_unlined(key, owner)
         self.released(key, released, waited)
         return released
+
+    def _release_unlined(self, key: str, owner: str) -> bool:
+        """Release `owner`'s lock of `key` in one statement unless a live waiter stands in
+        its line (`release_unlined_sql`), ringing the doorbell if its flag was up (a caller
+        outside the line was refused); else hand it over (`_hand_over`). Whether it
+        released."""
+        sql = self.dialect.release_unlined_sql
+
+        def plain(cursor: Any, libpq: Any, database: Any) -> tuple[bool, int]:
+            cursor.execute(sql, (key, owner))
+            return cursor.rowcount > 0, int(cursor.lastrowid or 0)
+
+        held, outcome = self.store.run(plain, idempotent=False, key=key)
+        if held and outcome > 1:
+            self.flagged.discard(key)
+            return self._hand_over(key, owner)
+        if held:
+            _remember(self.flagged, key, outcome == 1)
+            self.released(key, True, outcome == 1)
+        return held
 
     def _hand_over(self, key: str, owner: str, fence: int | None = None) -> bool:
         """Release `owner`'s lock of `key` (at `fence`, where given: a grant passed on) in
@@ -657,6 +692,7 @@ class MariaDB(PermitsInPython, ServerVendor):
         if not released:
             return False
         self.found_contended(key, grant is not None)
+        _remember(self.flagged, key, waited and grant is None)
         if grant is not None and grant.carried:
             assert grant.fence is not None
             self.store.wake_board.grant(key, grant.owner, grant.fence)
@@ -755,13 +791,7 @@ class MariaDB(PermitsInPython, ServerVendor):
         """Remember whether `key`'s release here handed the lock over (a multi-key release:
         found someone waiting): its next release goes straight to the transaction that hands
         over (`_hand_over`) if it did, without first trying to free the lock alone."""
-        contended = self.contended
-        if not waited:
-            contended.discard(key)
-        elif key not in contended:
-            if len(contended) >= CONTENDED_KEYS:
-                contended.clear()  # a rough bound: at worst, one statement more each
-            contended.add(key)
+        _remember(self.contended, key, waited)
 
     def wake_first(self, key: str) -> None:
         """Interrupt the nap of the first live waiter's listener if the lock is free, or
@@ -827,6 +857,18 @@ class MariaDB(PermitsInPython, ServerVendor):
                 if exc.args[0] not in dialect.kill_refusals:
                     raise
                 logger.debug("lock store %r cannot ring %r: %s", self.store.alias, key, exc)
+
+
+def _remember(keys: set[str], key: str, found: bool) -> None:
+    """Keep `key` in `keys` (MariaDB's `contended`, `flagged`) if `found`, else drop it; at
+    most CONTENDED_KEYS, a rough bound: a key forgotten costs its next release a statement
+    more."""
+    if not found:
+        keys.discard(key)
+    elif key not in keys:
+        if len(keys) >= CONTENDED_KEYS:
+            keys.clear()
+        keys.add(key)
 
 
 class _Grant(NamedTuple):

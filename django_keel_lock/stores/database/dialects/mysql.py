@@ -102,6 +102,23 @@ class MySQLDialect(ServerDialect):
     # handed it over, at once. Not a read of the line here: a subquery costs the statement
     # ~60 us even where it does not run, 6 % of an uncontended cycle.
     release_free_sql = release_sql + " AND l.waiting IS NOT TRUE"
+    # (key, owner): where that statement did not free the lock, or for a key whose last
+    # release here found its flag up and nobody in line (`MariaDB._release_unlined`): the
+    # lock is freed unless a live waiter handed nothing yet stands in its line. Its row
+    # matches while `owner` holds the lock (FOUND_ROWS); LAST_INSERT_ID() says 0 or 1: freed,
+    # the flag as it was; 2: not freed, for the transaction that hands it over. `owner`
+    # (whose condition reads the line, before it is assigned) comes first; `waiting` keeps
+    # its value.
+    _lined = (
+        f"l.waiting IS TRUE AND EXISTS (SELECT 1 FROM {WAITER_TABLE} f WHERE f.`key` = l.`key` "
+        f"AND f.owner <> l.owner AND f.expires_at > {_NOW} AND f.fence IS NULL)"
+    )
+    release_unlined_sql = (
+        f"UPDATE {TABLE} l SET l.owner = IF({_lined}, l.owner, {RELEASED}), "
+        f"l.expires_at = IF(l.owner = {RELEASED}, {_NOW}, l.expires_at), "
+        f"l.waiting = IF(LAST_INSERT_ID(IF(l.owner = {RELEASED}, IFNULL(l.waiting, 0), 2)) < 0, "
+        f"NULL, l.waiting) WHERE l.`key` = %s AND l.owner = %s AND l.expires_at > {_NOW}"
+    )
     # The hand-over's first statement (`MariaDB.handing_over`), its row locked until COMMIT:
     # (owner, fence, fence, owner, key) -> (whether owner holds the lock, at that fence
     # unless it is NULL: a grant `leave_queue` passes on; whether its `waiting` flag is up;
@@ -201,6 +218,9 @@ class MySQLDialect(ServerDialect):
         f"WHERE l.`key` = %s AND l.expires_at <= {_NOW}"
     )
     kill_sql = "KILL QUERY %s"  # (connection id)
+    # A transaction of the store idle this many seconds (SOCKET_TIMEOUT) is ended by the
+    # server, its row locks freed (`MariaDB.session_statements`).
+    idle_transaction_sql = "SET SESSION idle_transaction_timeout = {seconds:d}"
     # The listener's statements. (bell_names) -> the slot taken, NULL if all are taken: CASE
     # tries the slots in order and stops at the first it gets.
     subscribe_sql = (
