@@ -5,6 +5,7 @@ waiter on a connection of either protocol."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -130,3 +131,26 @@ def test_a_carried_grant_reaches_its_waiter_on_either_protocol_with_no_call(
             assert handle.release()
     finally:
         other.close()
+
+
+def test_replies_nested_past_any_real_one_raise_value_error_not_recursion_error(
+    pair: tuple[socket.socket, Replies],
+) -> None:
+    # A read error (`RedisListener.read_errors`) hangs up and reconnects; a RecursionError
+    # would end a waiting thread's acquire() instead.
+    server, replies = pair
+    server.sendall(b"*1\r\n" * 5000 + b":1\r\n")
+    with pytest.raises(ValueError):
+        replies.read()
+
+
+def test_a_line_that_never_ends_is_not_kept_without_bound(
+    pair: tuple[socket.socket, Replies],
+) -> None:
+    server, replies = pair
+    server.setblocking(False)
+    with pytest.raises(ValueError):
+        for _ in range(100):  # 6.5 MB of a "line" with no CRLF: not RESP from Redis
+            with contextlib.suppress(BlockingIOError):
+                server.send(b"+" + b"x" * 65535)
+            replies.read()

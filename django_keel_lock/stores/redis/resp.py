@@ -18,25 +18,36 @@ _ERROR = ord("-")
 _NULL = ord("_")
 #: The most read from the socket at once; what is left stays there, readable.
 READ_SIZE = 65536
+#: Past these, what arrives is not a reply Redis sends (a pub/sub reply is two levels deep, a
+#: line a length or a word; 512 MB is Redis's own longest string): a ValueError, not memory
+#: kept for ever or the stack overflowed.
+MAX_DEPTH = 16
+MAX_LINE = 65536
+MAX_BULK = 512 * 1024 * 1024
 
 
 class Incomplete(Exception):
     """The data ends before the reply does: the rest has not arrived yet."""
 
 
-def parse(data: bytes, pos: int) -> tuple[Any, int]:
+def parse(data: bytes, pos: int, depth: int = 0) -> tuple[Any, int]:
     """The reply that starts at `pos` of `data`, and where the next one starts; Incomplete
     when `data` ends first. Bulk strings are bytes, an error a ResponseError, an aggregate a
     list (a map's keys and values alternate), a null None, anything else its line's bytes.
-    ValueError for what is not RESP."""
-    end = data.find(b"\r\n", pos)
+    ValueError for what is not RESP (or nested deeper than MAX_DEPTH, or longer than
+    MAX_LINE or MAX_BULK)."""
+    end = data.find(b"\r\n", pos, pos + MAX_LINE)
     if end < 0:
+        if len(data) - pos >= MAX_LINE:
+            raise ValueError(f"a RESP line longer than {MAX_LINE} bytes")
         raise Incomplete
     kind, line, pos = data[pos], data[pos + 1 : end], end + 2
     if kind in _BULKS:
         size = int(line)
         if size < 0:
             return None, pos
+        if size > MAX_BULK:
+            raise ValueError(f"a RESP string of {size} bytes")
         if len(data) < pos + size + 2:
             raise Incomplete
         return data[pos : pos + size], pos + size + 2
@@ -44,9 +55,11 @@ def parse(data: bytes, pos: int) -> tuple[Any, int]:
         count = int(line)
         if count < 0:
             return None, pos
+        if depth >= MAX_DEPTH:
+            raise ValueError(f"RESP nested more than {MAX_DEPTH} deep")
         items = []
         for _ in range(count * 2 if kind in _PAIRS else count):
-            item, pos = parse(data, pos)
+            item, pos = parse(data, pos, depth + 1)
             items.append(item)
         return items, pos
     if kind == _ERROR:
