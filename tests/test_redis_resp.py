@@ -154,3 +154,53 @@ def test_a_line_that_never_ends_is_not_kept_without_bound(
             with contextlib.suppress(BlockingIOError):
                 server.send(b"+" + b"x" * 65535)
             replies.read()
+
+
+@needs_store("redis")
+def test_a_wake_up_read_but_not_handled_when_a_signal_interrupts_is_not_lost(
+    key: str,
+) -> None:
+    # A waiting thread reads the connection (`read_here`): a signal handler's exception (a
+    # task's time limit, Ctrl-C) may come after the read took both releases off the socket
+    # and before the second was handled. Its key's waiters must still be woken.
+    import select
+    import sys
+
+    import redis
+
+    store = RedisLockStore("resp-interrupted", {"URL": settings.REDIS_URL})
+    publisher = redis.Redis.from_url(settings.REDIS_URL)
+    try:
+        store.ensure_listener()
+        assert wait_until(store.listener_ready, 10), "the listener never connected"
+        listener = store._listener
+        assert listener is not None
+        with store.watch(key + ":1") as first, store.watch(key + ":2") as second:
+            assert wait_until(lambda: len(listener.subscribed) == 2, 10)
+            time.sleep(0.3)  # the subscriptions confirmed, their wake-ups gone by
+            first.poll(), second.poll()
+            with listener._reading:  # as a waiting thread does: the listener's thread waits
+                pipe = publisher.pipeline(transaction=True)
+                pipe.publish(store.release_channel(key + ":1"), "1")
+                pipe.publish(store.release_channel(key + ":2"), "1")
+                pipe.execute()
+                poller = select.poll()
+                poller.register(listener.socket(), select.POLLIN)
+                assert poller.poll(5000)
+                time.sleep(0.1)  # both arrived
+
+                def interrupt(frame: Any, event: str, arg: Any) -> None:
+                    if event == "call" and frame.f_code.co_name == "_handle":
+                        sys.settrace(None)
+                        raise KeyboardInterrupt
+
+                sys.settrace(interrupt)
+                try:
+                    with pytest.raises(KeyboardInterrupt):
+                        listener.dispatch(True)
+                finally:
+                    sys.settrace(None)
+            assert second.wait(5), "the second release's wake-up was lost"
+    finally:
+        publisher.close()
+        store.close()
