@@ -204,3 +204,28 @@ def test_a_wake_up_read_but_not_handled_when_a_signal_interrupts_is_not_lost(
     finally:
         publisher.close()
         store.close()
+
+
+def test_a_long_string_arriving_over_many_reads_is_parsed_once_not_once_per_read(
+    pair: tuple[socket.socket, Replies],
+) -> None:
+    # Anyone may PUBLISH to a channel the listener is subscribed on: a 64 MB message read
+    # 64 KB at a time must not hold the reading thread (a waiter: `read_here`) for long.
+    import select
+
+    server, replies = pair
+    size = 64 * 1024 * 1024
+    message = b"*3\r\n$7\r\nmessage\r\n$1\r\nc\r\n$%d\r\n%s\r\n" % (size, b"x" * size)
+    sender = threading.Thread(target=server.sendall, args=(message + PUSH,))
+    sender.start()
+    poller = select.poll()
+    poller.register(replies._sock, select.POLLIN)
+    got: list[Any] = []
+    began = time.monotonic()
+    while len(got) < 2:
+        assert poller.poll(10_000)
+        got += replies.read()
+    took = time.monotonic() - began
+    sender.join()
+    assert got[0][2] == b"x" * size and got[1] == [b"subscribe", b"c", b"3"]
+    assert took < 5, f"{took:.1f} s"

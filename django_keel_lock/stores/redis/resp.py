@@ -27,7 +27,11 @@ MAX_BULK = 512 * 1024 * 1024
 
 
 class Incomplete(Exception):
-    """The data ends before the reply does: the rest has not arrived yet."""
+    """The data ends before the reply does: the rest has not arrived yet. `need`: how long
+    the data must be at least before parsing again can get further (a string's end)."""
+
+    def __init__(self, need: int = 0) -> None:
+        self.need = need
 
 
 def parse(data: bytes, pos: int, depth: int = 0) -> tuple[Any, int]:
@@ -49,7 +53,7 @@ def parse(data: bytes, pos: int, depth: int = 0) -> tuple[Any, int]:
         if size > MAX_BULK:
             raise ValueError(f"a RESP string of {size} bytes")
         if len(data) < pos + size + 2:
-            raise Incomplete
+            raise Incomplete(pos + size + 2)
         return data[pos : pos + size], pos + size + 2
     if kind in _LISTS or kind in _PAIRS:
         count = int(line)
@@ -70,11 +74,15 @@ def parse(data: bytes, pos: int, depth: int = 0) -> tuple[Any, int]:
 class Replies:
     """The replies arriving on one socket: `read()` them once poll() finds it readable."""
 
-    __slots__ = ("_rest", "_sock")
+    __slots__ = ("_need", "_rest", "_size", "_sock")
 
     def __init__(self, sock: Any) -> None:
         self._sock = sock
-        self._rest = b""  # the start of a reply whose end has not arrived
+        # The start of a reply whose end has not arrived, in the pieces read, their length,
+        # and the length before which parsing it again would get no further: a long string
+        # arriving over many reads is joined and parsed once, not once per read.
+        self._rest: list[bytes] = []
+        self._size = self._need = 0
 
     def read(self) -> list[Any]:
         """The whole replies that arrived since the last read (of a reply that came in part,
@@ -84,18 +92,26 @@ class Replies:
         received = self._receive()
         if received is None:
             return []
-        data = self._rest + received
+        if self._rest:
+            self._rest.append(received)
+            self._size += len(received)
+            if self._size < self._need:
+                return []
+            data = b"".join(self._rest)
+        else:
+            data = received
         replies: list[Any] = []
-        pos = 0
+        pos = need = 0
         try:
             while pos < len(data):
                 reply, pos = parse(data, pos)
                 if type(reply) is ResponseError:
                     raise reply
                 replies.append(reply)
-        except Incomplete:
-            pass
-        self._rest = data[pos:]
+        except Incomplete as short:
+            need = short.need - pos
+        self._rest = [data[pos:]] if pos < len(data) else []
+        self._size, self._need = len(data) - pos, need
         return replies
 
     def _receive(self) -> bytes | None:
