@@ -229,3 +229,16 @@ def test_a_long_string_arriving_over_many_reads_is_parsed_once_not_once_per_read
     sender.join()
     assert got[0][2] == b"x" * size and got[1] == [b"subscribe", b"c", b"3"]
     assert took < 5, f"{took:.1f} s"
+
+
+def test_a_resp3_attribute_is_not_a_reply_nor_an_element_of_one(
+    pair: tuple[socket.socket, Replies],
+) -> None:
+    # An attribute (|) comes before the reply or element it describes, and is not counted.
+    server, replies = pair
+    attribute = b"|1\r\n+key-popularity\r\n%1\r\n$1\r\na\r\n,0.19\r\n"
+    server.sendall(attribute + PUSH + b">3\r\n" + attribute + MESSAGE[4:])
+    assert replies.read() == [
+        [b"subscribe", b"c", b"3"],
+        [b"message", b"keel-lock:wake:", b"foobar"],
+    ]

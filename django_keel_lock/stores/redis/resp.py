@@ -14,6 +14,7 @@ from redis.exceptions import ResponseError
 _BULKS = frozenset(b"$=!")  # bulk string, verbatim string, bulk error (RESP3)
 _LISTS = frozenset(b"*>~")  # array, push, set
 _PAIRS = frozenset(b"%|")  # map, attribute: a key and a value per entry
+_ATTRIBUTE = ord("|")
 _ERROR = ord("-")
 _NULL = ord("_")
 #: The most read from the socket at once; what is left stays there, readable.
@@ -37,7 +38,8 @@ class Incomplete(Exception):
 def parse(data: bytes, pos: int, depth: int = 0) -> tuple[Any, int]:
     """The reply that starts at `pos` of `data`, and where the next one starts; Incomplete
     when `data` ends first. Bulk strings are bytes, an error a ResponseError, an aggregate a
-    list (a map's keys and values alternate), a null None, anything else its line's bytes.
+    list (a map's keys and values alternate), a null None, anything else its line's bytes; an
+    attribute is skipped for what follows it.
     ValueError for what is not RESP (or nested deeper than MAX_DEPTH, or longer than
     MAX_LINE or MAX_BULK)."""
     end = data.find(b"\r\n", pos, pos + MAX_LINE)
@@ -65,6 +67,8 @@ def parse(data: bytes, pos: int, depth: int = 0) -> tuple[Any, int]:
         for _ in range(count * 2 if kind in _PAIRS else count):
             item, pos = parse(data, pos, depth + 1)
             items.append(item)
+        if kind == _ATTRIBUTE:  # about what follows, which is the reply (or element)
+            return parse(data, pos, depth + 1)
         return items, pos
     if kind == _ERROR:
         return ResponseError(line.decode("utf-8", "replace")), pos
