@@ -242,3 +242,60 @@ def test_a_resp3_attribute_is_not_a_reply_nor_an_element_of_one(
         [b"subscribe", b"c", b"3"],
         [b"message", b"keel-lock:wake:", b"foobar"],
     ]
+
+
+def test_over_tls_a_record_that_arrived_in_part_reads_nothing_yet_without_waiting_for_it(
+    tmp_path: Any,
+) -> None:
+    # poll() finds the socket readable on a record's first bytes (or on a record that is no
+    # reply: a TLS 1.3 session ticket); the reading thread (a waiter: `read_here`) must not
+    # then wait for the rest for as long as the socket's timeout allows, past its own.
+    import select
+    import ssl
+
+    from .support.etcd import make_certificates
+
+    paths = make_certificates(str(tmp_path))
+    listening = socket.create_server(("127.0.0.1", 0))
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(paths["server"], paths["server-key"])
+    client_ctx = ssl.create_default_context(cafile=paths["ca"])
+    client = socket.create_connection(listening.getsockname())
+    raw, _ = listening.accept()
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    server = server_ctx.wrap_bio(incoming, outgoing, server_side=True)
+
+    def handshake() -> None:
+        while True:
+            try:
+                server.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                raw.sendall(outgoing.read())
+                incoming.write(raw.recv(65536))
+        raw.sendall(outgoing.read())
+
+    shaking = threading.Thread(target=handshake)
+    shaking.start()
+    ours = client_ctx.wrap_socket(client, server_hostname="127.0.0.1")
+    shaking.join()
+    try:
+        ours.settimeout(10)  # as redis-py's socket_timeout
+        replies = Replies(ours)
+        server.write(MESSAGE)
+        record = outgoing.read()
+        raw.sendall(record[:10])
+        poller = select.poll()
+        poller.register(ours, select.POLLIN)
+        assert poller.poll(5000)
+        began = time.monotonic()
+        assert replies.read() == []
+        assert time.monotonic() - began < 1
+        raw.sendall(record[10:])
+        assert poller.poll(5000)
+        assert replies.read() == [[b"message", b"keel-lock:wake:", b"foobar"]]
+        assert ours.gettimeout() == 10  # as redis-py left it
+    finally:
+        ours.close()
+        raw.close()
+        listening.close()

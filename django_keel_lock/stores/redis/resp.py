@@ -122,10 +122,8 @@ class Replies:
         """What the socket has (None: nothing after all)."""
         sock = self._sock
         try:
-            if isinstance(sock, ssl.SSLSocket):  # records decrypted but not read stay there
-                data = sock.recv(READ_SIZE)
-                while data and sock.pending():
-                    data += sock.recv(READ_SIZE)
+            if isinstance(sock, ssl.SSLSocket):
+                data = _receive_tls(sock)
             else:  # the socket's own recv() would poll() first: a system call more
                 data = os.read(sock.fileno(), READ_SIZE)
         except (BlockingIOError, ssl.SSLWantReadError):  # nothing after all
@@ -133,3 +131,18 @@ class Replies:
         if not data:
             raise ConnectionError("the server closed the pub/sub connection")
         return data
+
+
+def _receive_tls(sock: ssl.SSLSocket) -> bytes:
+    """What a TLS socket has now. Its recv() would wait, for as long as the socket's timeout
+    allows, for the rest of a record that arrived in part, or for a reply after a record that
+    is none (a session ticket): without a timeout for now, as redis-py's can_read() does."""
+    timeout = sock.gettimeout()
+    sock.settimeout(0)
+    try:
+        data = sock.recv(READ_SIZE)
+        while data and sock.pending():  # records decrypted but not read stay there
+            data += sock.recv(READ_SIZE)
+        return data
+    finally:
+        sock.settimeout(timeout)
