@@ -100,12 +100,15 @@ class RedisListener(ReleaseListener):
         # it must find when it wakes.
         self._live()
         try:
-            replies = self._replies.read()
-        except (ValueError, RedisError):  # out of step with the server: start afresh
+            for reply in self._replies.read():
+                self._handle(reply)
+        except BaseException:
+            # Out of step with the server (ValueError, RedisError), or interrupted (a signal
+            # handler's exception: a task's time limit, Ctrl-C) between taking replies off the
+            # socket and handling them: start afresh, and the new connection wakes every key's
+            # waiters to look again (`connected`) for what was read and not handled.
             self.hang_up()
             raise
-        for reply in replies:
-            self._handle(reply)
 
     def pending(self) -> bool:
         sock = self._live()._sock
