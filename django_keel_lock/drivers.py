@@ -89,14 +89,14 @@ class _Sync:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        held = self.held
+        held, error = self.held, None
         while held:
-            manager = held.pop()
             try:
-                manager.__exit__(*exc)
-            except BaseException:
-                self.__exit__(*exc)  # the others are left too, and the error goes on
-                raise
+                held.pop().__exit__(*exc)
+            except BaseException as failure:  # the others are left too; the first error goes on
+                error = error or failure
+        if error is not None:
+            raise error
 
     def enter(self, manager: AbstractContextManager[T]) -> T:
         value = manager.__enter__()

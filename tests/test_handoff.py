@@ -77,16 +77,21 @@ def unheard(alias: str) -> Iterator[ServerStore]:
 
 
 @pytest.fixture
-def heard(alias: str) -> Iterator[ServerStore]:
-    """A store of `alias`'s settings whose listener is connected: a release reaches its
-    waiters' process, and so carries their grants."""
+def heard(alias: str, key: str) -> Iterator[ServerStore]:
+    """A store of `alias`'s settings whose listener is connected and listens for `key` (as
+    while a waiter of this process watches it): a release reaches its waiters' process, and
+    so carries their grants."""
     store = get_lock_store(alias)
     assert isinstance(store, RedisLockStore | DatabaseLockStore)
     listening = type(store)(f"{alias}-heard", store.options)
     try:
-        listening.ensure_listener()
-        assert wait_until(listening.listener_ready, 10), "the listener never connected"
-        yield listening
+        with listening.watch(key):
+            listener = listening._listener
+            assert wait_until(
+                lambda: listening.listener_ready() and key in getattr(listener, "subscribed", ()),
+                10,
+            ), "the listener never listened"
+            yield listening
     finally:
         listening.close()
 

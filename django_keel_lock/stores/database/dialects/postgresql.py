@@ -25,6 +25,8 @@ LISTENER_LOCK = 1801807212
 #: A listener's connection, once it LISTENs: its backend pid (asked, not libpq's: through a
 #: session pooler that is the pooler's own number) and the lock taken.
 LISTENER_SQL = f"SELECT pg_backend_pid(), pg_advisory_lock({LISTENER_LOCK}, pg_backend_pid())"
+#: Its lock let go, before it stops listening (`PostgresListener` parks).
+LISTENER_UNCLAIM_SQL = f"SELECT pg_advisory_unlock({LISTENER_LOCK}, pg_backend_pid())"
 _KEY_CHANNEL = f"'{CHANNEL_PREFIX}' || md5(convert_to(l.key, 'UTF8'))"
 # The channel of `l.key`'s first live waiter, or the key's own channel when the line is empty
 # or its first has no address (it polls, and so may others: wake them all, as before lines).
