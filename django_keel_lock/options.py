@@ -16,6 +16,7 @@ import os
 import re
 import socket
 import string
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -167,6 +168,29 @@ def check_key_template(template: object) -> None:
         raise TypeError(f"key must be a str template or a callable, got {type(template).__name__}")
 
 
+#: Each function's signature, worked out once: a key template binds every call's arguments
+#: to it, and `inspect.signature` was most of what `@locked` itself cost per call. Weakly
+#: held (a function made on the fly goes with its signature); a callable that cannot be
+#: weakly referred to, or hashed, has its signature worked out at each call.
+_SIGNATURES: weakref.WeakKeyDictionary[Callable[..., Any], inspect.Signature] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def signature_of(fn: Callable[..., Any]) -> inspect.Signature:
+    """`inspect.signature(fn)`, once per function (`_SIGNATURES`)."""
+    try:
+        return _SIGNATURES[fn]
+    except (KeyError, TypeError):
+        pass
+    signature = inspect.signature(fn)
+    try:
+        _SIGNATURES[fn] = signature
+    except TypeError:
+        pass
+    return signature
+
+
 def format_key(
     template: KeyTemplate, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> str:
@@ -179,7 +203,7 @@ def format_key(
         return validate_key(template(*args, **kwargs))
     check_key_template(template)
     try:
-        bound = inspect.signature(fn).bind(*args, **kwargs)
+        bound = signature_of(fn).bind(*args, **kwargs)
     except TypeError as exc:
         raise TypeError(
             f"cannot bind arguments of {fn.__qualname__} for key {template!r}: {exc}"

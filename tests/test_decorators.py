@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
 import time
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -20,6 +23,7 @@ from django_keel_lock import (
     locked,
 )
 from django_keel_lock.conf import conf
+from django_keel_lock.options import format_key
 from tests.conftest import ALL_STORES, store_params
 from tests.support.holders import held_elsewhere, takeovers
 
@@ -430,3 +434,39 @@ def test_a_bad_list_of_templates_fails_at_decoration_naming_it(
 
         @locked(templates, store="memory")
         def f(x: int) -> None: ...
+
+
+def test_locked_key_of_a_function_made_on_the_fly_does_not_keep_it_alive(key: str) -> None:
+    """The signature a key template binds each call's arguments to is worked out once per
+    function and held weakly: a decorated function made on the fly (a closure, a factory's)
+    goes when nothing else refers to it."""
+
+    def make() -> Callable[[int], int]:
+        @locked(key + ":{n}", store="memory")
+        def job(n: int) -> int:
+            return n * 2
+
+        return job
+
+    job = make()
+    assert job(21) == 42
+    assert job(n=4) == 8  # the same signature, bound by keyword
+    undecorated = weakref.ref(job.__wrapped__)  # type: ignore[attr-defined]
+    del job
+    gc.collect()
+    assert undecorated() is None
+
+
+def test_key_of_an_unhashable_callable_is_still_formatted(key: str) -> None:
+    """A callable that cannot be a cache key (unhashable) has its signature worked out at
+    each call, as before (`format_key`, which `@locked` and `locked_task` use)."""
+
+    class Job:
+        __hash__ = None  # type: ignore[assignment]
+
+        def __call__(self, n: int) -> int:
+            return n + 1
+
+    job = Job()
+    assert format_key(key + ":{n}", job, (1,), {}) == key + ":1"
+    assert format_key(key + ":{n}", job, (), {"n": 2}) == key + ":2"
