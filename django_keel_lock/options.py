@@ -291,6 +291,14 @@ _holder = [f"{_HOSTNAME}:{os.getpid()}"]
 
 def _forked() -> None:
     _holder[0] = f"{_HOSTNAME}:{os.getpid()}"
+    _labelled.clear()
+
+
+#: `LockSpec.holder_for`'s holders of a label, made and checked once per label in a process
+#: (a surface labels each call with its function's name); at most LABELS_KEPT of them (a
+#: label may come from outside: a request's method).
+_labelled: dict[str, str] = {}
+LABELS_KEPT = 256
 
 
 os.register_at_fork(after_in_child=_forked)
@@ -567,7 +575,13 @@ class LockSpec:
             return validate_holder(self.holder)
         if label is None:
             return default_holder()
-        return validate_holder(labelled_holder(label))
+        holder = _labelled.get(label)
+        if holder is None:
+            holder = validate_holder(labelled_holder(label))
+            if len(_labelled) >= LABELS_KEPT:
+                _labelled.clear()
+            _labelled[label] = holder
+        return holder
 
     def lock(self, key: str, *, label: str | None = None, raises: bool = False) -> Lock:
         """A handle on `key` taken as this spec says; `label` names the caller in its holder

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import multiprocessing
+import os
 import threading
 import time
 import weakref
@@ -470,3 +472,31 @@ def test_key_of_an_unhashable_callable_is_still_formatted(key: str) -> None:
     job = Job()
     assert format_key(key + ":{n}", job, (1,), {}) == key + ":1"
     assert format_key(key + ":{n}", job, (), {"n": 2}) == key + ":2"
+
+
+def _holder_in_child(job: Callable[[], str | None], pipe: Any) -> None:
+    pipe.send((os.getpid(), job()))
+
+
+def test_locked_holder_names_the_process_that_calls_even_a_forked_child(key: str) -> None:
+    """A call's holder (`<hostname>:<pid> <function>`, made once per function in a process)
+    names the pid of the process that calls: a child forked after the parent's calls names
+    its own."""
+
+    @locked(key, store="memory")
+    def job() -> str | None:
+        return holder_of(key)
+
+    parent = job()
+    assert parent is not None and f":{os.getpid()} " in parent and "job" in parent
+    receiving, sending = multiprocessing.get_context("fork").Pipe(duplex=False)
+    child = multiprocessing.get_context("fork").Process(
+        target=_holder_in_child, args=(job, sending)
+    )
+    child.start()
+    assert receiving.poll(30)
+    pid, holder = receiving.recv()
+    child.join(30)
+    assert pid == child.pid and holder is not None
+    assert f":{pid} " in holder and "job" in holder
+    assert job() == parent
