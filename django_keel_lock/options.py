@@ -228,7 +228,7 @@ def check_key_fields(template: KeyTemplate, fn: Callable[..., Any]) -> None:
     if callable(template):
         return
     try:
-        parameters = inspect.signature(fn).parameters
+        parameters = signature_of(fn).parameters
     except (TypeError, ValueError):  # a builtin or the like: format_key says so per call
         return
     try:
