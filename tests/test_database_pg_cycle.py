@@ -204,3 +204,41 @@ def test_postgres_retake_after_another_took_and_released_draws_a_greater_fence(k
     finally:
         ours.close()
         theirs.close()
+
+
+_WITH, _ALONE = "WITH freed AS", "FROM django_keel_lock_release($1, $2, NULL,"
+
+
+def test_postgres_release_of_a_key_handed_over_last_calls_the_function_alone(key: str) -> None:
+    """A release of a key whose last release by the store handed the lock over calls the
+    release function alone (no WITH first: someone most likely waits again), and still hands
+    over; one that then finds nobody waiting frees the lock all the same, and the release
+    after it goes back to the WITH."""
+    ours = DatabaseLockStore("alone-ours", {"DATABASE": "postgres"})
+    theirs = DatabaseLockStore("alone-theirs", {"DATABASE": "postgres"})
+
+    def handed_to(waiter: str) -> None:
+        assert ours.acquire(key, "a", "a", 30).acquired
+        queued = theirs.acquire_queued(key, waiter, waiter, 30)
+        assert not queued.acquired
+        assert ours.release(key, "a")
+        assert Lock.objects.using("postgres").get(key=key).owner == waiter
+        assert theirs.acquire_queued(key, waiter, waiter, 30).acquired  # the grant taken up
+        assert theirs.release(key, waiter)
+
+    try:
+        handed_to("w1")  # by the WITH, which finds the flag up
+        runs = _runs(ours, _WITH), _runs(ours, _ALONE)
+        handed_to("w2")  # by the function alone
+        assert (_runs(ours, _WITH), _runs(ours, _ALONE)) == (runs[0], runs[1] + 1)
+        assert ours.acquire(key, "a", "a", 30).acquired
+        assert ours.release(key, "a")  # nobody waits: the function alone frees it
+        assert (_runs(ours, _WITH), _runs(ours, _ALONE)) == (runs[0], runs[1] + 2)
+        assert theirs.acquire(key, "b", "b", 30).acquired and theirs.release(key, "b")
+        assert ours.acquire(key, "a", "a", 30).acquired
+        assert ours.release(key, "a")  # by the WITH again
+        assert (_runs(ours, _WITH), _runs(ours, _ALONE)) == (runs[0] + 1, runs[1] + 2)
+        assert not ours.release(key, "a")
+    finally:
+        ours.close()
+        theirs.close()

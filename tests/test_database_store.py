@@ -634,7 +634,8 @@ def _runs(store: DatabaseLockStore, text: str) -> int:
     (count,) = _on_store_connection(
         store,
         "SELECT COALESCE(sum(generic_plans + custom_plans), 0)::bigint "
-        f"FROM pg_prepared_statements WHERE statement LIKE '%{text}%'",
+        f"FROM pg_prepared_statements WHERE statement LIKE '%{text}%' "
+        "AND statement NOT LIKE '%pg_prepared_statements%'",  # this query, once prepared
     )
     return int(count)
 

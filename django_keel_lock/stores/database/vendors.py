@@ -54,7 +54,7 @@ T = TypeVar("T")
 DEADLOCKS = frozenset({1213, 1205})
 DEADLOCK_RETRIES = 3
 
-#: At most this many keys remembered as contended (`MariaDB.found_contended`).
+#: At most this many keys remembered as contended (`ServerVendor.found_contended`).
 CONTENDED_KEYS = 1024
 
 
@@ -291,6 +291,8 @@ class ServerVendor(Vendor):
         # (None: none opened yet). A database migrated later gets lines from processes
         # started after that.
         self.line_table: bool | None = None
+        # Keys whose last release here handed the lock over (`found_contended`).
+        self.contended: set[str] = set()
 
     def set_up(self, connection: Any, durable: bool) -> None:
         super().set_up(connection, durable)
@@ -332,6 +334,12 @@ class ServerVendor(Vendor):
         fence = rows[0][0]
         if fence is None or not self.pass_on(key, owner, int(fence)):
             self.wake_first(key)
+
+    def found_contended(self, key: str, waited: bool) -> None:
+        """Remember whether `key`'s release here handed the lock over (a multi-key release:
+        found someone waiting): its next release goes straight to what hands over (without
+        first trying to free the lock alone) if it did."""
+        _remember(self.contended, key, waited)
 
     def pass_on(self, key: str, owner: str, fence: int) -> bool:
         """Release `owner`'s grant of `key` at `fence`, which it leaves untaken, handing the
@@ -506,6 +514,10 @@ class Postgres(ServerVendor):
         # first of its line and NOTIFYs that one.
         dialect = self.dialect
         if line:
+            # Where the last release of key here handed over, the function alone: someone most
+            # likely waits again (a miss costs a plain release the function's call).
+            if key in self.contended:
+                return self._handed(key, dialect.hand_off_sql, (key, owner))
             return self._handed(key, dialect.release_line_sql, (key, owner, key, owner))
         _, count = self.store.execute(
             [(dialect.release_sql, (key, owner))], hot=True, idempotent=False, key=key
@@ -539,6 +551,7 @@ class Postgres(ServerVendor):
             self.released(key, True, False)
             return True
         released, owner, fence, carried = rows[0][:4]
+        self.found_contended(key, owner is not None)
         if _true(released) and _true(carried):
             self.store.wake_board.grant(key, _text(owner) or "", int(fence))
             return True
@@ -621,8 +634,6 @@ class MariaDB(PermitsInPython, ServerVendor):
 
     def __init__(self, store: DatabaseLockStore) -> None:
         super().__init__(store)
-        # Keys whose last release here handed the lock over (`found_contended`).
-        self.contended: set[str] = set()
         # Keys whose last release here found the flag up and nobody in line: their next
         # release starts with `release_unlined_sql` (`_release_unlined`).
         self.flagged: set[str] = set()
@@ -786,12 +797,6 @@ class MariaDB(PermitsInPython, ServerVendor):
             self.found_contended(key, waited)
         if waited:
             self._ring(key, line=line)
-
-    def found_contended(self, key: str, waited: bool) -> None:
-        """Remember whether `key`'s release here handed the lock over (a multi-key release:
-        found someone waiting): its next release goes straight to the transaction that hands
-        over (`_hand_over`) if it did, without first trying to free the lock alone."""
-        _remember(self.contended, key, waited)
 
     def wake_first(self, key: str) -> None:
         """Interrupt the nap of the first live waiter's listener if the lock is free, or

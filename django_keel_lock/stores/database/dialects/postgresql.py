@@ -365,6 +365,10 @@ class PostgresDialect(ServerDialect):
         # the database forgot, which another could then take. The function decides.
         flag = "true" if durable else "false"
         self.release_line_sql = self._release_or_hand_off.format(flush=released, durable=flag)
+        # The function alone, for a key whose last release here handed over (`vendors.
+        # Postgres.release`): most likely someone waits again, and the WITH's UPDATE (which
+        # then frees nothing) would only delay the hand-off. Parameters: key, owner.
+        self.hand_off_sql = self._hand_off.format(fence="NULL", durable=flag)
         self.pass_on_sql = self._hand_off.format(fence="%s::bigint", durable=flag)
         self._hot, self._released = hot, released
         self.take_first_sql = self._take_first_template.format(flush=hot)
