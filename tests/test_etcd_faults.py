@@ -289,3 +289,29 @@ def test_a_process_exits_promptly_with_lease_revocations_queued_against_a_frozen
             member.resume()
     assert done.returncode == 0, done.stderr
     assert took < 15, f"exit took {took:.1f}s"  # 100 revocations of 5 s each: minutes
+
+
+def test_an_acquire_unanswered_by_every_member_leaves_no_lock_behind(
+    healthy: Cluster, key: str
+) -> None:
+    """The transaction is applied, its reply lost, and no other member to ask: the caller
+    hears the store failed, so it will never release that lock; its lease is revoked behind
+    the error, and the key is free well before the lock's ttl."""
+    proxy = LosesOneReply(healthy.members[0].client_port)
+    store = _store([proxy.url])
+    other = _store(healthy.endpoints)
+    try:
+        proxy.armed = "/v3/kv/txn"
+        with pytest.raises(LockStoreUnavailable):
+            store.acquire(key, "owner-a", "a", 60)
+        assert proxy.cut == 1
+        deadline = time.monotonic() + 10
+        while other.get(key) is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert other.get(key) is None, "the lock the caller was told failed is still held"
+        assert other.acquire(key, "owner-b", "b", 30).fence is not None
+        assert other.release(key, "owner-b")
+    finally:
+        store.close()
+        other.close()
+        proxy.close()

@@ -203,6 +203,16 @@ class EtcdLockStore(ListeningStore, LockStore):
     # -- the protocol ---------------------------------------------------------------------
     def acquire(self, key: str, owner: str, holder: str, ttl: float) -> AcquireResult:
         lease = self.grant(ttl)
+        try:
+            return self._acquire(key, owner, holder, lease)
+        except LockStoreUnavailable:
+            # Its transaction may have been applied, the reply lost: a lock the caller, told
+            # the store failed, will never release. The lease goes, and any key put with it.
+            self.revoke_later(lease)
+            raise
+
+    def _acquire(self, key: str, owner: str, holder: str, lease: str) -> AcquireResult:
+        """`acquire` with the `lease` granted for it."""
         name = self.lock_name(key)
         info = json.dumps({"h": holder, "t": round(time.time() * 1000)})
         writes = [_put(name, owner, lease), _put(self._info_name(key), info, lease)]
