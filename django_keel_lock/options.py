@@ -168,27 +168,64 @@ def check_key_template(template: object) -> None:
         raise TypeError(f"key must be a str template or a callable, got {type(template).__name__}")
 
 
-#: Each function's signature, worked out once: a key template binds every call's arguments
-#: to it, and `inspect.signature` was most of what `@locked` itself cost per call. Weakly
-#: held (a function made on the fly goes with its signature); a callable that cannot be
-#: weakly referred to, or hashed, has its signature worked out at each call.
-_SIGNATURES: weakref.WeakKeyDictionary[Callable[..., Any], inspect.Signature] = (
-    weakref.WeakKeyDictionary()
-)
+class Binder:
+    """How one function's calls bind their arguments to its parameters, for a key template:
+    its signature, worked out once, and (where every parameter is a plain one, neither
+    positional-only, keyword-only nor gathering) a short cut past `inspect.Signature.bind`,
+    which was a good part of what `@locked` itself cost per call."""
+
+    __slots__ = ("__weakref__", "defaults", "names", "places", "signature")
+
+    def __init__(self, signature: inspect.Signature) -> None:
+        self.signature = signature
+        parameters = signature.parameters.values()
+        plain = all(each.kind is each.POSITIONAL_OR_KEYWORD for each in parameters)
+        #: The parameters' names in order (empty where the short cut does not apply).
+        self.names = tuple(signature.parameters) if plain else ()
+        self.places = {name: at for at, name in enumerate(self.names)}
+        self.defaults = {
+            each.name: each.default for each in parameters if each.default is not each.empty
+        }
+
+    def arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Each parameter's value for a call with `args` and `kwargs`, defaults included, in
+        the parameters' order (`BoundArguments.arguments` after `apply_defaults`); TypeError
+        where the call does not fit the signature (from `bind`, with its words)."""
+        names, places, count = self.names, self.places, len(args)
+        if names and count <= len(names) and all(places.get(k, -1) >= count for k in kwargs):
+            arguments = dict(zip(names, args, strict=False))
+            for name in names[count:]:
+                if name in kwargs:
+                    arguments[name] = kwargs[name]
+                elif name in self.defaults:
+                    arguments[name] = self.defaults[name]
+                else:
+                    break  # a required argument missing: `bind` says so
+            else:
+                return arguments
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return bound.arguments
 
 
-def signature_of(fn: Callable[..., Any]) -> inspect.Signature:
-    """`inspect.signature(fn)`, once per function (`_SIGNATURES`)."""
+#: Each function's `Binder`, worked out once. Weakly held (a function made on the fly goes
+#: with it); a callable that cannot be weakly referred to, or hashed, has its signature worked
+#: out at each call.
+_BINDERS: weakref.WeakKeyDictionary[Callable[..., Any], Binder] = weakref.WeakKeyDictionary()
+
+
+def binder_of(fn: Callable[..., Any]) -> Binder:
+    """`fn`'s `Binder` (its `inspect.signature`), once per function (`_BINDERS`)."""
     try:
-        return _SIGNATURES[fn]
+        return _BINDERS[fn]
     except (KeyError, TypeError):
         pass
-    signature = inspect.signature(fn)
+    binder = Binder(inspect.signature(fn))
     try:
-        _SIGNATURES[fn] = signature
+        _BINDERS[fn] = binder
     except TypeError:
         pass
-    return signature
+    return binder
 
 
 def format_key(
@@ -203,16 +240,15 @@ def format_key(
         return validate_key(template(*args, **kwargs))
     check_key_template(template)
     try:
-        bound = signature_of(fn).bind(*args, **kwargs)
+        arguments = binder_of(fn).arguments(args, kwargs)
     except TypeError as exc:
         raise TypeError(
             f"cannot bind arguments of {fn.__qualname__} for key {template!r}: {exc}"
         ) from None
-    bound.apply_defaults()
     try:
-        return validate_key(template.format(**bound.arguments))
+        return validate_key(template.format(**arguments))
     except (KeyError, AttributeError, IndexError) as exc:
-        names = ", ".join(bound.arguments) or "none"
+        names = ", ".join(arguments) or "none"
         raise ValueError(
             f"key template {template!r} cannot be formatted for this call of "
             f"{fn.__qualname__}: {type(exc).__name__}: {exc} (its arguments: {names})"
@@ -228,7 +264,7 @@ def check_key_fields(template: KeyTemplate, fn: Callable[..., Any]) -> None:
     if callable(template):
         return
     try:
-        parameters = signature_of(fn).parameters
+        parameters = binder_of(fn).signature.parameters
     except (TypeError, ValueError):  # a builtin or the like: format_key says so per call
         return
     try:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import inspect
 import logging
 import multiprocessing
 import os
+import re
 import threading
 import time
 import weakref
@@ -25,7 +27,7 @@ from django_keel_lock import (
     locked,
 )
 from django_keel_lock.conf import conf
-from django_keel_lock.options import format_key
+from django_keel_lock.options import binder_of, format_key
 from tests.conftest import ALL_STORES, store_params
 from tests.support.holders import held_elsewhere, takeovers
 
@@ -500,3 +502,48 @@ def test_locked_holder_names_the_process_that_calls_even_a_forked_child(key: str
     assert pid == child.pid and holder is not None
     assert f":{pid} " in holder and "job" in holder
     assert job() == parent
+
+
+def _plain(a: int, b: int = 2, c: object = None) -> None: ...
+
+
+def _mixed(a: int, /, b: int = 2, *more: int, c: int = 3, **rest: int) -> None: ...
+
+
+@pytest.mark.parametrize("fn", [_plain, _mixed], ids=["plain", "positional-only and gathering"])
+@pytest.mark.parametrize(
+    ("args", "kwargs"),
+    [
+        ((1,), {}),
+        ((1, 5), {}),
+        ((1, 5, 7), {}),
+        ((), {"a": 1}),
+        ((1,), {"c": 9}),
+        ((1,), {"b": 4, "c": 9}),
+        ((), {"b": 4, "c": 9, "a": 1}),
+        ((), {}),  # a required argument missing
+        ((1,), {"a": 1}),  # given twice
+        ((1, 2, 3, 4), {}),  # one too many (for _plain)
+        ((1,), {"d": 1}),  # unknown (for _plain)
+    ],
+)
+def test_key_arguments_bind_as_the_signature_binds_them(
+    fn: Callable[..., None], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """The arguments a key template is formatted with are those `inspect.Signature.bind`
+    gives (defaults applied, in the parameters' order), for a plain function, which binds by
+    a short cut, and for one whose parameters are of the other kinds; a call that does not
+    fit is the same TypeError."""
+    signature = inspect.signature(fn)
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        with pytest.raises(TypeError, match=re.escape(str(exc))):
+            format_key("k:{a}", fn, args, kwargs)
+        return
+    bound.apply_defaults()
+    got = binder_of(fn).arguments(args, kwargs)
+    assert list(got.items()) == list(bound.arguments.items())
+    assert format_key("k:{a}:{b}", fn, args, kwargs) == f"k:{bound.arguments['a']}:" + str(
+        bound.arguments["b"]
+    )
