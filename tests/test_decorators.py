@@ -544,6 +544,9 @@ def test_key_arguments_bind_as_the_signature_binds_them(
     bound.apply_defaults()
     got = binder_of(fn).arguments(args, kwargs)
     assert list(got.items()) == list(bound.arguments.items())
-    assert format_key("k:{a}:{b}", fn, args, kwargs) == f"k:{bound.arguments['a']}:" + str(
-        bound.arguments["b"]
-    )
+    if "a" in bound.arguments:
+        expected = f"k:{bound.arguments['a']}:{bound.arguments['b']}"
+        assert format_key("k:{a}:{b}", fn, args, kwargs) == expected
+    else:  # Python 3.13 binds a positional-only name given by keyword to **rest
+        with pytest.raises(ValueError, match="cannot be formatted"):
+            format_key("k:{a}:{b}", fn, args, kwargs)
