@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -13,9 +14,17 @@ import pytest
 
 from django_keel_lock import LockStoreUnavailable
 from django_keel_lock.stores import EtcdLockStore
+from django_keel_lock.stores.base import AcquireResult
+from django_keel_lock.stores.etcd.client import b64
 from tests.conftest import skip_or_fail
 from tests.support import ROOT
-from tests.support.etcd import Cluster, LosesOneReply, etcd_cluster, etcd_installed
+from tests.support.etcd import (
+    Cluster,
+    HoldsARequest,
+    LosesOneReply,
+    etcd_cluster,
+    etcd_installed,
+)
 from tests.support.redis_servers import free_port
 
 
@@ -311,6 +320,43 @@ def test_an_acquire_unanswered_by_every_member_leaves_no_lock_behind(
         assert other.get(key) is None, "the lock the caller was told failed is still held"
         assert other.acquire(key, "owner-b", "b", 30).fence is not None
         assert other.release(key, "owner-b")
+    finally:
+        store.close()
+        other.close()
+        proxy.close()
+
+
+def test_a_retry_whose_old_lease_is_revoked_between_its_transactions_takes_the_free_lock(
+    healthy: Cluster, key: str
+) -> None:
+    """An acquire again by the same owner (a retry after an attempt that raised) finds the
+    key its own, and the old attempt's lease is revoked (as that attempt's error revokes it)
+    before the retry renews the key: the key is free then, and the retry takes it, rather
+    than answer "held by someone else" for a free lock."""
+    proxy = HoldsARequest(healthy.members[0].client_port)
+    store = _store([proxy.url])
+    other = _store(healthy.endpoints)
+    try:
+        assert store.acquire(key, "owner-a", "a", 60).fence is not None
+        (found,) = other.call("/v3/kv/range", {"key": b64(store.lock_name(key))})["kvs"]
+        proxy.hold = ("/v3/kv/txn", 1)  # the first transaction passes, the renewal waits
+        result: list[object] = []
+        thread = threading.Thread(
+            target=lambda: result.append(store.acquire(key, "owner-a", "a", 60))
+        )
+        thread.start()
+        try:
+            assert proxy.holding.wait(10)
+            other.call("/v3/lease/revoke", {"ID": found["lease"]})
+            assert other.get(key) is None
+        finally:
+            proxy.go.set()
+            thread.join(10)
+        (taken,) = result
+        assert isinstance(taken, AcquireResult) and taken.fence is not None, taken
+        info = other.get(key)
+        assert info is not None and info.owner == "owner-a"
+        assert store.release(key, "owner-a")
     finally:
         store.close()
         other.close()

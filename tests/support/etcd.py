@@ -281,6 +281,29 @@ class LosesOneReply:
         self._listener.close()
 
 
+class HoldsARequest(LosesOneReply):
+    """A LosesOneReply that can also hold a request: armed with `hold` (a path and how many
+    of its requests to pass first), it holds the next one back (`holding` set) until the test
+    sets `go`; everything else passes."""
+
+    def __init__(self, target_port: int) -> None:
+        self.hold: tuple[str, int] | None = None
+        self.holding, self.go = threading.Event(), threading.Event()
+        super().__init__(target_port)
+
+    def _requests(self, client: socket.socket, upstream: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := client.recv(65536):
+                if self.hold and data.startswith(f"POST {self.hold[0]} ".encode()):
+                    path, passes = self.hold
+                    self.hold = (path, passes - 1) if passes else None
+                    if not passes:
+                        self.holding.set()
+                        self.go.wait(30)
+                upstream.sendall(data)
+        upstream.close()
+
+
 @contextmanager
 def etcd_cluster(size: int = 3, tls: bool = False) -> Iterator[Cluster]:
     cluster = Cluster(size, tls)

@@ -865,9 +865,9 @@ class MariaDB(PermitsInPython, ServerVendor):
 
 
 def _remember(keys: set[str], key: str, found: bool) -> None:
-    """Keep `key` in `keys` (MariaDB's `contended`, `flagged`) if `found`, else drop it; at
-    most CONTENDED_KEYS, a rough bound: a key forgotten costs its next release a statement
-    more."""
+    """Keep `key` in `keys` (`ServerVendor.contended`, MariaDB's `flagged`) if `found`, else
+    drop it; at most CONTENDED_KEYS, a rough bound: a key forgotten costs its next release a
+    statement more."""
     if not found:
         keys.discard(key)
     elif key not in keys:

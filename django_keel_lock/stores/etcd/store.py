@@ -216,11 +216,13 @@ class EtcdLockStore(ListeningStore, LockStore):
         name = self.lock_name(key)
         info = json.dumps({"h": holder, "t": round(time.time() * 1000)})
         writes = [_put(name, owner, lease), _put(self._info_name(key), info, lease)]
-        reply = self.txn([_created_at(name, 0)], writes, [_range(name)])
-        if reply.get("succeeded"):
-            return AcquireResult(int(reply["header"]["revision"]))
-        found = _kvs(reply, 0)
-        if found and unb64(found[0].get("value", "")) == owner:
+        for _ in range(2):
+            reply = self.txn([_created_at(name, 0)], writes, [_range(name)])
+            if reply.get("succeeded"):
+                return AcquireResult(int(reply["header"]["revision"]))
+            found = _kvs(reply, 0)
+            if not (found and unb64(found[0].get("value", "")) == owner):
+                break
             # The asker's own lock (a retry after a lost reply): renewed with the new lease. Its
             # old lease goes, unless it is this one (the client sent the transaction again,
             # to another member, after the first one's reply was lost).
@@ -230,6 +232,8 @@ class EtcdLockStore(ListeningStore, LockStore):
                 if old != lease:
                     self.revoke_later(old)
                 return AcquireResult(int(created))
+            # Gone since (its lease revoked, by this process after the failed attempt that
+            # put it, or run out) or taken: the first transaction says which, once more.
         self.revoke_later(lease)
         return AcquireResult(None, None, "exclusive")
 
