@@ -340,12 +340,23 @@ def _connected_listener(store: RedisLockStore, key: str | None = None) -> Any:
     return store._listener
 
 
-def _being_read(listener: Any) -> None:
-    """Return once a waiting thread reads the listener's connection (`read_here`)."""
-    deadline = time.monotonic() + 10
-    while not listener._reading.locked():
-        assert time.monotonic() < deadline, "the waiting thread never read the connection"
-        time.sleep(0.001)
+def _reading_waiter(
+    store: RedisLockStore, listener: Any, key: str, seconds: float
+) -> tuple[threading.Thread, list[float]]:
+    """A thread waiting `seconds` for `key` (`waiting_in_thread`), once it reads the
+    listener's connection itself (`read_here`). A waiting thread that finds the connection
+    busy (the listener's own thread dispatching, say, the key's subscription) sleeps on the
+    board instead, as it may: that one is woken and another started, three times at most."""
+    for _ in range(3):
+        thread, waited = waiting_in_thread(store, key, seconds)
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:
+            if listener._reading.locked():
+                return thread, waited
+            time.sleep(0.001)
+        store.wake_board.wake(key)
+        thread.join(10)
+    raise AssertionError("no waiting thread read the listener's connection")
 
 
 def test_a_listener_that_stops_while_a_waiting_thread_reads_its_connection_leaves_it_closed(
@@ -358,15 +369,7 @@ def test_a_listener_that_stops_while_a_waiting_thread_reads_its_connection_leave
     _, store = direct
     listener = _connected_listener(store, key)
     conn = listener._conn
-    waited: list[bool] = []
-
-    def wait() -> None:
-        with store.watch(key) as waiter:
-            waited.append(waiter.wait(3.0))
-
-    thread = threading.Thread(target=wait)
-    thread.start()
-    _being_read(listener)
+    thread, waited = _reading_waiter(store, listener, key, 3.0)
     store.stop_listener()
     time.sleep(0.3)
     assert conn._sock is None, "the waiting thread reopened the connection given back"
@@ -412,8 +415,7 @@ def test_a_waiting_thread_whose_read_of_the_listener_ends_early_waits_no_longer_
     # again (an acquire's pause would outlast its timeout).
     _, store = direct
     listener = _connected_listener(store, key)
-    thread, waited = waiting_in_thread(store, key, 4.0)
-    _being_read(listener)
+    thread, waited = _reading_waiter(store, listener, key, 4.0)
     time.sleep(2.0)
     store.stop_listener()
     thread.join(10)
