@@ -227,10 +227,10 @@ def test_a_signal_while_waiting_for_the_lock_stops_the_wait(key: str, tmp_path: 
         wait_for(lambda: catches(proc.pid, signal.SIGTERM), message="locks run to start")
         time.sleep(0.3)  # it waits in the line
         proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=10)
+        _, err = proc.communicate(timeout=10)
     finally:
         holder.release()
-    assert proc.returncode == 128 + signal.SIGTERM
+    assert proc.returncode == 128 + signal.SIGTERM, err
     assert not notes.exists()
 
 
