@@ -138,9 +138,9 @@ def test_expired_keys_are_taken_over_and_extend_many_then_leaves_the_new_holder_
     second = owner()
     assert store.acquire(b, second, "second", 5).acquired
 
-    assert not store.extend_many((a, b), first, 30)
+    assert not store.extend_many((a, b), first, 30), (store.get(a), store.get(b))
     info = store.get(b)
-    assert info is not None and info.owner == second and info.expires_in <= 5
+    assert info is not None and info.owner == second and info.expires_in <= 5, (info, second)
     assert not store.release_many((a, b), first)
     assert store.get(b) is not None
 

@@ -14,6 +14,7 @@ release that hands over is tests/test_database_release_flush.py's.)"""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -257,13 +258,23 @@ def test_a_waiter_handed_the_lock_that_releases_it_with_several_keys_holds_nobod
     # short grant up), and a multi-key release (or an idempotent result's) only wakes: its
     # place must not stay first in line.
     store = request.getfixturevalue(listening)  # built on `alias`
-    first, second = _handed_over(store, key)
-    granted = store.get(key)
-    assert granted is not None and granted.owner == first
-    assert (granted.expires_in > QUEUE_LEASE) == (listening == "heard")  # carried or short
-    assert store.release_many((key,), first)
-    assert store.acquire_queued(key, second, "holder-cccc", 30).acquired
-    assert store.release(key, second)
+    first = "b" * 32
+    # Heard: `first` waits in this process, and takes the grant its wake-up carries (a grant
+    # nobody here waits for is given back at once, on a thread: the lock would go on to the
+    # second in line whenever that thread came before this one's next call).
+    waits = store.watch(key, first) if listening == "heard" else contextlib.nullcontext()
+    with waits:
+        assert _handed_over(store, key)[0] == first
+        if listening == "heard":
+            board = store.wake_board
+            assert wait_until(lambda: board.granted(key, first) is not None, 10), "no grant"
+            assert board.take_grant(key, first) is not None
+        granted = store.get(key)
+        assert granted is not None and granted.owner == first
+        assert (granted.expires_in > QUEUE_LEASE) == (listening == "heard")  # carried or short
+        assert store.release_many((key,), first)
+    assert store.acquire_queued(key, "c" * 32, "holder-cccc", 30).acquired
+    assert store.release(key, "c" * 32)
 
 
 def test_a_waiter_that_asks_after_its_grant_lapsed_keeps_its_turn(
