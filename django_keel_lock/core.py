@@ -284,17 +284,35 @@ class Lock(Holding, KeyQueries):
         else:
             with self._mutex:  # the state the watchdog shares
                 self._took(owner, fence, sent)
+        good_for = result[6]  # a capped grant's: sure for that long, until confirmed
+        if good_for is not None:
+            self._cap(sent, good_for)
         if signals.lock_acquired.receivers:  # `_announce`'s test first: a call less
             _announce(signals.lock_acquired, lock=self)
         if meter is not None:
             meter.acquired(self, self._attempts, sent)
-        if self.auto_extend:
-            self._renewal = renewal = watchdog.Renewal(self, owner, sent)
-            if thread:
+        if self.auto_extend or good_for is not None:  # a watchdog; or one confirming extend
+            self._renewal = renewal = watchdog.Renewal(
+                self, owner, sent, confirm=good_for is not None, once=not self.auto_extend
+            )
+            if not self.auto_extend:
+                renewal.confirm()  # on the store's worker threads: no thread of its own
+            elif thread:
                 renewal.start_thread()
             else:
                 renewal.start_task()
         return True
+
+    def _cap(self, sent: float, good_for: float) -> None:
+        """The lock came by a capped grant (`AcquireResult.good_for`): sure for `good_for`
+        seconds from `sent` only, until the extend its renewal sends at once confirms it (the
+        ttl then counts from that extend) or finds it gone (a crash of the store lost the
+        grant: the lock is lost, before anyone else can have it). That renewal's thread
+        shares the handle's state from here on: the handle gets a mutex if it had none."""
+        if self._mutex is _UNSHARED:
+            self._mutex = threading.Lock()
+        with self._mutex:
+            self._valid_until = min(self._valid_until, sent + good_for)
 
     def _took(self, owner: str, fence: int, sent: float) -> None:
         """The acquire of `owner` took the lock with `fence`: the handle holds it."""

@@ -401,7 +401,8 @@ def waiting(
                 carried = yield Pause(pause, result.blocked, claim)
                 if carried is not None and _carried(target, carried, result, sent):
                     place[0] = None  # the release took it out of the line
-                    return AcquireResult(carried), sent
+                    good_for = getattr(carried, "good_for", None)  # a capped grant's
+                    return AcquireResult(int(carried), good_for=good_for), sent
     except (LockStoreUnavailable, GeneratorExit):
         place[0] = None
         raise

@@ -29,6 +29,12 @@ class Lock(models.Model):
     #: shared permit is given meanwhile. Nullable, without a default, as `waiting` is.
     writer_owner = models.CharField(max_length=64, null=True)  # noqa: DJ001 (NULL: none waits)
     writer_until = models.DateTimeField(null=True)
+    #: PostgreSQL: the fence of a holding that a release handed over without waiting for the
+    #: WAL flush (its waiter believes it only as long as the releaser's lease ran, until a
+    #: durable extend confirms it: that extend sets this back to NULL). A release whose own
+    #: holding is still unconfirmed hands over with the flush waited for. Nullable, as
+    #: `waiting` is.
+    unconfirmed = models.BigIntegerField(null=True)
 
     class Meta:
         db_table = "django_keel_lock_lock"

@@ -20,6 +20,7 @@ import threading
 import time
 import weakref
 from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -86,13 +87,26 @@ class Renewal:
     sent (what `max_hold` counts from). Start it with `start_thread` or `start_task`.
     """
 
-    def __init__(self, handle: Renewable, owner: str, started: float) -> None:
+    def __init__(
+        self,
+        handle: Renewable,
+        owner: str,
+        started: float,
+        *,
+        confirm: bool = False,
+        once: bool = False,
+    ) -> None:
         self._handle = weakref.ref(handle)
         self.store = handle.store
         self.extend, self.aextend = handle.extend_op, handle.aextend_op
         self.key, self.owner, self.ttl = handle.key, owner, handle.ttl
         self.max_hold = handle.max_hold
         self.interval = handle.ttl / 3
+        #: The first extend's pause: none to `confirm` a capped grant (`Lock._cap`), which
+        #: is sure for less than its ttl until an extend answers.
+        self.first = 0.0 if confirm else self.interval
+        #: One extend answered is all (a capped grant's confirmation, without auto_extend).
+        self.once = once
         # While the store fails: try again soon, but not in a tight loop.
         self.retry = max(0.05, min(handle.ttl / 10, 1.0))
         self.cap = None if self.max_hold is None else started + self.max_hold
@@ -120,6 +134,31 @@ class Renewal:
         self._task = self._loop.create_task(
             self._run_task(), name=f"keel-lock-watchdog:{self.key[:40]}"
         )
+
+    def confirm(self) -> None:
+        """Send one extend now on the store's worker threads, and settle it there (a capped
+        grant's confirmation, `once`, for a handle without a watchdog): no thread or task of
+        its own. A store error tries again after `settle`'s pause, while the lock lives."""
+        due = None if self.stopped else self.due()
+        if due is None:
+            return
+        seconds, sent = due
+        try:
+            future = self.store.submit(self.extend, self.owner, seconds)
+        except RuntimeError as error:  # the interpreter is shutting down
+            self.settle(error, seconds, sent)
+            return
+        future.add_done_callback(lambda done: self._confirmed(done, seconds, sent))
+
+    def _confirmed(self, future: Future[bool], seconds: float, sent: float) -> None:
+        outcome: bool | BaseException | None = None
+        if not future.cancelled():
+            outcome = future.exception() or future.result()
+        pause = self.settle(outcome, seconds, sent)
+        if pause is not None and not self.stopped:  # the store failed: again, shortly
+            retry = threading.Timer(pause, self.confirm)
+            retry.daemon = True
+            retry.start()
 
     def stop(self) -> None:
         """Stop renewing now (release, loss, or the handle was garbage-collected).
@@ -181,7 +220,7 @@ class Renewal:
         if outcome is True:
             handle.count_renewal("extended")
             handle.renewed(self.owner, sent + seconds)
-            return self.interval
+            return None if self.once else self.interval
         if outcome is False:
             handle.count_renewal("lost")
             self._report_lost("the watchdog's extend found the lock expired or taken over", "gone")
@@ -214,7 +253,7 @@ class Renewal:
         return self.stopped
 
     def _run_thread(self) -> None:
-        pause: float | None = self.interval
+        pause: float | None = self.first
         while pause is not None and not self._wait(pause):
             due = self.due()
             if due is None:
@@ -236,7 +275,7 @@ class Renewal:
 
     # -- async ----------------------------------------------------------------------------
     async def _run_task(self) -> None:
-        pause: float | None = self.interval
+        pause: float | None = self.first
         while pause is not None:
             await asyncio.sleep(pause)
             if self.stopped:

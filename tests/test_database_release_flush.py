@@ -14,12 +14,19 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from django.core.management import call_command
 from django.db import connections
 
+from django_keel_lock.models import Waiter
 from django_keel_lock.stores import DatabaseLockStore
+from django_keel_lock.stores.database.dialects.postgresql import (
+    LISTENER_SQL,
+    grant_channel,
+    read_grant,
+)
 from tests.conftest import skip_or_fail
 from tests.support.pg_server import PgServer, pg_bin, pg_server
 
@@ -159,3 +166,68 @@ def test_a_release_that_hands_the_lock_over_waits_for_the_flush(
     assert not store.release(key, a)
     assert store.acquire_queued(key, b, "b", 30).fence == granted.fence  # taken up
     assert store.release(key, b)
+
+
+def _listening(server: PgServer, address: str) -> Any:
+    """A connection of the test's own to `server` that listens as a waiting process's
+    listener does, at wake address `address`, taking capped grants (`LISTENER_SQL`)."""
+    import psycopg
+
+    raw = psycopg.connect(
+        host="127.0.0.1", port=server.port, user=server.user, dbname="postgres", autocommit=True
+    )
+    raw.execute(f"LISTEN {grant_channel(address)}")
+    raw.execute(LISTENER_SQL)
+    return raw
+
+
+def test_a_capped_grant_lost_to_a_crash_is_not_confirmed_and_nobody_takes_the_lock_meanwhile(
+    server: PgServer, store: DatabaseLockStore
+) -> None:
+    """A durable release may hand the lock over without waiting for the flush, to a waiter
+    whose process listens for it (migration 0011): the waiter believes it for what was left
+    of the releaser's lease, and confirms it with an extend at once. Lost to a crash (before
+    the confirmation), the grant is not there to confirm: the waiter's extend is refused (it
+    is told the lock was lost), and the row, the releaser's again, keeps every other
+    acquirer out for at least as long as the waiter believed in the grant."""
+    a, b, c = _owner(), _owner(), _owner()
+    raw = _listening(server, "cafe")
+    try:
+        (pid,) = raw.execute("SELECT pg_backend_pid()").fetchone()
+        for _ in range(3):  # a draw that writes the sequence's WAL: flushed, again
+            key = f"flush:{uuid.uuid4().hex}"
+            assert store.acquire(key, a, "a", TTL).acquired
+            asked = time.monotonic()
+            assert not store.acquire_queued(key, b, "b", TTL).acquired
+            places = Waiter.objects.using("crashing").filter(key=key, owner=b)
+            assert places.update(address="cafe", listener=pid)
+            server.pause_wal_writer()
+            assert store.release(key, a)
+            (note,) = raw.notifies(timeout=2, stop_after=1)
+            _, owner, fence, good_for = read_grant(note.payload)
+            assert owner == b
+            if good_for is not None:
+                break
+            _crash(server, store)  # wakes the WAL writer again
+            raw.close()
+            raw = _listening(server, "cafe")
+            (pid,) = raw.execute("SELECT pg_backend_pid()").fetchone()
+        else:
+            raise AssertionError("no release handed the lock over capped")
+        believed = asked + good_for  # b counts from its refused attempt
+    finally:
+        raw.close()
+    _crash(server, store)
+    info = store.get(key)
+    assert info is not None and info.owner == a, info  # the grant did not reach the disk
+    assert not store.extend(key, b, TTL)  # b's confirmation: refused, b's lock is lost
+    while time.monotonic() < believed:
+        assert not store.acquire(key, c, "c", 30).acquired
+        time.sleep(0.1)
+    later = store.acquire(key, c, "c", 30)  # a's lease, at the latest
+    deadline = time.monotonic() + TTL
+    while not later.acquired and time.monotonic() < deadline:
+        time.sleep(0.05)
+        later = store.acquire(key, c, "c", 30)
+    assert later.fence is not None and later.fence > fence
+    assert store.release(key, c)

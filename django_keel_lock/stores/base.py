@@ -105,6 +105,10 @@ class AcquireResult(NamedTuple):
     #: (`WakeBoard.grant`): the key's last fence drawn as it refused. A carried grant of a
     #: fence no greater was made before that refusal and is stale.
     last_fence: int | None = None
+    #: A grant the store handed over before it was on disk (a capped grant, `WakeBoard.grant`):
+    #: the seconds it is sure to last, from the attempt's send time, until a confirming
+    #: extend (the handle sends one at once) answers; None for any other result.
+    good_for: float | None = None
 
     @property
     def acquired(self) -> bool:

@@ -33,9 +33,9 @@ _Entry = list[Any]
 OWNER, HOLDER, FENCE, ACQUIRED_AT, EXPIRES_AT = range(5)
 
 
-#: `AcquireResult(fence)` as `_granted(AcquireResult, (fence, None, None, None, (), None))`,
-#: every field given (a shorter tuple has no `last_fence`): the named tuple's own __new__ is a
-#: Python function, a fifth of this store's acquire.
+#: `AcquireResult(fence)` as `_granted(AcquireResult, (fence, None, None, None, (), None,
+#: None))`, every field given (a shorter tuple lacks the last ones): the named tuple's own
+#: __new__ is a Python function, a fifth of this store's acquire.
 _granted = tuple.__new__
 
 
@@ -92,7 +92,7 @@ class MemoryLockStore(LockStore):
                 self._locks[key] = [owner, holder, fence, now, now + ttl]
                 if self._permits:
                     self._permits.pop(key, None)
-                return _granted(AcquireResult, (fence, None, None, None, (), None))
+                return _granted(AcquireResult, (fence, None, None, None, (), None, None))
             if entry[EXPIRES_AT] > now and entry[OWNER] != owner:
                 kind = PERMIT_OWNERS.get(entry[OWNER], "exclusive")
                 return AcquireResult(None, entry[EXPIRES_AT] - now, kind)
@@ -106,12 +106,12 @@ class MemoryLockStore(LockStore):
         contract asks of every store (there, a retry after a lost reply)."""
         if entry is not None and entry[OWNER] == owner and entry[EXPIRES_AT] > now:
             entry[EXPIRES_AT] = now + ttl
-            return _granted(AcquireResult, (entry[FENCE], None, None, None, (), None))
+            return _granted(AcquireResult, (entry[FENCE], None, None, None, (), None, None))
         fence = next(self._fences)
         self._locks[key] = [owner, holder, fence, now, now + ttl]
         if self._permits:  # an expired gate's permits expired with it
             self._permits.pop(key, None)
-        return _granted(AcquireResult, (fence, None, None, None, (), None))
+        return _granted(AcquireResult, (fence, None, None, None, (), None, None))
 
     def release(self, key: str, owner: str) -> bool:
         now = monotonic()

@@ -92,6 +92,22 @@ class AnyWaiter:
 GRANTS_KEPT = 16
 
 
+class CappedFence(int):
+    """The fence of a capped grant (`WakeBoard.grant`), which carries how long it is good
+    for (seconds from its waiter's refused attempt) until a durable extend confirms it."""
+
+    good_for: float
+
+
+def capped(fence: int, good_for: float | None) -> int:
+    """`fence`, or where `good_for` is given a `CappedFence` of it."""
+    if good_for is None:
+        return fence
+    value = CappedFence(fence)
+    value.good_for = good_for
+    return value
+
+
 class _Slot:
     __slots__ = (
         "callbacks",
@@ -250,10 +266,13 @@ class WakeBoard:
         if slot is not None:
             self._wake_slot(slot)
 
-    def grant(self, key: str, owner: str, fence: int) -> bool:
+    def grant(self, key: str, owner: str, fence: int, good_for: float | None = None) -> bool:
         """A release handed `key` over to `owner` with `fence`, at the owner's own ttl (its
         full ttl: what an `acquire_queued` of its would have given), and the store's wake-up
         carried the grant here: the waiter may become the holder without a store call.
+        `good_for`: a capped grant, made before it was on disk (PostgreSQL, migration 0011),
+        which its waiter believes for that many seconds (counted as its ttl is) until a
+        durable extend of its confirms it; `take_grant` gives its fence as a `CappedFence`.
         Kept for the owner's waiter (`take_grant`), which is woken: True. False when `owner`
         waits for `key` nowhere in this process (`watch`), so nobody here can take it (its
         waiter stopped without leaving the line): it is given back (`give_back`), as it is
@@ -268,6 +287,7 @@ class WakeBoard:
         that does not take the grant (it stopped waiting meanwhile) leaves the line, which
         passes the lock on (`LockStore.leave_queue`), or, where it could not (its store
         failed), its grant is given back when it stops watching."""
+        fence = capped(fence, good_for)
         with self._mutex:  # not into a slot its last watcher is leaving (`_leave`)
             slot = self._slots.get(key)
             kept = slot is not None and owner in slot.owners

@@ -550,10 +550,11 @@ class Postgres(ServerVendor):
             self._freed.key = key
             self.released(key, True, False)
             return True
-        released, owner, fence, carried = rows[0][:4]
+        released, owner, fence, carried, good_for = rows[0][:5]
         self.found_contended(key, owner is not None)
         if _true(released) and _true(carried):
-            self.store.wake_board.grant(key, _text(owner) or "", int(fence))
+            good_for = None if good_for is None else float(good_for)
+            self.store.wake_board.grant(key, _text(owner) or "", int(fence), good_for)
             return True
         self.released(key, _true(released), False)
         return _true(released)

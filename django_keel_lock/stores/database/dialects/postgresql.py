@@ -22,11 +22,21 @@ GRANT_PREFIX = "keel_lock_gr_"
 #: moment it LISTENs on: a release hands a waiter the grant at its whole ttl, carried on the
 #: grant channel, only while the connection its place names holds it (migration 0010).
 LISTENER_LOCK = 1801807212
+#: Held beside it (this number, the backend pid) by a listener whose process takes capped
+#: grants (`read_grant`, migration 0011): a durable release hands its waiters the lock
+#: without waiting for the WAL flush only then.
+CAPPED_LOCK = 1801807213
 #: A listener's connection, once it LISTENs: its backend pid (asked, not libpq's: through a
-#: session pooler that is the pooler's own number) and the lock taken.
-LISTENER_SQL = f"SELECT pg_backend_pid(), pg_advisory_lock({LISTENER_LOCK}, pg_backend_pid())"
-#: Its lock let go, before it stops listening (`PostgresListener` parks).
-LISTENER_UNCLAIM_SQL = f"SELECT pg_advisory_unlock({LISTENER_LOCK}, pg_backend_pid())"
+#: session pooler that is the pooler's own number) and the locks taken.
+LISTENER_SQL = (
+    f"SELECT pg_backend_pid(), pg_advisory_lock({LISTENER_LOCK}, pg_backend_pid()), "
+    f"pg_advisory_lock({CAPPED_LOCK}, pg_backend_pid())"
+)
+#: Its locks let go, before it stops listening (`PostgresListener` parks).
+LISTENER_UNCLAIM_SQL = (
+    f"SELECT pg_advisory_unlock({CAPPED_LOCK}, pg_backend_pid()), "
+    f"pg_advisory_unlock({LISTENER_LOCK}, pg_backend_pid())"
+)
 _KEY_CHANNEL = f"'{CHANNEL_PREFIX}' || md5(convert_to(l.key, 'UTF8'))"
 # The channel of `l.key`'s first live waiter, or the key's own channel when the line is empty
 # or its first has no address (it polls, and so may others: wake them all, as before lines).
@@ -143,7 +153,7 @@ class PostgresDialect(ServerDialect):
     # with a wake-up (see the migration). Parameters: key, owner (and, `pass_on_sql`, the
     # fence the lock was handed to owner at). Row: released, handed to, its fence, carried.
     _hand_off = (
-        "SELECT released, handed_to, fence, carried "
+        "SELECT released, handed_to, fence, carried, good_for "
         "FROM django_keel_lock_release(%s, %s, {fence}, {durable})"
     )
     # A plain release where the database has the line: a lock nobody waits for (its flag
@@ -162,7 +172,7 @@ class PostgresDialect(ServerDialect):
               AND l.waiting IS NOT TRUE
             RETURNING 1{{flush}}
         )
-        SELECT released, handed_to, fence, carried
+        SELECT released, handed_to, fence, carried, good_for
         FROM django_keel_lock_release(%s, %s, NULL, {{durable}})
         WHERE NOT EXISTS (SELECT FROM freed)
     """
@@ -211,9 +221,12 @@ class PostgresDialect(ServerDialect):
         f"AND EXISTS (SELECT FROM {WAITER_TABLE} w WHERE w.key = %s "
         "AND w.expires_at > clock_timestamp())"
     )
+    # A durable extend (`{confirm}`) also confirms a capped grant (migration 0011): the
+    # holding is then on disk, and its release may hand over without the flush in turn.
     _extend_template = f"""
         UPDATE {TABLE}
-        SET expires_at = GREATEST(expires_at, clock_timestamp() + make_interval(secs => %s))
+        SET expires_at = GREATEST(expires_at,
+                                  clock_timestamp() + make_interval(secs => %s)){{confirm}}
         WHERE key = %s AND owner = %s AND expires_at > clock_timestamp()
         RETURNING 1{{flush}}
     """
@@ -372,7 +385,9 @@ class PostgresDialect(ServerDialect):
         self.pass_on_sql = self._hand_off.format(fence="%s::bigint", durable=flag)
         self._hot, self._released = hot, released
         self.take_first_sql = self._take_first_template.format(flush=hot)
-        self.extend_sql = self._extend_template.format(flush=hot)
+        self.extend_sql = self._extend_template.format(
+            flush=hot, confirm=", unconfirmed = NULL" if durable else ""
+        )
         self.acquire_permit_sql = self._acquire_permit_template.format(flush=hot)
         self.acquire_many_sql = self._acquire_many_template.format(flush=hot)
         self._release_many_sql = self._release_many_template.format(flush=released, keys="{keys}")
@@ -457,12 +472,15 @@ def grant_channel(address: str) -> str:
     return GRANT_PREFIX + address
 
 
-def read_grant(payload: str) -> tuple[str, str, int]:
-    """(key, owner, fence) of a grant carried on a `grant_channel`: its payload is the
-    fence, the owner's length, the owner and the key ("7:3:abckey")."""
+def read_grant(payload: str) -> tuple[str, str, int, float | None]:
+    """(key, owner, fence, good for) of a grant carried on a `grant_channel`: its payload
+    is the fence, the owner's length, the owner and the key ("7:3:abckey"); a capped grant's
+    fence is followed by the milliseconds it is good for ("7/2500:3:abckey", migration
+    0011: see `WakeBoard.grant`)."""
     fence, length, rest = payload.split(":", 2)
     size = int(length)
-    return rest[size:], rest[:size], int(fence)
+    fence, _, good_for = fence.partition("/")
+    return rest[size:], rest[:size], int(fence), int(good_for) / 1000 if good_for else None
 
 
 def notify_channel(key: str) -> str:
