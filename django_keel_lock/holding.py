@@ -112,7 +112,9 @@ class Holding:
         left it held. The handle then ends as `release` (or holding on) leaves it: signals,
         metrics and wake-ups alike. None (and nothing called) when nothing is held.
 
-        Not with `auto_extend`: a renewal would race the operation's release."""
+        Not with `auto_extend`: a renewal would race the operation's release. (A capped
+        grant's confirmation still pending, `Lock._cap`, is stopped first, as `release`
+        stops it: the lock is then sure for what the grant was good for.)"""
         if not self._held or self.owner is None:
             return None
         if self.auto_extend or self.mode is not EXCLUSIVE:
@@ -120,6 +122,8 @@ class Holding:
                 f"release_with releases an exclusive lock without auto_extend; {self.key!r} "
                 "is not one: call release() instead"
             )
+        if self._renewal is not None:
+            self._stop_renewal()
         try:
             released = operation(self.key, self.owner)
         except LockStoreUnavailable:
@@ -131,9 +135,8 @@ class Holding:
         self._held = False
         if released:
             meter = self._meter
-            if meter is not None:  # without a watchdog, no other thread may end it too
-                mutex = self._mutex if self.auto_extend else None
-                meter.ended(self._handle, "released", None, mutex)
+            if meter is not None:  # a watchdog's or a confirmation's thread may end it too
+                meter.ended(self._handle, "released", None, self._mutex)
             if signals.lock_released.receivers:  # `_announce`'s test first: a call less
                 self._announce(signals.lock_released, lock=self)
         else:

@@ -20,6 +20,7 @@ from django_keel_lock.models import Lock as LockRow
 from django_keel_lock.models import Waiter
 from django_keel_lock.stores import DatabaseLockStore
 from django_keel_lock.stores.database.dialects.postgresql import (
+    CAPPED_LOCK,
     LISTENER_LOCK,
     address_channel,
     grant_channel,
@@ -29,6 +30,7 @@ from django_keel_lock.stores.database.dialects.postgresql import (
 from .conftest import needs_store
 from .test_database_faults import wait_until
 from .test_database_line import database_store_of, listening_at, postgres_connection
+from .test_database_listener_park import holds_advisory
 
 pytestmark = needs_store("postgres")
 
@@ -226,3 +228,33 @@ def _heard_in_line(store: DatabaseLockStore, key: str) -> bool:
         and not getattr(listener, "parked", True)
         and places.exists()
     )
+
+
+@pytest.mark.parametrize(
+    ("options", "capped"),
+    [({}, True), ({"CAPPED_GRANTS": False}, False), ({"DURABLE": False}, False)],
+)
+def test_a_listener_takes_capped_grants_only_where_its_store_may(
+    key: str, options: dict[str, Any], capped: bool
+) -> None:
+    # A store that is not durable, or says CAPPED_GRANTS: False, holds the listener's lock
+    # alone: the waiters of its process are handed the lock flushed.
+    store = DatabaseLockStore("pg-capped", {"DATABASE": "postgres", **options})
+    try:
+        with store.watch(key), postgres_connection() as raw:
+            assert wait_until(lambda: _listening(store, key), 10), "the listener never listened"
+            pid = store._listener.backend_pid  # type: ignore[union-attr]
+            assert (
+                holds_advisory(raw, LISTENER_LOCK, pid),
+                holds_advisory(raw, CAPPED_LOCK, pid),
+            ) == (
+                True,
+                capped,
+            )
+    finally:
+        store.close()
+
+
+def _listening(store: DatabaseLockStore, key: str) -> bool:
+    listener = store._listener
+    return listener is not None and key in listener.subscribed and not listener.parked

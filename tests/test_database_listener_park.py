@@ -39,10 +39,15 @@ def store() -> Iterator[DatabaseLockStore]:
 def _claimed(raw: Any, pid: int) -> bool:
     """Whether the backend `pid` holds a listener's advisory lock (a release carries grants
     to the places that name it only then)."""
+    return holds_advisory(raw, LISTENER_LOCK, pid)
+
+
+def holds_advisory(raw: Any, number: int, pid: int | None) -> bool:
+    """Whether the backend `pid` holds the advisory lock (`number`, `pid`)."""
     (count,) = raw.execute(
         "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = %s "
         "AND objid = %s AND pid = %s AND granted",
-        (LISTENER_LOCK, pid, pid),
+        (number, pid, pid),
     ).fetchone()
     return bool(count)
 

@@ -10,19 +10,6 @@ _CLAIM = import_module("django_keel_lock.migrations.0010_listener_claim")
 _GRANT = import_module("django_keel_lock.migrations.0009_waiter_grant")
 
 
-# The release of 0010, but a durable one may hand the lock over without waiting for the WAL
-# flush: a "capped" grant. Its waiter (whose listener holds the advisory lock 1801807213, its
-# backend pid, beside 0010's: code that knows the grant below) believes it only for what was
-# left, when the release began, of the releaser's own lease (`good_for`, seconds, at most its
-# ttl; carried as "fence/milliseconds:..."), and confirms it at once with a durable extend.
-# Should a crash lose the grant, the row says the releaser's holding, durable, which lasts at
-# least that long: nobody takes the lock before the waiter stops believing in it, and its
-# confirming extend, finding the lock not its own, reports it lost. Only where the
-# releaser's holding is itself durable (not `unconfirmed`: handed over capped, or by a
-# release of a store that is not durable), its lease has half the waiter's ttl left at
-# least, and the fence's draw wrote no WAL (the sequence logs ahead every 32 draws: a draw
-# that logs, lost to a crash, could give its fence again): else the release waits for the
-# flush as before. `unconfirmed` keeps the fence of each grant made without the flush.
 def _changed(sql: str, *changes: tuple[str, str]) -> str:
     """`sql` (one line, see 0009) with each (old, new) made, each old found exactly once."""
     for old, new in changes:
@@ -32,6 +19,23 @@ def _changed(sql: str, *changes: tuple[str, str]) -> str:
     return sql
 
 
+# The release of 0010, but a durable one may hand the lock over without waiting for the WAL
+# flush: a "capped" grant. Its waiter (whose listener holds the advisory lock 1801807213, its
+# backend pid, beside 0010's: code that knows the grant below, in a durable store) believes
+# it only for what was left, when the release began, of the releaser's own lease
+# (`good_for`, seconds, at most its ttl; carried as "fence/milliseconds:..."), and confirms
+# it at once with a durable extend. Should a crash lose the grant, the row says the
+# releaser's holding, on disk, which lasts at least that long: nobody takes the lock before
+# the waiter stops believing in it, and its confirming extend, finding the lock not its
+# own, reports it lost. Only where the releaser's holding is itself on disk (not
+# `unconfirmed`: handed over capped, or by a release of a store that is not durable), its
+# lease has half the waiter's ttl left at least, and the fence is safe: it is drawn first,
+# before the release writes anything, and counts only if every WAL record inserted by then
+# is flushed (the sequence logs 32 draws ahead, in whichever transaction draws: a log
+# record lost to a crash would give the fence again). Else the release waits for the flush
+# as before. `unconfirmed` keeps the fence of each grant made without the flush. Drawn
+# before the row is locked, the fence may be no greater than the `last_fence` a refusal
+# read meanwhile: its waiter then takes the grant up with a call, as a stale one.
 RELEASE = _changed(
     _CLAIM.RELEASE,
     ("CREATE OR REPLACE FUNCTION", "CREATE FUNCTION"),
@@ -39,7 +43,16 @@ RELEASE = _changed(
     (
         "v_waiting boolean;",
         "v_waiting boolean; v_held bigint; v_unconfirmed bigint; v_left float8; "
-        "v_lsn pg_lsn; v_capped boolean;",
+        "v_draw bigint; v_flushed boolean; v_capped boolean;",
+    ),
+    (
+        "BEGIN released := false;",
+        """
+        BEGIN
+        v_draw := nextval('django_keel_lock_fence');
+        v_flushed := pg_current_wal_flush_lsn() >= pg_current_wal_insert_lsn();
+        released := false;
+        """,
     ),
     (
         """
@@ -70,11 +83,8 @@ RELEASE = _changed(
     (
         "fence := nextval('django_keel_lock_fence'); handed_to := v_first.owner;",
         """
-        v_lsn := pg_current_wal_insert_lsn();
-        fence := nextval('django_keel_lock_fence');
-        IF v_capped AND pg_current_wal_insert_lsn() <> v_lsn THEN
-            v_capped := false;
-        END IF;
+        fence := v_draw;
+        v_capped := v_capped AND v_flushed;
         handed_to := v_first.owner;
         IF v_capped THEN
             good_for := LEAST(v_left, v_first.ttl);

@@ -21,6 +21,8 @@ from .dialects.mysql import MySQLDialect
 from .dialects.postgresql import (
     LISTENER_SQL,
     LISTENER_UNCLAIM_SQL,
+    UNCAPPED_LISTENER_SQL,
+    UNCAPPED_UNCLAIM_SQL,
     address_channel,
     grant_channel,
     notify_channel,
@@ -154,9 +156,8 @@ class PostgresListener(ReleaseListener):
     def subscribe(self, keys: list[str]) -> None:
         if keys and self.parked:
             # Listening first, then the lock (the order a release relies on), one round trip.
-            self._execute(
-                f"LISTEN {self._address_channel}; LISTEN {self._grant_channel}; {LISTENER_SQL}"
-            )
+            claim = LISTENER_SQL if self.store.capped_grants else UNCAPPED_LISTENER_SQL
+            self._execute(f"LISTEN {self._address_channel}; LISTEN {self._grant_channel}; {claim}")
             self.parked = False
         for key in keys:
             channel = notify_channel(key)
@@ -172,7 +173,8 @@ class PostgresListener(ReleaseListener):
         if not self._keys_by_channel and not self.parked:
             # The lock let go first: no release carries a grant to a channel about to go.
             self.parked = True
-            self._execute(f"{LISTENER_UNCLAIM_SQL}; UNLISTEN *")
+            unclaim = LISTENER_UNCLAIM_SQL if self.store.capped_grants else UNCAPPED_UNCLAIM_SQL
+            self._execute(f"{unclaim}; UNLISTEN *")
 
     def ping(self) -> None:
         self._execute("SELECT 1")

@@ -68,10 +68,15 @@ Keys = str | tuple[str, ...] | None
 
 class DatabaseLockStore(ListeningStore, LockStore):
     """The default store: the `Lock` table in a Django database (OPTIONS: DATABASE, DURABLE,
-    SOCKET_TIMEOUT; on PostgreSQL also TRANSACTION_POOLER and LISTEN_DATABASE).
+    SOCKET_TIMEOUT; on PostgreSQL also TRANSACTION_POOLER, LISTEN_DATABASE and CAPPED_GRANTS).
 
     DURABLE=False (PostgreSQL) skips the commit flush for lock writes: faster, but a database
     crash can forget locks taken in the last moments before it, so two holders may then overlap.
+
+    CAPPED_GRANTS (PostgreSQL, durable stores; default True): this process's waiters take
+    capped grants, handed over without waiting for the flush and confirmed by an extend of
+    their own (migration 0011; what a crash can then cost: docs/guarantees.md). False: every
+    lock handed over to them waits for the flush, as before.
 
     SOCKET_TIMEOUT (seconds, default 5) is the longest a call waits for the server: to connect
     (whole seconds, the drivers' unit; libpq waits at least 2), to set up a new connection, and
@@ -91,7 +96,14 @@ class DatabaseLockStore(ListeningStore, LockStore):
 
     max_key_length = 255
     option_names = frozenset(
-        {"DATABASE", "DURABLE", "SOCKET_TIMEOUT", "TRANSACTION_POOLER", "LISTEN_DATABASE"}
+        {
+            "DATABASE",
+            "DURABLE",
+            "SOCKET_TIMEOUT",
+            "TRANSACTION_POOLER",
+            "LISTEN_DATABASE",
+            "CAPPED_GRANTS",
+        }
     )
 
     @staticmethod
@@ -126,6 +138,8 @@ class DatabaseLockStore(ListeningStore, LockStore):
                 f"DATABASES (configured: {', '.join(connections.settings)})"
             )
         self.durable = bool(self.options.get("DURABLE", True))
+        #: Whether this process's waiters take capped grants (`PostgresListener`).
+        self.capped_grants = self.durable and bool(self.options.get("CAPPED_GRANTS", True))
         self.transaction_pooler, self.listen_database = _pooler_options(alias, self.options)
         self.socket_timeout = socket_timeout_option(alias, self.options)
         self._threads: PerThread[_ThreadConnection] = PerThread(_close_connection)

@@ -388,6 +388,17 @@ class Postgres(ServerVendor):
     def new_dialect(self) -> PostgresDialect:
         return PostgresDialect(durable=self.store.durable)
 
+    def set_up(self, connection: Any, durable: bool) -> None:
+        checked = self.line_table is not None
+        super().set_up(connection, durable)
+        if checked:
+            return
+        with connection.cursor() as cursor:  # once, as the line's table (migration 0011)
+            cursor.execute(self.dialect.capped_table_sql)
+            if not cursor.fetchone()[0]:
+                for dialect in {self._shared, self._own}:
+                    dialect.before_capped_grants()
+
     @property
     def pooled(self) -> bool | None:
         """Whether a transaction pooler is in front (None: no connection has told yet)."""
@@ -550,10 +561,12 @@ class Postgres(ServerVendor):
             self._freed.key = key
             self.released(key, True, False)
             return True
-        released, owner, fence, carried, good_for = rows[0][:5]
+        row = rows[0]
+        released, owner, fence, carried = row[:4]
         self.found_contended(key, owner is not None)
         if _true(released) and _true(carried):
-            good_for = None if good_for is None else float(good_for)
+            capped = row[4] if len(row) > 4 else None  # good_for (migration 0011)
+            good_for = None if capped is None else float(capped)
             self.store.wake_board.grant(key, _text(owner) or "", int(fence), good_for)
             return True
         self.released(key, _true(released), False)

@@ -22,12 +22,14 @@ GRANT_PREFIX = "keel_lock_gr_"
 #: moment it LISTENs on: a release hands a waiter the grant at its whole ttl, carried on the
 #: grant channel, only while the connection its place names holds it (migration 0010).
 LISTENER_LOCK = 1801807212
-#: Held beside it (this number, the backend pid) by a listener whose process takes capped
-#: grants (`read_grant`, migration 0011): a durable release hands its waiters the lock
-#: without waiting for the WAL flush only then.
+#: Held beside it (this number, the backend pid) by the listener of a store that takes
+#: capped grants (`read_grant`, migration 0011; `DatabaseLockStore.capped_grants`): a
+#: durable release hands its waiters the lock without waiting for the WAL flush only then.
+#: (A store that is not durable takes none: its confirming extend would not wait for the
+#: flush either.)
 CAPPED_LOCK = 1801807213
 #: A listener's connection, once it LISTENs: its backend pid (asked, not libpq's: through a
-#: session pooler that is the pooler's own number) and the locks taken.
+#: session pooler that is the pooler's own number) and the locks taken (a durable store's).
 LISTENER_SQL = (
     f"SELECT pg_backend_pid(), pg_advisory_lock({LISTENER_LOCK}, pg_backend_pid()), "
     f"pg_advisory_lock({CAPPED_LOCK}, pg_backend_pid())"
@@ -37,6 +39,11 @@ LISTENER_UNCLAIM_SQL = (
     f"SELECT pg_advisory_unlock({CAPPED_LOCK}, pg_backend_pid()), "
     f"pg_advisory_unlock({LISTENER_LOCK}, pg_backend_pid())"
 )
+#: The same for a store that is not durable: the listener's lock alone.
+UNCAPPED_LISTENER_SQL = (
+    f"SELECT pg_backend_pid(), pg_advisory_lock({LISTENER_LOCK}, pg_backend_pid())"
+)
+UNCAPPED_UNCLAIM_SQL = f"SELECT pg_advisory_unlock({LISTENER_LOCK}, pg_backend_pid())"
 _KEY_CHANNEL = f"'{CHANNEL_PREFIX}' || md5(convert_to(l.key, 'UTF8'))"
 # The channel of `l.key`'s first live waiter, or the key's own channel when the line is empty
 # or its first has no address (it polls, and so may others: wake them all, as before lines).
@@ -153,7 +160,7 @@ class PostgresDialect(ServerDialect):
     # with a wake-up (see the migration). Parameters: key, owner (and, `pass_on_sql`, the
     # fence the lock was handed to owner at). Row: released, handed to, its fence, carried.
     _hand_off = (
-        "SELECT released, handed_to, fence, carried, good_for "
+        "SELECT released, handed_to, fence, carried{good_for} "
         "FROM django_keel_lock_release(%s, %s, {fence}, {durable})"
     )
     # A plain release where the database has the line: a lock nobody waits for (its flag
@@ -172,7 +179,7 @@ class PostgresDialect(ServerDialect):
               AND l.waiting IS NOT TRUE
             RETURNING 1{{flush}}
         )
-        SELECT released, handed_to, fence, carried, good_for
+        SELECT released, handed_to, fence, carried{{good_for}}
         FROM django_keel_lock_release(%s, %s, NULL, {{durable}})
         WHERE NOT EXISTS (SELECT FROM freed)
     """
@@ -341,6 +348,12 @@ class PostgresDialect(ServerDialect):
         f"SELECT EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass('{WAITER_TABLE}') "
         "AND attname = 'listener' AND NOT attisdropped)"
     )
+    #: Whether the lock table has `unconfirmed`, as migration 0011 leaves it with the
+    #: release function that hands capped grants.
+    capped_table_sql = (
+        f"SELECT EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass('{TABLE}') "
+        "AND attname = 'unconfirmed' AND NOT attisdropped)"
+    )
     # The sequence's last value, whoever drew it (CACHE 1: every value drawn is counted;
     # 0 before the first). The function needs what nextval needs (USAGE), not SELECT.
     line_last_fence_sql = f"SELECT COALESCE(pg_sequence_last_value('{SEQUENCE}'), 0)"
@@ -376,18 +389,9 @@ class PostgresDialect(ServerDialect):
         # A release that hands the lock over waits for its flush as an acquire does, where
         # acquires do (DURABLE): lost to a crash, it would leave the waiter holding a lock
         # the database forgot, which another could then take. The function decides.
-        flag = "true" if durable else "false"
-        self.release_line_sql = self._release_or_hand_off.format(flush=released, durable=flag)
-        # The function alone, for a key whose last release here handed over (`vendors.
-        # Postgres.release`): most likely someone waits again, and the WITH's UPDATE (which
-        # then frees nothing) would only delay the hand-off. Parameters: key, owner.
-        self.hand_off_sql = self._hand_off.format(fence="NULL", durable=flag)
-        self.pass_on_sql = self._hand_off.format(fence="%s::bigint", durable=flag)
         self._hot, self._released = hot, released
+        self._release_function(capped=True)
         self.take_first_sql = self._take_first_template.format(flush=hot)
-        self.extend_sql = self._extend_template.format(
-            flush=hot, confirm=", unconfirmed = NULL" if durable else ""
-        )
         self.acquire_permit_sql = self._acquire_permit_template.format(flush=hot)
         self.acquire_many_sql = self._acquire_many_template.format(flush=hot)
         self._release_many_sql = self._release_many_template.format(flush=released, keys="{keys}")
@@ -398,6 +402,31 @@ class PostgresDialect(ServerDialect):
         self._of_count: dict[tuple[str, int], str] = {}
         self.release_permit_sql = self._release_permit_template.format(flush=released)
         self.extend_permit_sql = self._extend_permit_template.format(flush=hot)
+
+    def _release_function(self, capped: bool) -> None:
+        """The statements that call the release function, and the extend, as the database
+        has them: `capped` once migration 0011 made the function return `good_for` and the
+        lock table keep `unconfirmed` (a durable extend clears it), else as before it."""
+        flag, good_for = "true" if self.durable else "false", ", good_for" if capped else ""
+        self.release_line_sql = self._release_or_hand_off.format(
+            flush=self._released, durable=flag, good_for=good_for
+        )
+        # The function alone, for a key whose last release here handed over (`vendors.
+        # Postgres.release`): most likely someone waits again, and the WITH's UPDATE (which
+        # then frees nothing) would only delay the hand-off. Parameters: key, owner.
+        self.hand_off_sql = self._hand_off.format(fence="NULL", durable=flag, good_for=good_for)
+        self.pass_on_sql = self._hand_off.format(
+            fence="%s::bigint", durable=flag, good_for=good_for
+        )
+        confirm = ", unconfirmed = NULL" if capped and self.durable else ""
+        self.extend_sql = self._extend_template.format(flush=self._hot, confirm=confirm)
+
+    def before_capped_grants(self) -> None:
+        """The statements for a database not migrated to 0011 yet (`capped_table_sql`): a
+        process started before the migration keeps them, as it keeps its lines (see
+        `ServerVendor.line_table`); its releases then never cap a grant, and its waiters
+        get capped grants only from processes started after it, which they confirm."""
+        self._release_function(capped=False)
 
     def release_many_sql(self, count: int, line: bool) -> str:
         """The release of `count` keys (`line`: waking the first of each key's line); its
