@@ -14,8 +14,10 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
+from django.core.management import call_command
+from django.test import override_settings
 
-from django_keel_lock import Lock, lock
+from django_keel_lock import Lock, get_lock_store, lock
 from django_keel_lock.models import Lock as LockRow
 from django_keel_lock.models import Waiter
 from django_keel_lock.stores import DatabaseLockStore
@@ -27,7 +29,7 @@ from django_keel_lock.stores.database.dialects.postgresql import (
     read_grant,
 )
 
-from .conftest import needs_store
+from .conftest import empty_database, needs_store
 from .test_database_faults import wait_until
 from .test_database_line import database_store_of, listening_at, postgres_connection
 from .test_database_listener_park import holds_advisory
@@ -258,3 +260,35 @@ def test_a_listener_takes_capped_grants_only_where_its_store_may(
 def _listening(store: DatabaseLockStore, key: str) -> bool:
     listener = store._listener
     return listener is not None and key in listener.subscribed and not listener.parked
+
+
+def test_a_database_migrated_to_0010_only_hands_over_as_before(key: str) -> None:
+    """Code newer than the database (0011 not applied yet, as in a deploy that migrates
+    after it starts the new code): extends, hand-offs and releases work, uncapped."""
+    with (
+        empty_database("postgres", "before-capped"),
+        override_settings(
+            KEEL_LOCK_STORES={
+                "before-capped": {
+                    "BACKEND": "django_keel_lock.stores.DatabaseLockStore",
+                    "OPTIONS": {"DATABASE": "before-capped"},
+                }
+            }
+        ),
+    ):
+        call_command("migrate", "django_keel_lock", "0010", database="before-capped", verbosity=0)
+        store = get_lock_store("before-capped")
+        try:
+            holder = lock(key, ttl=30, store="before-capped")
+            assert holder.acquire()
+            holder.extend(30)  # raises if the store refuses it
+            waiter = lock(key, ttl=30, store="before-capped", auto_extend=True)
+            with ThreadPoolExecutor(1) as pool:
+                took = pool.submit(waiter.acquire, timeout=10)
+                time.sleep(0.3)  # it waits in the line
+                assert holder.release()
+                assert took.result(10)
+            waiter.extend(30)
+            assert waiter.release()
+        finally:
+            store.close()
