@@ -50,7 +50,7 @@ RELEASE = _changed(
         """
         BEGIN
         v_draw := nextval('django_keel_lock_fence');
-        v_flushed := pg_current_wal_flush_lsn() >= pg_current_wal_insert_lsn();
+        v_flushed := p_durable AND pg_current_wal_flush_lsn() >= pg_current_wal_insert_lsn();
         released := false;
         """,
     ),
@@ -62,20 +62,27 @@ RELEASE = _changed(
         RETURNING l.waiting INTO v_waiting;
         """,
         """
-        UPDATE django_keel_lock_lock AS l SET owner = '', expires_at = clock_timestamp()
-        FROM (SELECT o.expires_at FROM django_keel_lock_lock AS o WHERE o.key = p_key) AS o
-        WHERE l.key = p_key AND l.owner = p_owner AND l.expires_at > clock_timestamp()
-          AND (p_fence IS NULL OR l.fence = p_fence)
-        RETURNING l.waiting, l.fence, l.unconfirmed,
-                  EXTRACT(EPOCH FROM (o.expires_at - clock_timestamp()))::float8
-        INTO v_waiting, v_held, v_unconfirmed, v_left;
+        IF p_durable THEN
+            UPDATE django_keel_lock_lock AS l SET owner = '', expires_at = clock_timestamp()
+            FROM (SELECT o.expires_at FROM django_keel_lock_lock AS o WHERE o.key = p_key) AS o
+            WHERE l.key = p_key AND l.owner = p_owner AND l.expires_at > clock_timestamp()
+              AND (p_fence IS NULL OR l.fence = p_fence)
+            RETURNING l.waiting, l.fence, l.unconfirmed,
+                      EXTRACT(EPOCH FROM (o.expires_at - clock_timestamp()))::float8
+            INTO v_waiting, v_held, v_unconfirmed, v_left;
+        ELSE
+            UPDATE django_keel_lock_lock AS l SET owner = '', expires_at = clock_timestamp()
+            WHERE l.key = p_key AND l.owner = p_owner AND l.expires_at > clock_timestamp()
+              AND (p_fence IS NULL OR l.fence = p_fence)
+            RETURNING l.waiting INTO v_waiting;
+        END IF;
         """,
     ),
     (
         "AND NOT pg_try_advisory_xact_lock_shared(1801807212, v_first.listener::integer);",
         """
         AND NOT pg_try_advisory_xact_lock_shared(1801807212, v_first.listener::integer);
-        v_capped := carried AND p_durable AND v_unconfirmed IS DISTINCT FROM v_held
+        v_capped := v_flushed AND carried AND v_unconfirmed IS DISTINCT FROM v_held
             AND v_left >= v_first.ttl / 2
             AND NOT pg_try_advisory_xact_lock_shared(1801807213, v_first.listener::integer);
         """,
@@ -84,7 +91,6 @@ RELEASE = _changed(
         "fence := nextval('django_keel_lock_fence'); handed_to := v_first.owner;",
         """
         fence := v_draw;
-        v_capped := v_capped AND v_flushed;
         handed_to := v_first.owner;
         IF v_capped THEN
             good_for := LEAST(v_left, v_first.ttl);
