@@ -114,7 +114,7 @@ class Holding:
 
         Not with `auto_extend`: a renewal would race the operation's release. (A capped
         grant's confirmation still pending, `Lock._cap`, is stopped first, as `release`
-        stops it: the lock is then sure for what the grant was good for.)"""
+        stops it, and sent again when the operation left the lock held.)"""
         if not self._held or self.owner is None:
             return None
         if self.auto_extend or self.mode is not EXCLUSIVE:
@@ -122,14 +122,21 @@ class Holding:
                 f"release_with releases an exclusive lock without auto_extend; {self.key!r} "
                 "is not one: call release() instead"
             )
-        if self._renewal is not None:
+        pending = self._renewal
+        if pending is not None:
             self._stop_renewal()
         try:
             released = operation(self.key, self.owner)
         except LockStoreUnavailable:
             self._store_error("release")
             raise
-        return None if released is None else self._released(released)
+        if released is not None:
+            return self._released(released)
+        again = None if pending is None else pending.again()
+        if again is not None:  # still held, still to confirm
+            self._renewal = again
+            again.confirm()
+        return None
 
     def _released(self, released: bool) -> bool:
         self._held = False

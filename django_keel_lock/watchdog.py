@@ -109,6 +109,7 @@ class Renewal:
         self.once = once
         # While the store fails: try again soon, but not in a tight loop.
         self.retry = max(0.05, min(handle.ttl / 10, 1.0))
+        self.started = started
         self.cap = None if self.max_hold is None else started + self.max_hold
         self.stopped = False
         #: An extend was sent and its answer has not been taken in (in flight, or failed: its
@@ -149,6 +150,14 @@ class Renewal:
             self.settle(error, seconds, sent)
             return
         future.add_done_callback(lambda done: self._confirmed(done, seconds, sent))
+
+    def again(self) -> Renewal | None:
+        """A new confirmation like this stopped one (`confirm` it), for the same acquisition;
+        None when the handle is gone."""
+        handle = self._handle()
+        if handle is None:
+            return None
+        return Renewal(handle, self.owner, self.started, confirm=True, once=self.once)
 
     def _confirmed(self, future: Future[bool], seconds: float, sent: float) -> None:
         outcome: bool | BaseException | None = None

@@ -173,12 +173,14 @@ def handed_capped(key: str, **options: Any) -> Iterator[tuple[Lock, str, float]]
             released = time.monotonic()
             assert store.release(name, holder)
             assert took.result(10)
-            if _unconfirmed(name) == handle.fence:  # capped
+            if handle.confirmed_until() < released + 20:  # capped: what was left of 20 s
                 break
-            handle.release()  # the fence's draw logged the sequence: flushed, try another key
+            # Flushed (the WAL was not on disk yet at the fence's draw), or taken up with a
+            # call (a refusal read the fence drawn for the grant): another key.
+            handle.release()
         else:
             raise AssertionError("no release handed the lock over capped")
-        assert handle.confirmed_until() < released + 20  # believed: what was left of 20 s
+        assert _unconfirmed(name) == handle.fence
         yield handle, name, released
     finally:
         busy.set()
@@ -232,6 +234,16 @@ def _heard_in_line(store: DatabaseLockStore, key: str) -> bool:
     )
 
 
+def test_a_release_with_that_keeps_the_lock_still_confirms_it(key: str) -> None:
+    # An operation that leaves the lock held (an idempotent request with no result yet):
+    # the confirmation stopped for it is sent again.
+    with handed_capped(key) as (handle, name, released):
+        assert handle.release_with(lambda key, owner: None) is None
+    assert wait_until(lambda: _unconfirmed(name) is None, 10), "never confirmed"
+    assert wait_until(lambda: handle.confirmed_until() > released + 29, 10)
+    assert handle.release() and not handle.lost
+
+
 @pytest.mark.parametrize(
     ("options", "capped"),
     [({}, True), ({"CAPPED_GRANTS": False}, False), ({"DURABLE": False}, False)],
@@ -283,9 +295,13 @@ def test_a_database_migrated_to_0010_only_hands_over_as_before(key: str) -> None
             assert holder.acquire()
             holder.extend(30)  # raises if the store refuses it
             waiter = lock(key, ttl=30, store="before-capped", auto_extend=True)
-            with ThreadPoolExecutor(1) as pool:
+            with ThreadPoolExecutor(1) as pool, postgres_connection() as raw:
                 took = pool.submit(waiter.acquire, timeout=10)
-                time.sleep(0.3)  # it waits in the line
+                assert wait_until(lambda: _listening(store, key), 10), "nobody listens"
+                # Its releases read no `good_for`: its listener takes no capped grant.
+                pid = store._listener.backend_pid  # type: ignore[attr-defined]
+                assert holds_advisory(raw, LISTENER_LOCK, pid)
+                assert not holds_advisory(raw, CAPPED_LOCK, pid)
                 assert holder.release()
                 assert took.result(10)
             waiter.extend(30)

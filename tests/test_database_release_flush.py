@@ -29,6 +29,7 @@ from django_keel_lock.stores.database.dialects.postgresql import (
 )
 from tests.conftest import skip_or_fail
 from tests.support.pg_server import PgServer, pg_bin, pg_server
+from tests.test_database_faults import wait_until
 
 TTL = 3.0
 
@@ -231,3 +232,55 @@ def test_a_capped_grant_lost_to_a_crash_is_not_confirmed_and_nobody_takes_the_lo
         later = store.acquire(key, c, "c", 30)
     assert later.fence is not None and later.fence > fence
     assert store.release(key, c)
+
+
+def _capped_hand_over(store: DatabaseLockStore, raw: Any, alias: str, address: str) -> bool:
+    """A hand-over through `store` to a waiter whose place names `raw`, a listener at
+    `address`: whether the grant came capped."""
+    key, a, b = f"flush:{uuid.uuid4().hex}", _owner(), _owner()
+    (pid,) = raw.execute("SELECT pg_backend_pid()").fetchone()
+    assert store.acquire(key, a, "a", 30).acquired
+    assert not store.acquire_queued(key, b, "b", 30).acquired
+    places = Waiter.objects.using(alias).filter(key=key, owner=b)
+    assert places.update(address=address, listener=pid)
+    assert store.release(key, a)
+    (note,) = raw.notifies(timeout=2, stop_after=1)
+    _, owner, _, good_for = read_grant(note.payload)
+    assert owner == b and store.release(key, b)
+    return good_for is not None
+
+
+def test_no_grant_is_capped_under_synchronous_replication(server: PgServer) -> None:
+    """With a synchronous standby named, a failover may promote a server whose WAL is behind
+    this one's disk: the release then hands over as before 0011, waiting for the flush. (The
+    store's sessions commit with `synchronous_commit = local` here: there is no standby.)
+    Without one, the same hand-overs come capped (most of them: not where the WAL was not
+    on disk yet, or the fence's draw wrote some)."""
+    import psycopg
+
+    admin = psycopg.connect(
+        host="127.0.0.1", port=server.port, user=server.user, dbname="postgres", autocommit=True
+    )
+    options = {"options": "-c synchronous_commit=local"}
+    connections.settings["replicated"] = {**connections.settings["crashing"], "OPTIONS": options}
+    replicated = DatabaseLockStore("replicated", {"DATABASE": "replicated"})
+    raw = _listening(server, "beef")
+    shown = "SELECT current_setting('synchronous_standby_names')"
+    try:
+        admin.execute("ALTER SYSTEM SET synchronous_standby_names = 'standby'")
+        admin.execute("SELECT pg_reload_conf()")
+        assert wait_until(lambda: raw.execute(shown).fetchone()[0] == "standby", 10)
+        assert not any(_capped_hand_over(replicated, raw, "replicated", "beef") for _ in range(5))
+        admin.execute("ALTER SYSTEM RESET synchronous_standby_names")
+        admin.execute("SELECT pg_reload_conf()")
+        assert wait_until(lambda: raw.execute(shown).fetchone()[0] == "", 10)
+        assert any(_capped_hand_over(replicated, raw, "replicated", "beef") for _ in range(10))
+    finally:
+        admin.execute("ALTER SYSTEM RESET synchronous_standby_names")
+        admin.execute("SELECT pg_reload_conf()")
+        admin.close()
+        raw.close()
+        replicated.close()
+        connections["replicated"].close()
+        del connections["replicated"]
+        del connections.settings["replicated"]

@@ -33,7 +33,9 @@ def _changed(sql: str, *changes: tuple[str, str]) -> str:
 # before the release writes anything, and counts only if every WAL record inserted by then
 # is flushed (the sequence logs 32 draws ahead, in whichever transaction draws: a log
 # record lost to a crash would give the fence again). Else the release waits for the flush
-# as before. `unconfirmed` keeps the fence of each grant made without the flush. Drawn
+# as before, and always under synchronous replication (a standby, which a failover may
+# promote, has the WAL later than this server's disk). `unconfirmed` keeps the fence of
+# each grant made without the flush. Drawn
 # before the row is locked, the fence may be no greater than the `last_fence` a refusal
 # read meanwhile: its waiter then takes the grant up with a call, as a stale one.
 RELEASE = _changed(
@@ -50,7 +52,8 @@ RELEASE = _changed(
         """
         BEGIN
         v_draw := nextval('django_keel_lock_fence');
-        v_flushed := p_durable AND pg_current_wal_flush_lsn() >= pg_current_wal_insert_lsn();
+        v_flushed := p_durable AND current_setting('synchronous_standby_names') = ''
+            AND pg_current_wal_flush_lsn() >= pg_current_wal_insert_lsn();
         released := false;
         """,
     ),

@@ -23,6 +23,7 @@ from .dialects.postgresql import (
     LISTENER_UNCLAIM_SQL,
     UNCAPPED_LISTENER_SQL,
     UNCAPPED_UNCLAIM_SQL,
+    PostgresDialect,
     address_channel,
     grant_channel,
     notify_channel,
@@ -94,6 +95,8 @@ class PostgresListener(ReleaseListener):
     backend_pid: int | None = None
     #: True while it listens to nothing (no key subscribed; see the class).
     parked = True
+    #: Whether it holds CAPPED_LOCK beside its own while it listens (capped grants).
+    _capped = False
     _raw: Any = None
     _deadline: Deadline | None = None
 
@@ -148,6 +151,10 @@ class PostgresListener(ReleaseListener):
         self._grant_channel = grant_channel(self.address)
         self.backend_pid = int(self._execute("SELECT pg_backend_pid()").fetchone()[0])
         self.parked = True
+        vendor = self.store.vendor  # before any key: whether this process takes capped grants
+        if getattr(vendor, "capped_table", False) is None:
+            found = self._execute(PostgresDialect.capped_table_sql).fetchone()[0]
+            vendor.found_capped(bool(found))  # type: ignore[attr-defined]
         return True
 
     def socket(self) -> int:
@@ -156,7 +163,10 @@ class PostgresListener(ReleaseListener):
     def subscribe(self, keys: list[str]) -> None:
         if keys and self.parked:
             # Listening first, then the lock (the order a release relies on), one round trip.
-            claim = LISTENER_SQL if self.store.capped_grants else UNCAPPED_LISTENER_SQL
+            # Capped grants only where this process's releases read them (`good_for`): else
+            # one of its releases would put a capped grant on its board as a whole one.
+            self._capped = self.store.capped_grants and self.store.capped_table is True
+            claim = LISTENER_SQL if self._capped else UNCAPPED_LISTENER_SQL
             self._execute(f"LISTEN {self._address_channel}; LISTEN {self._grant_channel}; {claim}")
             self.parked = False
         for key in keys:
@@ -173,7 +183,7 @@ class PostgresListener(ReleaseListener):
         if not self._keys_by_channel and not self.parked:
             # The lock let go first: no release carries a grant to a channel about to go.
             self.parked = True
-            unclaim = LISTENER_UNCLAIM_SQL if self.store.capped_grants else UNCAPPED_UNCLAIM_SQL
+            unclaim = LISTENER_UNCLAIM_SQL if self._capped else UNCAPPED_UNCLAIM_SQL
             self._execute(f"{unclaim}; UNLISTEN *")
 
     def ping(self) -> None:

@@ -160,6 +160,12 @@ class DatabaseLockStore(ListeningStore, LockStore):
         return isinstance(vendor, ServerVendor) and vendor.line_table is not False
 
     @property
+    def capped_table(self) -> bool | None:
+        """Whether the database has migration 0011 (capped grants), as a connection of the
+        store found: its releases then read a grant's `good_for` (None: not known yet)."""
+        return getattr(self.vendor, "capped_table", None)
+
+    @property
     def hands_off(self) -> bool:  # type: ignore[override]
         # A release hands the lock over to the first in line (PostgreSQL: see
         # `PostgresDialect.release_line_sql`); its next `acquire_queued` takes the grant up.

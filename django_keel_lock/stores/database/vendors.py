@@ -384,20 +384,30 @@ class Postgres(ServerVendor):
         self.isolation_checked = False  # `_check_isolation`
         # The key each thread's release freed last with nobody waiting (`retake`).
         self._freed = threading.local()
+        # Whether the lock table has `unconfirmed` (migration 0011: capped grants), as a
+        # connection of the store found (None: none has told yet). Asked on every new
+        # connection until one answers: each connection's first statement comes after.
+        self.capped_table: bool | None = None
 
     def new_dialect(self) -> PostgresDialect:
         return PostgresDialect(durable=self.store.durable)
 
     def set_up(self, connection: Any, durable: bool) -> None:
-        checked = self.line_table is not None
         super().set_up(connection, durable)
-        if checked:
+        if self.capped_table is None:
+            with connection.cursor() as cursor:
+                cursor.execute(self.dialect.capped_table_sql)
+                self.found_capped(bool(cursor.fetchone()[0]))
+
+    def found_capped(self, capped: bool) -> None:
+        """A connection (the store's, or its listener's: `PostgresListener.prepare`) found
+        whether the database has migration 0011; the first answer counts."""
+        if self.capped_table is not None:
             return
-        with connection.cursor() as cursor:  # once, as the line's table (migration 0011)
-            cursor.execute(self.dialect.capped_table_sql)
-            if not cursor.fetchone()[0]:
-                for dialect in {self._shared, self._own}:
-                    dialect.before_capped_grants()
+        if not capped:  # before the flag: no connection runs the capped statements then
+            for dialect in {self._shared, self._own}:
+                dialect.before_capped_grants()
+        self.capped_table = capped
 
     @property
     def pooled(self) -> bool | None:

@@ -203,7 +203,7 @@ class PostgresDialect(ServerDialect):
                 acquired_at = CASE WHEN {_GRANTED} THEN l.acquired_at
                                    ELSE clock_timestamp() END,
                 expires_at = clock_timestamp() + make_interval(secs => %(ttl)s),
-                waiting = TRUE
+                waiting = TRUE{{confirm}}
             WHERE l.key = %(key)s AND ({_GRANTED}
                 OR (l.expires_at <= clock_timestamp()
                     AND (SELECT w.owner FROM {WAITER_TABLE} w WHERE w.key = l.key
@@ -391,7 +391,6 @@ class PostgresDialect(ServerDialect):
         # the database forgot, which another could then take. The function decides.
         self._hot, self._released = hot, released
         self._release_function(capped=True)
-        self.take_first_sql = self._take_first_template.format(flush=hot)
         self.acquire_permit_sql = self._acquire_permit_template.format(flush=hot)
         self.acquire_many_sql = self._acquire_many_template.format(flush=hot)
         self._release_many_sql = self._release_many_template.format(flush=released, keys="{keys}")
@@ -418,8 +417,10 @@ class PostgresDialect(ServerDialect):
         self.pass_on_sql = self._hand_off.format(
             fence="%s::bigint", durable=flag, good_for=good_for
         )
+        # A durable take (a grant taken up with a call) or extend confirms a capped grant.
         confirm = ", unconfirmed = NULL" if capped and self.durable else ""
         self.extend_sql = self._extend_template.format(flush=self._hot, confirm=confirm)
+        self.take_first_sql = self._take_first_template.format(flush=self._hot, confirm=confirm)
 
     def before_capped_grants(self) -> None:
         """The statements for a database not migrated to 0011 yet (`capped_table_sql`): a
