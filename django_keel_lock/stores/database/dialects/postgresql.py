@@ -348,11 +348,11 @@ class PostgresDialect(ServerDialect):
         f"SELECT EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass('{WAITER_TABLE}') "
         "AND attname = 'listener' AND NOT attisdropped)"
     )
-    #: Whether the lock table has `unconfirmed`, as migration 0011 leaves it with the
-    #: release function that hands capped grants.
+    #: Whether the release function returns `good_for`, as migration 0011 leaves it (with
+    #: the lock table's `unconfirmed`): it then hands capped grants.
     capped_table_sql = (
-        f"SELECT EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass('{TABLE}') "
-        "AND attname = 'unconfirmed' AND NOT attisdropped)"
+        "SELECT EXISTS (SELECT FROM pg_proc WHERE proname = 'django_keel_lock_release' "
+        "AND 'good_for' = ANY(proargnames))"
     )
     # The sequence's last value, whoever drew it (CACHE 1: every value drawn is counted;
     # 0 before the first). The function needs what nextval needs (USAGE), not SELECT.
