@@ -384,9 +384,9 @@ class Postgres(ServerVendor):
         self.isolation_checked = False  # `_check_isolation`
         # The key each thread's release freed last with nobody waiting (`retake`).
         self._freed = threading.local()
-        # Whether the lock table has `unconfirmed` (migration 0011: capped grants), as a
-        # connection of the store found (None: none has told yet). Asked on every new
-        # connection until one answers: each connection's first statement comes after.
+        # Whether the database has migration 0011 (capped grants: `capped_table_sql`), as a
+        # connection of the store or its listener found (None: none has told yet). Asked on
+        # every new connection until one answers: each connection's first statement after.
         self.capped_table: bool | None = None
 
     def new_dialect(self) -> PostgresDialect:
