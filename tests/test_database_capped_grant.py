@@ -1,7 +1,12 @@
 """PostgreSQL's capped grants (migration 0011): a durable release hands the lock over to a
 waiter whose process listens for it without waiting for the WAL flush; the waiter believes
 it for what was left of the releaser's lease (`good_for`), and confirms it at once with a
-durable extend. What a crash then costs is tests/test_database_release_flush.py's."""
+durable extend. What a crash then costs is tests/test_database_release_flush.py's.
+
+A release caps a grant only while every WAL record of the server is on disk, which another
+suite's writes on the shared server keep from being true for long: the grants are handed
+over on a server of this module's own (tests/support/pg_server.py), where only the tests
+write."""
 
 from __future__ import annotations
 
@@ -14,7 +19,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
+from django.conf import settings
 from django.core.management import call_command
+from django.db import connections
 from django.test import override_settings
 
 from django_keel_lock import Lock, get_lock_store, lock
@@ -24,27 +31,59 @@ from django_keel_lock.stores import DatabaseLockStore
 from django_keel_lock.stores.database.dialects.postgresql import (
     CAPPED_LOCK,
     LISTENER_LOCK,
+    LISTENER_SQL,
     address_channel,
     grant_channel,
     read_grant,
 )
 
-from .conftest import empty_database, needs_store
+from .conftest import empty_database, needs_store, skip_or_fail
+from .support.pg_server import PgServer, pg_bin, pg_server
 from .test_database_faults import wait_until
-from .test_database_line import database_store_of, listening_at, postgres_connection
+from .test_database_line import database_store_of, postgres_connection
 from .test_database_listener_park import holds_advisory
 
 pytestmark = needs_store("postgres")
 
 ADDRESS = "c0ffee"
+#: The store (and DATABASES alias) on the module's own server.
+OWN = "capped-own"
+
+
+@pytest.fixture(scope="module")
+def own(_databases: None) -> Iterator[PgServer]:
+    if pg_bin() is None:
+        skip_or_fail("PostgreSQL's server binaries are not installed (apt-get install postgresql)")
+    stores = {
+        **settings.KEEL_LOCK_STORES,
+        OWN: {"BACKEND": "django_keel_lock.stores.DatabaseLockStore", "OPTIONS": {"DATABASE": OWN}},
+    }
+    with pg_server() as running, override_settings(KEEL_LOCK_STORES=stores):
+        connections.settings[OWN] = {**connections.settings["postgres"], **running.settings}
+        try:
+            call_command("migrate", "django_keel_lock", database=OWN, verbosity=0)
+            yield running
+        finally:
+            get_lock_store(OWN).close()
+            connections[OWN].close()
+            del connections[OWN]
+            del connections.settings[OWN]
+
+
+def own_connection(server: PgServer) -> Any:
+    import psycopg
+
+    return psycopg.connect(
+        host="127.0.0.1", port=server.port, user=server.user, dbname="postgres", autocommit=True
+    )
 
 
 def _owner() -> str:
     return uuid.uuid4().hex
 
 
-def _unconfirmed(key: str) -> int | None:
-    return LockRow.objects.using("postgres").get(key=key).unconfirmed
+def _unconfirmed(key: str, alias: str = OWN) -> int | None:
+    return LockRow.objects.using(alias).get(key=key).unconfirmed
 
 
 def hand_over(
@@ -57,7 +96,8 @@ def hand_over(
     (pid,) = raw.execute("SELECT pg_backend_pid()").fetchone()
     assert store.acquire(key, holder, "h", ttl).acquired
     assert not store.acquire_queued(key, waiter, "w", waiter_ttl).acquired
-    place = Waiter.objects.using("postgres").filter(key=key, owner=waiter)
+    database = store.database
+    place = Waiter.objects.using(database).filter(key=key, owner=waiter)
     assert place.update(address=ADDRESS, listener=pid)
     assert store.release(key, holder)
     notes = list(raw.notifies(timeout=1, stop_after=1))
@@ -82,13 +122,18 @@ def capped_hand_over(
 
 
 @pytest.fixture
-def raw() -> Iterator[Any]:
-    with listening_at(ADDRESS) as listening:
+def raw(own: PgServer) -> Iterator[Any]:
+    """A connection to the module's server that listens as a waiting process's listener does,
+    at ADDRESS, taking capped grants (`LISTENER_SQL`)."""
+    with own_connection(own) as listening:
+        listening.execute(f"LISTEN {address_channel(ADDRESS)}")
+        listening.execute(f"LISTEN {grant_channel(ADDRESS)}")
+        listening.execute(LISTENER_SQL)
         yield listening
 
 
 def test_a_durable_release_hands_over_capped_to_a_listening_waiter(raw: Any, key: str) -> None:
-    store = database_store_of("postgres")
+    store = get_lock_store(OWN)
     taken, waiter, fence, good_for = capped_hand_over(store, raw, key, ttl=30, waiter_ttl=20)
     info = store.get(taken)
     assert info is not None and (info.owner, info.fence) == (waiter, fence)
@@ -101,14 +146,14 @@ def test_a_durable_release_hands_over_capped_to_a_listening_waiter(raw: Any, key
 
 
 def test_good_for_is_what_was_left_of_the_releasers_lease(raw: Any, key: str) -> None:
-    store = database_store_of("postgres")
+    store = get_lock_store(OWN)
     taken, waiter, _, good_for = capped_hand_over(store, raw, key, ttl=4, waiter_ttl=6)
     assert 3 < good_for <= 4
     assert store.release(taken, waiter)
 
 
 def test_a_release_hands_over_flushed_where_capping_is_not_safe(raw: Any, key: str) -> None:
-    store = database_store_of("postgres")
+    store = get_lock_store(OWN)
     # Less than half the waiter's ttl left on the releaser's lease: flushed, whole ttl.
     waiter, _, good_for = hand_over(store, raw, f"{key}:short", ttl=4, waiter_ttl=30)
     assert good_for is None and _unconfirmed(f"{key}:short") is None
@@ -120,7 +165,7 @@ def test_a_release_hands_over_flushed_where_capping_is_not_safe(raw: Any, key: s
     second = _owner()
     assert not store.acquire_queued(chain, second, "w", 30).acquired
     assert (
-        Waiter.objects.using("postgres")
+        Waiter.objects.using(OWN)
         .filter(key=chain, owner=second)
         .update(address=ADDRESS, listener=pid)
     )
@@ -143,16 +188,19 @@ def test_a_listener_that_does_not_take_capped_grants_gets_the_whole_ttl(key: str
         raw.execute(f"SELECT pg_advisory_lock({LISTENER_LOCK}, pg_backend_pid())")
         waiter, _, good_for = hand_over(store, raw, key)
         assert good_for is None
-        assert _unconfirmed(key) is None
+        assert _unconfirmed(key, "postgres") is None
         assert store.release(key, waiter)
 
 
 def test_a_release_that_is_not_durable_marks_its_grant_unconfirmed(raw: Any, key: str) -> None:
-    fast = database_store_of("postgres-fast")
-    waiter, fence, good_for = hand_over(fast, raw, key)
-    assert good_for is None  # not capped: nothing is believed beyond what the store keeps
-    assert _unconfirmed(key) == fence  # not on disk: its own release may not cap
-    assert fast.release(key, waiter)
+    fast = DatabaseLockStore(f"{OWN}-fast", {"DATABASE": OWN, "DURABLE": False})
+    try:
+        waiter, fence, good_for = hand_over(fast, raw, key)
+        assert good_for is None  # not capped: nothing is believed beyond what the store keeps
+        assert _unconfirmed(key) == fence  # not on disk: its own release may not cap
+        assert fast.release(key, waiter)
+    finally:
+        fast.close()
 
 
 @contextmanager
@@ -161,12 +209,12 @@ def handed_capped(key: str, **options: Any) -> Iterator[tuple[Lock, str, float]]
     with the store's worker threads kept busy, so its confirming extend waits, until the
     block ends: (the handle, its key, when the lock was released to it). The grant goes to
     the waiter straight from the release's reply, with what it is good for."""
-    store, pool, busy = database_store_of("postgres"), ThreadPoolExecutor(1), threading.Event()
+    store, pool, busy = get_lock_store(OWN), ThreadPoolExecutor(1), threading.Event()
     blocking = [store.submit(busy.wait, 30) for _ in range(store.worker_threads)]
     try:
         for attempt in range(3):
             name, holder = f"{key}:{attempt}", _owner()
-            handle = lock(name, store="postgres", ttl=30, **options)
+            handle = lock(name, store=OWN, ttl=30, **options)
             assert store.acquire(name, holder, "h", 20).acquired  # half the ttl at least
             took = pool.submit(handle.acquire, timeout=10)
             assert wait_until(lambda name=name: _heard_in_line(store, name), 10), "not in line"
@@ -189,27 +237,31 @@ def handed_capped(key: str, **options: Any) -> Iterator[tuple[Lock, str, float]]
 
 
 @pytest.mark.parametrize("auto_extend", [False, True])
-def test_a_waiting_handle_handed_a_capped_grant_confirms_it(key: str, auto_extend: bool) -> None:
+def test_a_waiting_handle_handed_a_capped_grant_confirms_it(
+    own: PgServer, key: str, auto_extend: bool
+) -> None:
     with handed_capped(key, auto_extend=auto_extend) as (handle, name, released):
         pass
     assert wait_until(lambda: _unconfirmed(name) is None, 10), "never confirmed"
     assert wait_until(lambda: handle.confirmed_until() > released + 29, 10)  # the whole ttl
-    assert handle.fence == LockRow.objects.using("postgres").get(key=name).fence
+    assert handle.fence == LockRow.objects.using(OWN).get(key=name).fence
     assert handle.release() and not handle.lost
 
 
-def test_a_capped_grant_the_store_no_longer_has_is_reported_lost(key: str) -> None:
+def test_a_capped_grant_the_store_no_longer_has_is_reported_lost(own: PgServer, key: str) -> None:
     # As after a crash that lost the grant: the row is the releaser's again when the
     # confirming extend comes.
     lost: list[Lock] = []
     with handed_capped(key, on_lost=lost.append) as (handle, name, _):
-        LockRow.objects.using("postgres").filter(key=name).update(owner=_owner())
+        LockRow.objects.using(OWN).filter(key=name).update(owner=_owner())
     assert wait_until(lambda: handle.lost, 10), "the loss was not noticed"
     assert lost == [handle]
     assert not handle.release()
 
 
-def test_a_capped_grant_released_before_its_confirmation_is_not_lost(key: str) -> None:
+def test_a_capped_grant_released_before_its_confirmation_is_not_lost(
+    own: PgServer, key: str
+) -> None:
     with handed_capped(key) as (handle, name, _):
         assert handle.release()  # the confirming extend, still waiting, then finds it gone
     time.sleep(0.3)
@@ -218,14 +270,14 @@ def test_a_capped_grant_released_before_its_confirmation_is_not_lost(key: str) -
 
 
 def store_row_free(key: str) -> bool:
-    return database_store_of("postgres").get(key) is None
+    return get_lock_store(OWN).get(key) is None
 
 
 def _heard_in_line(store: DatabaseLockStore, key: str) -> bool:
     """Whether `key`'s line has a place whose listener's connection holds its locks: this
     process's listener LISTENs for `key` (a release then carries the grant)."""
     listener = store._listener
-    places = Waiter.objects.using("postgres").filter(key=key, listener__isnull=False)
+    places = Waiter.objects.using(OWN).filter(key=key, listener__isnull=False)
     return (
         listener is not None
         and key in getattr(listener, "subscribed", ())
@@ -234,7 +286,7 @@ def _heard_in_line(store: DatabaseLockStore, key: str) -> bool:
     )
 
 
-def test_a_release_with_that_keeps_the_lock_still_confirms_it(key: str) -> None:
+def test_a_release_with_that_keeps_the_lock_still_confirms_it(own: PgServer, key: str) -> None:
     # An operation that leaves the lock held (an idempotent request with no result yet):
     # the confirmation stopped for it is sent again.
     with handed_capped(key) as (handle, name, released):
