@@ -31,7 +31,6 @@ from django_keel_lock.stores import DatabaseLockStore
 from django_keel_lock.stores.database.dialects.postgresql import (
     CAPPED_LOCK,
     LISTENER_LOCK,
-    LISTENER_SQL,
     address_channel,
     grant_channel,
     read_grant,
@@ -40,7 +39,7 @@ from django_keel_lock.stores.database.dialects.postgresql import (
 from .conftest import empty_database, needs_store, skip_or_fail
 from .support.pg_server import PgServer, pg_bin, pg_server
 from .test_database_faults import wait_until
-from .test_database_line import database_store_of, postgres_connection
+from .test_database_line import database_store_of, listening_at, postgres_connection
 from .test_database_listener_park import holds_advisory
 
 pytestmark = needs_store("postgres")
@@ -125,10 +124,7 @@ def capped_hand_over(
 def raw(own: PgServer) -> Iterator[Any]:
     """A connection to the module's server that listens as a waiting process's listener does,
     at ADDRESS, taking capped grants (`LISTENER_SQL`)."""
-    with own_connection(own) as listening:
-        listening.execute(f"LISTEN {address_channel(ADDRESS)}")
-        listening.execute(f"LISTEN {grant_channel(ADDRESS)}")
-        listening.execute(LISTENER_SQL)
+    with listening_at(ADDRESS, lambda: own_connection(own)) as listening:
         yield listening
 
 

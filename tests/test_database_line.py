@@ -271,11 +271,11 @@ def postgres_connection() -> Any:
 
 
 @contextmanager
-def listening_at(address: str) -> Iterator[Any]:
-    """A PostgreSQL connection of the test's own that LISTENs on the channels of the wake
-    address `address` (read its `notifies()`), holding the lock a listener holds while it
-    listens (`LISTENER_SQL`)."""
-    with postgres_connection() as raw:
+def listening_at(address: str, connect: Callable[[], Any] | None = None) -> Iterator[Any]:
+    """A PostgreSQL connection of the test's own (`connect()`'s; default: to the test
+    database) that LISTENs on the channels of the wake address `address` (read its
+    `notifies()`), holding the locks a listener holds while it listens (`LISTENER_SQL`)."""
+    with (connect or postgres_connection)() as raw:
         raw.execute(f"LISTEN {address_channel(address)}")
         raw.execute(f"LISTEN {grant_channel(address)}")
         raw.execute(LISTENER_SQL)
